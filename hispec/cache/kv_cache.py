@@ -1,0 +1,94 @@
+"""Paged key/value tensors and the per-call attention metadata that reads them.
+
+The pool of each layer is one tensor ``[num_blocks * block_size, num_kv_heads, head_dim]``;
+a token's *slot* is ``block_id * block_size + offset``. Writing is an ``index_copy_`` at the
+new tokens' slots; reading gathers a sequence's slots ``0..context_len-1`` through its
+block table. Rollback never touches these tensors (see ``BlockManager.truncate``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .block_manager import BlockManager
+
+
+class KVPool:
+    """K and V tensors for every layer, addressed by slot."""
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device | str) -> None:
+        self.block_size = block_size
+        shape = (num_blocks * block_size, num_kv_heads, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    @property
+    def bytes_per_block(self) -> int:
+        per_layer = self.k[0][0].numel() * self.k[0].element_size() * self.block_size
+        return 2 * len(self.k) * per_layer
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        # slots: [T]; k, v: [T, num_kv_heads, head_dim]
+        self.k[layer].index_copy_(0, slots, k)
+        self.v[layer].index_copy_(0, slots, v)
+
+    def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # slots: [C] -> k, v: [C, num_kv_heads, head_dim]
+        return self.k[layer].index_select(0, slots), self.v[layer].index_select(0, slots)
+
+
+def slots_for(table: list[int], start: int, end: int, block_size: int, device) -> torch.Tensor:
+    """Slots of positions ``start..end-1`` of a sequence with block table ``table``. -> [end - start]"""
+    pos = torch.arange(start, end, device="cpu")
+    blocks = torch.tensor(table, dtype=torch.long)[pos // block_size]
+    return (blocks * block_size + pos % block_size).to(device)
+
+
+@dataclass
+class SeqChunk:
+    """One sequence's part of a ragged forward call: ``num_tokens`` new tokens at positions
+    ``start .. start + num_tokens - 1``, attending to everything before them in the cache."""
+
+    seq_id: int
+    start: int
+    num_tokens: int
+
+
+class AttentionBatch:
+    """Metadata for one forward call over a layer range, for a ragged batch of sequences.
+
+    Built once per call and shared by every layer in the range; the new tokens of all
+    sequences are concatenated into flat tensors (no padding).
+    """
+
+    def __init__(self, chunks: list[SeqChunk], blocks: BlockManager, device) -> None:
+        self.chunks = chunks
+        bs = blocks.block_size
+        self.positions = torch.cat([torch.arange(c.start, c.start + c.num_tokens) for c in chunks]).to(device)  # [T]
+        self.offsets = [0]
+        for c in chunks:
+            self.offsets.append(self.offsets[-1] + c.num_tokens)
+        tables = [blocks.block_table(c.seq_id) for c in chunks]
+        # every slot a sequence attends to: its cached prefix plus the new tokens
+        self.context_slots = [slots_for(t, 0, c.start + c.num_tokens, bs, device) for t, c in zip(tables, chunks)]
+        self.write_slots = torch.cat([s[c.start:] for s, c in zip(self.context_slots, chunks)])  # [T]
+        self.masks = [self._causal_mask(c, device) for c in chunks]
+
+    @staticmethod
+    def _causal_mask(c: SeqChunk, device) -> torch.Tensor | None:
+        """[num_tokens, start + num_tokens] bool, True where query i may attend key j; None for one token."""
+        if c.num_tokens == 1:
+            return None
+        q_pos = torch.arange(c.start, c.start + c.num_tokens, device=device)[:, None]
+        k_pos = torch.arange(c.start + c.num_tokens, device=device)[None, :]
+        return k_pos <= q_pos
+
+    @property
+    def num_tokens(self) -> int:
+        return self.offsets[-1]

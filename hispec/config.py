@@ -1,0 +1,189 @@
+"""Configuration dataclasses: the model's shape, sampling parameters, speculation settings.
+
+Each dataclass validates itself in ``__post_init__`` so that a bad value fails where it
+is given (CLI, API, server) with a message that names the field.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+FAMILIES = ("llama", "qwen2", "qwen3", "opt")
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message says which and why."""
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    """The shape of a decoder-only transformer, read from a Hugging Face ``config.json``."""
+
+    family: str  # one of FAMILIES
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # q/k/v biases (Qwen2); OPT has biases everywhere
+    qk_norm: bool = False  # RMSNorm on q and k per head (Qwen3)
+    hidden_act: str = "silu"
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    # OPT only
+    learned_pos_offset: int = 0
+    word_embed_proj_dim: int | None = None
+    do_layer_norm_before: bool = True
+
+    def __post_init__(self) -> None:
+        if self.family not in FAMILIES:
+            raise ConfigError(f"unsupported model family {self.family!r}; supported: {', '.join(FAMILIES)}")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+            if int(getattr(self, name)) <= 0:
+                raise ConfigError(f"config field {name} must be positive, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(f"num_attention_heads ({self.num_heads}) must be a multiple of "
+                              f"num_key_value_heads ({self.num_kv_heads})")
+        if self.family == "opt" and not self.do_layer_norm_before:
+            raise ConfigError("OPT models with do_layer_norm_before=false (OPT-350m) are not supported")
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
+        """Build from a parsed Hugging Face config.json (transformers 4.x or 5.x layout)."""
+        model_type = cfg.get("model_type", "")
+        family = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
+                  "opt": "opt"}.get(model_type)
+        if family is None:
+            raise ConfigError(f"unsupported model_type {model_type!r}; supported: llama (incl. CodeLlama, "
+                              "LayerSkip, SmolLM), qwen2, qwen3, opt")
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        if family == "opt":
+            return cls._from_opt(cfg, eos_ids)
+        rope = cfg.get("rope_parameters") or {}
+        scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        if scaling is not None and scaling.get("rope_type", scaling.get("type", "default")) == "default":
+            scaling = None
+        num_heads = cfg["num_attention_heads"]
+        return cls(
+            family=family,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
+            rope_scaling=scaling,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", family != "llama")),
+            attention_bias=bool(cfg.get("attention_bias", family == "qwen2")),
+            qk_norm=family == "qwen3",
+            hidden_act=cfg.get("hidden_act", "silu"),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+    @classmethod
+    def _from_opt(cls, cfg: dict[str, Any], eos_ids: tuple[int, ...]) -> "ModelConfig":
+        hidden = cfg["hidden_size"]
+        heads = cfg["num_attention_heads"]
+        return cls(
+            family="opt",
+            vocab_size=cfg["vocab_size"],
+            hidden_size=hidden,
+            intermediate_size=cfg["ffn_dim"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=heads,
+            head_dim=hidden // heads,
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            norm_eps=1e-5,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+            attention_bias=True,
+            hidden_act=cfg.get("activation_function", "relu"),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            learned_pos_offset=2,
+            word_embed_proj_dim=cfg.get("word_embed_proj_dim", hidden),
+            do_layer_norm_before=bool(cfg.get("do_layer_norm_before", True)),
+        )
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How the next token is chosen. ``temperature == 0`` means greedy (argmax)."""
+
+    temperature: float = 0.0
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1.0 = off
+    seed: int | None = None
+    max_new_tokens: int = 128
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
+                and self.temperature >= 0):
+            raise ConfigError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ConfigError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k}")
+        if not (isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0):
+            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ConfigError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens}")
+        self.stop = tuple(s for s in self.stop if s)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+DRAFT_POLICIES = ("fixed", "svip", "heuristic")
+
+
+@dataclass(slots=True)
+class SpecConfig:
+    """Self-speculation settings.
+
+    ``draft_layer`` (L_d) and ``verify_layer`` (L_i) count decoder layers: an exit at layer L
+    reads the hidden state after layers ``0..L-1``. ``verify_layer == num_layers`` means the
+    full model (no intermediate level, i.e. single-exit self-speculation).
+    """
+
+    draft_layer: int
+    verify_layer: int
+    num_draft: int = 4  # N_d: tokens per draft round (the maximum, with adaptive policies)
+    window: int = 4  # N_i: tentatively accepted tokens before full verification
+    draft_policy: str = "fixed"
+    svip_threshold: float = 2.0  # nats: stop drafting when the draft entropy exceeds it
+    max_draft: int = 16  # upper bound for the heuristic policy
+    num_layers: int = field(default=0, repr=False)  # the model's depth, for validation
+
+    def __post_init__(self) -> None:
+        n = self.num_layers
+        if n and not 1 <= self.draft_layer < n:
+            raise ConfigError(f"draft layer must be between 1 and {n - 1} (the model has {n} layers), "
+                              f"got {self.draft_layer}")
+        if n and not self.draft_layer < self.verify_layer <= n:
+            raise ConfigError(f"verify layer must be above the draft layer ({self.draft_layer}) and at most "
+                              f"{n}, got {self.verify_layer}")
+        if self.num_draft < 1:
+            raise ConfigError(f"num_draft must be >= 1, got {self.num_draft}")
+        if self.window < 1:
+            raise ConfigError(f"window must be >= 1, got {self.window}")
+        if self.draft_policy not in DRAFT_POLICIES:
+            raise ConfigError(f"unknown draft policy {self.draft_policy!r}; choose from {', '.join(DRAFT_POLICIES)}")
+        if self.svip_threshold <= 0:
+            raise ConfigError(f"svip threshold must be > 0, got {self.svip_threshold}")

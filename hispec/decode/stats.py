@@ -1,0 +1,119 @@
+"""Per-request and aggregate decoding statistics, named as in vLLM (DESIGN.md section 6)."""
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+
+PHASES = ("prefill", "draft", "intermediate_verify", "full_verify", "other")
+
+
+@dataclass
+class LevelStats:
+    """One verification level, e.g. ``draft->intermediate``: how many proposed tokens survived."""
+
+    drafts: int = 0  # verification rounds at this level
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)  # [j]: rounds whose draft j was accepted
+    drafted_per_position: list[int] = field(default_factory=list)  # [j]: rounds that proposed a draft j
+
+    def record(self, num_drafted: int, num_accepted: int) -> None:
+        self.drafts += 1
+        self.draft_tokens += num_drafted
+        self.accepted_tokens += num_accepted
+        _grow(self.accepted_per_position, num_drafted)
+        _grow(self.drafted_per_position, num_drafted)
+        for j in range(num_drafted):
+            self.drafted_per_position[j] += 1
+            self.accepted_per_position[j] += j < num_accepted
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    def merge(self, other: "LevelStats") -> None:
+        self.drafts += other.drafts
+        self.draft_tokens += other.draft_tokens
+        self.accepted_tokens += other.accepted_tokens
+        for mine, theirs in ((self.accepted_per_position, other.accepted_per_position),
+                             (self.drafted_per_position, other.drafted_per_position)):
+            _grow(mine, len(theirs))
+            for j, n in enumerate(theirs):
+                mine[j] += n
+
+    def to_dict(self) -> dict:
+        return {
+            "drafts": self.drafts,
+            "draft_tokens": self.draft_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "acceptance_rate": round(self.acceptance_rate, 4),
+            "accepted_per_position": list(self.accepted_per_position),
+            "acceptance_per_position": [round(a / d, 4) if d else 0.0 for a, d in
+                                        zip(self.accepted_per_position, self.drafted_per_position)],
+        }
+
+
+def _grow(values: list[int], n: int) -> None:
+    values.extend([0] * (n - len(values)))
+
+
+@dataclass
+class DecodeStats:
+    strategy: str
+    new_tokens: int = 0
+    full_passes: int = 0  # forward passes through the last layer (ar: one per token)
+    levels: dict[str, LevelStats] = field(default_factory=dict)
+    phase_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+    draft_forward_tokens: int = 0  # tokens run through the draft layers
+
+    def level(self, name: str) -> LevelStats:
+        return self.levels.setdefault(name, LevelStats())
+
+    @property
+    def mean_accepted_length(self) -> float:
+        return self.new_tokens / self.full_passes if self.full_passes else 0.0
+
+    @property
+    def verification_wall(self) -> float | None:
+        """Full-verification seconds per committed token / drafting seconds per drafted token."""
+        draft = self.phase_seconds["draft"] / self.draft_forward_tokens if self.draft_forward_tokens else 0.0
+        full = self.phase_seconds["full_verify"] / self.new_tokens if self.new_tokens else 0.0
+        return full / draft if draft else None
+
+    def merge(self, other: "DecodeStats") -> None:
+        self.new_tokens += other.new_tokens
+        self.full_passes += other.full_passes
+        self.draft_forward_tokens += other.draft_forward_tokens
+        for name, lv in other.levels.items():
+            self.level(name).merge(lv)
+        for k, v in other.phase_seconds.items():
+            self.phase_seconds[k] = self.phase_seconds.get(k, 0.0) + v
+
+    def to_dict(self) -> dict:
+        wall = self.verification_wall
+        return {
+            "strategy": self.strategy,
+            "new_tokens": self.new_tokens,
+            "full_passes": self.full_passes,
+            "mean_accepted_length": round(self.mean_accepted_length, 4),
+            "levels": {name: lv.to_dict() for name, lv in self.levels.items()},
+            "phase_seconds": {k: round(v, 6) for k, v in self.phase_seconds.items()},
+            "verification_wall": None if wall is None else round(wall, 4),
+        }
+
+
+@contextmanager
+def phase_timer(stats: DecodeStats, phase: str, device: torch.device):
+    """Add the wall time of the block to ``stats.phase_seconds[phase]`` (synchronising CUDA)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        stats.phase_seconds[phase] += time.perf_counter() - t0

@@ -1,0 +1,207 @@
+"""A decoder-only transformer that runs in layer ranges over a paged KV cache.
+
+Covers the Llama family (Llama 2/3/3.x, CodeLlama, LayerSkip, SmolLM), Qwen2/2.5 (q/k/v
+bias), Qwen3 (per-head q/k RMSNorm) and OPT (learned positions, LayerNorm, ReLU).
+
+The model only computes; it never decides what to generate. Decoding strategies call:
+
+- ``embed(token_ids, positions)``                      -> hidden ``[T, H]``
+- ``run_layers(h, start, end, batch, pool)``           -> hidden after layers ``[start, end)``,
+  writing those layers' K/V for the new tokens into the pool
+- ``exit_logits(h, layer)``                             -> logits ``[T, V]`` from the exit after
+  ``layer`` decoder layers (``layer == num_layers`` is the model's own output)
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..cache.kv_cache import AttentionBatch, KVPool
+from ..config import ConfigError, ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def make_norm(cfg: ModelConfig, dim: int) -> nn.Module:
+    if cfg.family == "opt":
+        return nn.LayerNorm(dim, eps=cfg.norm_eps)
+    return RMSNorm(dim, cfg.norm_eps)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies ``[head_dim / 2]`` and the cos/sin scale, for default, linear and llama3 RoPE."""
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    scaling = cfg.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        pass
+    elif kind == "linear":
+        inv_freq = inv_freq / scaling["factor"]
+    elif kind == "llama3":
+        factor = scaling["factor"]
+        low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+        old_ctx = scaling.get("original_max_position_embeddings", 8192)
+        low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv_freq = torch.where(medium, smoothed, scaled)
+    else:
+        raise ConfigError(f"unsupported RoPE scaling type {kind!r} (supported: default, linear, llama3)")
+    return inv_freq.float(), 1.0
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention + MLP. q/k/v and gate/up projections are fused for fewer matmuls."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        h, hd = cfg.hidden_size, cfg.head_dim
+        self.q_size, self.kv_size = cfg.num_heads * hd, cfg.num_kv_heads * hd
+        self.input_norm = make_norm(cfg, h)
+        self.qkv_proj = nn.Linear(h, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, h, bias=cfg.family == "opt")
+        self.q_norm = RMSNorm(hd, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(hd, cfg.norm_eps) if cfg.qk_norm else None
+        self.post_norm = make_norm(cfg, h)
+        if cfg.family == "opt":
+            self.fc1 = nn.Linear(h, cfg.intermediate_size, bias=True)
+            self.fc2 = nn.Linear(cfg.intermediate_size, h, bias=True)
+        else:
+            self.gate_up_proj = nn.Linear(h, 2 * cfg.intermediate_size, bias=False)
+            self.down_proj = nn.Linear(cfg.intermediate_size, h, bias=False)
+        self.act = {"silu": F.silu, "relu": F.relu, "gelu": F.gelu}[cfg.hidden_act]
+
+    def forward(self, h: torch.Tensor, layer: int, rope: tuple[torch.Tensor, torch.Tensor] | None,
+                batch: AttentionBatch, pool: KVPool) -> torch.Tensor:
+        # h: [T, H]
+        h = h + self._attention(self.input_norm(h), layer, rope, batch, pool)
+        return h + self._mlp(self.post_norm(h))
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cfg.family == "opt":
+            return self.fc2(self.act(self.fc1(x)))
+        gate, up = self.gate_up_proj(x).split(self.cfg.intermediate_size, dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+    def _attention(self, x: torch.Tensor, layer: int, rope, batch: AttentionBatch, pool: KVPool) -> torch.Tensor:
+        cfg, T = self.cfg, x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(T, cfg.num_heads, cfg.head_dim)  # [T, Hq, D]
+        k = k.view(T, cfg.num_kv_heads, cfg.head_dim)  # [T, Hkv, D]
+        v = v.view(T, cfg.num_kv_heads, cfg.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if rope is not None:
+            cos, sin = rope  # [T, 1, D]
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
+        pool.write(layer, batch.write_slots, k, v)
+        out = torch.empty_like(q)
+        for i, chunk in enumerate(batch.chunks):
+            lo, hi = batch.offsets[i], batch.offsets[i + 1]
+            ck, cv = pool.read(layer, batch.context_slots[i])  # [C, Hkv, D]
+            out[lo:hi] = F.scaled_dot_product_attention(
+                q[lo:hi].transpose(0, 1), ck.transpose(0, 1), cv.transpose(0, 1),
+                attn_mask=batch.masks[i], enable_gqa=cfg.num_kv_heads != cfg.num_heads,
+            ).transpose(0, 1)
+        return self.o_proj(out.reshape(T, self.q_size))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        emb_dim = cfg.word_embed_proj_dim or cfg.hidden_size
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, emb_dim)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = make_norm(cfg, cfg.hidden_size)
+        self.lm_head = nn.Linear(emb_dim, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.embed_positions = None
+        self.project_in = self.project_out = None
+        if cfg.family == "opt":
+            self.embed_positions = nn.Embedding(cfg.max_position_embeddings + cfg.learned_pos_offset, cfg.hidden_size)
+            if emb_dim != cfg.hidden_size:
+                self.project_in = nn.Linear(emb_dim, cfg.hidden_size, bias=False)
+                self.project_out = nn.Linear(cfg.hidden_size, emb_dim, bias=False)
+            inv_freq = None
+        else:
+            inv_freq, _ = rope_inv_freq(cfg)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.exits: dict[int, nn.Module] = {}  # trained exit heads by layer; see exits.py
+
+    @property
+    def num_layers(self) -> int:
+        return self.cfg.num_layers
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    def embed(self, token_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # token_ids, positions: [T] -> [T, H]
+        h = self.embed_tokens(token_ids)
+        if self.project_in is not None:
+            h = self.project_in(h)
+        if self.embed_positions is not None:
+            h = h + self.embed_positions(positions + self.cfg.learned_pos_offset)
+        return h
+
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if self.inv_freq is None:
+            return None
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, D]
+        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+
+    def run_layers(self, h: torch.Tensor, start: int, end: int, batch: AttentionBatch, pool: KVPool) -> torch.Tensor:
+        """Run decoder layers ``[start, end)`` on ``h [T, H]`` (the input to layer ``start``)."""
+        assert 0 <= start <= end <= self.cfg.num_layers, (start, end)
+        rope = self._rope(batch.positions)
+        for layer in range(start, end):
+            h = self.layers[layer](h, layer, rope, batch, pool)
+        return h
+
+    def final_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The model's own output head on the last hidden state ``[T, H]`` -> ``[T, V]``."""
+        h = self.norm(h)
+        if self.project_out is not None:
+            h = self.project_out(h)
+        return self.lm_head(h)
+
+    def exit_logits(self, h: torch.Tensor, layer: int) -> torch.Tensor:
+        """Logits ``[T, V]`` of the exit after ``layer`` decoder layers.
+
+        The last layer always uses the model's own head. An earlier layer uses its trained
+        exit head if one is attached, else the shared final norm + output head.
+        """
+        head = self.exits.get(layer) if layer < self.cfg.num_layers else None
+        return head(h) if head is not None else self.final_logits(h)

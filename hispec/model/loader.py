@@ -1,0 +1,177 @@
+"""Load Hugging Face model folders (safetensors, single or sharded) into ``DecoderModel``.
+
+Config and every tensor shape are validated; a mismatch names the tensor and both shapes.
+Pickle checkpoints (``.bin``, ``.pt``) are refused unless ``allow_pickle=True`` is passed,
+and even then they are read with ``torch.load(weights_only=True)``.
+"""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from ..config import ConfigError, ModelConfig
+from .llama import DecoderModel
+
+
+class ModelLoadError(RuntimeError):
+    """The model folder cannot be loaded; the message says what is wrong."""
+
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
+
+# HF name (after stripping "model." / "model.decoder." / "decoder.") -> (internal name, fused part)
+_LAYER_RULES: list[tuple[str, str, str | None]] = [
+    (r"input_layernorm\.(weight|bias)", "input_norm.{0}", None),
+    (r"self_attn_layer_norm\.(weight|bias)", "input_norm.{0}", None),
+    (r"post_attention_layernorm\.(weight|bias)", "post_norm.{0}", None),
+    (r"final_layer_norm\.(weight|bias)", "post_norm.{0}", None),
+    (r"self_attn\.(q|k|v)_proj\.(weight|bias)", "qkv_proj.{1}", "{0}"),
+    (r"self_attn\.(?:o_proj|out_proj)\.(weight|bias)", "o_proj.{0}", None),
+    (r"self_attn\.(q|k)_norm\.weight", "{0}_norm.weight", None),
+    (r"mlp\.(gate|up)_proj\.weight", "gate_up_proj.weight", "{0}"),
+    (r"mlp\.down_proj\.weight", "down_proj.weight", None),
+    (r"(fc1|fc2)\.(weight|bias)", "{0}.{1}", None),
+]
+_TOP_RULES = {
+    "embed_tokens.weight": "embed_tokens.weight",
+    "embed_positions.weight": "embed_positions.weight",
+    "norm.weight": "norm.weight",
+    "final_layer_norm.weight": "norm.weight",
+    "final_layer_norm.bias": "norm.bias",
+    "project_in.weight": "project_in.weight",
+    "project_out.weight": "project_out.weight",
+    "lm_head.weight": "lm_head.weight",
+}
+_IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
+FUSED_ORDER = {"qkv_proj": ("q", "k", "v"), "gate_up_proj": ("gate", "up")}
+
+
+def internal_name(hf_name: str) -> tuple[str, str | None] | None:
+    """Map a Hugging Face tensor name to ``(internal name, fused part)``; None if unknown."""
+    name = re.sub(r"^(model\.)?(decoder\.)?", "", hf_name)
+    if name in _TOP_RULES:
+        return _TOP_RULES[name], None
+    m = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
+    if not m:
+        return None
+    layer, rest = m.groups()
+    for pattern, target, part in _LAYER_RULES:
+        pm = re.fullmatch(pattern, rest)
+        if pm:
+            return f"layers.{layer}." + target.format(*pm.groups()), part.format(*pm.groups()) if part else None
+    return None
+
+
+def read_config(path: Path) -> ModelConfig:
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise ModelLoadError(f"{path} has no config.json: not a Hugging Face model folder")
+    try:
+        raw = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"{cfg_file} is not valid JSON: {e}") from None
+    try:
+        return ModelConfig.from_hf(raw)
+    except KeyError as e:
+        raise ModelLoadError(f"{cfg_file} lacks the field {e.args[0]!r}") from None
+
+
+def _weight_files(path: Path, allow_pickle: bool) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [n for n in names if not (path / n).is_file()]
+        if missing:
+            raise ModelLoadError(f"{path}: shard(s) listed in the index are missing: {', '.join(missing)}")
+        return [path / n for n in names]
+    files = sorted(path.glob("*.safetensors"))
+    if files:
+        return files
+    pickles = sorted(p for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES)
+    if pickles and not allow_pickle:
+        raise ModelLoadError(
+            f"{path} holds only pickle checkpoints ({', '.join(p.name for p in pickles)}); unpickling can run "
+            "arbitrary code, so hispec refuses it. Convert the weights to safetensors, or pass "
+            "--allow-pickle if you trust the file.")
+    if pickles:
+        return pickles
+    raise ModelLoadError(f"{path} has no weights (*.safetensors)")
+
+
+def _iter_tensors(files: list[Path]):
+    for f in files:
+        if f.suffix == ".safetensors":
+            with safe_open(str(f), framework="pt") as sf:
+                for name in sf.keys():
+                    yield name, sf.get_tensor(name)
+        else:
+            for name, t in torch.load(str(f), map_location="cpu", weights_only=True).items():
+                yield name, t
+
+
+def _expected_part_shapes(model: DecoderModel, name: str) -> dict[str, tuple[int, ...]]:
+    cfg = model.cfg
+    full = tuple(model.state_dict()[name].shape)
+    if "qkv_proj" in name:
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        return {"q": (q,) + full[1:], "k": (kv,) + full[1:], "v": (kv,) + full[1:]}
+    return {"gate": (cfg.intermediate_size,) + full[1:], "up": (cfg.intermediate_size,) + full[1:]}
+
+
+def load_weights(model: DecoderModel, files: list[Path], dtype: torch.dtype) -> None:
+    """Fill ``model`` (on the meta device) from checkpoint files, validating every shape."""
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    state: dict[str, torch.Tensor] = {}
+    parts: dict[str, dict[str, torch.Tensor]] = {}
+    for hf_name, tensor in _iter_tensors(files):
+        mapped = internal_name(hf_name)
+        if mapped is None or mapped[0] not in expected:
+            if _IGNORED.match(hf_name) or (hf_name.endswith("lm_head.weight") and model.cfg.tie_word_embeddings):
+                continue
+            raise ModelLoadError(f"unexpected tensor {hf_name!r} (shape {tuple(tensor.shape)}) for a "
+                                 f"{model.cfg.family} model with {model.cfg.num_layers} layers")
+        name, part = mapped
+        want = _expected_part_shapes(model, name)[part] if part else expected[name]
+        if tuple(tensor.shape) != want:
+            raise ModelLoadError(f"tensor {hf_name!r} has shape {tuple(tensor.shape)}, the config implies {want}")
+        if part:
+            parts.setdefault(name, {})[part] = tensor
+        else:
+            state[name] = tensor
+    for name, got in parts.items():
+        order = FUSED_ORDER[name.split(".")[2]]
+        missing = [p for p in order if p not in got]
+        if missing:
+            raise ModelLoadError(f"missing tensor(s) for {name}: {', '.join(missing)} projection")
+        state[name] = torch.cat([got[p] for p in order], dim=0)
+    if model.cfg.tie_word_embeddings:
+        expected.pop("lm_head.weight", None)
+    missing = sorted(set(expected) - set(state))
+    if missing:
+        raise ModelLoadError(f"checkpoint lacks {len(missing)} tensor(s), e.g. {', '.join(missing[:4])}")
+    model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False, assign=True)
+    if model.cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+
+
+def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+               allow_pickle: bool = False) -> DecoderModel:
+    """Load a Hugging Face model folder as a ``DecoderModel`` in eval mode."""
+    path = Path(path)
+    if not path.is_dir():
+        raise ModelLoadError(f"model folder {path} does not exist")
+    try:
+        cfg = read_config(path)
+    except ConfigError as e:
+        raise ModelLoadError(f"{path}: {e}") from None
+    with torch.device("meta"):
+        model = DecoderModel(cfg)
+    load_weights(model, _weight_files(path, allow_pickle), dtype)
+    if cfg.family != "opt":  # the RoPE buffer was built on the meta device
+        from .llama import rope_inv_freq
+        model.inv_freq = rope_inv_freq(cfg)[0]
+    return model.to(device).eval().requires_grad_(False)

@@ -1,0 +1,51 @@
+"""Logits -> next-token distributions, applied identically at every exit.
+
+Speculative sampling is exact only if the draft, intermediate and final distributions are
+the *processed* ones (temperature, then top-k, then top-p), so every level goes through
+``logits_to_probs`` with the same ``SamplingParams``.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..config import SamplingParams
+
+
+def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """``logits [T, V]`` -> probabilities ``[T, V]`` (float32) after temperature, top-k and top-p.
+
+    Greedy (temperature 0) gives the one-hot distribution of the argmax, so that the
+    speculative acceptance rule reduces to exact argmax matching.
+    """
+    logits = logits.float()
+    if params.greedy:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    logits = logits / params.temperature
+    if params.top_k and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]  # [T, 1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1.0:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        before = sorted_p.cumsum(-1) - sorted_p  # mass strictly before each token
+        sorted_p = sorted_p.masked_fill(before >= params.top_p, 0.0)  # always keeps the top token
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One token per row of ``probs [T, V]`` -> ``[T]`` (long)."""
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def next_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
+    """Choose one token per row of ``logits [T, V]`` -> ``[T]``: argmax when greedy, else a sample."""
+    if params.greedy:
+        return logits.argmax(-1)
+    return sample(logits_to_probs(logits, params), generator)
+
+
+def entropy(probs: torch.Tensor) -> torch.Tensor:
+    """Shannon entropy in nats of each row of ``probs [T, V]`` -> ``[T]``."""
+    return -(probs * probs.clamp_min(1e-30).log()).sum(-1)
