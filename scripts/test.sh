@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# Set everything up, then run the whole test suite (what CI runs).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh test
+exec "${PYTHON:-python3}" -m pytest -q "$@"
