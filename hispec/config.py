@@ -87,7 +87,8 @@ class ModelConfig:
             norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
             rope_scaling=scaling,
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", family != "llama")),
+            # transformers' LlamaConfig, Qwen2Config and Qwen3Config all default to untied
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", family == "qwen2")),
             qk_norm=family == "qwen3",
             hidden_act=cfg.get("hidden_act", "silu"),

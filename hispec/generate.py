@@ -1,13 +1,11 @@
 """The library entry point for one request at a time: prompt in, committed tokens out.
 
-``Generator`` owns the model, its tokenizer and a paged KV pool; a decoding strategy
-(``ar``, ``selfspec``, ``hispec``) decides which layers run when. End conditions (EOS,
-stop strings, the token limit, the context limit) are applied here, to committed tokens
-only, so every strategy ends exactly where autoregressive decoding would.
+``Generator`` owns the model and its tokenizer and runs each request through the engine as
+a batch of one; a decoding strategy (``ar``, ``selfspec``, ``hispec``) decides which layers
+run when. The strategy is measured as asked: no adaptive switching here.
 """
 from __future__ import annotations
 
-import itertools
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,20 +13,15 @@ from typing import Callable
 
 import torch
 
-from .cache.block_manager import BlockManager
-from .cache.kv_cache import KVPool
 from .config import ConfigError, SamplingParams, SpecConfig
 from .decode.autoregressive import Autoregressive
-from .decode.base import DecodeContext, LayerRunner, Strategy
+from .decode.base import Strategy
 from .decode.speculative import HiSpec, SelfSpec
-from .decode.stats import DecodeStats, phase_timer
+from .decode.stats import DecodeStats
+from .engine.engine import Engine, PromptTooLongError, kv_blocks_for  # noqa: F401 (PromptTooLongError re-exported)
 from .model.llama import DecoderModel
 
 STRATEGIES = ("ar", "selfspec", "hispec")
-
-
-class PromptTooLongError(ValueError):
-    """The prompt does not fit the model's context."""
 
 
 @dataclass
@@ -73,9 +66,7 @@ class Generator:
         self.model = model
         self.tokenizer = tokenizer
         self.block_size = block_size
-        self.blocks: BlockManager | None = None
-        self.pool: KVPool | None = None
-        self._seq_ids = itertools.count()
+        self._engine: Engine | None = None
         self.eos_ids = frozenset(self._eos_ids())
 
     @classmethod
@@ -120,18 +111,27 @@ class Generator:
             return ""
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
-    # ---- the KV pool ---------------------------------------------------------------------
-    def _ensure_pool(self, num_tokens: int) -> None:
-        """A pool that holds ``num_tokens`` positions (re-made bigger only while idle)."""
-        cfg = self.model.cfg
-        need = -(-num_tokens // self.block_size) + 1
-        if self.blocks is not None and self.blocks.num_blocks >= need:
-            return
-        self.blocks = BlockManager(need, self.block_size, cfg.num_layers)
-        self.pool = KVPool(cfg.num_layers, need, self.block_size, cfg.num_kv_heads, cfg.head_dim,
-                           self.model.dtype, self.model.device)
-
     # ---- generation ----------------------------------------------------------------------
+    @property
+    def blocks(self):
+        return self._engine.blocks if self._engine else None
+
+    @property
+    def pool(self):
+        return self._engine.pool if self._engine else None
+
+    def _engine_for(self, strategy: Strategy, num_tokens: int) -> Engine:
+        """The single-request engine, with a pool that holds ``num_tokens`` positions."""
+        if self._engine is None:
+            self._engine = Engine(self.model, strategy, tokenizer=self.tokenizer, eos_ids=self.eos_ids,
+                                  kv_blocks=1, block_size=self.block_size, max_batch_size=1, adaptive=False)
+        engine = self._engine
+        engine.strategy = strategy
+        need = kv_blocks_for(self.model, self.block_size, min_tokens=num_tokens + engine.lookahead)
+        if engine.blocks.num_blocks < need:
+            engine.resize_pool(need)
+        return engine
+
     def generate(self, prompt: str | list[int], params: SamplingParams | None = None, strategy: str | Strategy = "ar",
                  *, chat: bool | None = None, spec: SpecConfig | None = None,
                  on_text: Callable[[str], None] | None = None) -> GenerationOutput:
@@ -141,117 +141,22 @@ class Generator:
         prompt_ids = list(prompt) if isinstance(prompt, list) else self.encode_prompt(prompt, chat)
         if isinstance(strategy, str):
             strategy = make_strategy(strategy, spec, self.model.num_layers)
-        stream = _TextStream(self, params.stop, on_text)
-        out = self._run(prompt_ids, params, strategy, stream)
-        stream.flush(out.text)
-        return out
-
-    def _run(self, prompt_ids: list[int], params: SamplingParams, strategy: Strategy,
-             stream: "_TextStream") -> GenerationOutput:
-        max_pos = self.model.cfg.max_position_embeddings
-        if not prompt_ids:
-            raise ConfigError("the prompt is empty")
-        if len(prompt_ids) >= max_pos:
-            raise PromptTooLongError(f"the prompt has {len(prompt_ids)} tokens; the model's context is "
-                                     f"{max_pos} tokens, so at most {max_pos - 1} fit with one new token")
-        max_tokens = min(len(prompt_ids) + params.max_new_tokens, max_pos)
-        self._ensure_pool(max_tokens + 1)
-        seq_id = next(self._seq_ids)
-        self.blocks.add_sequence(seq_id)
-        device = self.model.device
-        generator = None
-        if not params.greedy:
-            seed = params.seed if params.seed is not None else int(torch.seed() % 2**63)
-            generator = torch.Generator(device=device).manual_seed(seed)
-        stats = DecodeStats(strategy.name)
-        ctx = DecodeContext(LayerRunner(self.model, self.blocks, self.pool), seq_id, list(prompt_ids), params,
-                            generator, stats, max_tokens, self.eos_ids)
+        engine = self._engine_for(strategy, min(len(prompt_ids) + params.max_new_tokens,
+                                                self.model.cfg.max_position_embeddings))
         t0 = time.perf_counter()
+        request_id = engine.add_request(prompt_ids, params)
+        final = None
         try:
-            with phase_timer(stats, "prefill", device):
-                if len(prompt_ids) > 1:
-                    ctx.runner.forward(seq_id, 0, ctx.token_tensor(prompt_ids[:-1]), 0, self.model.num_layers)
-            finish, new = "length", []
-            for chunk in strategy.steps(ctx):
-                finish, chunk = self._apply_end(chunk, params, len(new), max_pos - len(prompt_ids))
-                ctx.tokens.extend(chunk)
-                new.extend(chunk)
-                finish = stream.update(new, finish)
-                if finish == "stop":
-                    new = stream.tokens_through_stop(new)
-                if finish is not None:
-                    break
-            else:
-                finish = "length" if len(new) >= params.max_new_tokens else "context"
+            while final is None:
+                for out in engine.step():
+                    if on_text is not None and out.text_delta:
+                        on_text(out.text_delta)
+                    if out.finished:
+                        final = out
         finally:
-            self.blocks.free(seq_id)
-        stats.new_tokens = len(new)
-        return GenerationOutput(list(prompt_ids), new, stream.final_text(new), finish,
-                               time.perf_counter() - t0, stats)
-
-    def _apply_end(self, chunk: list[int], params: SamplingParams, done: int, context_room: int
-                   ) -> tuple[str | None, list[int]]:
-        """Cut a committed chunk at EOS or the token limits; the reason, or None to go on."""
-        limit = min(params.max_new_tokens, context_room) - done
-        if not params.ignore_eos:
-            for j, t in enumerate(chunk[:limit]):
-                if t in self.eos_ids:
-                    return "eos", chunk[:j + 1]
-        if len(chunk) >= limit:
-            return ("length" if params.max_new_tokens <= context_room else "context"), chunk[:limit]
-        return None, chunk
-
-
-class _TextStream:
-    """Incremental detokenisation of committed tokens, with stop strings."""
-
-    def __init__(self, gen: Generator, stops: tuple[str, ...], on_text: Callable[[str], None] | None) -> None:
-        self.gen, self.stops, self.on_text = gen, stops, on_text
-        self.sent = 0
-        self.text = ""
-        self.hold = max((len(s) for s in stops), default=1) - 1
-
-    def update(self, tokens: list[int], finish: str | None) -> str | None:
-        if not self.stops and self.on_text is None:
-            return finish
-        self.text = self.gen.decode(tokens)
-        for s in self.stops:
-            cut = self.text.find(s)
-            if cut >= 0:
-                self.text = self.text[:cut]
-                self._send(len(self.text))
-                return "stop"
-        if finish is None:
-            safe = len(self.text) - self.hold
-            if self.text.endswith("\ufffd"):
-                safe = min(safe, len(self.text.rstrip("\ufffd")))
-            self._send(safe)
-        return finish
-
-    def tokens_through_stop(self, tokens: list[int]) -> list[int]:
-        """The shortest prefix of ``tokens`` whose text reaches a stop string."""
-        for n in range(1, len(tokens) + 1):
-            text = self.gen.decode(tokens[:n])
-            if any(s in text for s in self.stops):
-                return tokens[:n]
-        return tokens
-
-    def final_text(self, tokens: list[int]) -> str:
-        text = self.gen.decode(tokens)
-        for s in self.stops:
-            cut = text.find(s)
-            if cut >= 0:
-                text = text[:cut]
-        return text
-
-    def flush(self, text: str) -> None:
-        self.text = text
-        self._send(len(text))
-
-    def _send(self, upto: int) -> None:
-        if self.on_text is not None and upto > self.sent:
-            self.on_text(self.text[self.sent:upto])
-            self.sent = upto
+            engine.abort(request_id)  # no-op once finished; frees the blocks after an error
+        return GenerationOutput(prompt_ids, final.token_ids, final.text, final.finish_reason,
+                                time.perf_counter() - t0, final.stats)
 
 
 def load_tokenizer(folder: Path):

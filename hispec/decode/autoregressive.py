@@ -2,22 +2,22 @@
 speculative strategy must reproduce."""
 from __future__ import annotations
 
-from typing import Iterator
+import torch
 
-from ..sampling.sampler import next_tokens
-from .base import DecodeContext
+from .base import DecodeContext, StrategyBase, choose_tokens
 from .stats import phase_timer
 
 
-class Autoregressive:
+class Autoregressive(StrategyBase):
     name = "ar"
 
-    def steps(self, ctx: DecodeContext) -> Iterator[list[int]]:
-        model, num_layers = ctx.model, ctx.model.num_layers
-        while ctx.remaining > 0:
-            with phase_timer(ctx.stats, "full_verify", model.device):
-                pos = len(ctx.tokens) - 1
-                h = ctx.runner.forward(ctx.seq_id, pos, ctx.token_tensor(ctx.tokens[-1:]), 0, num_layers)
-                token = int(next_tokens(model.exit_logits(h, num_layers), ctx.params, ctx.generator)[0])
-            ctx.stats.full_passes += 1
-            yield [token]
+    def step(self, batch: list[DecodeContext]) -> list[list[int]]:
+        model, num_layers = batch[0].model, batch[0].model.num_layers
+        with phase_timer([c.stats for c in batch], "full_verify", model.device):
+            items = [(c.seq_id, len(c.tokens) - 1, c.token_tensor(c.tokens[-1:])) for c in batch]
+            hidden = batch[0].runner.forward_many(items, 0, num_layers)  # B x [1, H]
+            logits = model.exit_logits(hidden[0] if len(batch) == 1 else torch.cat(hidden), num_layers)  # [B, V]
+            tokens = choose_tokens(batch, logits)
+        for c in batch:
+            c.stats.full_passes += 1
+        return [[t] for t in tokens.tolist()]

@@ -25,21 +25,31 @@ class LayerRunner:
         self.model, self.blocks, self.pool = model, blocks, pool
 
     def forward(self, seq_id: int, start_pos: int, x: torch.Tensor, start_layer: int, end_layer: int) -> torch.Tensor:
-        """Run positions ``start_pos ..`` through layers ``[start_layer, end_layer)``.
+        """Run one sequence's positions ``start_pos ..`` through layers ``[start_layer, end_layer)``.
 
         ``x`` is token ids ``[T]`` when ``start_layer == 0``, else the hidden states ``[T, H]``
         entering ``start_layer``. Returns the hidden states ``[T, H]`` after ``end_layer - 1``.
         """
-        num = x.shape[0]
-        for layer in (start_layer, end_layer - 1):
-            assert self.blocks.length(seq_id, layer) == start_pos, \
-                f"layer {layer} holds {self.blocks.length(seq_id, layer)} positions, expected {start_pos}"
-        self.blocks.ensure_capacity(seq_id, start_pos + num)
-        batch = AttentionBatch([SeqChunk(seq_id, start_pos, num)], self.blocks, self.model.device)
+        return self.forward_many([(seq_id, start_pos, x)], start_layer, end_layer)[0]
+
+    def forward_many(self, items: list[tuple[int, int, torch.Tensor]], start_layer: int, end_layer: int
+                     ) -> list[torch.Tensor]:
+        """``forward`` for a ragged batch of ``(seq_id, start_pos, x)``: one pass, no padding;
+        returns each sequence's hidden states ``[T_i, H]``."""
+        chunks = []
+        for seq_id, start_pos, x in items:
+            for layer in (start_layer, end_layer - 1):
+                assert self.blocks.length(seq_id, layer) == start_pos, \
+                    f"layer {layer} holds {self.blocks.length(seq_id, layer)} positions, expected {start_pos}"
+            self.blocks.ensure_capacity(seq_id, start_pos + x.shape[0])
+            chunks.append(SeqChunk(seq_id, start_pos, x.shape[0]))
+        batch = AttentionBatch(chunks, self.blocks, self.model.device)
+        x = torch.cat([x for _, _, x in items]) if len(items) > 1 else items[0][2]
         h = self.model.embed(x, batch.positions) if start_layer == 0 else x
         h = self.model.run_layers(h, start_layer, end_layer, batch, self.pool)
-        self.blocks.set_filled(seq_id, start_layer, end_layer, start_pos + num)
-        return h
+        for c in chunks:
+            self.blocks.set_filled(c.seq_id, start_layer, end_layer, c.start + c.num_tokens)
+        return list(h.split([c.num_tokens for c in chunks]))
 
     def truncate(self, seq_id: int, length: int) -> None:
         self.blocks.truncate(seq_id, length)
@@ -57,6 +67,7 @@ class DecodeContext:
     stats: DecodeStats
     max_tokens: int  # len(tokens) may not exceed this (new-token limit and context limit)
     eos_ids: frozenset[int]
+    policy: object | None = None  # the strategy's per-sequence draft-length policy, made on first use
 
     @property
     def model(self) -> DecoderModel:
@@ -73,7 +84,35 @@ class DecodeContext:
 class Strategy(Protocol):
     name: str
 
-    def steps(self, ctx: DecodeContext) -> Iterator[list[int]]:
-        """Yield committed tokens, a chunk at a time. The caller appends each chunk to
-        ``ctx.tokens`` (and may stop iterating) before the strategy resumes."""
+    def step(self, batch: list[DecodeContext]) -> list[list[int]]:
+        """One round for every sequence of the batch (each with ``remaining > 0``): the tokens
+        each one commits (at least one). The caller appends them to ``ctx.tokens``."""
         ...
+
+
+class StrategyBase:
+    """Shared by the strategies: one request driven round by round."""
+
+    name = "base"
+
+    def step(self, batch: list[DecodeContext]) -> list[list[int]]:
+        raise NotImplementedError
+
+    def steps(self, ctx: DecodeContext) -> Iterator[list[int]]:
+        """Rounds of one sequence; the caller appends each chunk to ``ctx.tokens`` before the next."""
+        while ctx.remaining > 0:
+            yield self.step([ctx])[0]
+
+
+def split_rows(t: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+    return list(t.split(sizes)) if len(sizes) > 1 else [t]
+
+
+def choose_tokens(batch: list[DecodeContext], logits: torch.Tensor) -> torch.Tensor:
+    """One next token per sequence from ``logits [B, V]`` (row b belongs to ``batch[b]``) -> ``[B]``.
+    Greedy rows take the argmax; sampled rows use their own parameters and generator."""
+    from ..sampling.sampler import next_tokens
+
+    if all(c.params.greedy for c in batch):
+        return logits.argmax(-1)
+    return torch.cat([next_tokens(logits[b:b + 1], c.params, c.generator) for b, c in enumerate(batch)])

@@ -1,5 +1,5 @@
 """Self-speculative decoding on one set of weights: single-exit (``selfspec``) and
-hierarchical (``hispec``).
+hierarchical (``hispec``), for a ragged batch of sequences (one request = a batch of one).
 
 Positions in a round (``base`` is the position of the pending committed token):
 
@@ -9,20 +9,20 @@ Positions in a round (``base`` is the position of the pending committed token):
     full      layers [L_i, L_f): base .. base + m, from the cached intermediate states
 
 Nothing is computed twice: each phase starts from the hidden states where the previous
-phase stopped, and the K/V of rejected tokens are cut by shortening lengths.
+phase stopped, and the K/V of rejected tokens are cut by shortening lengths. Sequences of a
+batch draft, verify and accept independently (different lengths), in shared passes.
 """
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Iterator
 
 import torch
 
 from ..config import ConfigError, SpecConfig
 from ..sampling.sampler import logits_to_probs, sample
 from ..sampling.speculative import greedy_accept, sample_accept
-from .base import DecodeContext
+from .base import DecodeContext, StrategyBase, split_rows
 from .policies import DraftPolicy, draft_entropy, make_policy
 from .stats import phase_timer
 
@@ -44,52 +44,74 @@ class Verdict:
     probs: torch.Tensor | None  # [k + 1, V] verifying distributions (None when greedy)
 
 
-def draft(ctx: DecodeContext, token: int, pos: int, layer: int, policy: DraftPolicy, limit: int) -> Proposal:
-    """Draft up to ``min(policy, limit)`` tokens at exit ``layer``, starting from ``token`` at ``pos``.
+def draft(batch: list[DecodeContext], starts: list[tuple[int, int]], layer: int, limits: list[int]) -> list[Proposal]:
+    """Draft at exit ``layer`` for each sequence, from its ``(token, position)``: up to
+    ``min(policy, limit)`` tokens (at least one), fewer if its policy stops early.
 
-    The last drafted token is also run through layers ``[0, layer)`` (without the exit head),
-    so the verifier can score the position after it (the bonus position).
+    Each sequence's last drafted token is also run through layers ``[0, layer)`` (without the
+    exit head), so the verifier can score the position after it (the bonus position).
     """
-    model, params = ctx.model, ctx.params
-    k_max = max(1, min(policy.max_drafts(), limit))
-    x = ctx.token_tensor([token])
-    hidden, tokens, probs = [], [], []
-    for j in range(k_max + 1):
-        h = ctx.runner.forward(ctx.seq_id, pos + j, x, 0, layer)  # [1, H]
-        hidden.append(h)
-        if j == k_max:
-            break
-        logits = model.exit_logits(h, layer)  # [1, V]
-        if j > 0 and policy.wants_entropy() and policy.stop_before(draft_entropy(logits, params.temperature)):
-            break
-        if params.greedy:
-            x = logits.argmax(-1)
-        else:
-            q = logits_to_probs(logits, params)
-            x = sample(q, ctx.generator)
-            probs.append(q)
-        tokens.append(x)
-    ctx.stats.draft_forward_tokens += len(hidden)
-    return Proposal(torch.cat(tokens), torch.cat(probs) if probs else None, torch.cat(hidden))
+    model, runner = batch[0].model, batch[0].runner
+    k_max = [max(1, min(c.policy.max_drafts(), lim)) for c, lim in zip(batch, limits)]
+    x = [c.token_tensor([tok]) for c, (tok, _) in zip(batch, starts)]
+    hidden, tokens, probs = [[] for _ in batch], [[] for _ in batch], [[] for _ in batch]
+    active, j = list(range(len(batch))), 0
+    while active:
+        hs = runner.forward_many([(batch[b].seq_id, starts[b][1] + j, x[b]) for b in active], 0, layer)
+        for b, h in zip(active, hs):
+            hidden[b].append(h)
+        rows = [r for r, b in enumerate(active) if j < k_max[b]]
+        logits = model.exit_logits(torch.cat([hs[r] for r in rows]), layer) if rows else None  # [len(rows), V]
+        still = []
+        for i, r in enumerate(rows):
+            b, c = active[r], batch[active[r]]
+            lg = logits[i:i + 1]
+            if j > 0 and c.policy.wants_entropy() and c.policy.stop_before(draft_entropy(lg, c.params.temperature)):
+                continue
+            if c.params.greedy:
+                x[b] = lg.argmax(-1)
+            else:
+                q = logits_to_probs(lg, c.params)
+                x[b] = sample(q, c.generator)
+                probs[b].append(q)
+            tokens[b].append(x[b])
+            still.append(b)
+        active, j = still, j + 1
+    for c, h in zip(batch, hidden):
+        c.stats.draft_forward_tokens += len(h)
+    return [Proposal(torch.cat(t), torch.cat(p) if p else None, torch.cat(h))
+            for t, p, h in zip(tokens, probs, hidden)]
 
 
-def verify(ctx: DecodeContext, prop: Proposal, pos: int, from_layer: int, to_layer: int, level: str) -> Verdict:
-    """Run layers ``[from_layer, to_layer)`` over the proposal's positions and accept/reject it.
+def verify(batch: list[DecodeContext], props: list[Proposal], positions: list[int], from_layer: int,
+           to_layer: int, level: str) -> list[Verdict]:
+    """Run layers ``[from_layer, to_layer)`` over each proposal's positions and accept/reject it.
 
-    Afterwards the cache keeps ``pos .. pos + num_accepted`` (the start token and the accepted
-    drafts) in every layer below ``to_layer``; the next token is pending.
+    Afterwards each sequence's cache keeps ``pos .. pos + num_accepted`` (the start token and
+    the accepted drafts) in every layer below ``to_layer``; its next token is pending.
     """
-    h = ctx.runner.forward(ctx.seq_id, pos, prop.hidden, from_layer, to_layer)  # [k + 1, H]
-    logits = ctx.model.exit_logits(h, to_layer)  # [k + 1, V]
+    model, runner = batch[0].model, batch[0].runner
+    hs = runner.forward_many([(c.seq_id, pos, p.hidden) for c, p, pos in zip(batch, props, positions)],
+                             from_layer, to_layer)  # B x [k_b + 1, H]
+    logits = split_rows(model.exit_logits(torch.cat(hs) if len(hs) > 1 else hs[0], to_layer),
+                        [h.shape[0] for h in hs])
+    verdicts = []
+    for c, p, pos, h, lg in zip(batch, props, positions, hs, logits):
+        probs, (num, token) = accept(c, p.tokens, p.probs, lg)
+        c.runner.truncate(c.seq_id, pos + num + 1)
+        c.stats.level(level).record(p.tokens.shape[0], num)
+        verdicts.append(Verdict(num, token, h, probs))
+    return verdicts
+
+
+def accept(ctx: DecodeContext, proposed: torch.Tensor, proposed_probs: torch.Tensor | None,
+           target_logits: torch.Tensor) -> tuple[torch.Tensor | None, tuple[int, int]]:
+    """Accept/reject ``proposed [k]`` against ``target_logits [k + 1, V]`` (last row: bonus).
+    Returns the target probabilities (None when greedy) and (number accepted, next token)."""
     if ctx.params.greedy:
-        probs = None
-        num, token = greedy_accept(prop.tokens, logits.argmax(-1))
-    else:
-        probs = logits_to_probs(logits, ctx.params)
-        num, token = sample_accept(prop.tokens, prop.probs, probs, ctx.generator)
-    ctx.runner.truncate(ctx.seq_id, pos + num + 1)
-    ctx.stats.level(level).record(prop.tokens.shape[0], num)
-    return Verdict(num, token, h, probs)
+        return None, greedy_accept(proposed, target_logits.argmax(-1))
+    probs = logits_to_probs(target_logits, ctx.params)
+    return probs, sample_accept(proposed, proposed_probs, probs, ctx.generator)
 
 
 def _check_layers(spec: SpecConfig, num_layers: int, hierarchical: bool) -> None:
@@ -99,7 +121,13 @@ def _check_layers(spec: SpecConfig, num_layers: int, hierarchical: bool) -> None
                           f"{spec.verify_layer}; use the selfspec strategy for a single exit")
 
 
-class SelfSpec:
+def _ensure_policies(batch: list[DecodeContext], spec: SpecConfig) -> None:
+    for c in batch:
+        if c.policy is None:
+            c.policy = make_policy(spec)
+
+
+class SelfSpec(StrategyBase):
     """Single-exit self-speculation (LayerSkip-style): draft at L_d, verify with the full model."""
 
     name = "selfspec"
@@ -107,28 +135,34 @@ class SelfSpec:
     def __init__(self, spec: SpecConfig) -> None:
         self.spec = spec
 
-    def steps(self, ctx: DecodeContext) -> Iterator[list[int]]:
-        num_layers, d = ctx.model.num_layers, self.spec.draft_layer
-        _check_layers(self.spec, num_layers, hierarchical=False)
-        policy, device = make_policy(self.spec), ctx.model.device
-        while ctx.remaining > 0:
-            pos = len(ctx.tokens) - 1
-            with phase_timer(ctx.stats, "draft", device):
-                prop = draft(ctx, ctx.tokens[-1], pos, d, policy, ctx.remaining)
-            with phase_timer(ctx.stats, "full_verify", device):
-                verdict = verify(ctx, prop, pos, d, num_layers, "draft->final")
-            policy.update(prop.tokens.shape[0], verdict.num_accepted)
-            ctx.stats.full_passes += 1
-            yield prop.tokens[:verdict.num_accepted].tolist() + [verdict.next_token]
+    def step(self, batch: list[DecodeContext]) -> list[list[int]]:
+        model, d = batch[0].model, self.spec.draft_layer
+        _check_layers(self.spec, model.num_layers, hierarchical=False)
+        _ensure_policies(batch, self.spec)
+        stats = [c.stats for c in batch]
+        positions = [len(c.tokens) - 1 for c in batch]
+        with phase_timer(stats, "draft", model.device):
+            props = draft(batch, [(c.tokens[-1], p) for c, p in zip(batch, positions)], d,
+                          [c.remaining for c in batch])
+        with phase_timer(stats, "full_verify", model.device):
+            verdicts = verify(batch, props, positions, d, model.num_layers, "draft->final")
+        commits = []
+        for c, p, v in zip(batch, props, verdicts):
+            c.policy.update(p.tokens.shape[0], v.num_accepted)
+            c.stats.full_passes += 1
+            commits.append(p.tokens[:v.num_accepted].tolist() + [v.next_token])
+        return commits
 
 
 @dataclass
 class Window:
     """Tokens tentatively accepted at the intermediate exit, waiting for full verification."""
 
+    base: int  # position of the pending committed token
     tokens: list[int] = field(default_factory=list)  # w_1 .. w_m
     hidden: list[torch.Tensor] = field(default_factory=list)  # rows [*, H]: inputs of positions base .. base+m-1
     probs: list[torch.Tensor] = field(default_factory=list)  # rows [*, V]: p_i(. | prefix) of each w_j
+    closed: bool = False  # an end-of-sequence token is in the window
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -147,7 +181,7 @@ class Window:
         self.probs = [torch.cat(self.probs)[:length]] if self.probs else []
 
 
-class HiSpec:
+class HiSpec(StrategyBase):
     """Hierarchical self-speculation: draft at L_d, filter at L_i, verify a window at L_f."""
 
     name = "hispec"
@@ -155,55 +189,63 @@ class HiSpec:
     def __init__(self, spec: SpecConfig) -> None:
         self.spec = spec
 
-    def steps(self, ctx: DecodeContext) -> Iterator[list[int]]:
-        _check_layers(self.spec, ctx.model.num_layers, hierarchical=True)
-        policy = make_policy(self.spec)
-        while ctx.remaining > 0:
-            window = self._fill_window(ctx, policy)
-            with phase_timer(ctx.stats, "full_verify", ctx.model.device):
-                committed = self._verify_window(ctx, window)
-            yield committed
+    def step(self, batch: list[DecodeContext]) -> list[list[int]]:
+        model = batch[0].model
+        _check_layers(self.spec, model.num_layers, hierarchical=True)
+        _ensure_policies(batch, self.spec)
+        windows = [Window(len(c.tokens) - 1) for c in batch]
+        self._fill_windows(batch, windows)
+        with phase_timer([c.stats for c in batch], "full_verify", model.device):
+            return self._verify_windows(batch, windows)
 
-    def _fill_window(self, ctx: DecodeContext, policy: DraftPolicy) -> Window:
-        d, i, device = self.spec.draft_layer, self.spec.verify_layer, ctx.model.device
-        base, window = len(ctx.tokens) - 1, Window()
-        while len(window) < self.spec.window:
-            room = ctx.remaining - len(window) - 1  # keeps every position below the token limit
-            if room < 1:
-                break
-            pos = base + len(window)
-            last = window.tokens[-1] if window.tokens else ctx.tokens[-1]
-            with phase_timer(ctx.stats, "draft", device):
-                prop = draft(ctx, last, pos, d, policy, room)
-            with phase_timer(ctx.stats, "intermediate_verify", device):
-                verdict = verify(ctx, prop, pos, d, i, "draft->intermediate")
-            policy.update(prop.tokens.shape[0], verdict.num_accepted)
-            start = len(window)
-            window.add(prop, verdict)
-            eos = next((j for j, t in enumerate(window.tokens[start:], start) if t in ctx.eos_ids), None)
-            if eos is not None:
-                window.cut_after(eos + 1)
-                ctx.runner.truncate(ctx.seq_id, base + eos + 1)
-                break
-        return window
+    def _room(self, ctx: DecodeContext, window: Window) -> int:
+        """Drafts the window may still take, keeping every position below the token limit."""
+        return 0 if window.closed or len(window) >= self.spec.window else ctx.remaining - len(window) - 1
 
-    def _verify_window(self, ctx: DecodeContext, window: Window) -> list[int]:
-        """Full verification of ``w_1..w_m``: speculative sampling with draft ``p_i``, target ``p_f``."""
-        i, num_layers = self.spec.verify_layer, ctx.model.num_layers
-        base, m = len(ctx.tokens) - 1, len(window)
-        last = window.tokens[-1] if m else ctx.tokens[-1]
-        h_last = ctx.runner.forward(ctx.seq_id, base + m, ctx.token_tensor([last]), 0, i)  # [1, H]
-        h_in = torch.cat(window.hidden + [h_last])  # [m + 1, H] at positions base .. base + m
-        h = ctx.runner.forward(ctx.seq_id, base, h_in, i, num_layers)
-        logits = ctx.model.exit_logits(h, num_layers)  # [m + 1, V]
-        proposed = ctx.token_tensor(window.tokens)
-        if ctx.params.greedy:
-            num, token = greedy_accept(proposed, logits.argmax(-1))
-        else:
-            p_i = torch.cat(window.probs) if m else logits.new_zeros((0, logits.shape[-1]))
-            num, token = sample_accept(proposed, p_i, logits_to_probs(logits, ctx.params), ctx.generator)
-        ctx.runner.truncate(ctx.seq_id, base + num + 1)
-        if m:
-            ctx.stats.level("intermediate->final").record(m, num)
-        ctx.stats.full_passes += 1
-        return window.tokens[:num] + [token]
+    def _fill_windows(self, batch: list[DecodeContext], windows: list[Window]) -> None:
+        d, i, device = self.spec.draft_layer, self.spec.verify_layer, batch[0].model.device
+        while True:
+            open_ = [b for b, (c, w) in enumerate(zip(batch, windows)) if self._room(c, w) >= 1]
+            if not open_:
+                return
+            ctxs, wins = [batch[b] for b in open_], [windows[b] for b in open_]
+            positions = [w.base + len(w) for w in wins]
+            starts = [(w.tokens[-1] if w.tokens else c.tokens[-1], p) for c, w, p in zip(ctxs, wins, positions)]
+            with phase_timer([c.stats for c in ctxs], "draft", device):
+                props = draft(ctxs, starts, d, [self._room(c, w) for c, w in zip(ctxs, wins)])
+            with phase_timer([c.stats for c in ctxs], "intermediate_verify", device):
+                verdicts = verify(ctxs, props, positions, d, i, "draft->intermediate")
+            for c, w, p, v in zip(ctxs, wins, props, verdicts):
+                c.policy.update(p.tokens.shape[0], v.num_accepted)
+                self._add_to_window(c, w, p, v)
+
+    @staticmethod
+    def _add_to_window(ctx: DecodeContext, window: Window, prop: Proposal, verdict: Verdict) -> None:
+        start = len(window)
+        window.add(prop, verdict)
+        eos = next((j for j, t in enumerate(window.tokens[start:], start) if t in ctx.eos_ids), None)
+        if eos is not None:
+            window.cut_after(eos + 1)
+            ctx.runner.truncate(ctx.seq_id, window.base + eos + 1)
+            window.closed = True
+
+    def _verify_windows(self, batch: list[DecodeContext], windows: list[Window]) -> list[list[int]]:
+        """Full verification of each ``w_1..w_m``: speculative sampling, draft ``p_i``, target ``p_f``."""
+        model, runner, i = batch[0].model, batch[0].runner, self.spec.verify_layer
+        last = [c.token_tensor([w.tokens[-1] if w.tokens else c.tokens[-1]]) for c, w in zip(batch, windows)]
+        h_last = runner.forward_many([(c.seq_id, w.base + len(w), x) for c, w, x in zip(batch, windows, last)], 0, i)
+        h_in = [torch.cat(w.hidden + [h]) for w, h in zip(windows, h_last)]  # [m + 1, H] at base .. base + m
+        hs = runner.forward_many([(c.seq_id, w.base, h) for c, w, h in zip(batch, windows, h_in)], i,
+                                 model.num_layers)
+        logits = split_rows(model.exit_logits(torch.cat(hs) if len(hs) > 1 else hs[0], model.num_layers),
+                            [h.shape[0] for h in hs])
+        commits = []
+        for c, w, lg in zip(batch, windows, logits):
+            p_i = torch.cat(w.probs) if w.probs else lg.new_zeros((0, lg.shape[-1]))
+            _, (num, token) = accept(c, c.token_tensor(w.tokens), p_i, lg)
+            c.runner.truncate(c.seq_id, w.base + num + 1)
+            if len(w):
+                c.stats.level("intermediate->final").record(len(w), num)
+            c.stats.full_passes += 1
+            commits.append(w.tokens[:num] + [token])
+        return commits

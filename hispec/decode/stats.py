@@ -106,8 +106,9 @@ class DecodeStats:
 
 
 @contextmanager
-def phase_timer(stats: DecodeStats, phase: str, device: torch.device):
-    """Add the wall time of the block to ``stats.phase_seconds[phase]`` (synchronising CUDA)."""
+def phase_timer(stats: DecodeStats | list[DecodeStats], phase: str, device: torch.device):
+    """Add the wall time of the block to ``phase_seconds[phase]`` of each stats object (a batch's
+    sequences all wait for the whole phase), synchronising CUDA so the time is real."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     t0 = time.perf_counter()
@@ -116,4 +117,6 @@ def phase_timer(stats: DecodeStats, phase: str, device: torch.device):
     finally:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        stats.phase_seconds[phase] += time.perf_counter() - t0
+        elapsed = time.perf_counter() - t0
+        for s in stats if isinstance(stats, list) else [stats]:
+            s.phase_seconds[phase] += elapsed

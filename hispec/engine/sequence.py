@@ -1,0 +1,124 @@
+"""One request inside the engine: its decode context, end conditions and committed text.
+
+End conditions (EOS, stop strings, the token limit, the context limit) are applied to
+committed tokens only, so every strategy ends exactly where autoregressive decoding would.
+"""
+from __future__ import annotations
+
+import enum
+import time
+from typing import Callable
+
+from ..decode.base import DecodeContext
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    def __init__(self, request_id: str, ctx: DecodeContext, decode: Callable[[list[int]], str],
+                 max_positions: int) -> None:
+        self.request_id = request_id
+        self.ctx = ctx
+        self.prompt_ids = list(ctx.tokens)
+        self.new_tokens: list[int] = []
+        self.status = SeqStatus.WAITING
+        self.finish_reason: str | None = None
+        self.prefilled = False  # its cache holds tokens[:-1] (false again after a preemption)
+        self.text = TextState(decode, ctx.params.stop)
+        self.context_room = max_positions - len(self.prompt_ids)
+        self.arrival_time = time.perf_counter()
+        self.first_token_time: float | None = None
+        self.finish_time: float | None = None
+        self.num_preemptions = 0
+
+    @property
+    def seq_id(self) -> int:
+        return self.ctx.seq_id
+
+    @property
+    def finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
+
+    def commit(self, chunk: list[int]) -> list[int]:
+        """Append committed tokens, cut at an end condition; returns the tokens kept."""
+        reason, chunk = self._cut_at_end(chunk)
+        self.ctx.tokens.extend(chunk)
+        self.new_tokens.extend(chunk)
+        if chunk and self.first_token_time is None:
+            self.first_token_time = time.perf_counter()
+        if self.text.update(self.new_tokens, final=reason is not None):
+            reason = "stop"
+            kept = self.text.tokens_through_stop(self.new_tokens)
+            chunk = chunk[:max(0, len(chunk) - (len(self.new_tokens) - len(kept)))]
+            self.new_tokens = kept
+        if reason is None and self.ctx.remaining <= 0:
+            reason = "length" if len(self.new_tokens) >= self.ctx.params.max_new_tokens else "context"
+        if reason is not None:
+            self.finish(reason)
+        return chunk
+
+    def finish(self, reason: str) -> None:
+        self.status = SeqStatus.FINISHED
+        self.finish_reason = reason
+        self.finish_time = time.perf_counter()
+        self.ctx.stats.new_tokens = len(self.new_tokens)
+
+    def _cut_at_end(self, chunk: list[int]) -> tuple[str | None, list[int]]:
+        params = self.ctx.params
+        limit = min(params.max_new_tokens, self.context_room) - len(self.new_tokens)
+        if not params.ignore_eos:
+            for j, t in enumerate(chunk[:limit]):
+                if t in self.ctx.eos_ids:
+                    return "eos", chunk[:j + 1]
+        if len(chunk) >= limit:
+            return ("length" if params.max_new_tokens <= self.context_room else "context"), chunk[:limit]
+        return None, chunk
+
+
+class TextState:
+    """Incremental detokenisation of committed tokens with stop strings.
+
+    ``delta()`` hands out text that can no longer change: it holds back a trailing partial
+    UTF-8 character and, when stop strings are set, the last ``len(longest stop) - 1`` chars.
+    """
+
+    def __init__(self, decode: Callable[[list[int]], str], stops: tuple[str, ...]) -> None:
+        self.decode, self.stops = decode, stops
+        self.text = ""
+        self.sent = 0
+        self.safe = 0
+        self.hold = max((len(s) for s in stops), default=1) - 1
+
+    def update(self, tokens: list[int], final: bool) -> bool:
+        """Decode the committed tokens; True if a stop string appeared (the text is cut before it)."""
+        self.text = self.decode(tokens)
+        for s in self.stops:
+            cut = self.text.find(s)
+            if cut >= 0:
+                self.text = self.text[:cut]
+                self.safe = len(self.text)
+                return True
+        if final:
+            self.safe = len(self.text)
+        else:
+            safe = len(self.text) - self.hold
+            if self.text.endswith("\ufffd"):
+                safe = min(safe, len(self.text.rstrip("\ufffd")))
+            self.safe = max(self.safe, safe)
+        return False
+
+    def tokens_through_stop(self, tokens: list[int]) -> list[int]:
+        """The shortest prefix of ``tokens`` whose text reaches a stop string."""
+        for n in range(1, len(tokens) + 1):
+            if any(s in self.decode(tokens[:n]) for s in self.stops):
+                return tokens[:n]
+        return tokens
+
+    def delta(self) -> str:
+        out = self.text[self.sent:self.safe]
+        self.sent = max(self.sent, self.safe)
+        return out

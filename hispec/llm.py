@@ -1,0 +1,81 @@
+"""``LLM``: many prompts at once through the batched engine (continuous batching)."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .config import SamplingParams, SpecConfig
+from .decode.stats import DecodeStats
+from .engine.engine import Engine, kv_blocks_for
+from .generate import Generator, make_strategy
+
+
+@dataclass
+class BatchOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    seconds: float  # from submission to finish
+    time_to_first_token: float | None
+    stats: DecodeStats
+
+    @property
+    def new_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+class LLM:
+    """``LLM("default").generate(prompts, SamplingParams(...))`` -> one ``BatchOutput`` per prompt, in order.
+
+    Sequences run together in ragged batches of up to ``max_batch_size``; each one's greedy
+    output equals its own batch-of-one ``ar`` output. With ``adaptive=True`` the engine decides
+    per step whether speculation pays at the current batch size (see ``engine/adaptive.py``).
+    """
+
+    def __init__(self, model: str | Generator = "default", strategy: str = "hispec", *, spec: SpecConfig | None = None,
+                 device: str = "cpu", dtype: torch.dtype = torch.float32, max_batch_size: int = 16,
+                 kv_blocks: int | None = None, kv_memory_fraction: float | None = None, block_size: int = 16,
+                 adaptive: bool = True) -> None:
+        self.generator = model if isinstance(model, Generator) else Generator.from_pretrained(model, device=device,
+                                                                                               dtype=dtype)
+        m = self.generator.model
+        spec = spec or getattr(self.generator, "recommended_spec", None)
+        self.strategy = make_strategy(strategy, spec, m.num_layers)
+        self.kv_blocks, self.kv_memory_fraction = kv_blocks, kv_memory_fraction
+        self.engine = Engine(m, self.strategy, tokenizer=self.generator.tokenizer, eos_ids=self.generator.eos_ids,
+                             kv_blocks=1, block_size=block_size, max_batch_size=max_batch_size, adaptive=adaptive)
+
+    def _size_pool(self, prompts: list[list[int]], params: list[SamplingParams]) -> None:
+        """Blocks from the options, or by default enough for a full batch of the longest request."""
+        e, m = self.engine, self.generator.model
+        longest = max(min(len(p) + sp.max_new_tokens, m.cfg.max_position_embeddings) for p, sp in zip(prompts, params))
+        per_seq = kv_blocks_for(m, e.block_size, min_tokens=longest + e.lookahead)
+        default = per_seq * min(e.max_batch_size, len(prompts))
+        need = kv_blocks_for(m, e.block_size, kv_blocks=self.kv_blocks, memory_fraction=self.kv_memory_fraction) \
+            if self.kv_blocks or self.kv_memory_fraction else default
+        if e.blocks.num_blocks != need:
+            e.resize_pool(need)
+
+    def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None,
+                 *, chat: bool | None = None, on_output: Callable | None = None) -> list[BatchOutput]:
+        params = params or SamplingParams()
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [p if isinstance(p, list) else self.generator.encode_prompt(p, chat) for p in prompts]
+        self._size_pool(ids, plist)
+        start = time.perf_counter()
+        request_ids = [self.engine.add_request(p, sp) for p, sp in zip(ids, plist)]
+        done = {}
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                if on_output is not None:
+                    on_output(out)
+                if out.finished:
+                    done[out.request_id] = out
+        self.seconds = time.perf_counter() - start
+        return [BatchOutput(r, done[r].prompt_token_ids, done[r].token_ids, done[r].text, done[r].finish_reason,
+                            done[r].seconds, done[r].time_to_first_token, done[r].stats) for r in request_ids]

@@ -1,0 +1,76 @@
+"""Shared fixtures: tiny random Hugging Face model folders (no network).
+
+``tiny_model_dir(family, **overrides)`` writes a randomly initialised transformers model of
+that family once per session (per distinct overrides) and returns its folder, which
+``hispec.model.loader.load_model`` reads. Weights are seeded, so runs are reproducible.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import torch
+
+# Small enough for a 2-core CPU, deep enough for a draft exit, an intermediate exit and a
+# final layer (draft 1..2, verify 2..5, 6 layers).
+TINY_BASE = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+
+
+def _hf_model(family: str, cfg_kwargs: dict):
+    import transformers as tf
+
+    if family == "llama":
+        return tf.LlamaForCausalLM(tf.LlamaConfig(**cfg_kwargs))
+    if family == "qwen2":
+        return tf.Qwen2ForCausalLM(tf.Qwen2Config(**cfg_kwargs))
+    if family == "qwen3":
+        cfg_kwargs.setdefault("head_dim", cfg_kwargs["hidden_size"] // cfg_kwargs["num_attention_heads"])
+        return tf.Qwen3ForCausalLM(tf.Qwen3Config(**cfg_kwargs))
+    raise ValueError(f"no tiny model recipe for family {family!r}")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Callable[..., Path]:
+    """Factory: ``tiny_model_dir("llama", num_hidden_layers=4, ...) -> Path`` (cached per arguments)."""
+    cache: dict[tuple, Path] = {}
+
+    def make(family: str = "llama", *, seed: int = 0, **overrides) -> Path:
+        key = (family, seed, tuple(sorted(overrides.items())))
+        if key not in cache:
+            cfg_kwargs = {**TINY_BASE, **overrides}
+            torch.manual_seed(seed)
+            model = _hf_model(family, cfg_kwargs)
+            folder = tmp_path_factory.mktemp(f"tiny-{family}")
+            model.save_pretrained(folder)
+            cache[key] = folder
+        return cache[key]
+
+    return make
+
+
+def write_char_tokenizer(folder: Path) -> None:
+    """A character-level tokenizer (printable ASCII + <unk>, <s>, </s>) so tiny models take text."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<unk>", "<s>", "</s>"]
+    vocab = {tok: i for i, tok in enumerate(specials + [chr(c) for c in range(32, 127)])}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    fast.chat_template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}<assistant>"
+    fast.save_pretrained(folder)
+
+
+@pytest.fixture(scope="session")
+def tiny_text_model_dir(tiny_model_dir, tmp_path_factory) -> Path:
+    """A tiny random Llama with a character tokenizer and a chat template (eos id 2)."""
+    import shutil
+
+    folder = tmp_path_factory.mktemp("tiny-text")
+    shutil.copytree(tiny_model_dir("llama", eos_token_id=2, bos_token_id=1), folder, dirs_exist_ok=True)
+    write_char_tokenizer(folder)
+    return folder
