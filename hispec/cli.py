@@ -138,6 +138,11 @@ def register_generate(sub) -> None:
     p.add_argument("--no-chat", dest="chat", action="store_false")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     p.add_argument("--stats", action="store_true", help="print speculation statistics after generation (stderr)")
+    b = p.add_argument_group("batching (with --prompts)")
+    b.add_argument("--batch-size", type=int, default=1, help="sequences decoded together (continuous batching)")
+    b.add_argument("--kv-blocks", type=int, default=None, help="KV-cache blocks of 16 tokens (default: enough for a full batch)")
+    b.add_argument("--kv-memory-fraction", type=float, default=None, help="size the KV pool as this fraction of free memory")
+    b.add_argument("--no-adaptive", action="store_true", help="always speculate (no per-step cost model)")
     add_model_options(p)
     add_sampling_options(p)
     add_spec_options(p)
@@ -154,8 +159,12 @@ def cmd_generate(args) -> int:
         prompts = read_prompts(args.prompts)  # validate the whole file before any work
     gen = load_generator(args)
     spec = spec_from_args(args, gen) if args.strategy != "ar" else None
+    if args.batch_size < 1:
+        raise UsageError(f"--batch-size must be >= 1, got {args.batch_size}")
     if prompts is None:
         return _generate_one(gen, args, params, spec)
+    if args.batch_size > 1:
+        return _generate_batched(gen, args, params, spec, prompts)
     return _generate_many(gen, args, params, spec, prompts)
 
 
@@ -190,9 +199,36 @@ def _generate_many(gen, args, params, spec, prompts) -> int:
     return 0
 
 
+def _generate_batched(gen, args, params, spec, prompts) -> int:
+    from tqdm import tqdm
+
+    from .decode.stats import DecodeStats
+    from .llm import LLM
+
+    llm = LLM(gen, args.strategy, spec=spec, max_batch_size=args.batch_size, kv_blocks=args.kv_blocks,
+              kv_memory_fraction=args.kv_memory_fraction, adaptive=not args.no_adaptive)
+    total = DecodeStats(args.strategy)
+    with tqdm(total=len(prompts), desc=f"{args.strategy} batch {args.batch_size}", unit="prompt", file=sys.stderr,
+              disable=None) as bar:
+        outputs = llm.generate([p.prompt for p in prompts], params, chat=args.chat,
+                               on_output=lambda o: o.finished and bar.update(1))
+    for p, out in zip(prompts, outputs):
+        total.merge(out.stats)
+        if args.json:
+            print(json.dumps(output_record(p.id, out, args.strategy)), flush=True)
+        else:
+            print(f"### {p.id}\n{out.text}\n", flush=True)
+    if args.stats:
+        tokens = sum(o.new_tokens for o in outputs)
+        print_stats_table(total, tokens, llm.seconds, sys.stderr)
+        print(f"  engine: {json.dumps(llm.engine.stats())}", file=sys.stderr)
+    return 0
+
+
 def output_record(pid: str, out, strategy: str) -> dict:
+    rate = out.new_tokens / out.seconds if out.seconds > 0 else 0.0
     return {"id": pid, "text": out.text, "token_ids": out.token_ids, "new_tokens": out.new_tokens,
-            "seconds": round(out.seconds, 4), "tokens_per_second": round(out.tokens_per_second, 3),
+            "seconds": round(out.seconds, 4), "tokens_per_second": round(rate, 3),
             "finish_reason": out.finish_reason, "strategy": strategy, "stats": out.stats.to_dict()}
 
 

@@ -174,6 +174,9 @@ class SpecConfig:
 
     def __post_init__(self) -> None:
         n = self.num_layers
+        if not 1 <= self.draft_layer < self.verify_layer:
+            raise ConfigError(f"the draft layer must be >= 1 and below the verify layer, got draft layer "
+                              f"{self.draft_layer} and verify layer {self.verify_layer}")
         if n and not 1 <= self.draft_layer < n:
             raise ConfigError(f"draft layer must be between 1 and {n - 1} (the model has {n} layers), "
                               f"got {self.draft_layer}")

@@ -127,6 +127,7 @@ class Generator:
                                   kv_blocks=1, block_size=self.block_size, max_batch_size=1, adaptive=False)
         engine = self._engine
         engine.strategy = strategy
+        engine.eos_ids = frozenset(self.eos_ids)
         need = kv_blocks_for(self.model, self.block_size, min_tokens=num_tokens + engine.lookahead)
         if engine.blocks.num_blocks < need:
             engine.resize_pool(need)

@@ -126,7 +126,8 @@ class Engine:
             seed = params.seed if params.seed is not None else int(torch.seed() % 2**63)
             generator = torch.Generator(device=self.model.device).manual_seed(seed)
         ctx = DecodeContext(self.runner, seq_id, list(prompt_ids), params, generator, DecodeStats(self.strategy.name),
-                            min(len(prompt_ids) + params.max_new_tokens, max_pos), self.eos_ids)
+                            min(len(prompt_ids) + params.max_new_tokens, max_pos),
+                            frozenset() if params.ignore_eos else self.eos_ids)
         seq = Sequence(request_id, ctx, self._decode, max_pos)
         self._requests[request_id] = seq
         self.scheduler.add(seq)

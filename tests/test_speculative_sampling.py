@@ -1,0 +1,340 @@
+"""Speculative *sampling* is lossless: the committed tokens follow the full model's distribution.
+
+The model has an 8-token vocabulary, so the exact joint distribution of the first 2-3 new
+tokens is enumerated from a Hugging Face ``transformers`` forward pass of the same weights
+(with temperature / top-k / top-p applied by an independent reference implementation).
+Many seeded generations of each strategy are compared to it with a chi-square goodness-of-fit
+test at significance ``ALPHA``; seeds are fixed, so every run gives the same statistic. The
+same statistic must reject deliberately wrong acceptance rules, so the test has power.
+"""
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import pytest
+import torch
+
+import hispec.decode.speculative as spec_mod
+from hispec.config import SamplingParams, SpecConfig
+from hispec.generate import Generator
+from hispec.model.loader import load_model
+from hispec.sampling.speculative import greedy_accept, sample_accept
+
+ALPHA = 1e-3  # chi-square significance level; the wrong samplers score p-values far below it
+VOCAB = 8
+PROMPT = [1, 5, 3, 7]
+# Weights at initializer_range 0.2: the draft (layer 1), intermediate (layer 2) and final
+# (layer 4) exits disagree substantially (total variation ~0.2-0.4), so acceptance and
+# rejection both happen often and a biased rule shows.
+TINY = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+            initializer_range=0.2)
+SPEC = SpecConfig(draft_layer=1, verify_layer=2, num_draft=2, window=2)
+
+
+# ---- statistics ----------------------------------------------------------------------------
+
+def chi2_sf(stat: float, df: int) -> float:
+    """Upper tail of the chi-square distribution: P(X >= stat)."""
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
+                                         torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+def chi2_bound(df: int, alpha: float = ALPHA) -> float:
+    """The statistic whose upper tail is ``alpha`` (bisection on ``chi2_sf``)."""
+    lo, hi = 0.0, df + 40.0 * math.sqrt(df) + 100.0
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if chi2_sf(mid, df) > alpha else (lo, mid)
+    return hi
+
+
+def chi_square(counts: Counter, expected: dict, min_expected: float = 5.0) -> tuple[float, int]:
+    """Pearson's statistic and degrees of freedom; cells expecting fewer than ``min_expected``
+    draws are pooled into one. A draw outside the support makes the statistic infinite."""
+    n = sum(counts.values())
+    if any(key not in expected or expected[key] == 0 for key in counts):
+        return math.inf, 1
+    cells, pooled_obs, pooled_exp = [], 0, 0.0
+    for key, p in expected.items():
+        if n * p >= min_expected:
+            cells.append((counts.get(key, 0), n * p))
+        else:
+            pooled_obs, pooled_exp = pooled_obs + counts.get(key, 0), pooled_exp + n * p
+    if pooled_exp > 0:
+        cells.append((pooled_obs, pooled_exp))
+    stat = sum((o - e) ** 2 / e for o, e in cells)
+    return stat, len(cells) - 1
+
+
+def total_variation(counts: Counter, expected: dict) -> float:
+    n = sum(counts.values())
+    keys = set(counts) | set(expected)
+    return 0.5 * sum(abs(counts.get(k, 0) / n - expected.get(k, 0.0)) for k in keys)
+
+
+def fit(counts: Counter, expected: dict) -> dict:
+    stat, df = chi_square(counts, expected)
+    return {"stat": stat, "df": df, "bound": chi2_bound(df), "p": chi2_sf(stat, df) if stat < math.inf else 0.0,
+            "tv": total_variation(counts, expected)}
+
+
+# ---- the model and the exact target ----------------------------------------------------------
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_dir):
+    return tiny_model_dir("llama", seed=1, **TINY)
+
+
+@pytest.fixture(scope="module")
+def gen(model_dir) -> Generator:
+    g = Generator(load_model(model_dir))
+    g.eos_ids = frozenset()  # token 2 is Llama's EOS; here every run makes exactly max_new_tokens
+    return g
+
+
+@pytest.fixture(scope="module")
+def hf_model(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def reference_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Temperature, then top-k (ties at the k-th value kept), then top-p (the smallest prefix of
+    the sorted distribution whose mass reaches top_p), in float64. Rows of ``logits [B, V]``."""
+    x = logits.double() / params.temperature
+    if params.top_k:
+        kth = x.topk(params.top_k, dim=-1).values[:, -1:]
+        x = x.masked_fill(x < kth, -math.inf)
+    p = torch.softmax(x, dim=-1)
+    if params.top_p < 1.0:
+        out = torch.zeros_like(p)
+        for r in range(p.shape[0]):
+            mass = 0.0
+            for t in p[r].argsort(descending=True).tolist():
+                if mass >= params.top_p:
+                    break
+                out[r, t] = p[r, t]
+                mass += float(p[r, t])
+        p = out / out.sum(-1, keepdim=True)
+    return p
+
+
+def exact_joint(hf_model, params: SamplingParams) -> dict[tuple[int, ...], float]:
+    """P(first ``max_new_tokens`` new tokens == t) for every sequence t, by enumeration."""
+    joint = {(): 1.0}
+    for _ in range(params.max_new_tokens):
+        prefixes = list(joint)
+        with torch.no_grad():
+            logits = hf_model(torch.tensor([PROMPT + list(s) for s in prefixes])).logits[:, -1]
+        probs = reference_probs(logits, params)
+        joint = {s + (t,): joint[s] * float(probs[i, t])
+                 for i, s in enumerate(prefixes) for t in range(VOCAB) if probs[i, t] > 0}
+    assert abs(sum(joint.values()) - 1.0) < 1e-9
+    return joint
+
+
+def empirical(gen: Generator, strategy: str, params: SamplingParams, num_seeds: int) -> Counter:
+    counts = Counter()
+    for seed in range(num_seeds):
+        params.seed = seed
+        out = gen.generate(PROMPT, params, strategy, spec=SPEC)
+        assert len(out.token_ids) == params.max_new_tokens
+        counts[tuple(out.token_ids)] += 1
+    return counts
+
+
+SETTINGS = {
+    "T1": SamplingParams(temperature=1.0, max_new_tokens=2),
+    "T0.8-topk3": SamplingParams(temperature=0.8, top_k=3, max_new_tokens=3),
+    "T1.3-topp0.8": SamplingParams(temperature=1.3, top_p=0.8, max_new_tokens=2),
+}
+
+
+def _copy(params: SamplingParams) -> SamplingParams:
+    return SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
+                          max_new_tokens=params.max_new_tokens)
+
+
+RESULTS: dict[str, dict] = {}  # printed with -s; the report quotes them
+
+
+def report(name: str, result: dict) -> None:
+    RESULTS[name] = result
+    print(f"\n{name}: chi2={result['stat']:.1f} df={result['df']} bound={result['bound']:.1f} "
+          f"p={result['p']:.3g} tv={result['tv']:.3f}")
+
+
+# ---- end to end: the strategies sample from the target ---------------------------------------
+
+@pytest.mark.parametrize("strategy,num_seeds", [("ar", 500), ("selfspec", 800), ("hispec", 1000)])
+def test_first_two_tokens_follow_the_target(gen, hf_model, strategy, num_seeds):
+    params = _copy(SETTINGS["T1"])
+    result = fit(empirical(gen, strategy, params, num_seeds), exact_joint(hf_model, params))
+    report(f"{strategy}/T1", result)
+    assert result["stat"] <= result["bound"], result
+
+
+@pytest.mark.parametrize("setting", ["T0.8-topk3", "T1.3-topp0.8"])
+def test_hispec_follows_the_target_with_top_k_and_top_p(gen, hf_model, setting):
+    params = _copy(SETTINGS[setting])
+    result = fit(empirical(gen, "hispec", params, 400), exact_joint(hf_model, params))
+    report(f"hispec/{setting}", result)
+    assert result["stat"] <= result["bound"], result
+
+
+def accept_all(draft_tokens, draft_probs, target_probs, generator):
+    """WRONG: accept every draft (the output then follows the draft distribution)."""
+    k = draft_tokens.shape[0]
+    if target_probs.shape[0] > k:
+        return k, int(torch.multinomial(target_probs[k], 1, generator=generator))
+    return k, None
+
+
+def recover_from_target(draft_tokens, draft_probs, target_probs, generator):
+    """WRONG: the right acceptance test, but a rejected draft is replaced by a sample of p
+    instead of the residual norm(max(0, p - q)) (over-weights tokens the draft favours)."""
+    k = draft_tokens.shape[0]
+    idx = draft_tokens[:, None]
+    p_x = target_probs[:k].gather(1, idx).squeeze(1)
+    q_x = draft_probs.gather(1, idx).squeeze(1)
+    u = torch.rand(k, generator=generator)
+    num = int((u * q_x < p_x).long().cumprod(0).sum())
+    if num == k and target_probs.shape[0] == k:
+        return num, None
+    return num, int(torch.multinomial(target_probs[num], 1, generator=generator))
+
+
+@pytest.mark.parametrize("wrong,strategy,num_seeds", [(accept_all, "selfspec", 300), (recover_from_target, "hispec", 500)],
+                         ids=["accept_all-selfspec", "recover_from_target-hispec"])
+def test_the_statistic_rejects_a_biased_sampler(gen, hf_model, monkeypatch, wrong, strategy, num_seeds):
+    # the strategies call the name they imported into hispec.decode.speculative
+    monkeypatch.setattr(spec_mod, "sample_accept", wrong)
+    params = _copy(SETTINGS["T1"])
+    result = fit(empirical(gen, strategy, params, num_seeds), exact_joint(hf_model, params))
+    report(f"WRONG {wrong.__name__}/{strategy}/T1", result)
+    assert result["stat"] > result["bound"], result
+
+
+def test_reference_target_matches_hispec_model(gen, hf_model):
+    """The enumeration's logits (transformers) and hispec's full model agree."""
+    from hispec.cache.block_manager import BlockManager
+    from hispec.cache.kv_cache import KVPool
+    from hispec.decode.base import LayerRunner
+
+    model, cfg = gen.model, gen.model.cfg
+    blocks = BlockManager(4, 4, model.num_layers)
+    pool = KVPool(model.num_layers, 4, 4, cfg.num_kv_heads, cfg.head_dim, model.dtype, "cpu")
+    blocks.add_sequence(0)
+    h = LayerRunner(model, blocks, pool).forward(0, 0, torch.tensor(PROMPT), 0, model.num_layers)
+    with torch.no_grad():
+        want = hf_model(torch.tensor([PROMPT])).logits[0]
+    torch.testing.assert_close(model.exit_logits(h, model.num_layers), want, atol=1e-4, rtol=1e-4)
+
+
+# ---- reproducibility --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("strategy", ["ar", "selfspec", "hispec"])
+def test_seeded_runs_are_reproducible(gen, strategy):
+    def run(seed):
+        params = SamplingParams(temperature=1.0, seed=seed, max_new_tokens=10)
+        return gen.generate(PROMPT, params, strategy, spec=SPEC).token_ids
+
+    assert run(3) == run(3)
+    assert len({tuple(run(seed)) for seed in range(6)}) > 1
+
+
+# ---- unit tests of the accept/reject rules on hand-made distributions -----------------------
+
+Q = torch.tensor([[0.5, 0.3, 0.1, 0.1],  # draft distributions, one row per draft position
+                  [0.1, 0.1, 0.2, 0.6]])
+P = torch.tensor([[0.1, 0.2, 0.3, 0.4],  # target rows for the draft positions, then the bonus row
+                  [0.25, 0.25, 0.25, 0.25],
+                  [0.7, 0.1, 0.1, 0.1]])
+
+
+def run_rule(rule, k: int, trials: int, seed: int = 0, bonus: bool = True):
+    """Draw k drafts from Q, apply ``rule``; collect the committed tokens of each round."""
+    g = torch.Generator().manual_seed(seed)
+    rounds = []
+    target = P[:k + 1] if bonus else P[:k]
+    for _ in range(trials):
+        drafts = torch.multinomial(Q[:k], 1, generator=g).squeeze(1)
+        num, token = rule(drafts, Q[:k], target, g)
+        rounds.append((num, drafts[:num].tolist() + ([] if token is None else [token])))
+    return rounds
+
+
+def marginal_fit(tokens: list[int], row: torch.Tensor) -> dict:
+    return fit(Counter(tokens), {t: float(row[t]) for t in range(row.shape[0]) if row[t] > 0})
+
+
+def test_sample_accept_first_token_is_distributed_as_p():
+    rounds = run_rule(sample_accept, k=1, trials=6000)
+    result = marginal_fit([out[0] for _, out in rounds], P[0])
+    assert result["stat"] <= result["bound"], result
+    # P(accept) = sum_x min(p(x), q(x)) = 0.1 + 0.2 + 0.1 + 0.1
+    rate = sum(num for num, _ in rounds) / len(rounds)
+    assert abs(rate - 0.5) < 4 * math.sqrt(0.25 / len(rounds))
+
+
+def test_sample_accept_later_positions_and_bonus_follow_their_rows():
+    rounds = run_rule(sample_accept, k=2, trials=6000, seed=1)
+    second = [out[1] for num, out in rounds if num >= 1]  # the draft-2 position, given draft 1 accepted
+    bonus = [out[2] for num, out in rounds if num == 2]
+    for tokens, row in ((second, P[1]), (bonus, P[2])):
+        result = marginal_fit(tokens, row)
+        assert result["stat"] <= result["bound"], result
+    assert all(len(out) == num + 1 for num, out in rounds)
+
+
+def test_sample_accept_without_bonus_row_returns_none_when_all_accepted():
+    rounds = run_rule(sample_accept, k=2, trials=300, bonus=False)
+    assert any(num == 2 for num, _ in rounds)
+    assert all(len(out) == (2 if num == 2 else num + 1) for num, out in rounds)
+
+
+def test_the_unit_statistic_rejects_wrong_rules():
+    for rule in (accept_all, recover_from_target):
+        rounds = run_rule(rule, k=1, trials=6000)
+        result = marginal_fit([out[0] for _, out in rounds], P[0])
+        assert result["stat"] > result["bound"], (rule.__name__, result)
+
+
+def test_sample_accept_edge_cases():
+    g = torch.Generator().manual_seed(0)
+    # p == q: every draft is accepted
+    for _ in range(50):
+        drafts = torch.multinomial(Q, 1, generator=g).squeeze(1)
+        num, token = sample_accept(drafts, Q, torch.cat([Q, P[2:]]), g)
+        assert num == 2 and token is not None
+    # a draft outside the target's support is always rejected, and never re-emitted
+    p = torch.tensor([[0.0, 0.5, 0.5, 0.0]])
+    for _ in range(50):
+        num, token = sample_accept(torch.tensor([0]), Q[:1], p, g)
+        assert num == 0 and token in (1, 2)
+    # k = 0 (nothing drafted): a plain sample from the bonus row
+    num, token = sample_accept(torch.zeros(0, dtype=torch.long), Q[:0], torch.tensor([[0.0, 0.0, 1.0, 0.0]]), g)
+    assert (num, token) == (0, 2)
+
+
+@pytest.mark.parametrize("drafts,argmax,expected", [
+    ([1, 2, 3], [1, 2, 3, 4], (3, 4)),  # all accepted, bonus
+    ([1, 2, 3], [1, 5, 3, 4], (1, 5)),  # first mismatch ends the run, even if later ones match
+    ([1, 2, 3], [0, 2, 3, 4], (0, 0)),
+    ([1, 2, 3], [1, 2, 3], (3, None)),  # no bonus row
+    ([1, 2, 3], [1, 2, 0], (2, 0)),
+    ([], [6], (0, 6)),
+])
+def test_greedy_accept(drafts, argmax, expected):
+    assert greedy_accept(torch.tensor(drafts, dtype=torch.long), torch.tensor(argmax)) == expected
