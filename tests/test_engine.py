@@ -1,0 +1,127 @@
+"""The batched engine: each sequence's greedy output equals its own batch-of-one ``ar`` output,
+whatever the batch size, the mix of prompt lengths and where EOS falls; preemption under a
+small pool changes nothing; every block is free again afterwards."""
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+import torch
+
+from hispec.config import SamplingParams, SpecConfig
+from hispec.engine import Engine
+from hispec.generate import Generator, make_strategy
+from hispec.llm import LLM
+from hispec.model.loader import load_model
+
+STRATEGIES = {
+    "ar": None,
+    "selfspec": SpecConfig(2, 6, num_draft=3),
+    "hispec": SpecConfig(1, 3, num_draft=3, window=4),
+    "hispec-svip": SpecConfig(2, 4, draft_policy="svip", svip_threshold=3.0),
+    "hispec-heuristic": SpecConfig(1, 4, draft_policy="heuristic"),
+}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir):
+    m = load_model(tiny_model_dir("llama"))
+    for layer in m.layers[2:]:  # upper layers barely change the residual: early exits agree often
+        layer.o_proj.weight.mul_(0.1)
+        layer.down_proj.weight.mul_(0.1)
+    return m
+
+
+@pytest.fixture(scope="module")
+def workload(model):
+    rng = random.Random(3)
+    prompts = [[rng.randrange(128) for _ in range(rng.randint(1, 40))] for _ in range(16)]
+    limits = [rng.randint(1, 30) for _ in prompts]
+    gen = Generator(model)
+    free = [gen.generate(p, SamplingParams(max_new_tokens=n, ignore_eos=True), "ar").token_ids
+            for p, n in zip(prompts, limits)]
+    # end-of-sequence: a token that some sequences produce at different steps and others never
+    counts = Counter(t for ids in free for t in set(ids[1:]))
+    eos = next(t for t, c in counts.most_common() if c < len(prompts) // 2)
+    gen.eos_ids = frozenset({eos})
+    reference = [gen.generate(p, SamplingParams(max_new_tokens=n), "ar") for p, n in zip(prompts, limits)]
+    assert {"eos", "length"} <= {r.finish_reason for r in reference}
+    return prompts, limits, [r.token_ids for r in reference], eos
+
+
+def run_engine(model, name, prompts, limits, eos, batch_size, kv_blocks, adaptive=True):
+    engine = Engine(model, make_strategy(name.split("-")[0], STRATEGIES[name], model.num_layers), eos_ids={eos},
+                    kv_blocks=kv_blocks, block_size=4, max_batch_size=batch_size, adaptive=adaptive)
+    ids = [engine.add_request(p, SamplingParams(max_new_tokens=n)) for p, n in zip(prompts, limits)]
+    final = engine.run_to_completion()
+    return engine, [final[i].token_ids for i in ids]
+
+
+@pytest.mark.parametrize("name", list(STRATEGIES))
+@pytest.mark.parametrize("batch_size", [1, 2, 5, 16])
+def test_batched_outputs_equal_batch_of_one_ar(model, workload, name, batch_size):
+    prompts, limits, expected, eos = workload
+    engine, got = run_engine(model, name, prompts, limits, eos, batch_size, kv_blocks=400)
+    assert got == expected
+    engine.blocks.check_invariants()
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks  # no leak
+
+
+@pytest.mark.parametrize("name", list(STRATEGIES))
+def test_preemption_under_a_small_pool_gives_the_same_outputs(model, workload, name):
+    prompts, limits, expected, eos = workload
+    engine, got = run_engine(model, name, prompts, limits, eos, batch_size=16, kv_blocks=22)
+    assert engine.scheduler.num_preemptions > 0  # the pool really was too small
+    assert got == expected
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+
+
+def test_always_speculating_without_the_cost_model(model, workload):
+    prompts, limits, expected, eos = workload
+    engine, got = run_engine(model, "hispec", prompts, limits, eos, batch_size=5, kv_blocks=400, adaptive=False)
+    assert got == expected
+
+
+def test_adaptive_decisions_show_in_the_stats(model, workload):
+    prompts, limits, _, eos = workload
+    engine, _ = run_engine(model, "hispec", prompts, limits, eos, batch_size=4, kv_blocks=400)
+    steps = engine.stats()["adaptive"]["steps"]
+    assert steps["speculate"] > 0 and steps["plain"] > 0  # both were measured
+
+
+def test_abort_frees_blocks(model):
+    engine = Engine(model, make_strategy("hispec", STRATEGIES["hispec"], 6), kv_blocks=50, block_size=4)
+    rid = engine.add_request(list(range(20)), SamplingParams(max_new_tokens=50, ignore_eos=True))
+    engine.add_request(list(range(5)), SamplingParams(max_new_tokens=5, ignore_eos=True))
+    engine.step()
+    assert engine.blocks.num_used_blocks > 0
+    assert engine.abort(rid)
+    engine.run_to_completion()
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+
+
+def test_a_request_larger_than_the_pool_is_a_clear_error(model):
+    from hispec.cache.block_manager import CacheFullError
+
+    engine = Engine(model, make_strategy("ar"), kv_blocks=2, block_size=4)
+    engine.add_request(list(range(30)), SamplingParams(max_new_tokens=5))
+    with pytest.raises(CacheFullError, match="kv-blocks"):
+        engine.step()
+
+
+def test_llm_api_keeps_prompt_order(model, workload):
+    prompts, limits, expected, eos = workload
+    gen = Generator(model)
+    gen.eos_ids = frozenset({eos})
+    llm = LLM(gen, "hispec", spec=STRATEGIES["hispec"], max_batch_size=4)
+    outs = llm.generate(prompts, [SamplingParams(max_new_tokens=n) for n in limits])
+    assert [o.token_ids for o in outs] == expected
