@@ -72,6 +72,27 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Grouped-query attention of one sequence: ``q [T, Hq, D]`` over ``k, v [C, Hkv, D]`` -> ``[T, Hq, D]``.
+
+    ``mask [T, C]`` (True = may attend) or None when every key is visible. On CUDA this is
+    ``scaled_dot_product_attention``; on CPU two batched matmuls with the query heads of a
+    group stacked, which avoids expanding K/V and is 2-3x faster for decode-sized queries.
+    """
+    if q.device.type != "cpu":
+        return F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                              attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1]).transpose(0, 1)
+    T, hq, d = q.shape
+    hkv, c = k.shape[1], k.shape[0]
+    g = hq // hkv
+    qg = q.view(T, hkv, g, d).permute(1, 2, 0, 3).reshape(hkv, g * T, d)  # [Hkv, G*T, D]
+    scores = torch.bmm(qg, k.permute(1, 2, 0)) * (d ** -0.5)  # [Hkv, G*T, C]
+    if mask is not None:
+        scores = scores.view(hkv, g, T, c).masked_fill(~mask, float("-inf")).view(hkv, g * T, c)
+    out = torch.bmm(scores.float().softmax(-1).to(v.dtype), v.transpose(0, 1))  # [Hkv, G*T, D]
+    return out.view(hkv, g, T, d).permute(2, 0, 1, 3).reshape(T, hq, d)
+
+
 class DecoderLayer(nn.Module):
     """Pre-norm attention + MLP. q/k/v and gate/up projections are fused for fewer matmuls."""
 
@@ -120,13 +141,10 @@ class DecoderLayer(nn.Module):
             k = k * cos + rotate_half(k) * sin
         pool.write(layer, batch.write_slots, k, v)
         out = torch.empty_like(q)
-        for i, chunk in enumerate(batch.chunks):
+        for i in range(len(batch.chunks)):
             lo, hi = batch.offsets[i], batch.offsets[i + 1]
             ck, cv = pool.read(layer, batch.context_slots[i])  # [C, Hkv, D]
-            out[lo:hi] = F.scaled_dot_product_attention(
-                q[lo:hi].transpose(0, 1), ck.transpose(0, 1), cv.transpose(0, 1),
-                attn_mask=batch.masks[i], enable_gqa=cfg.num_kv_heads != cfg.num_heads,
-            ).transpose(0, 1)
+            out[lo:hi] = attend(q[lo:hi], ck, cv, batch.masks[i])
         return self.o_proj(out.reshape(T, self.q_size))
 
 
