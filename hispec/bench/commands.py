@@ -1,0 +1,154 @@
+"""``hispec bench``: every strategy and its peers on the same prompts, one process, interleaved."""
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+import time
+from pathlib import Path
+
+DEFAULT_STRATEGIES = "ar,selfspec,hispec,hf,hf-early-exit"
+
+EPILOG = """\
+data (--data, repeatable): a JSONL path (Spec-Bench {question_id, category, turns}, {id, prompt} or GSM8K
+{question, answer}), or a named set from an installed package: humaneval, mtbench, sharegpt.
+
+strategies (--strategies, comma-separated NAME[:OPTION...]):
+  ar                      autoregressive (the reference for speedup and identical_to_ar)
+  selfspec[:OPTS]         single exit; OPTS: a draft policy (fixed, svip, heuristic) and d=L_d, k=N_d, t=svip threshold
+  hispec[:OPTS]           two exits; OPTS as selfspec plus i=L_i, w=N_i
+  hf                      transformers generate() on the same model folder
+  hf-early-exit[:L]       transformers generate(assistant_early_exit=L); bare: one run per --hf-exit-layers
+  e.g. ar,selfspec:d=4,selfspec:heuristic,hispec,hispec:svip,hf,hf-early-exit
+
+example:
+  hispec bench --data /path/spec_bench/question.jsonl --limit 2 --per-category --max-new-tokens 64 --out bench-out
+"""
+
+
+def register(subparsers) -> None:
+    from ..cli import add_model_options, add_sampling_options, add_spec_options
+
+    p = subparsers.add_parser("bench", help="benchmark strategies and peers side by side",
+                              description="Benchmark ar, selfspec, hispec and transformers' generate (plain and "
+                                          "early-exit) on the same prompts, interleaved, in one process; write "
+                                          "results.json, report.md and PNG plots.",
+                              epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = p.add_argument_group("benchmark")
+    g.add_argument("--data", action="append", required=True, metavar="PATH|NAME",
+                   help="prompt set: a JSONL file or humaneval, mtbench, sharegpt (repeatable)")
+    g.add_argument("--categories", default=None, metavar="A,B", help="only these categories")
+    g.add_argument("--limit", type=int, default=None, metavar="N", help="at most N prompts per data set")
+    g.add_argument("--per-category", action="store_true", help="apply --limit to each category")
+    g.add_argument("--strategies", default=DEFAULT_STRATEGIES, help=f"(default: {DEFAULT_STRATEGIES})")
+    g.add_argument("--hf-exit-layers", default=None, metavar="L,L",
+                   help="exit layers to try for a bare hf-early-exit (default: the draft layer)")
+    g.add_argument("--warmup", type=int, default=1, metavar="N", help="warm-up prompts per strategy (default 1)")
+    g.add_argument("--out", default="bench-out", metavar="DIR", help="output folder (default: bench-out)")
+    g.add_argument("--chat", dest="chat", action="store_true", default=None,
+                   help="wrap prompts in the model's chat template (default when the model has one)")
+    g.add_argument("--no-chat", dest="chat", action="store_false")
+    g.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_model_options(p)
+    add_sampling_options(p)
+    add_spec_options(p)
+    p.set_defaults(func=cmd_bench)
+
+
+def _int_list(text: str | None, option: str) -> list[int] | None:
+    if text is None:
+        return None
+    from ..cli import UsageError
+
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UsageError(f"{option} needs comma-separated integers, got {text!r}") from None
+    if not values:
+        raise UsageError(f"{option} is empty")
+    return values
+
+
+def cmd_bench(args) -> int:
+    from ..cli import UsageError, load_generator, sampling_from_args
+    from .datasets import load_prompts
+    from .runner import run_bench
+    from .strategies import build_runners, expand_early_exit, parse_strategies, spec_for
+
+    from .results import load_average
+
+    started, load_at_start = time.perf_counter(), load_average()
+    if args.warmup < 0:
+        raise UsageError("--warmup must be >= 0")
+    params = sampling_from_args(args)
+    strategies = parse_strategies(args.strategies)  # names checked before anything is loaded
+    exit_layers = _int_list(args.hf_exit_layers, "--hf-exit-layers")
+    categories = [c.strip() for c in args.categories.split(",")] if args.categories else None
+    prompts = load_prompts(args.data, categories, args.limit, args.per_category)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    gen = load_generator(args, progress=not args.no_progress)
+    if exit_layers is None:
+        from .strategies import StrategySpec
+        exit_layers = [spec_for(StrategySpec("hispec", "hispec"), args, gen).draft_layer]
+    strategies = expand_early_exit(strategies, exit_layers)
+    runners = build_runners(strategies, args, gen)
+    chat = args.chat if args.chat is not None else gen.has_chat_template()
+    print(f"hispec bench: {len(prompts)} prompts x {len(runners)} strategies "
+          f"({', '.join(r.label for r in runners)}), max {params.max_new_tokens} new tokens", file=sys.stderr)
+
+    run = run_bench(gen, runners, prompts, params, chat=chat, warmup=args.warmup, progress=not args.no_progress)
+
+    from .results import build_results
+    config = {
+        "command": "hispec " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:2] == ["bench"]
+        else "hispec bench",
+        "data": list(args.data), "categories": categories, "limit": args.limit, "per_category": args.per_category,
+        "num_prompts": len(prompts), "prompt_ids": [p.id for p in prompts],
+        "prompt_tokens": [len(ids) for ids in run.prompt_ids],
+        "strategies": [r.label for r in runners], "hf_exit_layers": exit_layers,
+        "max_new_tokens": params.max_new_tokens,
+        "sampling": {"temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p,
+                     "seed": params.seed, "stop": list(params.stop), "ignore_eos": params.ignore_eos},
+        "chat": chat, "warmup": args.warmup, "batch_size": 1, "out": str(out),
+    }
+    results = build_results(run, gen, model_name=args.model, config=config, started=started,
+                            load_at_start=load_at_start)
+    return write_outputs(results, out, plots=not args.no_plots)
+
+
+def write_outputs(results: dict, out: Path, plots: bool = True) -> int:
+    """results.json, the PNGs and report.md into ``out``; the overall table on stdout."""
+    from .report import overall_table, render
+
+    (out / "results.json").write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
+    names: list[str] = []
+    if plots:
+        from .plots import PlotsUnavailable, write_plots
+        try:
+            names = write_plots(results, out)
+        except PlotsUnavailable as e:
+            print(f"hispec bench: no plots: {e}", file=sys.stderr)
+    (out / "report.md").write_text(render(results, names), encoding="utf-8")
+    print("\n".join(overall_table(results["strategies"])))
+    print(f"\nwrote {out / 'results.json'}, {out / 'report.md'}" + "".join(f", {out / n}" for n in names),
+          file=sys.stderr)
+    return _exit_status(results["strategies"])
+
+
+def _exit_status(strategies: dict) -> int:
+    """1 when one of hispec's own strategies failed or (greedy) changed the output; peers only warn."""
+    status = 0
+    for label, e in strategies.items():
+        own = e["kind"] in ("ar", "selfspec", "hispec")
+        if not e["available"]:
+            print(f"hispec bench: {'error' if own else 'note'}: {label} did not run: {e['reason']}", file=sys.stderr)
+            status |= own
+        elif e["identical_to_ar"] is False:
+            print(f"hispec bench: {'error' if own else 'warning'}: {label}'s output differs from ar's on "
+                  f"{len(e.get('mismatched_prompts', []))} prompt(s)", file=sys.stderr)
+            status |= own
+    return int(status)

@@ -1,0 +1,137 @@
+"""From per-prompt records to the numbers of results.json (DESIGN.md section 6 vocabulary).
+
+Per strategy, overall and per category:
+
+- ``tokens_per_second``: total new tokens / total generation seconds (prefill included);
+  ``tokens_per_second_median``: the median of the per-prompt rates;
+- ``speedup_vs_ar``: ``tokens_per_second`` / ``ar``'s, on the same prompts in the same run;
+- ``identical_to_ar``: every prompt's token ids equal ``ar``'s (greedy runs; else null);
+- ``mean_accepted_length``: committed tokens / full-model passes;
+- ``acceptance``: per level (``draft->intermediate``, ``intermediate->final``, or
+  ``draft->final`` for selfspec): rounds, draft tokens, accepted tokens, acceptance rate and
+  acceptance per position;
+- ``phase_seconds`` (summed over prompts) and ``verification_wall`` (full-verify seconds per
+  committed token / draft seconds per drafted token);
+- ``peak_memory_bytes`` (see ``memory``), ``memory_added_bytes`` (the peak minus the memory in
+  use when the generation started) and ``kv_cache_bytes``: the largest over the prompts; and
+  the overhead against ``ar``: ``memory_overhead_vs_ar_bytes`` (difference of
+  ``memory_added_bytes``: the same weights and pool are resident for both, so this is the cost
+  of speculation's extra state) and ``kv_overhead_vs_ar_bytes``.
+
+Fields a strategy cannot report (acceptance of transformers' peers) are null.
+"""
+from __future__ import annotations
+
+import statistics
+
+from ..decode.stats import DecodeStats
+from .runner import BenchRun, Record
+
+FIELDS = ("tokens_per_second", "tokens_per_second_median", "speedup_vs_ar", "identical_to_ar",
+          "mean_accepted_length", "acceptance", "phase_seconds", "verification_wall", "peak_memory_bytes",
+          "kv_cache_bytes")
+
+
+def summarize(run: BenchRun, reference: str = "ar") -> dict:
+    """``strategies`` of results.json: label -> fields (+ ``per_category``)."""
+    categories = list(dict.fromkeys(p.category or "default" for p in run.prompts))
+    ref = run.records.get(reference)
+    out = {}
+    for r in run.runners:
+        entry = {"kind": r.kind, "available": r.unavailable is None, "reason": r.unavailable}
+        entry.update(r.describe())
+        recs = run.records.get(r.label)
+        if recs is None:
+            entry.update(dict.fromkeys(FIELDS + ("memory_added_bytes",)))
+            entry["per_category"] = {}
+            out[r.label] = entry
+            continue
+        entry.update(_fields(run, recs, ref))
+        entry["per_category"] = {c: _fields(run, [x for x in recs if _cat(run, x) == c],
+                                            [x for x in ref if _cat(run, x) == c] if ref else None)
+                                 for c in categories}
+        out[r.label] = entry
+    _overheads(out, reference)
+    return out
+
+
+def _cat(run: BenchRun, rec: Record) -> str:
+    return run.prompts[rec.prompt_index].category or "default"
+
+
+def _fields(run: BenchRun, recs: list[Record], ref: list[Record] | None) -> dict:
+    tokens = sum(x.new_tokens for x in recs)
+    seconds = sum(x.seconds for x in recs)
+    tps = tokens / seconds if seconds > 0 else 0.0
+    ref_tps = None
+    if ref:
+        ref_seconds = sum(x.seconds for x in ref)
+        ref_tps = sum(x.new_tokens for x in ref) / ref_seconds if ref_seconds > 0 else None
+    stats = _merged_stats(recs)
+    d = stats.to_dict() if stats is not None else None
+    return {
+        "num_prompts": len(recs),
+        "new_tokens": tokens,
+        "seconds": round(seconds, 4),
+        "tokens_per_second": round(tps, 3),
+        "tokens_per_second_median": round(statistics.median(
+            [x.new_tokens / x.seconds if x.seconds > 0 else 0.0 for x in recs]), 3) if recs else 0.0,
+        "speedup_vs_ar": round(tps / ref_tps, 4) if ref_tps else None,
+        "identical_to_ar": _identical(run, recs, ref),
+        "mean_accepted_length": d["mean_accepted_length"] if d else None,
+        "full_passes": d["full_passes"] if d else None,
+        "acceptance": d["levels"] if d else None,
+        "phase_seconds": d["phase_seconds"] if d else None,
+        "verification_wall": d["verification_wall"] if d else None,
+        "peak_memory_bytes": _max(x.peak_memory_bytes for x in recs),
+        "memory_added_bytes": _max(x.memory_added_bytes for x in recs),
+        "kv_cache_bytes": _max(x.sample.kv_cache_bytes for x in recs),
+    }
+
+
+def _merged_stats(recs: list[Record]) -> DecodeStats | None:
+    own = [x.sample.stats for x in recs if x.sample.stats is not None]
+    if not own:
+        return None
+    total = DecodeStats(own[0].strategy)
+    for s in own:
+        total.merge(s)
+    return total
+
+
+def _identical(run: BenchRun, recs: list[Record], ref: list[Record] | None) -> bool | None:
+    """Same token ids as the reference on every prompt; null when sampling or without ``ar``."""
+    if not run.params.greedy or ref is None:
+        return None
+    ref_ids = {x.prompt_index: x.sample.token_ids for x in ref}
+    return all(ref_ids.get(x.prompt_index) == x.sample.token_ids for x in recs)
+
+
+def mismatches(run: BenchRun, label: str, reference: str = "ar") -> list[dict]:
+    """Prompts whose token ids differ from the reference: id and first differing position."""
+    ref = {x.prompt_index: x.sample.token_ids for x in run.records.get(reference, [])}
+    out = []
+    for x in run.records.get(label, []):
+        theirs, mine = ref.get(x.prompt_index), x.sample.token_ids
+        if theirs is not None and theirs != mine:
+            at = next((j for j, (a, b) in enumerate(zip(theirs, mine)) if a != b), min(len(theirs), len(mine)))
+            out.append({"prompt": run.prompts[x.prompt_index].id, "first_difference_at": at})
+    return out
+
+
+def _max(values) -> int | None:
+    values = [v for v in values if v is not None]
+    return max(values) if values else None
+
+
+def _overheads(out: dict, reference: str) -> None:
+    """Memory of each strategy beyond ``ar``'s: the cost of speculation's extra state."""
+    ref = out.get(reference) or {}
+    for entry in out.values():
+        pairs = [(entry, ref)] + [(scope, ref.get("per_category", {}).get(c) or {})
+                                  for c, scope in entry["per_category"].items()]
+        for scope, ref_scope in pairs:
+            for name, key in (("memory_overhead_vs_ar_bytes", "memory_added_bytes"),
+                              ("kv_overhead_vs_ar_bytes", "kv_cache_bytes")):
+                mine, theirs = scope.get(key), ref_scope.get(key)
+                scope[name] = mine - theirs if mine is not None and theirs is not None else None

@@ -1,0 +1,276 @@
+"""report.md: the tables a person reads, made from results.json alone."""
+from __future__ import annotations
+
+PHASE_ORDER = ("prefill", "draft", "intermediate_verify", "full_verify", "other")
+
+
+def _mib(n: int | None) -> str:
+    """Bytes as MiB (KiB below 1 MiB)."""
+    if n is None:
+        return "–"
+    if n == 0:
+        return "0"
+    return f"{n / 2**20:.1f} MiB" if abs(n) >= 2**20 or n == 0 else f"{n / 2**10:.1f} KiB"
+
+
+def _signed_mib(n: int | None) -> str:
+    return "–" if n is None else ("+" if n > 0 else "") + _mib(n)
+
+
+def _num(x, fmt: str = "{:.2f}") -> str:
+    return "–" if x is None else fmt.format(x)
+
+
+def _bool(x) -> str:
+    return "–" if x is None else ("yes" if x else "**NO**")
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(header) + " |", "|" + "|".join(" --- " for _ in header) + "|"] + \
+           ["| " + " | ".join(r) + " |" for r in rows]
+
+
+def _acceptance_cell(acc: dict | None) -> str:
+    if not acc:
+        return "–"
+    return "; ".join(f"{name} {lv['acceptance_rate']:.3f}" for name, lv in acc.items())
+
+
+def overall_table(strategies: dict) -> list[str]:
+    rows = []
+    for label, e in strategies.items():
+        if not e["available"]:
+            rows.append([f"`{label}`", "unavailable"] + ["–"] * 8)
+            continue
+        rows.append([f"`{label}`", _num(e["tokens_per_second"]), _num(e["tokens_per_second_median"]),
+                     _num(e["speedup_vs_ar"], "{:.2f}x"), _bool(e["identical_to_ar"]),
+                     _num(e["mean_accepted_length"]), _acceptance_cell(e["acceptance"]),
+                     _num(e["verification_wall"]), _mib(e["peak_memory_bytes"]), _mib(e["kv_cache_bytes"])])
+    return _table(["strategy", "tokens/s", "median tokens/s", "speedup vs ar", "identical to ar",
+                   "mean accepted length", "acceptance rate per level", "verification wall", "peak memory",
+                   "KV cache"], rows)
+
+
+def category_table(strategies: dict) -> list[str]:
+    available = {k: e for k, e in strategies.items() if e["available"]}
+    if not available:
+        return ["(no strategy ran)"]
+    categories = list(next(iter(available.values()))["per_category"])
+    rows = []
+    for c in categories + ["overall"]:
+        row = [c if c != "overall" else "**overall**"]
+        first = next(iter(available.values()))
+        n = first["num_prompts"] if c == "overall" else first["per_category"][c]["num_prompts"]
+        row.append(str(n))
+        for e in available.values():
+            f = e if c == "overall" else e["per_category"].get(c, {})
+            sp = f.get("speedup_vs_ar")
+            cell = _num(f.get("tokens_per_second"), "{:.1f}")
+            if sp is not None and e["kind"] != "ar":
+                cell += f" ({sp:.2f}x)"
+            if f.get("identical_to_ar") is False:
+                cell += " ≠ar"
+            row.append(cell)
+        rows.append(row)
+    return _table(["category", "prompts"] + [f"`{k}`" for k in available], rows)
+
+
+def acceptance_table(strategies: dict, positions: int = 8) -> list[str]:
+    rows = []
+    for label, e in strategies.items():
+        for level, lv in (e.get("acceptance") or {}).items():
+            per = lv["acceptance_per_position"][:positions]
+            rows.append([f"`{label}`", level, str(lv["drafts"]), str(lv["draft_tokens"]), f"{lv['acceptance_rate']:.3f}"]
+                        + [f"{a:.2f}" for a in per] + ["–"] * (positions - len(per)))
+    if not rows:
+        return ["(no strategy with speculation ran)"]
+    return _table(["strategy", "level", "rounds", "draft tokens", "rate"] + [f"pos {j + 1}" for j in range(positions)],
+                  rows)
+
+
+def phase_table(strategies: dict) -> list[str]:
+    rows = []
+    for label, e in strategies.items():
+        if not e["available"] or not e["new_tokens"]:
+            continue
+        per_token = 1000.0 / e["new_tokens"]
+        phases = e["phase_seconds"] or {}
+        known = sum(phases.values())
+        cells = [_num(phases.get(p) * per_token if p in phases else None, "{:.1f}") for p in PHASE_ORDER]
+        rows.append([f"`{label}`"] + cells + [f"{max(e['seconds'] - known, 0.0) * per_token:.1f}",
+                                              f"{e['seconds'] * per_token:.1f}"])
+    return _table(["strategy"] + list(PHASE_ORDER) + ["unattributed", "total"], rows)
+
+
+def wall_memory_table(strategies: dict) -> list[str]:
+    rows = []
+    for label, e in strategies.items():
+        if not e["available"]:
+            continue
+        rows.append([f"`{label}`", _num(e["verification_wall"]), _mib(e["peak_memory_bytes"]),
+                     _mib(e.get("memory_added_bytes")), _signed_mib(e.get("memory_overhead_vs_ar_bytes")),
+                     _mib(e["kv_cache_bytes"]), _signed_mib(e.get("kv_overhead_vs_ar_bytes"))])
+    return _table(["strategy", "verification wall", "peak memory", "added by the generation", "added vs ar",
+                   "KV cache peak", "KV vs ar"], rows)
+
+
+def targets_table(targets: dict) -> list[str]:
+    names = {"ar_vs_hf": "hispec `ar` vs transformers `generate`",
+             "hispec_vs_ar": "`hispec` vs `ar`",
+             "hispec_vs_best_selfspec": "`hispec` vs the best `selfspec`",
+             "hispec_vs_best_hf_early_exit": "`hispec` vs `hf-early-exit` at its best layer"}
+    rows = []
+    for key, name in names.items():
+        t = targets[key]
+        met = "–" if t["met"] is None else ("met" if t["met"] else "not met")
+        goal = f"> {t['goal']:.1f}x" if key == "hispec_vs_best_hf_early_exit" else f">= {t['goal']:.1f}x"
+        pair = f"`{t['of']}` / `{t['against']}`" if t["of"] and t["against"] else "–"
+        rows.append([name, pair, _num(t["value"], "{:.2f}x"), goal, met])
+    rows.append(["every strategy identical to `ar`", "", _bool(targets["all_identical_to_ar"]), "yes",
+                 "–" if targets["all_identical_to_ar"] is None else ("met" if targets["all_identical_to_ar"]
+                                                                     else "not met")])
+    return _table(["target", "strategies", "measured", "goal", ""], rows)
+
+
+def setup_lines(results: dict) -> list[str]:
+    m, model, cfg = results["machine"], results["model"], results["config"]
+    heads = model.get("exit_heads")
+    return [
+        f"- model: `{model['name']}` ({model['family']}, {model['num_layers']} layers, {model['dtype']}, "
+        f"{model['path']}); exit heads: " + (f"layers {heads.get('layers')} from {heads.get('path')}" if heads
+                                             else "none (exits through the final norm and output head)"),
+        f"- machine: {m['cpu']}, {m['threads']} torch thread{'s' if m['threads'] != 1 else ''} of {m['cpu_count']} CPUs, device {m['device']}, "
+        f"torch {m['torch']}" + (f", transformers {m['transformers']}" if "transformers" in m else "")
+        + (f"; load average {m.get('load_average_at_start')} at start, {m.get('load_average_at_end')} at end"
+           if "load_average_at_start" in m else ""),
+        f"- commit: `{results['commit']}`; created {results['created']}; wall {results['wall_seconds']} s",
+        f"- data: {', '.join(cfg['data'])}; {cfg['num_prompts']} prompts"
+        + (f"; categories {', '.join(cfg['categories'])}" if cfg.get("categories") else "")
+        + (f"; limit {cfg['limit']}{' per category' if cfg.get('per_category') else ''}" if cfg.get("limit") else ""),
+        f"- generation: max {cfg['max_new_tokens']} new tokens, "
+        + ("greedy" if cfg["sampling"]["temperature"] == 0 else f"sampling {cfg['sampling']}")
+        + f", chat template {'on' if cfg['chat'] else 'off'}, batch size 1, warm-up {cfg['warmup']} prompt(s), "
+          "prompts interleaved round-robin across strategies",
+        f"- command: `{cfg['command']}`",
+    ]
+
+
+def body_lines(results: dict, h: str = "##") -> list[str]:
+    m, strategies = results["machine"], results["strategies"]
+    lines = [
+        f"{h} Overall", "",
+        "tokens/s = all new tokens / all generation seconds (prefill included); speedup against `ar` in "
+        "the same run on the same prompts; acceptance rate per level = accepted / drafted tokens; "
+        "verification wall = full-verification seconds per committed token / drafting seconds per drafted token.",
+        "",
+        *overall_table(strategies), "",
+        f"{h} Per category", "",
+        "tokens/s (speedup vs `ar`)", "",
+        *category_table(strategies), "",
+        f"{h} Acceptance per position", "",
+        "Fraction of rounds with a draft at position j whose draft j was accepted.", "",
+        *acceptance_table(strategies), "",
+        f"{h} Time per phase", "",
+        "Milliseconds per new token (summed over prompts / new tokens). transformers' peers are timed end "
+        "to end only.", "",
+        *phase_table(strategies), "",
+        f"{h} Verification wall and memory", "",
+        f"Peak memory: {m['memory_measure']}; added by the generation: the peak minus the memory in use when "
+        "it started (the largest over the prompts); added vs ar: the overhead of speculation's extra state. "
+        "KV cache: the most blocks a request held at once times the bytes per block (all layers, K and V); "
+        "speculative strategies also hold tentative tokens' K/V until they are rejected. For transformers' "
+        "peers: the final cache's tensors.", "",
+        *wall_memory_table(strategies), "",
+        f"{h} Targets", "",
+        *targets_table(results["targets"]), "",
+    ]
+    unavailable = [(k, e["reason"]) for k, e in strategies.items() if not e["available"]]
+    if unavailable:
+        lines += [f"{h} Strategies that did not run", ""] + [f"- `{k}`: {r}" for k, r in unavailable] + [""]
+    mism = [(k, e["mismatched_prompts"]) for k, e in strategies.items() if e.get("mismatched_prompts")]
+    if mism:
+        lines += [f"{h} Outputs that differ from `ar`", ""]
+        lines += [f"- `{k}`: " + ", ".join(f"{x['prompt']} (from token {x['first_difference_at']})" for x in v)
+                  for k, v in mism] + [""]
+    return lines
+
+
+def render(results: dict, plots: list[str]) -> str:
+    """report.md."""
+    lines = ["# hispec bench report", "", *setup_lines(results), "", *body_lines(results)]
+    if plots:
+        lines += ["## Plots", ""] + [f"![{p}]({p})" for p in plots] + [""]
+    return "\n".join(lines)
+
+
+def _ms_per_token(e: dict, phase: str | None = None) -> float | None:
+    if not e.get("available") or not e.get("new_tokens"):
+        return None
+    seconds = e["seconds"] if phase is None else (e["phase_seconds"] or {}).get(phase)
+    return None if seconds is None else 1000.0 * seconds / e["new_tokens"]
+
+
+def limit_lines(strategies: dict) -> list[str]:
+    """Where each strategy's time per committed token goes, against ``ar``'s: the facts that
+    limit each ratio."""
+    ar = strategies.get("ar")
+    ar_note = (f"; `ar`: {_ms_per_token(ar):.1f} ms per new token, {_ms_per_token(ar, 'full_verify'):.1f} ms "
+               "of it in full-model passes") if ar and ar.get("available") and ar.get("phase_seconds") else ""
+    lines = []
+    for label, e in strategies.items():
+        if not e["available"] or label == "ar":
+            continue
+        total = _ms_per_token(e)
+        head = f"- `{label}` ({_num(e['speedup_vs_ar'], '{:.2f}x')} `ar`): {total:.1f} ms per new token"
+        if e["phase_seconds"]:
+            parts = [f"{_ms_per_token(e, p):.1f} ms {p.replace('_', ' ')}" for p in PHASE_ORDER
+                     if (_ms_per_token(e, p) or 0) > 0.05]
+            lines.append(f"{head} = {' + '.join(parts)}; mean accepted length {_num(e['mean_accepted_length'])}; "
+                         f"acceptance {_acceptance_cell(e['acceptance'])}; verification wall "
+                         f"{_num(e['verification_wall'])}{ar_note}")
+        else:
+            lines.append(f"{head}, timed end to end{ar_note}")
+    return lines
+
+
+def render_benchmarks(results: dict, notes: str | None = None) -> str:
+    """BENCHMARKS.md: setup, how to reproduce, every table, and where each ratio's time goes."""
+    cfg = results["config"]
+    lines = [
+        "# Benchmarks", "",
+        "Measured by `hispec bench` (greedy, batch size 1): every strategy and the transformers peers on the "
+        "same prompts in one process, after a warm-up, prompts interleaved round-robin across strategies; "
+        "`identical_to_ar` compares every strategy's token ids with `ar`'s, prompt by prompt.", "",
+        "## Setup", "", *setup_lines(results), "",
+        "Reproduce:", "", "```", cfg["command"],
+        f"python -m hispec.bench.report {cfg.get('out', 'OUT')}/results.json --benchmarks > BENCHMARKS.md", "```", "",
+    ]
+    if notes:
+        lines += ["## Notes", "", notes.strip(), ""]
+    lines += body_lines(results)
+    lines += ["## Where the time goes", "", *limit_lines(results["strategies"]), ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    import json
+    from pathlib import Path
+
+    p = argparse.ArgumentParser(prog="python -m hispec.bench.report",
+                                description="Render report.md (default) or BENCHMARKS.md from a results.json.")
+    p.add_argument("results", help="results.json written by hispec bench")
+    p.add_argument("--benchmarks", action="store_true", help="render BENCHMARKS.md instead of report.md")
+    p.add_argument("--notes", metavar="FILE", help="markdown to include as the Notes section (BENCHMARKS.md)")
+    args = p.parse_args(argv)
+    results = json.loads(Path(args.results).read_text(encoding="utf-8"))
+    if args.benchmarks:
+        notes = Path(args.notes).read_text(encoding="utf-8") if args.notes else None
+        print(render_benchmarks(results, notes))
+    else:
+        print(render(results, []))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
