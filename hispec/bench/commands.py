@@ -49,6 +49,9 @@ def register(subparsers) -> None:
     g.add_argument("--chat", dest="chat", action="store_true", default=None,
                    help="wrap prompts in the model's chat template (default when the model has one)")
     g.add_argument("--no-chat", dest="chat", action="store_false")
+    g.add_argument("--batch-sizes", default=None, metavar="B,B",
+                   help="instead: throughput of ar/selfspec/hispec in the batched engine at these batch sizes")
+    g.add_argument("--no-adaptive", action="store_true", help="with --batch-sizes: always speculate")
     g.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_model_options(p)
@@ -91,6 +94,9 @@ def cmd_bench(args) -> int:
     out.mkdir(parents=True, exist_ok=True)
 
     gen = load_generator(args, progress=not args.no_progress)
+    batch_sizes = _int_list(args.batch_sizes, "--batch-sizes")
+    if batch_sizes:
+        return _bench_batch_sizes(args, gen, strategies, prompts, params, batch_sizes, out)
     if exit_layers is None:
         from .strategies import StrategySpec
         exit_layers = [spec_for(StrategySpec("hispec", "hispec"), args, gen).draft_layer]
@@ -118,6 +124,29 @@ def cmd_bench(args) -> int:
     results = build_results(run, gen, model_name=args.model, config=config, started=started,
                             load_at_start=load_at_start)
     return write_outputs(results, out, plots=not args.no_plots)
+
+
+def _bench_batch_sizes(args, gen, strategies, prompts, params, batch_sizes, out: Path) -> int:
+    from ..cli import UsageError
+    from .batched import run_batch_sizes, write_batch_outputs
+    from .results import git_commit, machine_info
+    from .runner import encode_prompts
+    from .strategies import spec_for
+
+    if min(batch_sizes) < 1:
+        raise UsageError("--batch-sizes must be >= 1")
+    own = {s.label: (s.kind, spec_for(s, args, gen)) for s in strategies if s.kind in ("ar", "selfspec", "hispec")}
+    if not own:
+        raise UsageError("--batch-sizes measures ar, selfspec and hispec: name at least one in --strategies")
+    chat = args.chat if args.chat is not None else gen.has_chat_template()
+    prompt_ids = encode_prompts(gen, prompts, chat)
+    print(f"hispec bench: {len(prompts)} prompts, batch sizes {batch_sizes}, strategies {', '.join(own)}",
+          file=sys.stderr)
+    results = run_batch_sizes(gen, own, prompt_ids, params, batch_sizes, adaptive=not args.no_adaptive)
+    meta = {"machine": machine_info(gen.model.device), "model": args.model, "num_prompts": len(prompts),
+            "max_new_tokens": params.max_new_tokens, "adaptive": not args.no_adaptive, "commit": git_commit(),
+            "command": "hispec " + " ".join(shlex.quote(a) for a in sys.argv[1:])}
+    return write_batch_outputs(results, meta, out, plots=not args.no_plots)
 
 
 def write_outputs(results: dict, out: Path, plots: bool = True) -> int:

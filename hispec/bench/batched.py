@@ -1,0 +1,111 @@
+"""``hispec bench --batch-sizes 1,2,4,8,16``: throughput of the batched engine per strategy.
+
+For each batch size the same prompts run through the continuous-batching engine once per
+strategy (orders rotated between batch sizes, after one warm-up run), and the result is the
+generated tokens of the whole run over its wall time. Greedy outputs are checked against
+the batch-size-1 ``ar`` outputs prompt by prompt.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+from ..config import SamplingParams
+
+
+def run_batch_sizes(gen, strategies: dict, prompt_ids: list[list[int]], params: SamplingParams,
+                    batch_sizes: list[int], adaptive: bool = True) -> dict:
+    """``strategies``: label -> (strategy name, SpecConfig or None). Returns results per batch size."""
+    from ..llm import LLM
+
+    llms = {label: LLM(gen, name, spec=spec, max_batch_size=max(batch_sizes), adaptive=adaptive)
+            for label, (name, spec) in strategies.items()}
+    warm = prompt_ids[:min(2, len(prompt_ids))]
+    for llm in llms.values():
+        llm.generate(warm, SamplingParams(max_new_tokens=4, ignore_eos=True))
+    results: dict[str, dict] = {}
+    reference = None
+    for round_, b in enumerate(batch_sizes):
+        labels = list(llms)
+        labels = labels[round_ % len(labels):] + labels[:round_ % len(labels)]
+        row = {}
+        for label in labels:
+            llm = llms[label]
+            llm.engine.max_batch_size = llm.engine.scheduler.max_batch_size = b
+            t0 = time.perf_counter()
+            outs = llm.generate(prompt_ids, params)
+            seconds = time.perf_counter() - t0
+            tokens = sum(o.new_tokens for o in outs)
+            row[label] = {"tokens": tokens, "seconds": round(seconds, 4),
+                          "tokens_per_second": round(tokens / seconds, 3) if seconds else 0.0,
+                          "token_ids": [o.token_ids for o in outs],
+                          "adaptive": llm.engine.adaptive.to_dict() if llm.engine.adaptive else None}
+            print(f"  batch {b:>2} {label:<12} {tokens} tokens in {seconds:.1f} s = {tokens / seconds:.1f} tokens/s",
+                  file=sys.stderr)
+        if reference is None and "ar" in row:
+            reference = row["ar"]["token_ids"]
+        ar_rate = row.get("ar", {}).get("tokens_per_second")
+        for label, r in row.items():
+            r["speedup_vs_ar"] = round(r["tokens_per_second"] / ar_rate, 3) if ar_rate else None
+            r["identical_to_ar"] = (r.pop("token_ids") == reference) if params.greedy and reference else None
+        results[str(b)] = row
+    if "ar" in strategies and str(batch_sizes[0]) in results and len(batch_sizes) > 1:
+        base = results[str(batch_sizes[0])]["ar"]["tokens_per_second"]
+        for b in batch_sizes:
+            results[str(b)]["ar"]["ar_scaling_vs_first"] = round(results[str(b)]["ar"]["tokens_per_second"] / base, 3)
+    return results
+
+
+def batch_table(results: dict) -> list[str]:
+    labels = list(next(iter(results.values())))
+    lines = ["| batch size | " + " | ".join(f"{l} tokens/s (vs ar)" for l in labels) + " | identical |",
+             "|---|" + "---|" * len(labels) + "---|"]
+    for b, row in results.items():
+        cells = [f"{row[l]['tokens_per_second']:.1f} ({row[l]['speedup_vs_ar']:.2f}x)" for l in labels]
+        same = all(row[l]["identical_to_ar"] in (True, None) for l in labels)
+        lines.append(f"| {b} | " + " | ".join(cells) + f" | {'yes' if same else 'NO'} |")
+    return lines
+
+
+def write_batch_outputs(results: dict, meta: dict, out: Path, plots: bool) -> int:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "batch_results.json").write_text(json.dumps({**meta, "batch_sizes": results}, indent=2) + "\n")
+    table = batch_table(results)
+    names = []
+    if plots:
+        try:
+            names = [_plot(results, out)]
+        except ImportError as e:
+            print(f"hispec bench: no plot ({e}); pip install matplotlib", file=sys.stderr)
+    (out / "batch_report.md").write_text("# Throughput against batch size\n\n" + "\n".join(table) + "\n"
+                                         + "".join(f"\n![{n}]({n})\n" for n in names))
+    print("\n".join(table))
+    bad = [b for b, row in results.items() for r in row.values() if r["identical_to_ar"] is False]
+    if bad:
+        print(f"hispec bench: error: outputs differ from ar at batch sizes {sorted(set(bad))}", file=sys.stderr)
+    return int(bool(bad))
+
+
+def _plot(results: dict, out: Path) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = [int(b) for b in results]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for label in next(iter(results.values())):
+        ax.plot(sizes, [results[str(b)][label]["tokens_per_second"] for b in sizes], marker="o", label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sizes, [str(s) for s in sizes])
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("generated tokens / s (whole batch)")
+    ax.set_title("Throughput against batch size")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "throughput.png", dpi=120)
+    plt.close(fig)
+    return "throughput.png"
