@@ -85,13 +85,14 @@ def spec_from_args(args, generator) -> SpecConfig:
     from .generate import default_spec
 
     num_layers = generator.model.num_layers
-    base = getattr(generator, "recommended_spec", None) or default_spec(num_layers)
+    per_strategy = getattr(generator, "recommended_specs", None) or {}
+    base = per_strategy.get(args.strategy) or getattr(generator, "recommended_spec", None) or default_spec(num_layers)
     values = {"draft_layer": args.draft_layer, "verify_layer": args.verify_layer, "num_draft": args.num_draft,
               "window": args.window, "draft_policy": args.draft_policy, "svip_threshold": args.svip_threshold}
     fields = {k: getattr(base, k) for k in ("draft_layer", "verify_layer", "num_draft", "window", "draft_policy",
                                             "svip_threshold", "max_draft")}
     fields.update({k: v for k, v in values.items() if v is not None})
-    if args.strategy == "selfspec" and args.verify_layer is None:
+    if args.strategy == "selfspec" and args.verify_layer is None and "selfspec" not in per_strategy:
         fields["verify_layer"] = num_layers
     return SpecConfig(**fields, num_layers=num_layers)
 
@@ -110,17 +111,11 @@ def load_generator(args, progress: bool = True):
         raise UsageError(f"--device must be cpu or cuda, got {device!r}")
     dtype_name = args.dtype or ("float32" if device == "cpu" else "bfloat16")
     dtype = getattr(torch, dtype_name)
-    gen = Generator.from_pretrained(args.model, device=device, dtype=dtype, allow_pickle=args.allow_pickle,
-                                    progress=progress)
-    if not getattr(args, "no_exits", False):
-        try:
-            from .model.exits import attach_exits
-        except ImportError:
-            attach_exits = None
-        if attach_exits is not None:
-            attach_exits(gen, args.exits)
-    elif args.exits:
+    if getattr(args, "no_exits", False) and args.exits:
         raise UsageError("--exits and --no-exits exclude each other")
+    exits = False if getattr(args, "no_exits", False) else (args.exits or True)
+    gen = Generator.from_pretrained(args.model, device=device, dtype=dtype, allow_pickle=args.allow_pickle,
+                                    exits=exits, progress=progress)
     return gen
 
 
