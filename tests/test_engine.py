@@ -125,3 +125,17 @@ def test_llm_api_keeps_prompt_order(model, workload):
     llm = LLM(gen, "hispec", spec=STRATEGIES["hispec"], max_batch_size=4)
     outs = llm.generate(prompts, [SamplingParams(max_new_tokens=n) for n in limits])
     assert [o.token_ids for o in outs] == expected
+
+
+def test_a_seeded_sampled_request_gives_the_same_output_in_any_batch(model, workload):
+    prompts, limits, _, eos = workload
+    sampled = SamplingParams(max_new_tokens=20, temperature=0.9, top_p=0.95, seed=11, ignore_eos=True)
+    outputs = []
+    for others in (0, 3, 7):
+        engine = Engine(model, make_strategy("hispec", STRATEGIES["hispec"], model.num_layers), kv_blocks=400,
+                        block_size=4, max_batch_size=8)
+        rid = engine.add_request(prompts[0], sampled)
+        for p in prompts[1:1 + others]:
+            engine.add_request(p, SamplingParams(max_new_tokens=25))
+        outputs.append(engine.run_to_completion()[rid].token_ids)
+    assert outputs[0] == outputs[1] == outputs[2]

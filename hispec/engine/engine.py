@@ -162,7 +162,10 @@ class Engine:
             return []
         self._prefill([s for s in running if not s.prefilled])
         batch = [s.ctx for s in running]
-        mode = self.adaptive.choose(len(batch)) if self.adaptive else SPECULATE
+        # Only greedy batches switch: a sampled sequence's random stream depends on the mode, and
+        # a seeded request must give the same output whatever else shares its batch.
+        adaptive = self.adaptive is not None and all(c.params.greedy for c in batch)
+        mode = self.adaptive.choose(len(batch)) if adaptive else SPECULATE
         strategy = self.strategy if mode == SPECULATE else self._ar
         t0 = time.perf_counter()
         commits = strategy.step(batch)
@@ -170,7 +173,7 @@ class Engine:
             torch.cuda.synchronize(self.model.device)
         elapsed = time.perf_counter() - t0
         outputs = [self._commit(s, chunk) for s, chunk in zip(running, commits)]
-        if self.adaptive:
+        if adaptive:
             self.adaptive.record(len(batch), mode, sum(len(o.new_token_ids) for o in outputs), elapsed)
         return outputs
 

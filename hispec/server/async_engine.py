@@ -1,0 +1,277 @@
+"""The bridge between asyncio request handlers and the engine, which is not thread-safe.
+
+One background thread owns the ``Engine``: it takes new requests and aborts from a
+thread-safe command queue, runs ``step()`` while anything is unfinished, and hands each
+request's committed text to that request's ``asyncio.Queue`` with
+``loop.call_soon_threadsafe``. With no work it blocks on the command queue (no busy wait).
+Handlers never touch the engine: they call ``submit`` and ``abort``, which only enqueue.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+from ..config import SamplingParams
+from ..engine.engine import Engine
+from .metrics import Metrics
+from .protocol import openai_finish_reason
+
+log = logging.getLogger("hispec.server")
+
+
+class QueueFullError(RuntimeError):
+    """More requests are waiting than the server's queue allows."""
+
+
+class EngineStoppedError(RuntimeError):
+    """The server is shutting down and takes no new requests."""
+
+
+@dataclass
+class Delta:
+    """Newly committed text of one request; the last one has ``finished`` set."""
+
+    text: str
+    num_tokens: int  # tokens committed in this step
+    finished: bool = False
+    finish_reason: str | None = None  # OpenAI's: stop, length; or abort (cancelled), error
+    stats: dict | None = None  # DecodeStats.to_dict() plus timings, on the last delta
+    error: str | None = None
+
+
+class RequestStream:
+    """The event-loop side of one request: ``await get()`` the next delta."""
+
+    def __init__(self, request_id: str, prompt_tokens: int, loop: asyncio.AbstractEventLoop) -> None:
+        self.request_id = request_id
+        self.prompt_tokens = prompt_tokens
+        self.loop = loop
+        self.queue: asyncio.Queue[Delta] = asyncio.Queue()
+        self.completion_tokens = 0
+        self.finished = False
+        self.finish_reason: str | None = None
+        self.stats: dict | None = None
+        self.error: str | None = None
+        self.arrival = time.perf_counter()
+
+    async def get(self) -> Delta:
+        """The next delta, merged with any others already waiting (one chunk for several steps)."""
+        delta = await self.queue.get()
+        while not delta.finished and not self.queue.empty():
+            more = self.queue.get_nowait()
+            delta = Delta(delta.text + more.text, delta.num_tokens + more.num_tokens, more.finished,
+                          more.finish_reason, more.stats, more.error)
+        self.completion_tokens += delta.num_tokens
+        if delta.finished:
+            self.finished = True
+            self.finish_reason = delta.finish_reason
+            self.stats = delta.stats
+            self.error = delta.error
+        return delta
+
+
+@dataclass
+class _Live:
+    """Engine-thread bookkeeping for one request."""
+
+    stream: RequestStream
+    num_tokens: int = 0
+    first_token: float | None = None  # seconds after arrival
+    stats: object = None  # the live DecodeStats of the sequence
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine, *, max_queue: int = 256, metrics: Metrics | None = None,
+                 idle_timeout: float = 0.5) -> None:
+        self.engine = engine
+        self.max_queue = max_queue
+        self.metrics = metrics or Metrics()
+        self.idle_timeout = idle_timeout
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._live: dict[str, _Live] = {}  # engine thread only
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+        self._pending = 0  # submitted, not yet counted in the engine's waiting queue
+        self._waiting = 0  # the engine's waiting queue after its last step
+        self._accepting = True
+        self._thread: threading.Thread | None = None
+        self._steps = 0
+        self.error: BaseException | None = None
+
+    # ---- the event-loop side ---------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is None:
+            self._snapshot()
+            self._thread = threading.Thread(target=self._run, name="hispec-engine", daemon=True)
+            self._thread.start()
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams) -> RequestStream:
+        """Queue a request (call from the event loop); raises ``QueueFullError`` or ``EngineStoppedError``."""
+        with self._lock:
+            if not self._accepting or self._thread is None or not self._thread.is_alive():
+                raise EngineStoppedError("the server is shutting down")
+            if self._pending + self._waiting >= self.max_queue:
+                raise QueueFullError(f"{self._pending + self._waiting} requests are waiting; the server's "
+                                     f"queue holds {self.max_queue} (--max-queue)")
+            self._pending += 1
+        stream = RequestStream(f"cmpl-{next(self._ids)}", len(prompt_ids), asyncio.get_running_loop())
+        self.metrics.add_prompt(len(prompt_ids))
+        self._commands.put(("add", stream, list(prompt_ids), params))
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request (a no-op once it has finished); its KV blocks are freed."""
+        self._commands.put(("abort", request_id))
+
+    def stop_accepting(self) -> None:
+        # no lock: this runs in a signal handler, possibly while the same thread holds the lock
+        self._accepting = False
+
+    def abort_all(self) -> None:
+        self._commands.put(("abort_all",))
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Cancel everything in flight and end the thread."""
+        self.stop_accepting()
+        self._commands.put(("stop",))
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # ---- the engine thread ------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                added, stop = self._take_commands(block=not self.engine.has_unfinished())
+                if stop:
+                    break
+                if self.engine.has_unfinished():
+                    self._step()
+                self._snapshot(added)
+        except BaseException as e:  # a bug: fail every request rather than hang them
+            log.exception("the engine thread died")
+            self.error = e
+            self._fail_all(f"internal error: {e}")
+        finally:
+            with self._lock:
+                self._accepting = False
+            self._abort_all("abort")
+            self._snapshot()
+
+    def _take_commands(self, block: bool) -> tuple[int, bool]:
+        added = 0
+        try:
+            cmd = self._commands.get(timeout=self.idle_timeout) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return 0, False
+        while True:
+            kind = cmd[0]
+            if kind == "add":
+                added += 1
+                self._add(*cmd[1:])
+            elif kind == "abort":
+                self._abort(cmd[1], "abort")
+            elif kind == "abort_all":
+                self._abort_all("abort")
+            elif kind == "stop":
+                self._snapshot(added)
+                return 0, True
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return added, False
+
+    def _add(self, stream: RequestStream, prompt_ids: list[int], params: SamplingParams) -> None:
+        try:
+            self.engine.add_request(prompt_ids, params, stream.request_id)
+        except Exception as e:  # validated before, so unexpected: answer it as an error
+            self._send(stream, Delta("", 0, True, "error", error=str(e)))
+            self.metrics.finish("error", None, 0, time.perf_counter() - stream.arrival, None)
+            return
+        self._live[stream.request_id] = _Live(stream)
+
+    def _abort(self, request_id: str, reason: str) -> None:
+        live = self._live.pop(request_id, None)
+        if live is None:
+            return
+        self.engine.abort(request_id)
+        self._end(live, reason, error=None)
+
+    def _abort_all(self, reason: str) -> None:
+        for request_id in list(self._live):
+            try:
+                self._abort(request_id, reason)
+            except Exception:
+                log.exception("aborting %s failed", request_id)
+
+    def _fail_all(self, message: str) -> None:
+        for request_id, live in list(self._live.items()):
+            self._live.pop(request_id, None)
+            try:
+                self.engine.abort(request_id)
+            except Exception:
+                pass
+            self._end(live, "error", error=message)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as e:
+            # the engine's state is unknown after a failed step: end every request in it
+            log.exception("engine step failed")
+            self._fail_all(f"internal error in the engine: {e}")
+            return
+        self._steps += 1
+        now = time.perf_counter()
+        for out in outputs:
+            live = self._live.get(out.request_id)
+            if live is None:
+                continue
+            live.stats = out.stats
+            n = len(out.new_token_ids)
+            if n:
+                live.num_tokens += n
+                self.metrics.add_generated(n)
+                if live.first_token is None:
+                    live.first_token = now - live.stream.arrival
+                    self.metrics.observe_ttft(live.first_token)
+            if out.finished:
+                self._live.pop(out.request_id, None)
+                self._end(live, openai_finish_reason(out.finish_reason), None, out.text_delta, n)
+            elif out.text_delta or n:
+                self._send(live.stream, Delta(out.text_delta, n))
+
+    def _end(self, live: _Live, reason: str, error: str | None, text: str = "", num_tokens: int = 0) -> None:
+        seconds = time.perf_counter() - live.stream.arrival
+        stats = live.stats.to_dict() if live.stats is not None else None
+        if stats is not None:
+            stats["new_tokens"] = live.num_tokens
+            stats["time_to_first_token"] = None if live.first_token is None else round(live.first_token, 6)
+            stats["seconds"] = round(seconds, 6)
+        self.metrics.finish(reason, stats, live.num_tokens, seconds, live.first_token)
+        self._send(live.stream, Delta(text, num_tokens, True, reason, stats, error))
+
+    @staticmethod
+    def _send(stream: RequestStream, delta: Delta) -> None:
+        try:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, delta)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            pass
+
+    def _snapshot(self, added: int = 0) -> None:
+        snap = self.engine.stats()
+        snap.pop("adaptive", None)
+        snap["steps"] = self._steps
+        with self._lock:
+            self._pending -= added
+            self._waiting = snap["waiting"]
+            snap["waiting"] += self._pending  # submitted but not yet taken by the engine thread
+        self.metrics.set_engine(snap)
