@@ -106,3 +106,29 @@ class PeakMemory:
             self.bytes = int(torch.cuda.max_memory_allocated(self.device))
         else:
             self.bytes = _read_hwm() or _ru_maxrss()
+
+
+def copy_bandwidth(nbytes: int = 256 * 2**20, repeats: int = 5) -> float:
+    """Measured memory bandwidth in bytes/s: the best of ``repeats`` copies of an ``nbytes`` tensor
+    (each copy reads and writes ``nbytes``, so 2 x nbytes move)."""
+    import time
+
+    src = torch.ones(nbytes // 4, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * nbytes / best
+
+
+def roofline(model, seconds_per_token: float, bandwidth: float) -> dict:
+    """How close one-token decoding comes to the memory roofline: every weight byte is read once
+    per token, so a step cannot take less than ``weight_bytes / bandwidth``."""
+    weight_bytes = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
+    floor = weight_bytes / bandwidth
+    return {"weight_bytes": weight_bytes, "bandwidth_bytes_per_second": round(bandwidth),
+            "floor_seconds_per_token": round(floor, 5), "seconds_per_token": round(seconds_per_token, 5),
+            "fraction_of_roofline": round(floor / seconds_per_token, 3) if seconds_per_token else None}

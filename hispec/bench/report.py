@@ -152,7 +152,17 @@ def setup_lines(results: dict) -> list[str]:
         + f", chat template {'on' if cfg['chat'] else 'off'}, batch size 1, warm-up {cfg['warmup']} prompt(s), "
           "prompts interleaved round-robin across strategies",
         f"- command: `{cfg['command']}`",
-    ]
+    ] + _roofline_lines(m)
+
+
+def _roofline_lines(m: dict) -> list[str]:
+    r = m.get("memory_roofline_ar")
+    if not r:
+        return []
+    return [f"- memory roofline (`ar`): {r['weight_bytes'] / 2**20:.0f} MiB of weights read per token at a measured "
+            f"copy bandwidth of {r['bandwidth_bytes_per_second'] / 1e9:.1f} GB/s = at least "
+            f"{1000 * r['floor_seconds_per_token']:.1f} ms per token; `ar` took {1000 * r['seconds_per_token']:.1f} ms "
+            f"= {100 * r['fraction_of_roofline']:.0f}% of the roofline"]
 
 
 def body_lines(results: dict, h: str = "##") -> list[str]:

@@ -134,6 +134,10 @@ def build_results(run: BenchRun, generator, *, model_name: str, config: dict, st
         machine["load_average_at_start"] = load_at_start
     if hasattr(os, "getloadavg"):
         machine["load_average_at_end"] = load_average()
+    ar = strategies.get("ar")
+    if ar and ar.get("available") and ar.get("tokens_per_second") and generator.model.device.type == "cpu":
+        from .memory import copy_bandwidth, roofline
+        machine["memory_roofline_ar"] = roofline(generator.model, 1.0 / ar["tokens_per_second"], copy_bandwidth())
     return {
         "schema_version": SCHEMA_VERSION,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
