@@ -74,3 +74,13 @@ def tiny_text_model_dir(tiny_model_dir, tmp_path_factory) -> Path:
     shutil.copytree(tiny_model_dir("llama", eos_token_id=2, bos_token_id=1), folder, dirs_exist_ok=True)
     write_char_tokenizer(folder)
     return folder
+
+
+@pytest.fixture(scope="session", autouse=True)
+def one_torch_thread():
+    """Tiny matmuls are fastest on one thread, and two threads stall badly whenever the other core
+    is busy (pytest, a server subprocess, another job): tests run torch on one thread."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)

@@ -23,14 +23,6 @@ from hispec.model.loader import ModelLoadError, internal_name, load_model  # noq
 IDS = [5, 17, 3, 42, 8, 29, 11, 40, 7, 23, 19]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny matmuls: one thread is faster, and kinder to a shared machine."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
 
 def _tiny(family: str, seed: int = 0, **kw):
     torch.manual_seed(seed)

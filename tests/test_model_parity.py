@@ -126,14 +126,6 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
                 p.copy_(0.15 * noise)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny matmuls: one thread is faster, and kinder to a shared machine."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
 
 @pytest.fixture(scope="module", autouse=True)
 def _print_max_diff():

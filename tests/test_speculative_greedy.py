@@ -35,14 +35,6 @@ def make_agreeing(model) -> None:
         layer.down_proj.weight.mul_(0.1)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls are fastest (and least disturbed by a busy second core) on one thread."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
 
 @pytest.fixture(scope="module")
 def gens(tiny_model_dir) -> dict[str, Generator]:

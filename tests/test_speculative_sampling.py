@@ -82,13 +82,6 @@ def fit(counts: Counter, expected: dict) -> dict:
 
 # ---- the model and the exact target ----------------------------------------------------------
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
 
 @pytest.fixture(scope="module")
 def model_dir(tiny_model_dir):
