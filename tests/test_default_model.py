@@ -74,32 +74,66 @@ def test_greedy_ar_equals_transformers_generate(generator, hf_model):
 
 
 @pytest.fixture(scope="module")
-def ar_reference(generator):
+def ar_reference(generator, two_threads):
     prompts = [generator.encode_prompt(p) for p in spec_bench_prompts(NUM_PROMPTS)]
     params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
     return prompts, [generator.generate(p, params, "ar").token_ids for p in prompts]
 
 
-def default_specs(generator) -> SpecConfig:
+def default_specs(generator, strategy: str) -> SpecConfig:
+    """The settings ``hispec generate`` would use: the exit heads' recommendation for the strategy."""
     from hispec.generate import default_spec
 
-    return getattr(generator, "recommended_spec", None) or default_spec(generator.model.num_layers)
+    n = generator.model.num_layers
+    spec = (getattr(generator, "recommended_specs", None) or {}).get(strategy) \
+        or getattr(generator, "recommended_spec", None) or default_spec(n)
+    if strategy == "selfspec" and "selfspec" not in (getattr(generator, "recommended_specs", None) or {}):
+        spec = SpecConfig(spec.draft_layer, n, num_draft=spec.num_draft, window=spec.window, num_layers=n)
+    return spec
+
+
+@pytest.fixture(scope="module")
+def two_threads():
+    """The default model's matmuls are big enough for both cores (CI runs nothing beside pytest)."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(old)
 
 
 @pytest.mark.parametrize("strategy", ["selfspec", "hispec"])
 @pytest.mark.parametrize("policy", ["fixed", "svip", "heuristic"])
-def test_speculative_strategies_equal_ar_on_spec_bench(generator, ar_reference, strategy, policy):
+def test_speculative_strategies_equal_ar_on_spec_bench(generator, ar_reference, two_threads, strategy, policy):
+    """All 20 prompts decode together in the engine (no adaptive switching: always speculating),
+    each one's tokens compared with its own batch-of-one ``ar`` output."""
     import dataclasses
 
+    from hispec.engine import Engine
+    from hispec.engine.engine import kv_blocks_for
+    from hispec.generate import make_strategy
+
     prompts, expected = ar_reference
-    base = default_specs(generator)
-    spec = dataclasses.replace(base, draft_policy=policy,
-                               verify_layer=generator.model.num_layers if strategy == "selfspec" else base.verify_layer,
-                               num_layers=generator.model.num_layers)
+    base = default_specs(generator, strategy)
+    spec = dataclasses.replace(base, draft_policy=policy, num_layers=generator.model.num_layers)
+    model = generator.model
+    engine = Engine(model, make_strategy(strategy, spec, model.num_layers), tokenizer=generator.tokenizer,
+                    eos_ids=generator.eos_ids, max_batch_size=len(prompts), adaptive=False,
+                    kv_blocks=len(prompts) * kv_blocks_for(model, 16, min_tokens=max(map(len, prompts)) + 96))
     params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
-    accepted = 0
-    for ids, want in zip(prompts, expected):
-        out = generator.generate(ids, params, strategy, spec=spec)
-        assert out.token_ids == want
-        accepted += sum(lv.accepted_tokens for lv in out.stats.levels.values())
+    ids = [engine.add_request(p, params) for p in prompts]
+    final = engine.run_to_completion()
+    for rid, want in zip(ids, expected):
+        assert final[rid].token_ids == want
+    accepted = sum(lv.accepted_tokens for rid in ids for lv in final[rid].stats.levels.values())
     assert accepted > 0  # the drafts were really checked, not skipped
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+
+
+@pytest.mark.parametrize("strategy", ["selfspec", "hispec"])
+def test_one_request_at_a_time_equals_ar(generator, ar_reference, two_threads, strategy):
+    """The batch-of-one path (``hispec generate``) with the settings it picks by default."""
+    prompts, expected = ar_reference
+    spec = default_specs(generator, strategy)
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    for ids, want in list(zip(prompts, expected))[:3]:
+        assert generator.generate(ids, params, strategy, spec=spec).token_ids == want
