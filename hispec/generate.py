@@ -67,12 +67,17 @@ class Generator:
         self.tokenizer = tokenizer
         self.block_size = block_size
         self._engine: Engine | None = None
+        self.model_path: Path | None = None
+        self.recommended_spec: SpecConfig | None = None  # set by exit heads that declare their layers
         self.eos_ids = frozenset(self._eos_ids())
 
     @classmethod
     def from_pretrained(cls, name_or_path: str = "default", *, device: str = "cpu",
                         dtype: torch.dtype = torch.float32, allow_pickle: bool = False,
-                        progress: bool = True) -> "Generator":
+                        exits: str | Path | bool = True, progress: bool = True) -> "Generator":
+        """Load a model by name or path. ``exits``: True finds the model's trained exit heads (the
+        ones shipped for the default model, or an ``exits/`` folder in the model folder), a path
+        loads those, False exits through the model's own final head."""
         from .model.loader import load_model
         from .model.registry import resolve_model
 
@@ -80,6 +85,9 @@ class Generator:
         model = load_model(folder, device=device, dtype=dtype, allow_pickle=allow_pickle)
         gen = cls(model, load_tokenizer(folder))
         gen.model_path = folder
+        if exits is not False:
+            from .model.exits import attach_exits
+            attach_exits(gen, None if exits is True else exits)
         return gen
 
     # ---- prompts -------------------------------------------------------------------------

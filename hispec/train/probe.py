@@ -1,0 +1,104 @@
+"""Per-layer agreement with the final layer (``hispec probe``): a table and a PNG curve.
+
+Agreement is measured over the model's own greedy continuations of the prompts (what
+an exit sees when drafting): at each generated position, does the exit's top-1 token
+equal the final layer's (top-1), and is the final token among the exit's top 5 (top-5)?
+Every layer is probed through the shared final norm + output head; layers with trained
+heads are probed through them too.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from . import collect as C
+
+
+@dataclass
+class LayerAgreement:
+    layer: int
+    shared_top1: float
+    shared_top5: float
+    head_top1: float | None = None
+    head_top5: float | None = None
+    head_vocab: int | None = None
+
+
+@torch.inference_mode()
+def probe(model, prompts: list[list[int]], max_new_tokens: int, eos_ids, batch_size: int = 8
+          ) -> tuple[list[LayerAgreement], int]:
+    """Agreement of every exit layer ``1 .. num_layers - 1``; also returns the number of positions."""
+    layers = tuple(range(1, model.num_layers))
+    hits = {L: [0, 0, 0, 0] for L in layers}
+    total = 0
+    for a in range(0, len(prompts), batch_size):
+        cap = C.Capture(layers, 1)
+        C.self_generate(model, list(enumerate(prompts[a:a + batch_size])), layers, cap, max_new_tokens,
+                        frozenset(eos_ids))
+        rows = cap.take()
+        want = rows["top_ids"][:, 0].long()
+        total += want.shape[0]
+        for L in layers:
+            h = rows[f"h.{L}"].to(model.dtype)
+            outs = [model.final_logits(h)]
+            if L in model.exits:
+                outs.append(model.exits[L](h))
+            for j, logits in enumerate(outs):
+                top5 = logits.topk(5, dim=-1).indices
+                hits[L][2 * j] += int((top5[:, 0] == want).sum())
+                hits[L][2 * j + 1] += int((top5 == want[:, None]).any(-1).sum())
+    n = max(1, total)
+    rows = []
+    for L in layers:
+        h = model.exits.get(L)
+        rows.append(LayerAgreement(L, hits[L][0] / n, hits[L][1] / n,
+                                   hits[L][2] / n if h is not None else None,
+                                   hits[L][3] / n if h is not None else None,
+                                   int(h.vocab_ids.numel()) if h is not None and h.restricted else None))
+    return rows, total
+
+
+def format_table(rows: list[LayerAgreement], marks: dict[int, str] | None = None) -> str:
+    marks = marks or {}
+    lines = [f"{'layer':>5}  {'shared top-1':>12}  {'shared top-5':>12}  {'head top-1':>10}  {'head top-5':>10}"]
+    for r in rows:
+        head = (f"{r.head_top1:>10.3f}  {r.head_top5:>10.3f}" if r.head_top1 is not None else f"{'-':>10}  {'-':>10}")
+        lines.append(f"{r.layer:>5}  {r.shared_top1:>12.3f}  {r.shared_top5:>12.3f}  {head}  {marks.get(r.layer, '')}")
+    return "\n".join(lines)
+
+
+def plot(rows: list[LayerAgreement], out: Path, title: str, marks: dict[int, str] | None = None) -> Path:
+    """Agreement against depth, exit layers marked. Needs matplotlib (``pip install 'hispec[plot]'``)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ImportError("writing a PNG needs matplotlib: pip install 'hispec[plot]' (or pip install matplotlib)"
+                          ) from None
+    marks = marks or {}
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    xs = [r.layer for r in rows]
+    ax.plot(xs, [r.shared_top1 for r in rows], "-o", ms=3, label="shared head, top-1")
+    ax.plot(xs, [r.shared_top5 for r in rows], "--", label="shared head, top-5")
+    trained = [r for r in rows if r.head_top1 is not None]
+    if trained:
+        ax.plot([r.layer for r in trained], [r.head_top1 for r in trained], "-s", ms=5, label="trained head, top-1")
+        ax.plot([r.layer for r in trained], [r.head_top5 for r in trained], ":s", ms=4, label="trained head, top-5")
+    for L, name in marks.items():
+        ax.axvline(L, color="grey", lw=0.8, ls=":")
+        ax.text(L, 1.01, name, ha="center", va="bottom", fontsize=8, transform=ax.get_xaxis_transform())
+    ax.set_xlabel("exit layer (decoder layers run)")
+    ax.set_ylabel("agreement with the final layer")
+    ax.set_ylim(0, 1)
+    ax.set_title(title, fontsize=9, pad=14)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left")
+    fig.tight_layout()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out)
+    plt.close(fig)
+    return out

@@ -1,0 +1,400 @@
+"""Choose L_d, L_i, N_d, N_i and the draft policy by measurement (``hispec tune``).
+
+Two measurements, then an exact-enough simulation:
+
+1. *Costs*: wall time of one forward call through ``l`` decoder layers for ``n`` new tokens
+   (``overhead(n) + l * per_layer(n)``), of each exit head and of the final head for ``n``
+   tokens, on this machine, at a typical context length.
+2. *Traces*: the model's own greedy continuations of calibration prompts, teacher-forced
+   once; at every position the argmax and the entropy of every candidate exit.
+
+With greedy decoding a draft is accepted iff it equals the verifier's argmax at that
+position, and every accepted prefix lies on the final trajectory, so replaying the traces
+gives the acceptance pattern of every configuration exactly (after the first rejection
+within a round only the count of wasted work matters, which is approximated from the
+same positions). Each configuration's time is its phases' counts times the measured costs.
+The best few can then be checked end to end, interleaved with ``ar`` (``--validate``).
+"""
+from __future__ import annotations
+
+import itertools
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..cache.block_manager import BlockManager
+from ..cache.kv_cache import KVPool
+from ..config import SpecConfig
+from ..decode.base import LayerRunner
+from . import collect as C
+
+
+# ---- costs ---------------------------------------------------------------------------------
+@dataclass
+class CostModel:
+    """Seconds per call: ``overhead[n] + layers * per_layer[n]``, heads per layer and ``n``."""
+
+    per_layer: dict[int, float]  # n tokens -> seconds per decoder layer
+    overhead: dict[int, float]  # n tokens -> seconds per forward call (embedding, metadata, ...)
+    head: dict[int, dict[int, float]]  # exit layer -> n -> seconds (final head under num_layers)
+    num_layers: int
+    sampling: float = 0.0  # per verification (argmax, accept, truncate)
+
+    def forward(self, layers: int, n: int) -> float:
+        n = self._n(n)
+        return self.overhead[n] + layers * self.per_layer[n] if layers > 0 else 0.0
+
+    def exit(self, layer: int, n: int) -> float:
+        return self.head[layer][self._n(n)]
+
+    def _n(self, n: int) -> int:
+        n = max(1, n)
+        if n in self.per_layer:
+            return n
+        return min(self.per_layer, key=lambda m: (abs(m - n), -m))
+
+    def ar_token(self) -> float:
+        return self.forward(self.num_layers, 1) + self.exit(self.num_layers, 1)
+
+    def to_dict(self) -> dict:
+        ms = lambda d: {str(k): round(v * 1e3, 3) for k, v in d.items()}  # noqa: E731
+        return {"per_layer_ms": ms(self.per_layer), "overhead_ms": ms(self.overhead),
+                "head_ms": {str(L): ms(v) for L, v in self.head.items()}, "sampling_ms": round(self.sampling * 1e3, 3)}
+
+
+def _median_time(fn, repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+@torch.inference_mode()
+def measure_costs(model, token_counts=tuple(range(1, 11)), context: int = 256, repeat: int = 9
+                  ) -> CostModel:
+    """Time forward calls and exit heads for each token count ``n`` at ``context`` cached positions."""
+    n_layers = model.num_layers
+    max_n = max(token_counts)
+    blocks = BlockManager(-(-(context + max_n) // 16) + 1, 16, n_layers)
+    pool = KVPool(n_layers, blocks.num_blocks, 16, model.cfg.num_kv_heads, model.cfg.head_dim, model.dtype,
+                  model.device)
+    runner = LayerRunner(model, blocks, pool)
+    blocks.add_sequence(0)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, model.cfg.vocab_size, (context + max_n,), generator=g).to(model.device)
+    runner.forward(0, 0, ids[:context], 0, n_layers)
+    a, b = 1, n_layers  # forward calls through 1 and through all layers: overhead + l * per_layer
+    H = model.cfg.hidden_size
+    exits = dict(model.exits)
+    heads = {L: exits[L] for L in sorted(exits)}
+    hidden = {n: torch.randn(n, H, generator=g).to(model.device, model.dtype) for n in token_counts}
+
+    def run(layers: int, n: int) -> None:
+        runner.forward(0, context, ids[context:context + n], 0, layers)
+        blocks.truncate(0, context)
+
+    def head_fn(L: int, n: int):
+        if L == n_layers:
+            return lambda: model.final_logits(hidden[n]).argmax(-1)
+        return lambda: heads[L](hidden[n]).argmax(-1)
+
+    run(b, max_n)  # warm-up
+    samples: dict[tuple, list[float]] = {}
+    for _ in range(repeat):  # interleaved, so a busy spell on the machine hits every measurement alike
+        for n in token_counts:
+            for key, fn in ((("fwd", a, n), lambda n=n: run(a, n)), (("fwd", b, n), lambda n=n: run(b, n))):
+                samples.setdefault(key, []).append(_median_time(fn, 1))
+            for L in list(heads) + [n_layers]:
+                samples.setdefault(("head", L, n), []).append(_median_time(head_fn(L, n), 1))
+    # Medians per token count, not a fitted line: on CPU the cost is not monotonic in n (MKL
+    # runs 2- and 3-row GEMMs slower than 4-row ones), and the search should see that.
+    med = {k: statistics.median(v) for k, v in samples.items()}
+    per_layer = {n: max(1e-7, (med[("fwd", b, n)] - med[("fwd", a, n)]) / (b - a)) for n in token_counts}
+    overhead = {n: max(0.0, med[("fwd", a, n)] - a * per_layer[n]) for n in token_counts}
+    head = {L: {n: med[("head", L, n)] for n in token_counts} for L in list(heads) + [n_layers]}
+    logits = torch.randn(5, model.cfg.vocab_size, generator=g).to(model.device)
+    from ..sampling.speculative import greedy_accept
+    drafts = logits[:4].argmax(-1)
+    sampling = _median_time(lambda: greedy_accept(drafts, logits.argmax(-1)), repeat)
+    blocks.free(0)
+    return CostModel(per_layer, overhead, head, n_layers, sampling)
+
+
+# ---- traces ---------------------------------------------------------------------------------
+@dataclass
+class Trace:
+    """One greedy continuation: ``y[t]`` is the final layer's token at step t; per exit layer
+    ``argmax[L][t]`` and ``entropy[L][t]`` are that exit's view of the same position."""
+
+    y: list[int]
+    argmax: dict[int, list[int]]
+    entropy: dict[int, list[float]]
+
+
+@torch.inference_mode()
+def collect_traces(model, prompts: list[list[int]], layers: list[int], max_new_tokens: int, eos_ids,
+                   batch_size: int = 8) -> list[Trace]:
+    """Greedy continuations of ``prompts`` and every exit's argmax/entropy along them."""
+    traces = []
+    for a in range(0, len(prompts), batch_size):
+        batch = list(enumerate(prompts[a:a + batch_size]))
+        cap = C.Capture(tuple(layers), 1)
+        C.self_generate(model, batch, tuple(layers), cap, max_new_tokens, frozenset(eos_ids))
+        rows = cap.take()
+        seq = rows["seq"]
+        for s, _ in batch:
+            idx = (seq == s).nonzero().squeeze(1)
+            y = rows["top_ids"][idx, 0].tolist()
+            am, ent = {}, {}
+            for L in layers:
+                h = rows[f"h.{L}"][idx].to(model.dtype)
+                logits = model.exit_logits(h, L).float()
+                am[L] = logits.argmax(-1).tolist()
+                p = torch.softmax(logits, -1)
+                ent[L] = (-(p * p.clamp_min(1e-30).log()).sum(-1)).tolist()
+            traces.append(Trace(y, am, ent))
+    return traces
+
+
+def trace_agreement(traces: list[Trace], layer: int, against: int | None = None) -> float:
+    """Top-1 agreement of exit ``layer`` with the final layer (or with exit ``against``)."""
+    hit = tot = 0
+    for tr in traces:
+        ref = tr.y if against is None else tr.argmax[against]
+        hit += sum(a == b for a, b in zip(tr.argmax[layer], ref))
+        tot += len(tr.y)
+    return hit / max(1, tot)
+
+
+# ---- simulation -------------------------------------------------------------------------------
+@dataclass
+class SimResult:
+    tokens: int = 0
+    seconds: float = 0.0
+    full_passes: int = 0
+    drafted: int = 0
+    accepted_inter: int = 0
+    verified_inter: int = 0
+    accepted_full: int = 0
+    verified_full: int = 0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+
+class _Policy:
+    def __init__(self, spec: SpecConfig) -> None:
+        self.spec, self.k = spec, spec.num_draft
+
+    def drafts(self, ent: list[float], t: int, limit: int) -> tuple[int, int]:
+        """(tokens drafted, head evaluations) starting at trace position ``t``."""
+        k = max(1, min(self.k, limit))
+        if self.spec.draft_policy != "svip":
+            return k, k
+        n = 1
+        while n < k:
+            e = ent[t + n] if t + n < len(ent) else 0.0
+            if e > self.spec.svip_threshold:
+                return n, n + 1
+            n += 1
+        return n, n
+
+    def update(self, drafted: int, accepted: int) -> None:
+        if self.spec.draft_policy == "heuristic":
+            self.k = min(self.k + 2, max(self.spec.max_draft, self.spec.num_draft)) if accepted == drafted \
+                else max(self.k - 1, 1)
+
+
+def _runs(a: list[int], b: list[int]) -> list[int]:
+    """``r[t]``: how many consecutive positions from ``t`` on have ``a == b`` (one extra 0 at the end)."""
+    r = [0] * (len(a) + 1)
+    for t in range(len(a) - 1, -1, -1):
+        r[t] = r[t + 1] + 1 if a[t] == b[t] else 0
+    return r
+
+
+class _TraceRuns:
+    """Run lengths per (exit, reference) pair of one trace, computed once and shared by all configs."""
+
+    def __init__(self, trace: Trace) -> None:
+        self.trace = trace
+        self._cache: dict[tuple, list[int]] = {}
+
+    def runs(self, layer: int, against: int | None) -> list[int]:
+        key = (layer, against)
+        if key not in self._cache:
+            ref = self.trace.y if against is None else self.trace.argmax[against]
+            self._cache[key] = _runs(self.trace.argmax[layer], ref)
+        return self._cache[key]
+
+
+def _prepared(traces) -> list[_TraceRuns]:
+    return [t if isinstance(t, _TraceRuns) else _TraceRuns(t) for t in traces]
+
+
+def simulate_selfspec(traces: list[Trace], spec: SpecConfig, costs: CostModel) -> SimResult:
+    d, N = spec.draft_layer, costs.num_layers
+    r = SimResult()
+    for tr in _prepared(traces):
+        T, t, pol = len(tr.trace.y), 0, _Policy(spec)
+        run_dy, ent = tr.runs(d, None), tr.trace.entropy[d]
+        while t < T:
+            k, evals = pol.drafts(ent, t, T - t)
+            acc = min(run_dy[t], k)
+            r.seconds += ((k + 1) * costs.forward(d, 1) + evals * costs.exit(d, 1)
+                          + costs.forward(N - d, k + 1) + costs.exit(N, k + 1) + costs.sampling)
+            pol.update(k, acc)
+            r.drafted += k
+            r.accepted_full += acc
+            r.verified_full += k
+            r.full_passes += 1
+            t += acc + 1
+        r.tokens += T
+    return r
+
+
+def simulate_hispec(traces: list[Trace], spec: SpecConfig, costs: CostModel) -> SimResult:
+    """Window tokens are the intermediate exit's argmax at their positions; the leading ones
+    that equal the final trajectory are committed (plus one correction/bonus token)."""
+    d, i, N = spec.draft_layer, spec.verify_layer, costs.num_layers
+    r = SimResult()
+    for tr in _prepared(traces):
+        T, t, pol = len(tr.trace.y), 0, _Policy(spec)
+        run_di, run_iy, ent = tr.runs(d, i), tr.runs(i, None), tr.trace.entropy[d]
+        while t < T:
+            m = 0  # window length
+            while m < spec.window and t + m < T:
+                k, evals = pol.drafts(ent, t + m, T - t - m)
+                acc = min(run_di[t + m], k)
+                r.seconds += ((k + 1) * costs.forward(d, 1) + evals * costs.exit(d, 1)
+                              + costs.forward(i - d, k + 1) + costs.exit(i, k + 1) + costs.sampling)
+                pol.update(k, acc)
+                r.drafted += k
+                r.accepted_inter += acc
+                r.verified_inter += k
+                m += acc + 1
+            m = min(m, T - t)
+            good = min(run_iy[t], m)
+            r.seconds += costs.forward(i, 1) + costs.forward(N - i, m + 1) + costs.exit(N, m + 1) + costs.sampling
+            r.accepted_full += good
+            r.verified_full += m
+            r.full_passes += 1
+            t += min(good + 1, T - t)
+        r.tokens += T
+    return r
+
+
+def simulate_ar(traces: list[Trace], costs: CostModel) -> SimResult:
+    tokens = sum(len(tr.trace.y) for tr in _prepared(traces))
+    return SimResult(tokens=tokens, seconds=tokens * costs.ar_token(), full_passes=tokens)
+
+
+@dataclass
+class Candidate:
+    strategy: str
+    spec: SpecConfig
+    predicted: SimResult
+    measured_speedup: float | None = None
+
+    def row(self, ar_tps: float) -> dict:
+        s, p = self.spec, self.predicted
+        return {"strategy": self.strategy, "draft_layer": s.draft_layer, "verify_layer": s.verify_layer,
+                "num_draft": s.num_draft, "window": s.window, "draft_policy": s.draft_policy,
+                "svip_threshold": s.svip_threshold,
+                "predicted_tokens_per_s": round(p.tokens_per_second, 2),
+                "predicted_speedup": round(p.tokens_per_second / ar_tps, 3) if ar_tps else None,
+                "tokens_per_full_pass": round(p.tokens / max(1, p.full_passes), 3),
+                "accept_inter": round(p.accepted_inter / p.verified_inter, 3) if p.verified_inter else None,
+                "accept_full": round(p.accepted_full / p.verified_full, 3) if p.verified_full else None,
+                "measured_speedup": None if self.measured_speedup is None else round(self.measured_speedup, 3)}
+
+
+@dataclass
+class SearchSpace:
+    num_draft: tuple[int, ...] = (1, 2, 3, 4, 6)
+    window: tuple[int, ...] = (2, 3, 4, 6, 8)
+    policies: tuple[tuple[str, float], ...] = (("fixed", 2.0), ("heuristic", 2.0), ("svip", 1.0), ("svip", 2.0),
+                                               ("svip", 3.0))
+    draft_layers: tuple[int, ...] | None = None
+    verify_layers: tuple[int, ...] | None = None
+
+
+def search(traces: list[Trace], costs: CostModel, layers: list[int], space: SearchSpace = SearchSpace()
+           ) -> tuple[list[Candidate], SimResult]:
+    """Predicted tokens/s of every configuration, best first (hispec and selfspec)."""
+    n = costs.num_layers
+    traces = _prepared(traces)
+    d_layers = [L for L in layers if space.draft_layers is None or L in space.draft_layers]
+    i_layers = [L for L in layers if space.verify_layers is None or L in space.verify_layers]
+    out = []
+    for d, (pol, thr), k in itertools.product(d_layers, space.policies, space.num_draft):
+        spec = SpecConfig(d, n, num_draft=k, window=1, draft_policy=pol, svip_threshold=thr, num_layers=n)
+        out.append(Candidate("selfspec", spec, simulate_selfspec(traces, spec, costs)))
+        for i in i_layers:
+            if i <= d:
+                continue
+            for w in space.window:
+                spec = SpecConfig(d, i, num_draft=k, window=w, draft_policy=pol, svip_threshold=thr, num_layers=n)
+                out.append(Candidate("hispec", spec, simulate_hispec(traces, spec, costs)))
+    out.sort(key=lambda c: -c.predicted.tokens_per_second)
+    return out, simulate_ar(traces, costs)
+
+
+# ---- validation ----------------------------------------------------------------------------
+def measure_end_to_end(gen, prompts: list[list[int]], candidates: list[Candidate], max_new_tokens: int,
+                       rounds: int = 1) -> tuple[float, list[float]]:
+    """Tokens/s of ``ar`` and of each candidate on ``prompts``, interleaved per prompt
+    (ar, c1, c2, ..., then the next prompt), so a busy machine slows all alike."""
+    from ..config import SamplingParams
+
+    params = SamplingParams(max_new_tokens=max_new_tokens)
+    ar_t = ar_n = 0.0
+    tot = [[0.0, 0] for _ in candidates]
+    for _ in range(rounds):
+        for p in prompts:
+            ref = gen.generate(p, params, "ar")
+            ar_t, ar_n = ar_t + ref.seconds, ar_n + ref.new_tokens
+            for c, acc in zip(candidates, tot):
+                out = gen.generate(p, params, c.strategy, spec=c.spec)
+                if out.token_ids != ref.token_ids:
+                    raise AssertionError(f"{c.strategy} {c.spec} changed the output: a bug, please report it")
+                acc[0] += out.seconds
+                acc[1] += out.new_tokens
+    ar_tps = ar_n / ar_t
+    return ar_tps, [(n / s) / ar_tps if s else 0.0 for s, n in tot]
+
+
+def format_table(rows: list[dict], limit: int = 25) -> str:
+    cols = ["strategy", "draft_layer", "verify_layer", "num_draft", "window", "draft_policy", "svip_threshold",
+            "predicted_speedup", "tokens_per_full_pass", "accept_inter", "accept_full", "measured_speedup"]
+    short = {"strategy": "strategy", "draft_layer": "L_d", "verify_layer": "L_i", "num_draft": "N_d",
+             "window": "N_i", "draft_policy": "policy", "svip_threshold": "thr", "predicted_speedup": "pred x",
+             "tokens_per_full_pass": "tok/full", "accept_inter": "acc d->i", "accept_full": "acc ->f",
+             "measured_speedup": "meas x"}
+    lines = ["  ".join(f"{short[c]:>8}" for c in cols)]
+    for r in rows[:limit]:
+        cells = []
+        for c in cols:
+            v = r.get(c)
+            if r["strategy"] == "selfspec" and c in ("verify_layer", "window"):
+                v = "-"
+            if c == "svip_threshold" and r["draft_policy"] != "svip":
+                v = "-"
+            cells.append(f"{'-' if v is None else v:>8}")
+        lines.append("  ".join(cells))
+    return "\n".join(lines)
+
+
+@dataclass
+class TuneResult:
+    costs: CostModel
+    agreement: dict[int, float]
+    table: list[dict] = field(default_factory=list)
+    best: dict | None = None
+    best_selfspec: dict | None = None
+    ar_predicted_tps: float = 0.0
