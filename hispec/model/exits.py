@@ -416,7 +416,7 @@ def heads_nbytes(heads: dict[int, ExitHead]) -> int:
     some = next(iter(heads.values()), None)
     if some is not None:
         w = some.base.lm_head.weight
-        total += sum(k * w.shape[1] * w.element_size() for k, _ in subsets)
+        total += sum(2 * k * w.shape[1] * w.element_size() for k, _ in subsets)  # rows + a transposed copy
     return total
 
 
