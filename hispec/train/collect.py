@@ -18,7 +18,6 @@ A cache folder holds ``meta.json`` and shards ``shard-NNNNN.safetensors`` with, 
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -80,7 +79,10 @@ class LayerTap:
         self.pool = KVPool(cfg.num_layers, self.num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
                            model.dtype, model.device)
 
-    def forward(self, chunks: list[SeqChunk], token_ids: torch.Tensor) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
+    def forward(self, chunks: list[SeqChunk], token_ids: torch.Tensor, keep: torch.Tensor | None = None
+                ) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
+        """Hidden states at the tapped layers and after the last one, for the rows ``keep`` only
+        (all rows if None; a long prefill keeps just what it needs, not every layer's states)."""
         model = self.model
         for c in chunks:
             self.blocks.ensure_capacity(c.seq_id, c.start + c.num_tokens)
@@ -89,8 +91,10 @@ class LayerTap:
         taps, start = {}, 0
         for L in self.layers:
             h = model.run_layers(h, start, L, batch, self.pool)
-            taps[L], start = h, L
+            taps[L], start = (h if keep is None else h[keep]), L
         h = model.run_layers(h, start, model.num_layers, batch, self.pool)
+        if keep is not None:
+            h = h[keep]
         for c in chunks:
             self.blocks.set_filled(c.seq_id, 0, model.num_layers, c.start + c.num_tokens)
         return taps, h
@@ -108,15 +112,19 @@ def teacher_forced(model: DecoderModel, seqs: list[tuple[int, list[int], int]], 
         tap.blocks.add_sequence(sid)
         chunks.append(SeqChunk(sid, 0, len(toks)))
     ids = torch.tensor([t for _, toks, _ in seqs for t in toks], dtype=torch.long, device=model.device)
-    taps, final = tap.forward(chunks, ids)
-    offset = 0
-    for (rec, toks, first), c in zip(seqs, chunks):
-        lo, hi = offset + first, offset + len(toks) - 1  # the last token's next is unknown
+    spans, offset, kept = [], 0, 0
+    for _, toks, first in seqs:  # rows whose next token is a target (the last token's next is unknown)
+        spans.append((offset + first, offset + len(toks) - 1))
+        offset += len(toks)
+    keep = torch.cat([torch.arange(a, b) for a, b in spans]).to(model.device)
+    taps, final = tap.forward(chunks, ids, keep)
+    for (rec, _, _), (a0, b0) in zip(seqs, spans):
+        lo, hi = kept, kept + (b0 - a0)
         for a in range(lo, hi, logits_chunk):
             b = min(hi, a + logits_chunk)
             capture.add({L: taps[L][a:b] for L in tap.layers}, final[a:b], model.final_logits(final[a:b]),
                         TEACHER, rec)
-        offset += len(toks)
+        kept = hi
 
 
 @torch.inference_mode()
@@ -130,9 +138,8 @@ def self_generate(model: DecoderModel, prompts: list[tuple[int, list[int]]], lay
         tap.blocks.add_sequence(sid)
         chunks.append(SeqChunk(sid, 0, len(p)))
     ids = torch.tensor([t for _, p in prompts for t in p], dtype=torch.long, device=model.device)
-    taps, final = tap.forward(chunks, ids)
     last = torch.tensor([sum(len(p) for _, p in prompts[:i + 1]) - 1 for i in range(len(prompts))])
-    taps, final = {L: t[last] for L, t in taps.items()}, final[last]
+    taps, final = tap.forward(chunks, ids, last.to(model.device))
     lengths = [len(p) for _, p in prompts]
     out: dict[int, list[int]] = {rec: [] for rec, _ in prompts}
     active = list(range(len(prompts)))
@@ -223,7 +230,3 @@ def load_cache(folder: Path, keys: list[str] | None = None) -> dict[str, torch.T
     if not parts:
         raise ValueError(f"cache {folder} is empty")
     return {k: torch.cat(v) for k, v in parts.items()}
-
-
-def timed() -> float:
-    return time.perf_counter()

@@ -120,6 +120,16 @@ def _say(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+def _say_heads(gen) -> None:
+    from ..model.exits import describe
+
+    manifest = getattr(gen, "exit_manifest", None)
+    if manifest is None:
+        _say("no trained exit heads: every exit goes through the model's own final norm and output head")
+    else:
+        _say(f"{gen.exit_heads_path}: {describe(manifest)}")
+
+
 _PARSERS: dict[str, argparse.ArgumentParser] = {}
 
 
@@ -150,6 +160,7 @@ def cmd_probe(args) -> int:
     from .probe import format_table, plot, probe
 
     gen = load_generator(args, progress=False)
+    _say_heads(gen)
     prompts = _prompt_ids(gen, [args.data], args.limit, args.max_prompt_tokens)
     t0 = time.perf_counter()
     rows, positions = probe(gen.model, prompts, args.max_new_tokens, gen.eos_ids)
@@ -267,6 +278,7 @@ def cmd_tune(args) -> int:
                        trace_agreement)
 
     gen = load_generator(args, progress=False)
+    _say_heads(gen)
     model = gen.model
     n = model.num_layers
     manifest = getattr(gen, "exit_manifest", None)

@@ -27,7 +27,7 @@ class LayerAgreement:
 
 
 @torch.inference_mode()
-def probe(model, prompts: list[list[int]], max_new_tokens: int, eos_ids, batch_size: int = 8
+def probe(model, prompts: list[list[int]], max_new_tokens: int, eos_ids, batch_size: int = 4
           ) -> tuple[list[LayerAgreement], int]:
     """Agreement of every exit layer ``1 .. num_layers - 1``; also returns the number of positions."""
     layers = tuple(range(1, model.num_layers))

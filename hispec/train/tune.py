@@ -20,7 +20,7 @@ from __future__ import annotations
 import itertools
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -388,13 +388,3 @@ def format_table(rows: list[dict], limit: int = 25) -> str:
             cells.append(f"{'-' if v is None else v:>8}")
         lines.append("  ".join(cells))
     return "\n".join(lines)
-
-
-@dataclass
-class TuneResult:
-    costs: CostModel
-    agreement: dict[int, float]
-    table: list[dict] = field(default_factory=list)
-    best: dict | None = None
-    best_selfspec: dict | None = None
-    ar_predicted_tps: float = 0.0
