@@ -86,7 +86,7 @@ def spec_from_args(args, generator) -> SpecConfig:
 
     num_layers = generator.model.num_layers
     per_strategy = getattr(generator, "recommended_specs", None) or {}
-    base = per_strategy.get(args.strategy) or getattr(generator, "recommended_spec", None) or default_spec(num_layers)
+    base = generator.spec_for(args.strategy) or default_spec(num_layers)
     values = {"draft_layer": args.draft_layer, "verify_layer": args.verify_layer, "num_draft": args.num_draft,
               "window": args.window, "draft_policy": args.draft_policy, "svip_threshold": args.svip_threshold}
     fields = {k: getattr(base, k) for k in ("draft_layer", "verify_layer", "num_draft", "window", "draft_policy",

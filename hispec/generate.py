@@ -90,6 +90,11 @@ class Generator:
             attach_exits(gen, None if exits is True else exits)
         return gen
 
+    def spec_for(self, strategy: str) -> SpecConfig | None:
+        """The exit heads' recommended settings for ``strategy`` (None: no recommendation)."""
+        per_strategy = getattr(self, "recommended_specs", None) or {}
+        return per_strategy.get(strategy) or self.recommended_spec
+
     # ---- prompts -------------------------------------------------------------------------
     def _eos_ids(self) -> set[int]:
         ids = set(self.model.cfg.eos_token_ids)
@@ -149,7 +154,7 @@ class Generator:
         params = params or SamplingParams()
         prompt_ids = list(prompt) if isinstance(prompt, list) else self.encode_prompt(prompt, chat)
         if isinstance(strategy, str):
-            strategy = make_strategy(strategy, spec, self.model.num_layers)
+            strategy = make_strategy(strategy, spec or self.spec_for(strategy), self.model.num_layers)
         engine = self._engine_for(strategy, min(len(prompt_ids) + params.max_new_tokens,
                                                 self.model.cfg.max_position_embeddings))
         t0 = time.perf_counter()

@@ -44,7 +44,7 @@ class LLM:
         self.generator = model if isinstance(model, Generator) else Generator.from_pretrained(model, device=device,
                                                                                                dtype=dtype)
         m = self.generator.model
-        spec = spec or getattr(self.generator, "recommended_spec", None)
+        spec = spec or self.generator.spec_for(strategy)
         self.strategy = make_strategy(strategy, spec, m.num_layers)
         self.kv_blocks, self.kv_memory_fraction = kv_blocks, kv_memory_fraction
         self.engine = Engine(m, self.strategy, tokenizer=self.generator.tokenizer, eos_ids=self.generator.eos_ids,

@@ -37,6 +37,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from ..config import ConfigError, SpecConfig
+from .matmul import Linear, linear
 
 FORMAT = "hispec-exit-heads"
 FORMAT_VERSION = 1
@@ -64,21 +65,6 @@ class RMSNormGain(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
-def head_matmul(y: torch.Tensor, w: torch.Tensor, w_t: torch.Tensor | None = None) -> torch.Tensor:
-    """``y [T, H] @ w[V, H].T`` -> ``[T, V]``, in the layout that is fastest on CPU for tall, thin
-    output matrices. Measured with MKL on the 2-core test machine (49,152 x 576, float32):
-    ``F.linear`` takes 10 / 23 / 35 / 19 / 20 ms for T = 1 / 2 / 3 / 4 / 8, ``(w @ y.T).T``
-    10 / 5.7 / 8 / 9 / 14.5 ms (slower again from T = 12), and ``y @ w_t`` (a transposed copy)
-    5 ms for T = 1. Same values up to float rounding."""
-    if y.device.type != "cpu" or y.dim() != 2:
-        return nn.functional.linear(y, w)
-    if y.shape[0] == 1:
-        return y @ w_t if w_t is not None else nn.functional.linear(y, w)
-    if y.shape[0] <= 8:
-        return (w @ y.T).T
-    return nn.functional.linear(y, w)
-
-
 class ExitHead(nn.Module):
     """One exit: RMSNorm + residual linear adapter, then the model's shared final norm + output head.
 
@@ -91,7 +77,7 @@ class ExitHead(nn.Module):
         cfg = model.cfg
         h = cfg.hidden_size
         self.norm = RMSNormGain(h, cfg.norm_eps)
-        self.proj = nn.Linear(h, h, bias=True)
+        self.proj = Linear(h, h, bias=True)
         nn.init.zeros_(self.proj.weight)
         nn.init.zeros_(self.proj.bias)
         self._base = (model,)  # a tuple, so nn.Module does not register (or save) the base model
@@ -120,18 +106,18 @@ class ExitHead(nn.Module):
             y = base.project_out(y)
         return y
 
-    def sub_weight(self, transposed: bool = False) -> torch.Tensor:
-        """The rows of the shared output head for the subset, ``[K, H]`` (or ``[H, K]``): copied
-        once (the head is frozen) and shared by every exit of the model with the same subset."""
+    def sub_weight(self) -> torch.Tensor:
+        """The rows of the shared output head for the subset, ``[K, H]``: copied once (the head
+        is frozen) and shared by every exit of the model with the same subset."""
         w = self.base.lm_head.weight
-        if self._sub_weight is None or self._sub_weight[0].device != w.device or self._sub_weight[0].dtype != w.dtype:
+        if self._sub_weight is None or self._sub_weight.device != w.device or self._sub_weight.dtype != w.dtype:
             key = (hashlib.sha1(self.vocab_ids.cpu().numpy().tobytes()).hexdigest(), w.device, w.dtype)
             shared = self.base.__dict__.setdefault("_exit_sub_weights", {})
             if key not in shared:
                 rows = w.detach()[self.vocab_ids.to(w.device)].contiguous()
-                shared[key] = (rows, rows.t().contiguous())
+                shared[key] = rows
             self._sub_weight = shared[key]
-        return self._sub_weight[1 if transposed else 0]
+        return self._sub_weight
 
     def subset_logits(self, h: torch.Tensor) -> torch.Tensor:
         """Logits over the subset only ``[T, K]`` (restricted heads), e.g. for training."""
@@ -141,8 +127,8 @@ class ExitHead(nn.Module):
         # h: [T, H] -> logits [T, V]
         y = self.output_input(self.adapt(h))
         if self.vocab_ids is None:
-            return head_matmul(y, self.base.lm_head.weight)
-        sub = head_matmul(y, self.sub_weight(), self.sub_weight(transposed=True))  # [T, K]
+            return linear(y, self.base.lm_head.weight)
+        sub = linear(y, self.sub_weight())  # [T, K]
         out = sub.new_full((h.shape[0], self.vocab_size), float("-inf"))
         return out.index_copy_(1, self.vocab_ids, sub)
 
@@ -416,7 +402,7 @@ def heads_nbytes(heads: dict[int, ExitHead]) -> int:
     some = next(iter(heads.values()), None)
     if some is not None:
         w = some.base.lm_head.weight
-        total += sum(2 * k * w.shape[1] * w.element_size() for k, _ in subsets)  # rows + a transposed copy
+        total += sum(k * w.shape[1] * w.element_size() for k, _ in subsets)  # the subset's rows
     return total
 
 

@@ -21,6 +21,7 @@ from torch import nn
 
 from ..cache.kv_cache import AttentionBatch, KVPool
 from ..config import ConfigError, ModelConfig
+from .matmul import Linear, linear
 
 
 class RMSNorm(nn.Module):
@@ -102,17 +103,17 @@ class DecoderLayer(nn.Module):
         h, hd = cfg.hidden_size, cfg.head_dim
         self.q_size, self.kv_size = cfg.num_heads * hd, cfg.num_kv_heads * hd
         self.input_norm = make_norm(cfg, h)
-        self.qkv_proj = nn.Linear(h, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, h, bias=cfg.family == "opt")
+        self.qkv_proj = Linear(h, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = Linear(self.q_size, h, bias=cfg.family == "opt")
         self.q_norm = RMSNorm(hd, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(hd, cfg.norm_eps) if cfg.qk_norm else None
         self.post_norm = make_norm(cfg, h)
         if cfg.family == "opt":
-            self.fc1 = nn.Linear(h, cfg.intermediate_size, bias=True)
-            self.fc2 = nn.Linear(cfg.intermediate_size, h, bias=True)
+            self.fc1 = Linear(h, cfg.intermediate_size, bias=True)
+            self.fc2 = Linear(cfg.intermediate_size, h, bias=True)
         else:
-            self.gate_up_proj = nn.Linear(h, 2 * cfg.intermediate_size, bias=False)
-            self.down_proj = nn.Linear(cfg.intermediate_size, h, bias=False)
+            self.gate_up_proj = Linear(h, 2 * cfg.intermediate_size, bias=False)
+            self.down_proj = Linear(cfg.intermediate_size, h, bias=False)
         self.act = {"silu": F.silu, "relu": F.relu, "gelu": F.gelu}[cfg.hidden_act]
 
     def forward(self, h: torch.Tensor, layer: int, rope: tuple[torch.Tensor, torch.Tensor] | None,
@@ -156,7 +157,7 @@ class DecoderModel(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, emb_dim)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = make_norm(cfg, cfg.hidden_size)
-        self.lm_head = nn.Linear(emb_dim, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(emb_dim, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.embed_positions = None
@@ -164,8 +165,8 @@ class DecoderModel(nn.Module):
         if cfg.family == "opt":
             self.embed_positions = nn.Embedding(cfg.max_position_embeddings + cfg.learned_pos_offset, cfg.hidden_size)
             if emb_dim != cfg.hidden_size:
-                self.project_in = nn.Linear(emb_dim, cfg.hidden_size, bias=False)
-                self.project_out = nn.Linear(cfg.hidden_size, emb_dim, bias=False)
+                self.project_in = Linear(emb_dim, cfg.hidden_size, bias=False)
+                self.project_out = Linear(cfg.hidden_size, emb_dim, bias=False)
             inv_freq = None
         else:
             inv_freq, _ = rope_inv_freq(cfg)
@@ -213,9 +214,7 @@ class DecoderModel(nn.Module):
         h = self.norm(h)
         if self.project_out is not None:
             h = self.project_out(h)
-        from .exits import head_matmul  # verification passes (2..8 tokens): 2-4x faster on CPU
-
-        return head_matmul(h, self.lm_head.weight)
+        return linear(h, self.lm_head.weight)
 
     def exit_logits(self, h: torch.Tensor, layer: int) -> torch.Tensor:
         """Logits ``[T, V]`` of the exit after ``layer`` decoder layers.
