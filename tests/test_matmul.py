@@ -1,0 +1,41 @@
+"""hispec.model.matmul.linear: the CPU fast paths compute F.linear (up to float rounding)."""
+import pytest
+import torch
+from torch.nn import functional as F
+
+from hispec.model.matmul import SMALL_ROWS, Linear, linear
+
+
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, SMALL_ROWS, SMALL_ROWS + 1, 16, 70])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_matches_f_linear(rows, bias):
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(96, 40, generator=g)
+    b = torch.randn(96, generator=g) if bias else None
+    x = torch.randn(rows, 40, generator=g)
+    out = linear(x, w, b)
+    assert out.shape == (rows, 96) and out.is_contiguous()
+    torch.testing.assert_close(out, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+def test_linear_leading_dims_and_strided_input():
+    w = torch.randn(24, 16)
+    x = torch.randn(3, 5, 32)[..., ::2]  # [3, 5, 16], not contiguous
+    torch.testing.assert_close(linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(linear(x[:1, :1], w), F.linear(x[:1, :1], w), rtol=1e-5, atol=1e-5)
+
+
+def test_linear_module_keeps_nn_linear_state_and_autograd():
+    m = Linear(8, 4)
+    assert set(m.state_dict()) == {"weight", "bias"}
+    x = torch.randn(2, 8, requires_grad=True)
+    m(x).sum().backward()  # training goes through F.linear
+    assert x.grad is not None and m.weight.grad is not None
+    with torch.inference_mode():
+        torch.testing.assert_close(m(x.detach()), F.linear(x.detach(), m.weight, m.bias))
+
+
+def test_other_dtypes_fall_back():
+    w = torch.randn(8, 4, dtype=torch.float64)
+    x = torch.randn(3, 4, dtype=torch.float64)
+    assert torch.equal(linear(x, w), F.linear(x, w))
