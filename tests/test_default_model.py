@@ -60,7 +60,10 @@ def test_logits_match_transformers(generator, hf_model):
         ours = model.exit_logits(h, model.num_layers)
         with torch.no_grad():
             ref = hf_model(torch.tensor([ids])).logits[0]
-        assert (ours - ref).abs().max().item() < 1e-4
+        # float32 through 30 layers with different GEMM kernels (ours: oneDNN / MKL's other layout,
+        # transformers: F.linear) and summation orders: ~1e-4 on logits of magnitude ~20
+        assert (ours - ref).abs().max().item() < 5e-4
+        assert torch.equal(ours.argmax(-1), ref.argmax(-1))
 
 
 def test_greedy_ar_equals_transformers_generate(generator, hf_model):
