@@ -133,11 +133,13 @@ def register_generate(sub) -> None:
     p.add_argument("--no-chat", dest="chat", action="store_false")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     p.add_argument("--stats", action="store_true", help="print speculation statistics after generation (stderr)")
+    p.add_argument("--no-adaptive", action="store_true",
+                   help="always speculate; by default (greedy) steps where measured speculation does not pay "
+                        "are decoded plainly, with the same output")
     b = p.add_argument_group("batching (with --prompts)")
     b.add_argument("--batch-size", type=int, default=1, help="sequences decoded together (continuous batching)")
     b.add_argument("--kv-blocks", type=int, default=None, help="KV-cache blocks of 16 tokens (default: enough for a full batch)")
     b.add_argument("--kv-memory-fraction", type=float, default=None, help="size the KV pool as this fraction of free memory")
-    b.add_argument("--no-adaptive", action="store_true", help="always speculate (no per-step cost model)")
     add_model_options(p)
     add_sampling_options(p)
     add_spec_options(p)
@@ -165,7 +167,8 @@ def cmd_generate(args) -> int:
 
 def _generate_one(gen, args, params, spec) -> int:
     stream = None if args.json else (lambda text: (sys.stdout.write(text), sys.stdout.flush()))
-    out = gen.generate(args.prompt, params, args.strategy, chat=args.chat, spec=spec, on_text=stream)
+    out = gen.generate(args.prompt, params, args.strategy, chat=args.chat, spec=spec, on_text=stream,
+                       adaptive=not args.no_adaptive)
     if args.json:
         print(json.dumps(output_record("0", out, args.strategy)))
     else:
@@ -182,7 +185,7 @@ def _generate_many(gen, args, params, spec, prompts) -> int:
 
     total, seconds, tokens = DecodeStats(args.strategy), 0.0, 0
     for p in tqdm(prompts, desc=f"{args.strategy}", unit="prompt", file=sys.stderr, disable=None):
-        out = gen.generate(p.prompt, params, args.strategy, chat=args.chat, spec=spec)
+        out = gen.generate(p.prompt, params, args.strategy, chat=args.chat, spec=spec, adaptive=not args.no_adaptive)
         total.merge(out.stats)
         seconds, tokens = seconds + out.seconds, tokens + out.new_tokens
         if args.json:
@@ -242,6 +245,9 @@ def print_stats_table(stats, tokens: int, seconds: float, file) -> None:
                      f"rate {lv['acceptance_rate']:.3f}  per position [{per_pos}]")
     phases = "  ".join(f"{k} {v:.2f}s" for k, v in d["phase_seconds"].items() if v)
     lines.append(f"  seconds per phase: {phases}")
+    if d["plain_steps"]:
+        lines.append(f"  adaptive: {d['plain_steps']} of {d['full_passes']} steps decoded plainly (measured "
+                     f"speculation did not pay there; --no-adaptive to always speculate)")
     if d["verification_wall"] is not None:
         lines.append(f"  verification wall: {d['verification_wall']:.2f} (full-verify s/token / draft s/token)")
     print("\n".join(lines), file=file)

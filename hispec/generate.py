@@ -18,6 +18,7 @@ from .decode.autoregressive import Autoregressive
 from .decode.base import Strategy
 from .decode.speculative import HiSpec, SelfSpec
 from .decode.stats import DecodeStats
+from .engine.adaptive import AdaptiveController
 from .engine.engine import Engine, PromptTooLongError, kv_blocks_for  # noqa: F401 (PromptTooLongError re-exported)
 from .model.llama import DecoderModel
 
@@ -67,6 +68,7 @@ class Generator:
         self.tokenizer = tokenizer
         self.block_size = block_size
         self._engine: Engine | None = None
+        self._controllers: dict[str, AdaptiveController] = {}  # adaptive speculation, per strategy
         self.model_path: Path | None = None
         self.recommended_spec: SpecConfig | None = None  # set by exit heads that declare their layers
         self.eos_ids = frozenset(self._eos_ids())
@@ -133,13 +135,16 @@ class Generator:
     def pool(self):
         return self._engine.pool if self._engine else None
 
-    def _engine_for(self, strategy: Strategy, num_tokens: int) -> Engine:
-        """The single-request engine, with a pool that holds ``num_tokens`` positions."""
+    def _engine_for(self, strategy: Strategy, num_tokens: int, adaptive: bool) -> Engine:
+        """The single-request engine, with a pool that holds ``num_tokens`` positions. With
+        ``adaptive``, per strategy one controller learns across calls whether speculation pays."""
         if self._engine is None:
             self._engine = Engine(self.model, strategy, tokenizer=self.tokenizer, eos_ids=self.eos_ids,
                                   kv_blocks=1, block_size=self.block_size, max_batch_size=1, adaptive=False)
         engine = self._engine
         engine.strategy = strategy
+        engine.adaptive = (self._controllers.setdefault(strategy.name, AdaptiveController())
+                           if adaptive and strategy.name != "ar" else None)
         engine.eos_ids = frozenset(self.eos_ids)
         need = kv_blocks_for(self.model, self.block_size, min_tokens=num_tokens + engine.lookahead)
         if engine.blocks.num_blocks < need:
@@ -148,15 +153,16 @@ class Generator:
 
     def generate(self, prompt: str | list[int], params: SamplingParams | None = None, strategy: str | Strategy = "ar",
                  *, chat: bool | None = None, spec: SpecConfig | None = None,
-                 on_text: Callable[[str], None] | None = None) -> GenerationOutput:
+                 on_text: Callable[[str], None] | None = None, adaptive: bool = False) -> GenerationOutput:
         """Generate a continuation of ``prompt`` (text, or token ids). ``on_text`` receives the
-        committed text as it grows (deltas; never tentative tokens)."""
+        committed text as it grows (deltas; never tentative tokens). ``adaptive``: decode plainly
+        on the steps where measured speculation does not pay (greedy only; same output either way)."""
         params = params or SamplingParams()
         prompt_ids = list(prompt) if isinstance(prompt, list) else self.encode_prompt(prompt, chat)
         if isinstance(strategy, str):
             strategy = make_strategy(strategy, spec or self.spec_for(strategy), self.model.num_layers)
         engine = self._engine_for(strategy, min(len(prompt_ids) + params.max_new_tokens,
-                                                self.model.cfg.max_position_embeddings))
+                                                self.model.cfg.max_position_embeddings), adaptive)
         t0 = time.perf_counter()
         request_id = engine.add_request(prompt_ids, params)
         final = None

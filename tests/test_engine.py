@@ -91,6 +91,20 @@ def test_adaptive_decisions_show_in_the_stats(model, workload):
     assert steps["speculate"] > 0 and steps["plain"] > 0  # both were measured
 
 
+def test_single_request_adaptive_generation(model, workload):
+    """Generator.generate(adaptive=True): one controller per strategy learns across calls; plain
+    steps are counted in the request's stats and the output is still ar's."""
+    prompts, limits, expected, eos = workload
+    gen = Generator(model)
+    gen.eos_ids = frozenset({eos})
+    strategy = make_strategy("hispec", STRATEGIES["hispec"], model.num_layers)
+    outs = [gen.generate(p, SamplingParams(max_new_tokens=n), strategy, adaptive=True) for p, n in zip(prompts, limits)]
+    assert [o.token_ids for o in outs] == expected
+    plain = sum(o.stats.plain_steps for o in outs)
+    assert 0 < plain < sum(o.stats.full_passes for o in outs)  # both modes were measured
+    assert gen.generate(prompts[0], SamplingParams(max_new_tokens=limits[0]), strategy).stats.plain_steps == 0
+
+
 def test_abort_frees_blocks(model):
     engine = Engine(model, make_strategy("hispec", STRATEGIES["hispec"], 6), kv_blocks=50, block_size=4)
     rid = engine.add_request(list(range(20)), SamplingParams(max_new_tokens=50, ignore_eos=True))

@@ -68,6 +68,7 @@ class DecodeStats:
     levels: dict[str, LevelStats] = field(default_factory=dict)
     phase_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
     draft_forward_tokens: int = 0  # tokens run through the draft layers
+    plain_steps: int = 0  # steps the adaptive controller decoded plainly (no speculation)
 
     def level(self, name: str) -> LevelStats:
         return self.levels.setdefault(name, LevelStats())
@@ -87,6 +88,7 @@ class DecodeStats:
         self.new_tokens += other.new_tokens
         self.full_passes += other.full_passes
         self.draft_forward_tokens += other.draft_forward_tokens
+        self.plain_steps += other.plain_steps
         for name, lv in other.levels.items():
             self.level(name).merge(lv)
         for k, v in other.phase_seconds.items():
@@ -98,6 +100,7 @@ class DecodeStats:
             "strategy": self.strategy,
             "new_tokens": self.new_tokens,
             "full_passes": self.full_passes,
+            "plain_steps": self.plain_steps,
             "mean_accepted_length": round(self.mean_accepted_length, 4),
             "levels": {name: lv.to_dict() for name, lv in self.levels.items()},
             "phase_seconds": {k: round(v, 6) for k, v in self.phase_seconds.items()},

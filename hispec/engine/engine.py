@@ -169,6 +169,9 @@ class Engine:
         strategy = self.strategy if mode == SPECULATE else self._ar
         t0 = time.perf_counter()
         commits = strategy.step(batch)
+        if strategy is not self.strategy:
+            for c in batch:
+                c.stats.plain_steps += 1
         if self.model.device.type == "cuda":
             torch.cuda.synchronize(self.model.device)
         elapsed = time.perf_counter() - t0
