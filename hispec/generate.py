@@ -68,7 +68,7 @@ class Generator:
         self.tokenizer = tokenizer
         self.block_size = block_size
         self._engine: Engine | None = None
-        self._controllers: dict[str, AdaptiveController] = {}  # adaptive speculation, per strategy
+        self._controllers: dict[str, AdaptiveController] = {}  # adaptive speculation, per strategy + settings
         self.model_path: Path | None = None
         self.recommended_spec: SpecConfig | None = None  # set by exit heads that declare their layers
         self.eos_ids = frozenset(self._eos_ids())
@@ -137,13 +137,15 @@ class Generator:
 
     def _engine_for(self, strategy: Strategy, num_tokens: int, adaptive: bool) -> Engine:
         """The single-request engine, with a pool that holds ``num_tokens`` positions. With
-        ``adaptive``, per strategy one controller learns across calls whether speculation pays."""
+        ``adaptive``, one controller per strategy and settings learns across calls whether
+        speculation pays."""
         if self._engine is None:
             self._engine = Engine(self.model, strategy, tokenizer=self.tokenizer, eos_ids=self.eos_ids,
                                   kv_blocks=1, block_size=self.block_size, max_batch_size=1, adaptive=False)
         engine = self._engine
         engine.strategy = strategy
-        engine.adaptive = (self._controllers.setdefault(strategy.name, AdaptiveController())
+        key = f"{strategy.name} {getattr(strategy, 'spec', None)!r}"
+        engine.adaptive = (self._controllers.setdefault(key, AdaptiveController())
                            if adaptive and strategy.name != "ar" else None)
         engine.eos_ids = frozenset(self.eos_ids)
         need = kv_blocks_for(self.model, self.block_size, min_tokens=num_tokens + engine.lookahead)
