@@ -73,14 +73,19 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+SDPA_MIN_QUERIES = 256  # CPU: from here the fused kernel is as fast as the batched matmuls, and leaner
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """Grouped-query attention of one sequence: ``q [T, Hq, D]`` over ``k, v [C, Hkv, D]`` -> ``[T, Hq, D]``.
 
-    ``mask [T, C]`` (True = may attend) or None when every key is visible. On CUDA this is
-    ``scaled_dot_product_attention``; on CPU two batched matmuls with the query heads of a
+    ``mask [T, C]`` (True = may attend) or None when every key is visible. On CUDA, and on CPU
+    for prefill-sized queries (``T >= SDPA_MIN_QUERIES``), this is ``scaled_dot_product_attention``
+    (a fused kernel: 1,400 queries x 1,400 keys take 97 ms instead of 135 ms per layer and never
+    hold the [T, C] scores). Otherwise, on CPU, two batched matmuls with the query heads of a
     group stacked, which avoids expanding K/V and is 2-3x faster for decode-sized queries.
     """
-    if q.device.type != "cpu":
+    if q.device.type != "cpu" or q.shape[0] >= SDPA_MIN_QUERIES:
         return F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
                                               attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1]).transpose(0, 1)
     T, hq, d = q.shape
