@@ -5,7 +5,9 @@ At batch size 1 on a memory-bound device that pays; at large, compute-bound batc
 verification work costs as much as the tokens it saves, and plain decoding wins. Rather than
 a fixed rule, the controller measures both modes per batch-size bucket (committed tokens per
 second of step time, an exponential moving average), picks the better one, and now and then
-re-measures the other. Both modes are lossless, so switching never changes the output.
+re-measures the other: every ``explore_every`` steps at first, twice as long after each
+re-measurement that changes nothing (up to ``max_backoff`` times), back to the start when the
+other mode wins. Both modes are lossless, so switching never changes the output.
 """
 from __future__ import annotations
 
@@ -27,11 +29,14 @@ class _Rate:
 @dataclass
 class AdaptiveController:
     warmup: int = 3  # measurements of each mode before trusting the averages
-    explore_every: int = 24  # steps between re-measurements of the losing mode
+    explore_every: int = 24  # steps between re-measurements of the losing mode (at first)
+    max_backoff: int = 8  # the interval grows to at most explore_every * max_backoff
     alpha: float = 0.3
     rates: dict[tuple[int, str], _Rate] = field(default_factory=dict)
     steps: dict[str, int] = field(default_factory=lambda: {SPECULATE: 0, PLAIN: 0})
     _since_explore: dict[int, int] = field(default_factory=dict)
+    _backoff: dict[int, int] = field(default_factory=dict)  # bucket -> interval multiplier
+    _best_before: dict[int, str] = field(default_factory=dict)  # bucket -> best mode at the last exploration
 
     @staticmethod
     def bucket(batch_size: int) -> int:
@@ -45,9 +50,13 @@ class AdaptiveController:
             if rate.samples < self.warmup:
                 return mode
         best = SPECULATE if spec.tokens_per_second >= plain.tokens_per_second else PLAIN
+        if b in self._best_before:  # the first choice after an exploration: did it change anything?
+            same = self._best_before.pop(b) == best
+            self._backoff[b] = min(self.max_backoff, 2 * self._backoff.get(b, 1)) if same else 1
         self._since_explore[b] = self._since_explore.get(b, 0) + 1
-        if self._since_explore[b] >= self.explore_every:
+        if self._since_explore[b] >= self.explore_every * self._backoff.get(b, 1):
             self._since_explore[b] = 0
+            self._best_before[b] = best
             return PLAIN if best == SPECULATE else SPECULATE
         return best
 
