@@ -37,6 +37,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from ..config import ConfigError, SpecConfig
+from .llama import RMSNorm
 from .matmul import Linear, linear
 
 FORMAT = "hispec-exit-heads"
@@ -51,20 +52,6 @@ class ExitHeadError(ValueError):
     """Exit heads cannot be used with this model, or their files are broken; the message says why."""
 
 
-class RMSNormGain(nn.Module):
-    """RMSNorm with its own gain (the adapter's input normalisation)."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
-
-
 class ExitHead(nn.Module):
     """One exit: RMSNorm + residual linear adapter, then the model's shared final norm + output head.
 
@@ -76,7 +63,7 @@ class ExitHead(nn.Module):
         super().__init__()
         cfg = model.cfg
         h = cfg.hidden_size
-        self.norm = RMSNormGain(h, cfg.norm_eps)
+        self.norm = RMSNorm(h, cfg.norm_eps)  # the adapter's own input normalisation
         self.proj = Linear(h, h, bias=True)
         nn.init.zeros_(self.proj.weight)
         nn.init.zeros_(self.proj.bias)

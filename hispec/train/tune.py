@@ -237,6 +237,13 @@ def _prepared(traces) -> list[_TraceRuns]:
     return [t if isinstance(t, _TraceRuns) else _TraceRuns(t) for t in traces]
 
 
+def _draft_and_verify_seconds(costs: CostModel, d: int, to_layer: int, k: int, evals: int) -> float:
+    """One round: ``k + 1`` single-token passes through layers ``[0, d)``, ``evals`` draft-exit
+    heads, then one ``(k + 1)``-token pass through ``[d, to_layer)`` and that exit's head."""
+    return ((k + 1) * costs.forward(d, 1) + evals * costs.exit(d, 1)
+            + costs.forward(to_layer - d, k + 1) + costs.exit(to_layer, k + 1) + costs.sampling)
+
+
 def simulate_selfspec(traces: list[Trace], spec: SpecConfig, costs: CostModel) -> SimResult:
     d, N = spec.draft_layer, costs.num_layers
     r = SimResult()
@@ -246,8 +253,7 @@ def simulate_selfspec(traces: list[Trace], spec: SpecConfig, costs: CostModel) -
         while t < T:
             k, evals = pol.drafts(ent, t, T - t)
             acc = min(run_dy[t], k)
-            r.seconds += ((k + 1) * costs.forward(d, 1) + evals * costs.exit(d, 1)
-                          + costs.forward(N - d, k + 1) + costs.exit(N, k + 1) + costs.sampling)
+            r.seconds += _draft_and_verify_seconds(costs, d, N, k, evals)
             pol.update(k, acc)
             r.drafted += k
             r.accepted_full += acc
@@ -271,8 +277,7 @@ def simulate_hispec(traces: list[Trace], spec: SpecConfig, costs: CostModel) -> 
             while m < spec.window and t + m < T:
                 k, evals = pol.drafts(ent, t + m, T - t - m)
                 acc = min(run_di[t + m], k)
-                r.seconds += ((k + 1) * costs.forward(d, 1) + evals * costs.exit(d, 1)
-                              + costs.forward(i - d, k + 1) + costs.exit(i, k + 1) + costs.sampling)
+                r.seconds += _draft_and_verify_seconds(costs, d, i, k, evals)
                 pol.update(k, acc)
                 r.drafted += k
                 r.accepted_inter += acc
