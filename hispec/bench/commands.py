@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import sys
 import time
 from pathlib import Path
+
+from ..paths import portable, portable_command
 
 DEFAULT_STRATEGIES = "ar,selfspec,hispec,hf,hf-early-exit"
 
@@ -110,16 +111,16 @@ def cmd_bench(args) -> int:
 
     from .results import build_results
     config = {
-        "command": "hispec " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:2] == ["bench"]
+        "command": "hispec " + portable_command(sys.argv[1:]) if sys.argv[1:2] == ["bench"]
         else "hispec bench",
-        "data": list(args.data), "categories": categories, "limit": args.limit, "per_category": args.per_category,
+        "data": [portable(d) for d in args.data], "categories": categories, "limit": args.limit, "per_category": args.per_category,
         "num_prompts": len(prompts), "prompt_ids": [p.id for p in prompts],
         "prompt_tokens": [len(ids) for ids in run.prompt_ids],
         "strategies": [r.label for r in runners], "hf_exit_layers": exit_layers,
         "max_new_tokens": params.max_new_tokens,
         "sampling": {"temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p,
                      "seed": params.seed, "stop": list(params.stop), "ignore_eos": params.ignore_eos},
-        "chat": chat, "warmup": args.warmup, "batch_size": 1, "out": str(out),
+        "chat": chat, "warmup": args.warmup, "batch_size": 1, "out": portable(out),
     }
     results = build_results(run, gen, model_name=args.model, config=config, started=started,
                             load_at_start=load_at_start)
@@ -145,7 +146,7 @@ def _bench_batch_sizes(args, gen, strategies, prompts, params, batch_sizes, out:
     results = run_batch_sizes(gen, own, prompt_ids, params, batch_sizes, adaptive=not args.no_adaptive)
     meta = {"machine": machine_info(gen.model.device), "model": args.model, "num_prompts": len(prompts),
             "max_new_tokens": params.max_new_tokens, "adaptive": not args.no_adaptive, "commit": git_commit(),
-            "command": "hispec " + " ".join(shlex.quote(a) for a in sys.argv[1:])}
+            "command": "hispec " + portable_command(sys.argv[1:])}
     return write_batch_outputs(results, meta, out, plots=not args.no_plots)
 
 

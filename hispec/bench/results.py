@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from ..paths import portable
 from .memory import method as memory_method
 from .metrics import mismatches, summarize
 from .runner import BenchRun
@@ -70,7 +71,7 @@ def model_info(generator, name: str) -> dict:
     cfg = model.cfg
     info = {
         "name": name,
-        "path": str(getattr(generator, "model_path", "")) or None,
+        "path": portable(getattr(generator, "model_path", None)),
         "family": cfg.family,
         "num_layers": cfg.num_layers,
         "hidden_size": cfg.hidden_size,
@@ -82,7 +83,7 @@ def model_info(generator, name: str) -> dict:
     rec = getattr(generator, "recommended_spec", None)
     path = getattr(generator, "exit_heads_path", None)
     info["exit_heads"] = None if not heads and rec is None else {
-        "path": str(path) if path else None,
+        "path": portable(path),
         "layers": sorted(int(k) for k in heads) if isinstance(heads, dict) else None,
         "recommended_spec": None if rec is None else
         {k: v for k, v in dataclasses.asdict(rec).items() if k != "num_layers"}}

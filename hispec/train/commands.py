@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+from ..paths import portable
+
 
 def register(sub) -> None:
     from ..cli import add_model_options
@@ -148,9 +150,9 @@ def _command_line(args, name: str) -> str:
             parts.append(flag)
         elif isinstance(value, list):
             if value:
-                parts += [flag] + [shlex.quote(str(v)) for v in value]
+                parts += [flag] + [shlex.quote(portable(str(v), digest=False)) for v in value]
         else:
-            parts += [flag, shlex.quote(str(value))]
+            parts += [flag, shlex.quote(portable(str(value), digest=False))]
     return " ".join(parts)
 
 
@@ -251,7 +253,7 @@ def cmd_train_exits(args) -> int:
         design={"kind": "linear", "added_params": added,
                 "added_fraction": round(added / sum(p.numel() for p in model.parameters()), 5)},
         data={**summary, "cache": {k: meta.get(k) for k in ("tokens", "seconds")}, "train": train.summary(),
-              "heldout": {**held.summary(), "from": args.eval_data or "5% of the training records"}},
+              "heldout": {**held.summary(), "from": portable(args.eval_data) or "5% of the training records"}},
         training={"command": command, "steps": state.step, "seed": args.seed, "lr": args.lr,
                   "batch_tokens": args.batch_tokens, "seconds": round(state.seconds, 1),
                   "final_loss": {L: v[-1] for L, v in state.losses.items() if v}},

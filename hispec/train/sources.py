@@ -26,6 +26,8 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..paths import portable
+
 
 class DataSourceError(ValueError):
     """A data file or named source cannot be read; the message says how to fix it."""
@@ -182,12 +184,12 @@ def load_sources(specs: list[str], holdout: list[str] = (), shuffle_seed: int | 
     records, counts = [], {}
     for spec in specs:
         got = load_source(spec)
-        counts[spec] = len(got)
+        counts[portable(spec)] = len(got)
         records += got
     held = [r for spec in holdout for r in load_source(spec)]
     records, dropped = drop_holdout(records, held) if held else (records, 0)
     if shuffle_seed is not None:
         random.Random(shuffle_seed).shuffle(records)
-    summary = {"sources": counts, "held_out": [str(h) for h in holdout], "dropped_as_held_out": dropped,
+    summary = {"sources": counts, "held_out": [portable(h) for h in holdout], "dropped_as_held_out": dropped,
                "records": len(records), "with_response": sum(has_response(r) for r in records)}
     return records, summary
