@@ -3,7 +3,9 @@
 For each batch size the same prompts run through the continuous-batching engine once per
 strategy (orders rotated between batch sizes, after one warm-up run), and the result is the
 generated tokens of the whole run over its wall time. Greedy outputs are checked against
-the batch-size-1 ``ar`` outputs prompt by prompt.
+the first batch size's ``ar`` outputs prompt by prompt. Peers (``--peers``) run in the same
+rotation: vLLM as one continuous-batching call of up to the largest batch size (static batches
+of ``b`` below it), llama.cpp at batch size 1 only (llama-cpp-python has no batched generation).
 """
 from __future__ import annotations
 
@@ -16,8 +18,9 @@ from ..config import SamplingParams
 
 
 def run_batch_sizes(gen, strategies: dict, prompt_ids: list[list[int]], params: SamplingParams,
-                    batch_sizes: list[int], adaptive: bool = True) -> dict:
-    """``strategies``: label -> (strategy name, SpecConfig or None). Returns results per batch size."""
+                    batch_sizes: list[int], adaptive: bool = True, peers: list = (), agree_first: int = 32) -> dict:
+    """``strategies``: label -> (strategy name, SpecConfig or None); ``peers``: PeerRunners (those
+    without batching, llama.cpp's, run at batch size 1 only). Returns results per batch size."""
     from ..llm import LLM
 
     llms = {label: LLM(gen, name, spec=spec, max_batch_size=max(batch_sizes), adaptive=adaptive)
@@ -25,32 +28,34 @@ def run_batch_sizes(gen, strategies: dict, prompt_ids: list[list[int]], params: 
     warm = prompt_ids[:min(2, len(prompt_ids))]
     for llm in llms.values():
         llm.generate(warm, SamplingParams(max_new_tokens=4, ignore_eos=True))
+    for peer in peers:
+        peer.generate(warm, SamplingParams(max_new_tokens=4, ignore_eos=True), batch_size=len(warm))
     results: dict[str, dict] = {}
     reference = None
     for round_, b in enumerate(batch_sizes):
-        labels = list(llms)
+        runs = {label: _own(llms[label], b) for label in llms}
+        runs.update({p.label: _peer(p, b) for p in peers if p.batching or b == 1})
+        labels = list(runs)
         labels = labels[round_ % len(labels):] + labels[:round_ % len(labels)]
         row = {}
         for label in labels:
-            llm = llms[label]
-            llm.engine.max_batch_size = llm.engine.scheduler.max_batch_size = b
-            t0 = time.perf_counter()
-            outs = llm.generate(prompt_ids, params)
-            seconds = time.perf_counter() - t0
-            tokens = sum(o.new_tokens for o in outs)
+            ids, seconds = runs[label](prompt_ids, params)
+            tokens = sum(len(x) for x in ids)
             row[label] = {"tokens": tokens, "seconds": round(seconds, 4),
-                          "tokens_per_second": round(tokens / seconds, 3) if seconds else 0.0,
-                          "token_ids": [o.token_ids for o in outs],
-                          "adaptive": llm.engine.adaptive.to_dict() if llm.engine.adaptive else None}
-            print(f"  batch {b:>2} {label:<12} {tokens} tokens in {seconds:.1f} s = {tokens / seconds:.1f} tokens/s",
+                          "tokens_per_second": round(tokens / seconds, 3) if seconds else 0.0, "token_ids": ids,
+                          "adaptive": llms[label].engine.adaptive.to_dict()
+                          if label in llms and llms[label].engine.adaptive else None}
+            print(f"  batch {b:>2} {label:<16} {tokens} tokens in {seconds:.1f} s = {tokens / seconds:.1f} tokens/s",
                   file=sys.stderr)
         if reference is None and "ar" in row:
             reference = row["ar"]["token_ids"]
         ar_rate = row.get("ar", {}).get("tokens_per_second")
         for label, r in row.items():
             r["speedup_vs_ar"] = round(r["tokens_per_second"] / ar_rate, 3) if ar_rate else None
-            r["identical_to_ar"] = (r.pop("token_ids") == reference) if params.greedy and reference else None
-        results[str(b)] = row
+            ids = r.pop("token_ids")
+            r["identical_to_ar"] = (ids == reference) if params.greedy and reference else None
+            r["agreement_with_ar"] = _agreement(ids, reference, agree_first) if params.greedy and reference else None
+        results[str(b)] = {label: row[label] for label in runs}  # rows in a fixed order
     if "ar" in strategies and str(batch_sizes[0]) in results and len(batch_sizes) > 1:
         base = results[str(batch_sizes[0])]["ar"]["tokens_per_second"]
         for b in batch_sizes:
@@ -58,15 +63,40 @@ def run_batch_sizes(gen, strategies: dict, prompt_ids: list[list[int]], params: 
     return results
 
 
+def _own(llm, b: int):
+    def run(prompt_ids, params):
+        llm.engine.max_batch_size = llm.engine.scheduler.max_batch_size = b
+        t0 = time.perf_counter()
+        outs = llm.generate(prompt_ids, params)
+        return [o.token_ids for o in outs], time.perf_counter() - t0
+    return run
+
+
+def _peer(peer, b: int):
+    return lambda prompt_ids, params: peer.generate(prompt_ids, params, batch_size=b)
+
+
+def _agreement(ids: list[list[int]], reference: list[list[int]], n: int) -> dict:
+    """Prompts whose whole output / first ``n`` tokens equal the reference's."""
+    pairs = list(zip(reference, ids))
+    return {"prompts": len(pairs), "identical": sum(a == b for a, b in pairs), "first_n": n,
+            "first_n_identical": sum(a[:n] == b[:n] for a, b in pairs)}
+
+
 def batch_table(results: dict) -> list[str]:
-    labels = list(next(iter(results.values())))
+    labels = list(dict.fromkeys(l for row in results.values() for l in row))
     lines = ["| batch size | " + " | ".join(f"{l} tokens/s (vs ar)" for l in labels) + " | identical |",
              "|---|" + "---|" * len(labels) + "---|"]
     for b, row in results.items():
-        cells = [f"{row[l]['tokens_per_second']:.1f} ({row[l]['speedup_vs_ar']:.2f}x)" for l in labels]
-        same = all(row[l]["identical_to_ar"] in (True, None) for l in labels)
-        lines.append(f"| {b} | " + " | ".join(cells) + f" | {'yes' if same else 'NO'} |")
+        cells = [f"{row[l]['tokens_per_second']:.1f} ({_ratio(row[l]['speedup_vs_ar'])})" if l in row else "–"
+                 for l in labels]
+        same = [l for l, r in row.items() if r["identical_to_ar"] is False]
+        lines.append(f"| {b} | " + " | ".join(cells) + f" | {'yes' if not same else 'not ' + ', '.join(same)} |")
     return lines
+
+
+def _ratio(x: float | None) -> str:
+    return "–" if x is None else f"{x:.2f}x"
 
 
 def write_batch_outputs(results: dict, meta: dict, out: Path, plots: bool) -> int:
@@ -82,7 +112,8 @@ def write_batch_outputs(results: dict, meta: dict, out: Path, plots: bool) -> in
     (out / "batch_report.md").write_text("# Throughput against batch size\n\n" + "\n".join(table) + "\n"
                                          + "".join(f"\n![{n}]({n})\n" for n in names))
     print("\n".join(table))
-    bad = [b for b, row in results.items() for r in row.values() if r["identical_to_ar"] is False]
+    peers = set(meta.get("peers") or {})
+    bad = [b for b, row in results.items() for l, r in row.items() if r["identical_to_ar"] is False and l not in peers]
     if bad:
         print(f"hispec bench: error: outputs differ from ar at batch sizes {sorted(set(bad))}", file=sys.stderr)
     return int(bool(bad))
@@ -96,8 +127,9 @@ def _plot(results: dict, out: Path) -> str:
 
     sizes = [int(b) for b in results]
     fig, ax = plt.subplots(figsize=(6, 4))
-    for label in next(iter(results.values())):
-        ax.plot(sizes, [results[str(b)][label]["tokens_per_second"] for b in sizes], marker="o", label=label)
+    for label in dict.fromkeys(l for row in results.values() for l in row):
+        at = [b for b in sizes if label in results[str(b)]]
+        ax.plot(at, [results[str(b)][label]["tokens_per_second"] for b in at], marker="o", label=label)
     ax.set_xscale("log", base=2)
     ax.set_xticks(sizes, [str(s) for s in sizes])
     ax.set_xlabel("batch size")

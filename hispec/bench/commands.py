@@ -23,6 +23,14 @@ strategies (--strategies, comma-separated NAME[:OPTION...]):
   hf-early-exit[:L]       transformers generate(assistant_early_exit=L); bare: one run per --hf-exit-layers
   e.g. ar,selfspec:d=4,selfspec:heuristic,hispec,hispec:svip,hf,hf-early-exit
 
+peers (--peers, comma-separated ENGINE[:OPTION]): run in their own processes on the same prompt token ids,
+interleaved with the strategies; their token ids are compared with ar's (whole output and first --agree-first).
+  llama.cpp[:W]           llama-cpp-python on the default model's own Q4_1 GGUF (q4_1) or F16/F32 GGUFs of
+                          the same weights (f16, f32; written once under $HISPEC_HOME/peers/gguf); bare: all three
+  vllm[:DTYPE]            vLLM (CPU) on the converted model folder; float32 (bare) or bfloat16
+  ar:OPT=VALUE[:...]      hispec ar with other model options in a second process, e.g. ar:dtype=bfloat16
+  install: scripts/install-peers.sh [llama.cpp] [vllm] (venvs under $HISPEC_PEERS, default $HISPEC_HOME/peers)
+
 example:
   hispec bench --data /path/spec_bench/question.jsonl --limit 2 --per-category --max-new-tokens 64 --out bench-out
 """
@@ -54,6 +62,14 @@ def register(subparsers) -> None:
                    help="instead: throughput of ar/selfspec/hispec in the batched engine at these batch sizes")
     g.add_argument("--no-adaptive", action="store_true", help="with --batch-sizes: always speculate")
     g.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    peers = p.add_argument_group("peer engines (each in its own process and venv; greedy; see PEERS below)")
+    peers.add_argument("--peers", default=None, metavar="P,P",
+                       help="also run llama.cpp[:q4_1|f16|f32], vllm[:float32|bfloat16], ar:OPT=VALUE")
+    peers.add_argument("--peer-python", action="append", default=[], metavar="ENGINE=PYTHON",
+                       help="the Python of a peer's venv (repeatable; default $HISPEC_PEERS/<llamacpp|vllm>/bin/python, "
+                            "$HISPEC_PEERS defaulting to $HISPEC_HOME/peers)")
+    peers.add_argument("--agree-first", type=int, default=32, metavar="N",
+                       help="also report agreement with ar on the first N tokens (default 32)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_model_options(p)
     add_sampling_options(p)
@@ -78,10 +94,9 @@ def _int_list(text: str | None, option: str) -> list[int] | None:
 def cmd_bench(args) -> int:
     from ..cli import UsageError, load_generator, sampling_from_args
     from .datasets import load_prompts
-    from .runner import run_bench
-    from .strategies import build_runners, expand_early_exit, parse_strategies, spec_for
-
+    from .peers import build_peers, parse_peer_python, parse_peers
     from .results import load_average
+    from .strategies import parse_strategies
 
     started, load_at_start = time.perf_counter(), load_average()
     if args.warmup < 0:
@@ -94,20 +109,44 @@ def cmd_bench(args) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
+    peer_specs = parse_peers(args.peers)
+    parse_peer_python(args.peer_python)
+    if peer_specs and not params.greedy:
+        raise UsageError("--peers compares token ids: use greedy decoding (--temperature 0)")
+    if args.agree_first < 1:
+        raise UsageError("--agree-first must be >= 1")
     gen = load_generator(args, progress=not args.no_progress)
+    peers = build_peers(peer_specs, args, gen, out)
+    try:
+        return _bench(args, gen, strategies, exit_layers, categories, prompts, params, out, peers, started,
+                      load_at_start)
+    finally:
+        for peer in peers:
+            peer.close()
+
+
+def _bench(args, gen, strategies, exit_layers, categories, prompts, params, out, peers, started,
+           load_at_start) -> int:
+    from .runner import run_bench
+    from .strategies import build_runners, expand_early_exit, spec_for
+
     batch_sizes = _int_list(args.batch_sizes, "--batch-sizes")
     if batch_sizes:
-        return _bench_batch_sizes(args, gen, strategies, prompts, params, batch_sizes, out)
+        return _bench_batch_sizes(args, gen, strategies, prompts, params, batch_sizes, out, peers)
     if exit_layers is None:
         from .strategies import StrategySpec
         exit_layers = [spec_for(StrategySpec("hispec", "hispec"), args, gen).draft_layer]
     strategies = expand_early_exit(strategies, exit_layers)
-    runners = build_runners(strategies, args, gen)
+    runners = build_runners(strategies, args, gen) + peers
+    for peer in peers:
+        if peer.unavailable:
+            print(f"hispec bench: note: peer {peer.label} will not run: {peer.unavailable}", file=sys.stderr)
     chat = args.chat if args.chat is not None else gen.has_chat_template()
     print(f"hispec bench: {len(prompts)} prompts x {len(runners)} strategies "
           f"({', '.join(r.label for r in runners)}), max {params.max_new_tokens} new tokens", file=sys.stderr)
 
-    run = run_bench(gen, runners, prompts, params, chat=chat, warmup=args.warmup, progress=not args.no_progress)
+    run = run_bench(gen, runners, prompts, params, chat=chat, warmup=args.warmup, progress=not args.no_progress,
+                    agree_first=args.agree_first)
 
     from .results import build_results
     config = {
@@ -116,7 +155,8 @@ def cmd_bench(args) -> int:
         "data": [portable(d) for d in args.data], "categories": categories, "limit": args.limit, "per_category": args.per_category,
         "num_prompts": len(prompts), "prompt_ids": [p.id for p in prompts],
         "prompt_tokens": [len(ids) for ids in run.prompt_ids],
-        "strategies": [r.label for r in runners], "hf_exit_layers": exit_layers,
+        "strategies": [r.label for r in runners if r.kind != "peer"], "peers": [p.label for p in peers],
+        "agree_first": args.agree_first, "hf_exit_layers": exit_layers,
         "max_new_tokens": params.max_new_tokens,
         "sampling": {"temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p,
                      "seed": params.seed, "stop": list(params.stop), "ignore_eos": params.ignore_eos},
@@ -127,7 +167,7 @@ def cmd_bench(args) -> int:
     return write_outputs(results, out, plots=not args.no_plots)
 
 
-def _bench_batch_sizes(args, gen, strategies, prompts, params, batch_sizes, out: Path) -> int:
+def _bench_batch_sizes(args, gen, strategies, prompts, params, batch_sizes, out: Path, peers=()) -> int:
     from ..cli import UsageError
     from .batched import run_batch_sizes, write_batch_outputs
     from .results import git_commit, machine_info
@@ -143,8 +183,14 @@ def _bench_batch_sizes(args, gen, strategies, prompts, params, batch_sizes, out:
     prompt_ids = encode_prompts(gen, prompts, chat)
     print(f"hispec bench: {len(prompts)} prompts, batch sizes {batch_sizes}, strategies {', '.join(own)}",
           file=sys.stderr)
-    results = run_batch_sizes(gen, own, prompt_ids, params, batch_sizes, adaptive=not args.no_adaptive)
+    results = run_batch_sizes(gen, own, prompt_ids, params, batch_sizes, adaptive=not args.no_adaptive,
+                              peers=[p for p in peers if p.unavailable is None], agree_first=args.agree_first)
+    for p in peers:
+        if p.unavailable:
+            print(f"hispec bench: note: peer {p.label} did not run: {p.unavailable}", file=sys.stderr)
     meta = {"machine": machine_info(gen.model.device), "model": args.model, "num_prompts": len(prompts),
+            "peers": {p.label: p.describe() | {"available": p.unavailable is None, "reason": p.unavailable}
+                      for p in peers},
             "max_new_tokens": params.max_new_tokens, "adaptive": not args.no_adaptive, "commit": git_commit(),
             "command": "hispec " + portable_command(sys.argv[1:])}
     return write_batch_outputs(results, meta, out, plots=not args.no_plots)

@@ -6,6 +6,8 @@ Per strategy, overall and per category:
   ``tokens_per_second_median``: the median of the per-prompt rates;
 - ``speedup_vs_ar``: ``tokens_per_second`` / ``ar``'s, on the same prompts in the same run;
 - ``identical_to_ar``: every prompt's token ids equal ``ar``'s (greedy runs; else null);
+  ``agreement_with_ar``: prompts whose whole output / first N tokens equal ``ar``'s, and the mean
+  common prefix (for peers, whose kernels differ, agreement is measured, not expected);
 - ``mean_accepted_length``: committed tokens / full-model passes;
 - ``acceptance``: per level (``draft->intermediate``, ``intermediate->final``, or
   ``draft->final`` for selfspec): rounds, draft tokens, accepted tokens, acceptance rate and
@@ -27,7 +29,7 @@ import statistics
 from ..decode.stats import DecodeStats
 from .runner import BenchRun, Record
 
-FIELDS = ("tokens_per_second", "tokens_per_second_median", "speedup_vs_ar", "identical_to_ar",
+FIELDS = ("tokens_per_second", "tokens_per_second_median", "speedup_vs_ar", "identical_to_ar", "agreement_with_ar",
           "mean_accepted_length", "acceptance", "phase_seconds", "verification_wall", "peak_memory_bytes",
           "kv_cache_bytes")
 
@@ -78,6 +80,7 @@ def _fields(run: BenchRun, recs: list[Record], ref: list[Record] | None) -> dict
             [x.new_tokens / x.seconds if x.seconds > 0 else 0.0 for x in recs]), 3) if recs else 0.0,
         "speedup_vs_ar": round(tps / ref_tps, 4) if ref_tps else None,
         "identical_to_ar": _identical(run, recs, ref),
+        "agreement_with_ar": _agreement(run, recs, ref),
         "mean_accepted_length": d["mean_accepted_length"] if d else None,
         "full_passes": d["full_passes"] if d else None,
         "acceptance": d["levels"] if d else None,
@@ -107,6 +110,24 @@ def _identical(run: BenchRun, recs: list[Record], ref: list[Record] | None) -> b
     return all(ref_ids.get(x.prompt_index) == x.sample.token_ids for x in recs)
 
 
+def _agreement(run: BenchRun, recs: list[Record], ref: list[Record] | None) -> dict | None:
+    """How many prompts give the reference's token ids: whole outputs, and the first ``run.agree_first``
+    tokens (outputs shorter than that compare whole); the mean length of the common prefix."""
+    if not run.params.greedy or ref is None or not recs:
+        return None
+    ref_ids = {x.prompt_index: x.sample.token_ids for x in ref}
+    n = run.agree_first
+    pairs = [(ref_ids[x.prompt_index], x.sample.token_ids) for x in recs if x.prompt_index in ref_ids]
+    prefixes = [_common_prefix(a, b) for a, b in pairs]
+    return {"prompts": len(pairs), "identical": sum(a == b for a, b in pairs), "first_n": n,
+            "first_n_identical": sum(a[:n] == b[:n] for a, b in pairs),
+            "mean_common_prefix": round(statistics.fmean(prefixes), 2) if prefixes else None}
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    return next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def mismatches(run: BenchRun, label: str, reference: str = "ar") -> list[dict]:
     """Prompts whose token ids differ from the reference: id and first differing position."""
     ref = {x.prompt_index: x.sample.token_ids for x in run.records.get(reference, [])}
@@ -114,8 +135,7 @@ def mismatches(run: BenchRun, label: str, reference: str = "ar") -> list[dict]:
     for x in run.records.get(label, []):
         theirs, mine = ref.get(x.prompt_index), x.sample.token_ids
         if theirs is not None and theirs != mine:
-            at = next((j for j, (a, b) in enumerate(zip(theirs, mine)) if a != b), min(len(theirs), len(mine)))
-            out.append({"prompt": run.prompts[x.prompt_index].id, "first_difference_at": at})
+            out.append({"prompt": run.prompts[x.prompt_index].id, "first_difference_at": _common_prefix(theirs, mine)})
     return out
 
 

@@ -102,6 +102,68 @@ def phase_table(strategies: dict) -> list[str]:
     return _table(["strategy"] + list(PHASE_ORDER) + ["unattributed", "total"], rows)
 
 
+def _agreement_cell(a: dict | None, first: bool = False) -> str:
+    if not a:
+        return "–"
+    return f"{a['first_n_identical']}/{a['prompts']}" if first else f"{a['identical']}/{a['prompts']}"
+
+
+def _peer_name(label: str, e: dict) -> str:
+    """What ran: the engine and its weights."""
+    weights = e.get("weights")
+    return f"`{label}`" + (f" ({weights})" if weights else "")
+
+
+def peers_table(strategies: dict, first_n: int) -> list[str]:
+    """hispec's strategies and the peer engines side by side: speed against ``ar`` and agreement."""
+    rows = []
+    for label, e in strategies.items():
+        if e["kind"] not in ("ar", "selfspec", "hispec", "peer"):
+            continue
+        name = _peer_name(label, e) if e["kind"] == "peer" else f"hispec `{label}`"
+        if not e["available"]:
+            rows.append([name, "did not run"] + ["–"] * 4)
+            continue
+        a = e.get("agreement_with_ar")
+        rows.append([name, _num(e["tokens_per_second"], "{:.1f}"), _num(e["speedup_vs_ar"], "{:.2f}x"),
+                     _agreement_cell(a), _agreement_cell(a, first=True), _num((a or {}).get("mean_common_prefix"),
+                                                                              "{:.1f}")])
+    return _table(["engine / weights", "tokens/s", "vs `ar`", "same token ids as `ar`",
+                   f"same first {first_n} ids", "mean common prefix"], rows)
+
+
+def peer_summary_table(results: dict, batch: dict | None = None, batch_size: str = "16") -> list[str]:
+    """BENCHMARKS.md's peer table: batch-1 tokens/s against ``ar`` (from results.json) and, with a
+    ``--batch-sizes`` run's batch_results.json, throughput at ``batch_size``."""
+    strategies, n = results["strategies"], results["config"].get("agree_first", 32)
+    ar = strategies.get("ar", {})
+    row_b = (batch or {}).get("batch_sizes", {}).get(batch_size, {})
+    ar_b = row_b.get("ar", {})
+    header = ["engine / weights", "batch 1 tokens/s", "vs hispec `ar`", f"same ids as `ar` (whole / first {n})"]
+    if batch:
+        header += [f"batch {batch_size} tokens/s", f"vs `ar` at batch {batch_size}"]
+    rows = []
+    for label, e in strategies.items():
+        if e["kind"] not in ("ar", "selfspec", "hispec", "peer"):
+            continue
+        name = _peer_name(label, e) if e["kind"] == "peer" else f"hispec `{label}`"
+        a = e.get("agreement_with_ar")
+        same = "reference" if label == "ar" else \
+            (f"{_agreement_cell(a)} / {_agreement_cell(a, first=True)}" if a else "–")
+        row = [name, _num(e["tokens_per_second"], "{:.1f}") if e["available"] else "did not run",
+               _num(e["speedup_vs_ar"], "{:.2f}x") if e["available"] else "–", same]
+        if batch:
+            r = row_b.get(label)
+            row += [_num(r["tokens_per_second"], "{:.1f}") if r else "–",
+                    _num(r["tokens_per_second"] / ar_b["tokens_per_second"], "{:.2f}x")
+                    if r and ar_b.get("tokens_per_second") else "–"]
+        rows.append(row)
+    note = [f"`ar` ran at {ar['tokens_per_second']:.1f} tokens/s at batch 1" + (
+        f" and {ar_b['tokens_per_second']:.1f} at batch {batch_size}" if ar_b else "") + "."] if ar.get(
+        "tokens_per_second") else []
+    return _table(header, rows) + [""] + note
+
+
 def wall_memory_table(strategies: dict) -> list[str]:
     rows = []
     for label, e in strategies.items():
@@ -191,6 +253,7 @@ def body_lines(results: dict, h: str = "##") -> list[str]:
         "speculative strategies also hold tentative tokens' K/V until they are rejected. For transformers' "
         "peers: the final cache's tensors.", "",
         *wall_memory_table(strategies), "",
+        *_peer_section(results, h),
         f"{h} Targets", "",
         *targets_table(results["targets"]), "",
     ]
@@ -203,6 +266,19 @@ def body_lines(results: dict, h: str = "##") -> list[str]:
         lines += [f"- `{k}`: " + ", ".join(f"{x['prompt']} (from token {x['first_difference_at']})" for x in v)
                   for k, v in mism] + [""]
     return lines
+
+
+def _peer_section(results: dict, h: str) -> list[str]:
+    strategies = results["strategies"]
+    if not any(e["kind"] == "peer" for e in strategies.values()):
+        return []
+    n = results["config"].get("agree_first", 32)
+    return [f"{h} Peer engines", "",
+            "Each peer ran in its own process on the same prompt token ids, interleaved with hispec's strategies; "
+            "its seconds are the engine's own wall time for the generation (prefill included). Agreement "
+            "counts prompts whose token ids equal `ar`'s: whole outputs, and the first "
+            f"{n} tokens (the peers' kernels differ from hispec's, so a near-tie between two tokens can flip).", "",
+            *peers_table(strategies, n), ""]
 
 
 def render(results: dict, plots: list[str]) -> str:
@@ -272,9 +348,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("results", help="results.json written by hispec bench")
     p.add_argument("--benchmarks", action="store_true", help="render BENCHMARKS.md instead of report.md")
     p.add_argument("--notes", metavar="FILE", help="markdown to include as the Notes section (BENCHMARKS.md)")
+    p.add_argument("--peer-table", action="store_true",
+                   help="print only the table of hispec against the peer engines (BENCHMARKS.md)")
+    p.add_argument("--batch", metavar="BATCH_RESULTS", help="with --peer-table: a --batch-sizes run's "
+                   "batch_results.json, for the throughput columns")
+    p.add_argument("--batch-size", default="16", help="with --batch: the batch size shown (default 16)")
     args = p.parse_args(argv)
     results = json.loads(Path(args.results).read_text(encoding="utf-8"))
-    if args.benchmarks:
+    if args.peer_table:
+        batch = json.loads(Path(args.batch).read_text(encoding="utf-8")) if args.batch else None
+        print("\n".join(peer_summary_table(results, batch, args.batch_size)))
+    elif args.benchmarks:
         notes = Path(args.notes).read_text(encoding="utf-8") if args.notes else None
         print(render_benchmarks(results, notes))
     else:

@@ -43,6 +43,7 @@ class BenchRun:
     prompt_ids: list[list[int]]
     params: SamplingParams
     runners: list[Runner]
+    agree_first: int = 32  # agreement with ar is also reported on the first N tokens
     records: dict[str, list[Record]] = field(default_factory=dict)  # label -> one per prompt, in prompt order
 
     @property
@@ -75,9 +76,10 @@ def prompt_params(params: SamplingParams, index: int, base_seed: int) -> Samplin
 
 
 def run_bench(generator, runners: list[Runner], prompts: list[Prompt], params: SamplingParams, *,
-              chat: bool | None = None, warmup: int = 1, progress: bool | None = True) -> BenchRun:
+              chat: bool | None = None, warmup: int = 1, progress: bool | None = True,
+              agree_first: int = 32) -> BenchRun:
     prompt_ids = encode_prompts(generator, prompts, chat)
-    run = BenchRun(prompts, prompt_ids, params, runners)
+    run = BenchRun(prompts, prompt_ids, params, runners, agree_first)
     base_seed = params.seed if params.seed is not None else random.randrange(2**31)
     device = generator.model.device
     _warm_up(run, warmup, base_seed)
@@ -95,7 +97,7 @@ def run_bench(generator, runners: list[Runner], prompts: list[Prompt], params: S
                     continue
                 bar.set_postfix_str(f"{r.label} on {prompts[i].id}", refresh=False)
                 try:
-                    with PeakMemory(device) as mem:
+                    with (PeakMemory(device) if r.kind != "peer" else _NoMemory()) as mem:  # a peer's is not ours
                         sample = r.run(ids, p)
                 except Exception as e:  # noqa: BLE001 - reported, the other strategies go on
                     _fail(run, r, f"failed on prompt {prompts[i].id!r}: {type(e).__name__}: {e}")
@@ -106,6 +108,16 @@ def run_bench(generator, runners: list[Runner], prompts: list[Prompt], params: S
     finally:
         bar.close()
     return run
+
+
+class _NoMemory:
+    bytes = added = None
+
+    def __enter__(self) -> "_NoMemory":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
 
 
 def _warm_up(run: BenchRun, count: int, base_seed: int) -> None:
