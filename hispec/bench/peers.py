@@ -106,14 +106,15 @@ def find_python(engine: str, overrides: dict[str, str]) -> tuple[str | None, str
     """(python, None) or (None, why it is missing and how to install it)."""
     if engine == "ar":
         return sys.executable, None
-    if engine in overrides:
+    if engine in overrides:  # (the reason is recorded in results.json: no machine paths in it)
         path = Path(overrides[engine]).expanduser()
-        where = f"--peer-python {engine}={overrides[engine]}"
+        where = f"the --peer-python given for {engine} does not exist"
     else:
         path = peers_home() / VENVS[engine] / "bin" / "python"
-        where = f"{path} (set HISPEC_PEERS or --peer-python {engine}=PYTHON for another place)"
+        where = (f"no {VENVS[engine]}/bin/python in $HISPEC_PEERS (default $HISPEC_HOME/peers; or pass "
+                 f"--peer-python {engine}=PYTHON)")
     if not path.exists():
-        return None, f"{engine} is not installed: no Python at {where}; install it with {INSTALL[engine]}"
+        return None, f"{engine} is not installed: {where}; install it with {INSTALL[engine]}"
     return str(path), None
 
 
