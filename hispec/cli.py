@@ -52,6 +52,9 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
                    help="trained exit heads (a folder with a manifest); default: the model's own, if any")
     g.add_argument("--no-exits", action="store_true", help="ignore trained exit heads; exit through the final head")
     g.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
+    g.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                   help="split the model over N processes (one per GPU with --device cuda; gloo on CPU), "
+                        "started here (default: 1)")
 
 
 def add_sampling_options(p: argparse.ArgumentParser) -> None:
@@ -114,9 +117,28 @@ def load_generator(args, progress: bool = True):
     if getattr(args, "no_exits", False) and args.exits:
         raise UsageError("--exits and --no-exits exclude each other")
     exits = False if getattr(args, "no_exits", False) else (args.exits or True)
+    tp = getattr(args, "tensor_parallel_size", 1)
+    if tp != 1:
+        return _load_tensor_parallel(args, tp, device, dtype, exits, progress)
     gen = Generator.from_pretrained(args.model, device=device, dtype=dtype, allow_pickle=args.allow_pickle,
                                     exits=exits, progress=progress)
     return gen
+
+
+def _load_tensor_parallel(args, tp: int, device: str, dtype, exits, progress: bool):
+    import torch
+
+    from .distributed import tp_generator
+
+    if tp < 1:
+        raise UsageError(f"--tensor-parallel-size must be >= 1, got {tp}")
+    if device.startswith("cuda") and torch.cuda.device_count() < tp:
+        raise UsageError(f"--tensor-parallel-size {tp}: only {torch.cuda.device_count()} CUDA device(s) here")
+    if args.allow_pickle:
+        raise UsageError("--tensor-parallel-size reads safetensors only (each rank reads its slices); "
+                         "convert pickle checkpoints first")
+    return tp_generator(args.model, tp, device=device, dtype=dtype, exits=exits, threads=args.threads,
+                        progress=progress, exit_on_failure=True)
 
 
 # ---- hispec generate ----------------------------------------------------------------------

@@ -1,0 +1,218 @@
+"""Check a tensor-parallel group against the same model in one process, and count its collectives.
+
+    python -m hispec.distributed.check MODEL_DIR --tp 2 [--device cuda --dtype bfloat16] [--exit-heads 2,4]
+
+Prints one JSON object: the largest logit difference (full model and exits), whether greedy
+``ar``/``selfspec``/``hispec`` under TP equal single-process ``ar`` token for token, whether
+every rank's KV shard equals the single-process K/V after speculative rounds with rejections,
+and the all-reduce/all-gather calls and bytes per drafted and per verified token (counted in
+code, per rank). Rank 0 also holds a full single-process copy here: this is a check, not a
+way to run. ``tests/test_tensor_parallel.py`` and ``scripts/gpu-check.sh`` run it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+
+
+def _runner(model, tokens: int):
+    from ..cache.block_manager import BlockManager
+    from ..cache.kv_cache import KVPool
+    from ..decode.base import LayerRunner
+
+    cfg = model.cfg
+    blocks = BlockManager(-(-tokens // 16) + 1, 16, cfg.num_layers)
+    pool = KVPool(cfg.num_layers, blocks.num_blocks, 16, cfg.num_kv_heads, cfg.head_dim, model.dtype, model.device)
+    blocks.add_sequence(0)
+    return LayerRunner(model, blocks, pool)
+
+
+def _random_heads(ref, leader, layers: list[int], seed: int) -> None:
+    """The same random exit heads on both models (one with a restricted vocabulary)."""
+    from ..model.exits import new_heads
+
+    g = torch.Generator().manual_seed(seed)
+    vocab = ref.cfg.vocab_size
+    subset = torch.randperm(vocab, generator=g)[: max(2, vocab // 3)].sort().values
+    vocab_ids = {layers[0]: subset}
+    for model in (ref, leader):
+        model.exits = new_heads(model, layers, vocab_ids)
+    for L in layers:
+        for (name, a), (_, b) in zip(sorted(ref.exits[L].state_dict().items()),
+                                     sorted(leader.exits[L].state_dict().items())):
+            if name != "vocab_ids":
+                a.copy_(torch.randn(a.shape, generator=g) * 0.05 + (1.0 if name == "norm.weight" else 0.0))
+                b.copy_(a)
+
+
+def logits_diff(ref, leader, prompt: list[int]) -> dict:
+    ids = torch.tensor(prompt, device=ref.device)
+    out = {}
+    hs = {}
+    for name, m in (("ref", ref), ("tp", leader)):
+        r = _runner(m, len(prompt))
+        hs[name] = r.forward(0, 0, ids.to(m.device), 0, m.num_layers)
+    out["final"] = (ref.final_logits(hs["ref"]).float() - leader.final_logits(hs["tp"]).float()).abs().max().item()
+    for L in sorted(ref.exits):
+        a, b = ref.exit_logits(hs["ref"], L).float(), leader.exit_logits(hs["tp"], L).float()
+        finite = torch.isfinite(a)
+        assert torch.equal(finite, torch.isfinite(b)), "exit logits differ in which tokens are -inf"
+        out[f"exit{L}"] = (a[finite] - b[finite]).abs().max().item()
+    return out
+
+
+def greedy_equal(ref_gen, tp_gen, prompts: list[list[int]], max_new: int, spec) -> dict:
+    from ..config import SamplingParams
+
+    params = SamplingParams(max_new_tokens=max_new, ignore_eos=True)
+    result = {}
+    for strategy in ("ar", "selfspec", "hispec"):
+        same = True
+        for p in prompts:
+            want = ref_gen.generate(p, params, "ar").token_ids
+            s = None if strategy == "ar" else (spec if strategy == "hispec" else
+                                               type(spec)(draft_layer=spec.draft_layer,
+                                                          verify_layer=tp_gen.model.num_layers,
+                                                          num_layers=tp_gen.model.num_layers))
+            got = tp_gen.generate(p, params, strategy, spec=s).token_ids
+            same = same and got == want
+        result[strategy] = same
+    return result
+
+
+def kv_consistent(ref, leader, prompt: list[int], spec, steps: int) -> dict:
+    """Run hispec rounds on the TP engine (rejections included), then compare every layer's K/V
+    of the committed positions, gathered from all ranks, with a single-process prefill."""
+    from ..config import SamplingParams
+    from ..decode.speculative import HiSpec
+    from ..engine.engine import Engine
+
+    engine = Engine(leader, HiSpec(spec), kv_blocks=-(-(len(prompt) + steps * 16 + 64) // 16), adaptive=False)
+    rid = engine.add_request(prompt, SamplingParams(max_new_tokens=10_000, ignore_eos=True))
+    for _ in range(steps):
+        engine.step()
+    seq = engine._requests[rid]
+    tokens, seq_id = seq.ctx.tokens, seq.seq_id
+    n = len(tokens) - 1  # cached positions
+    lengths = {engine.blocks.length(seq_id, L) for L in range(leader.num_layers)}
+    r = _runner(ref, n)
+    r.forward(0, 0, torch.tensor(tokens[:-1], device=ref.device), 0, ref.num_layers)
+    from ..cache.kv_cache import slots_for
+
+    worst = 0.0
+    slots = slots_for(engine.blocks.block_table(seq_id), 0, n, engine.block_size, "cpu")
+    ref_slots = slots_for(r.blocks.block_table(0), 0, n, 16, ref.device)
+    for L in range(leader.num_layers):
+        k, v = leader.gather_kv(engine.pool, L, slots)
+        rk, rv = r.pool.read(L, ref_slots)
+        worst = max(worst, (k.float().cpu() - rk.float().cpu()).abs().max().item(),
+                    (v.float().cpu() - rv.float().cpu()).abs().max().item())
+    stats = seq.ctx.stats
+    rejected = sum(lv.draft_tokens - lv.accepted_tokens for lv in stats.levels.values())
+    engine.abort(rid)
+    return {"positions": n, "layer_lengths": sorted(lengths), "max_abs_diff": worst, "rejected": rejected}
+
+
+def collectives_per_token(leader, tp_gen, prompt: list[int], max_new: int, spec) -> dict:
+    """All-reduce/all-gather calls and bytes per token of each kind of call during a hispec run."""
+    from ..config import SamplingParams
+
+    leader.calls.clear()
+    leader.record_calls = True
+    tp_gen.generate(prompt, SamplingParams(max_new_tokens=max_new, ignore_eos=True), "hispec", spec=spec)
+    leader.record_calls = False
+    n, ld, li = leader.num_layers, spec.draft_layer, spec.verify_layer
+    groups = {"draft": [], "intermediate_verify": [], "full_verify": []}
+    calls = leader.calls[len(prompt) and 2:]  # skip the prefill's embed + layers
+    for i, (kind, start, end, tokens, count, nbytes) in enumerate(calls):
+        if kind == "embed":  # accounted to the layers call that follows it
+            nxt = calls[i + 1] if i + 1 < len(calls) else None
+            key = _phase(nxt[1], nxt[2], ld, li, n) if nxt else None
+        elif kind == "logits":
+            key = "draft" if start == ld else "intermediate_verify" if start == li else "full_verify"
+        else:
+            key = _phase(start, end, ld, li, n)
+        if key:
+            groups[key].append((tokens if kind == "layers" else 0, count, nbytes))
+    out = {}
+    for key, rows in groups.items():
+        toks = sum(r[0] for r in rows)
+        if toks:
+            out[key] = {"tokens": toks, "collectives_per_token": round(sum(r[1] for r in rows) / toks, 2),
+                        "bytes_per_token": round(sum(r[2] for r in rows) / toks)}
+    out["per_layer_all_reduces"] = 2
+    return out
+
+
+def _phase(start: int, end: int, ld: int, li: int, n: int) -> str | None:
+    if start == 0 and end == ld:
+        return "draft"
+    if end == li and li < n:
+        return "intermediate_verify"
+    if end == n and start > 0:
+        return "full_verify"
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m hispec.distributed.check")
+    ap.add_argument("model", help="a Hugging Face model folder (safetensors)")
+    ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--max-new-tokens", type=int, default=24)
+    ap.add_argument("--draft-layer", type=int, default=None)
+    ap.add_argument("--verify-layer", type=int, default=None)
+    ap.add_argument("--exit-heads", default="", help="comma-separated layers: random exit heads on both models")
+    ap.add_argument("--fail-rank", type=int, default=None, help="make this rank fail (tests the failure path)")
+    ap.add_argument("--fail-after", type=int, default=20, help="... after this many commands")
+    ap.add_argument("--fail-mode", default="raise", choices=["raise", "hang"], help="... by raising, or by hanging")
+    ap.add_argument("--timeout", type=float, default=60.0, help="collective timeout, seconds")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    from ..config import SpecConfig
+    from ..generate import Generator, default_spec
+    from ..model.loader import load_model
+    from .runtime import rank_device, start_group
+
+    dtype = getattr(torch, args.dtype)
+    t0 = time.perf_counter()
+    fail = (args.fail_rank, args.fail_after, args.fail_mode) if args.fail_rank is not None else None
+    leader = start_group(args.model, args.tp, device=args.device, dtype=dtype, threads=args.threads,
+                         timeout_s=args.timeout, fail_after=fail)
+    report = {"tp": args.tp, "device": args.device, "dtype": args.dtype, "start_s": round(time.perf_counter() - t0, 1)}
+    try:
+        ref = load_model(args.model, device=rank_device(args.device, 0), dtype=dtype)
+        n = ref.num_layers
+        base = default_spec(n)
+        spec = SpecConfig(draft_layer=args.draft_layer or base.draft_layer,
+                          verify_layer=args.verify_layer or base.verify_layer, num_layers=n)
+        if args.exit_heads:
+            _random_heads(ref, leader, [int(x) for x in args.exit_heads.split(",")], seed=0)
+        g = torch.Generator().manual_seed(0)
+        vocab = ref.cfg.vocab_size
+        prompts = [torch.randint(3, vocab, (k,), generator=g).tolist() for k in (5, 17)]
+        report["logits_max_abs_diff"] = logits_diff(ref, leader, prompts[1])
+        ref_gen, tp_gen = Generator(ref), Generator(leader)
+        report["greedy_equal_to_single_process_ar"] = greedy_equal(ref_gen, tp_gen, prompts, args.max_new_tokens, spec)
+        report["kv_after_rejections"] = kv_consistent(ref, leader, prompts[0], spec, steps=6)
+        report["comm_per_token"] = collectives_per_token(leader, tp_gen, prompts[0], args.max_new_tokens, spec)
+        report["spec"] = {"draft_layer": spec.draft_layer, "verify_layer": spec.verify_layer, "num_layers": n}
+        report["ok"] = True
+    except Exception as e:  # noqa: BLE001 - the check reports what failed
+        report["ok"] = False
+        report["error"] = f"{type(e).__name__}: {e}"
+    finally:
+        report["seconds"] = round(time.perf_counter() - t0, 1)
+        print(json.dumps(report), flush=True)
+        leader.shutdown()
+    return 0 if report["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
