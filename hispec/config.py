@@ -133,6 +133,11 @@ class SamplingParams:
     max_new_tokens: int = 128
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None  # per new token: its log-probability and this many alternatives (None = off)
+    prompt_logprobs: int | None = None  # the same for the prompt's tokens (None = off)
+    presence_penalty: float = 0.0  # subtracted from the logit of every token already generated
+    frequency_penalty: float = 0.0  # subtracted once per earlier occurrence in the generated tokens
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
 
     def __post_init__(self) -> None:
         if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
@@ -144,11 +149,25 @@ class SamplingParams:
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens}")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or v < 0):
+                raise ConfigError(f"{name} must be None or an integer >= 0, got {v}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and -2.0 <= v <= 2.0):
+                raise ConfigError(f"{name} must be between -2 and 2, got {v}")
         self.stop = tuple(s for s in self.stop if s)
+        self.logit_bias = tuple((int(t), float(b)) for t, b in self.logit_bias)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def modifies_logits(self) -> bool:
+        """Whether penalties or biases change the target's logits before sampling."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias)
 
 
 DRAFT_POLICIES = ("fixed", "svip", "heuristic")

@@ -123,6 +123,17 @@ def reference_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     return p
 
 
+def penalised(logits: torch.Tensor, prefixes: list[tuple[int, ...]], params: SamplingParams) -> torch.Tensor:
+    """OpenAI's logit_bias and presence/frequency penalties over each row's generated tokens."""
+    x = logits.double().clone()
+    for r, s in enumerate(prefixes):
+        for t, b in params.logit_bias:
+            x[r, t] += b
+        for t in set(s):
+            x[r, t] -= params.frequency_penalty * s.count(t) + params.presence_penalty
+    return x
+
+
 def exact_joint(hf_model, params: SamplingParams) -> dict[tuple[int, ...], float]:
     """P(first ``max_new_tokens`` new tokens == t) for every sequence t, by enumeration."""
     joint = {(): 1.0}
@@ -130,7 +141,7 @@ def exact_joint(hf_model, params: SamplingParams) -> dict[tuple[int, ...], float
         prefixes = list(joint)
         with torch.no_grad():
             logits = hf_model(torch.tensor([PROMPT + list(s) for s in prefixes])).logits[:, -1]
-        probs = reference_probs(logits, params)
+        probs = reference_probs(penalised(logits, prefixes, params), params)
         joint = {s + (t,): joint[s] * float(probs[i, t])
                  for i, s in enumerate(prefixes) for t in range(VOCAB) if probs[i, t] > 0}
     assert abs(sum(joint.values()) - 1.0) < 1e-9
@@ -151,12 +162,15 @@ SETTINGS = {
     "T1": SamplingParams(temperature=1.0, max_new_tokens=2),
     "T0.8-topk3": SamplingParams(temperature=0.8, top_k=3, max_new_tokens=3),
     "T1.3-topp0.8": SamplingParams(temperature=1.3, top_p=0.8, max_new_tokens=2),
+    "T1-penalties": SamplingParams(temperature=1.0, max_new_tokens=3, presence_penalty=0.8, frequency_penalty=1.5,
+                                   logit_bias=((0, 1.5), (4, -1.0))),
 }
 
 
 def _copy(params: SamplingParams) -> SamplingParams:
     return SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
-                          max_new_tokens=params.max_new_tokens)
+                          max_new_tokens=params.max_new_tokens, presence_penalty=params.presence_penalty,
+                          frequency_penalty=params.frequency_penalty, logit_bias=params.logit_bias)
 
 
 RESULTS: dict[str, dict] = {}  # printed with -s; the report quotes them
@@ -178,12 +192,39 @@ def test_first_two_tokens_follow_the_target(gen, hf_model, strategy, num_seeds):
     assert result["stat"] <= result["bound"], result
 
 
-@pytest.mark.parametrize("setting", ["T0.8-topk3", "T1.3-topp0.8"])
+@pytest.mark.parametrize("setting", ["T0.8-topk3", "T1.3-topp0.8", "T1-penalties"])
 def test_hispec_follows_the_target_with_top_k_and_top_p(gen, hf_model, setting):
     params = _copy(SETTINGS[setting])
-    result = fit(empirical(gen, "hispec", params, 400), exact_joint(hf_model, params))
+    counts, joint = empirical(gen, "hispec", params, 400), exact_joint(hf_model, params)
+    result = fit(counts, joint)
     report(f"hispec/{setting}", result)
     assert result["stat"] <= result["bound"], result
+    if params.modifies_logits:  # the penalties' own effect, with the statistic that catches blind penalties
+        result = fit(*repeats(counts, joint))
+        report(f"hispec/{setting} (repeats)", result)
+        assert result["stat"] <= result["bound"], result
+
+
+def test_the_statistic_rejects_penalties_blind_to_speculative_tokens(gen, hf_model, monkeypatch):
+    """WRONG: rows of a verification pass penalised as if no speculative token preceded them."""
+    import hispec.sampling.processors as processors
+
+    right = processors.LogitsProcessor.__call__
+    monkeypatch.setattr(processors.LogitsProcessor, "__call__",
+                        lambda self, logits, spec: torch.cat([right(self, row, []) for row in logits.split(1)]))
+    params = _copy(SETTINGS["T1-penalties"])
+    result = fit(*repeats(empirical(gen, "hispec", params, 400), exact_joint(hf_model, params)))
+    report("WRONG blind penalties/hispec/T1-penalties (repeats)", result)
+    assert result["stat"] > result["bound"], result
+
+
+def repeats(counts: Counter, joint: dict) -> tuple[Counter, dict]:
+    """Both distributions over the number of repeated tokens in a sequence (what penalties act on)."""
+    expected: dict = {}
+    for s, p in joint.items():
+        expected[len(s) - len(set(s))] = expected.get(len(s) - len(set(s)), 0.0) + p
+    return Counter({len(s) - len(set(s)): 0 for s in joint}) + Counter(
+        {k: sum(n for s, n in counts.items() if len(s) - len(set(s)) == k) for k in expected}), expected
 
 
 def accept_all(draft_tokens, draft_probs, target_probs, generator):

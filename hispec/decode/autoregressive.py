@@ -18,6 +18,7 @@ class Autoregressive(StrategyBase):
             hidden = batch[0].runner.forward_many(items, 0, num_layers)  # B x [1, H]
             logits = model.exit_logits(hidden[0] if len(batch) == 1 else torch.cat(hidden), num_layers)  # [B, V]
             tokens = choose_tokens(batch, logits)
-        for c in batch:
+        for b, c in enumerate(batch):
             c.stats.full_passes += 1
+            c.target_logits = logits[b:b + 1]
         return [[t] for t in tokens.tolist()]

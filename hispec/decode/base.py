@@ -15,6 +15,7 @@ from ..cache.block_manager import BlockManager
 from ..cache.kv_cache import AttentionBatch, KVPool, SeqChunk
 from ..config import SamplingParams
 from ..model.llama import DecoderModel
+from ..sampling.processors import LogitsProcessor
 from .stats import DecodeStats
 
 
@@ -68,6 +69,10 @@ class DecodeContext:
     max_tokens: int  # len(tokens) may not exceed this (new-token limit and context limit)
     eos_ids: frozenset[int]
     policy: object | None = None  # the strategy's per-sequence draft-length policy, made on first use
+    processor: LogitsProcessor | None = None  # penalties and biases, applied at every level
+    # The final layer's raw logits [n, V] of the n tokens the last step committed (row j chose
+    # token j); set by every strategy where it verifies, read by the engine for logprobs.
+    target_logits: torch.Tensor | None = None
 
     @property
     def model(self) -> DecoderModel:
@@ -79,6 +84,11 @@ class DecodeContext:
 
     def token_tensor(self, ids: list[int]) -> torch.Tensor:
         return torch.tensor(ids, dtype=torch.long, device=self.model.device)
+
+    def process(self, logits: torch.Tensor, spec: list[int] | tuple = ()) -> torch.Tensor:
+        """``logits [T, V]`` as this request samples from them: row ``r`` follows the committed
+        tokens and the speculative tokens ``spec[:r]`` (see ``sampling.processors``)."""
+        return logits if self.processor is None else self.processor(logits, list(spec))
 
 
 class Strategy(Protocol):
@@ -113,6 +123,6 @@ def choose_tokens(batch: list[DecodeContext], logits: torch.Tensor) -> torch.Ten
     Greedy rows take the argmax; sampled rows use their own parameters and generator."""
     from ..sampling.sampler import next_tokens
 
-    if all(c.params.greedy for c in batch):
+    if all(c.params.greedy and c.processor is None for c in batch):
         return logits.argmax(-1)
-    return torch.cat([next_tokens(logits[b:b + 1], c.params, c.generator) for b, c in enumerate(batch)])
+    return torch.cat([next_tokens(c.process(logits[b:b + 1]), c.params, c.generator) for b, c in enumerate(batch)])

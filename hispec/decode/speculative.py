@@ -44,9 +44,11 @@ class Verdict:
     probs: torch.Tensor | None  # [k + 1, V] verifying distributions (None when greedy)
 
 
-def draft(batch: list[DecodeContext], starts: list[tuple[int, int]], layer: int, limits: list[int]) -> list[Proposal]:
+def draft(batch: list[DecodeContext], starts: list[tuple[int, int]], layer: int, limits: list[int],
+          prefixes: list[list[int]]) -> list[Proposal]:
     """Draft at exit ``layer`` for each sequence, from its ``(token, position)``: up to
     ``min(policy, limit)`` tokens (at least one), fewer if its policy stops early.
+    ``prefixes[b]``: the speculative tokens (not yet committed) up to and including the start token.
 
     Each sequence's last drafted token is also run through layers ``[0, layer)`` (without the
     exit head), so the verifier can score the position after it (the bonus position).
@@ -66,6 +68,8 @@ def draft(batch: list[DecodeContext], starts: list[tuple[int, int]], layer: int,
         for i, r in enumerate(rows):
             b, c = active[r], batch[active[r]]
             lg = logits[i:i + 1]
+            if c.processor is not None:
+                lg = c.process(lg, prefixes[b] + torch.cat(tokens[b]).tolist() if tokens[b] else prefixes[b])
             if j > 0 and c.policy.wants_entropy() and c.policy.stop_before(draft_entropy(lg, c.params.temperature)):
                 continue
             if c.params.greedy:
@@ -84,8 +88,10 @@ def draft(batch: list[DecodeContext], starts: list[tuple[int, int]], layer: int,
 
 
 def verify(batch: list[DecodeContext], props: list[Proposal], positions: list[int], from_layer: int,
-           to_layer: int, level: str) -> list[Verdict]:
-    """Run layers ``[from_layer, to_layer)`` over each proposal's positions and accept/reject it.
+           to_layer: int, level: str, prefixes: list[list[int]]) -> list[Verdict]:
+    """Run layers ``[from_layer, to_layer)`` over each proposal's positions and accept/reject it
+    (``prefixes`` as in ``draft``). At the last layer the rows that chose the committed tokens
+    become ``ctx.target_logits``.
 
     Afterwards each sequence's cache keeps ``pos .. pos + num_accepted`` (the start token and
     the accepted drafts) in every layer below ``to_layer``; its next token is pending.
@@ -96,8 +102,11 @@ def verify(batch: list[DecodeContext], props: list[Proposal], positions: list[in
     logits = split_rows(model.exit_logits(torch.cat(hs) if len(hs) > 1 else hs[0], to_layer),
                         [h.shape[0] for h in hs])
     verdicts = []
-    for c, p, pos, h, lg in zip(batch, props, positions, hs, logits):
-        probs, (num, token) = accept(c, p.tokens, p.probs, lg)
+    for c, p, pos, h, lg, pre in zip(batch, props, positions, hs, logits, prefixes):
+        spec = pre + p.tokens.tolist() if c.processor is not None else ()
+        probs, (num, token) = accept(c, p.tokens, p.probs, lg, spec)
+        if to_layer == model.num_layers:
+            c.target_logits = lg[:num + 1]
         c.runner.truncate(c.seq_id, pos + num + 1)
         c.stats.level(level).record(p.tokens.shape[0], num)
         verdicts.append(Verdict(num, token, h, probs))
@@ -105,9 +114,11 @@ def verify(batch: list[DecodeContext], props: list[Proposal], positions: list[in
 
 
 def accept(ctx: DecodeContext, proposed: torch.Tensor, proposed_probs: torch.Tensor | None,
-           target_logits: torch.Tensor) -> tuple[torch.Tensor | None, tuple[int, int]]:
-    """Accept/reject ``proposed [k]`` against ``target_logits [k + 1, V]`` (last row: bonus).
+           target_logits: torch.Tensor, spec: list[int] | tuple = ()) -> tuple[torch.Tensor | None, tuple[int, int]]:
+    """Accept/reject ``proposed [k]`` against ``target_logits [k + 1, V]`` (last row: bonus),
+    after the request's logits processing (``spec``: the speculative tokens, ``proposed`` last).
     Returns the target probabilities (None when greedy) and (number accepted, next token)."""
+    target_logits = ctx.process(target_logits, spec)
     if ctx.params.greedy:
         return None, greedy_accept(proposed, target_logits.argmax(-1))
     probs = logits_to_probs(target_logits, ctx.params)
@@ -143,9 +154,9 @@ class SelfSpec(StrategyBase):
         positions = [len(c.tokens) - 1 for c in batch]
         with phase_timer(stats, "draft", model.device):
             props = draft(batch, [(c.tokens[-1], p) for c, p in zip(batch, positions)], d,
-                          [c.remaining for c in batch])
+                          [c.remaining for c in batch], [[] for _ in batch])
         with phase_timer(stats, "full_verify", model.device):
-            verdicts = verify(batch, props, positions, d, model.num_layers, "draft->final")
+            verdicts = verify(batch, props, positions, d, model.num_layers, "draft->final", [[] for _ in batch])
         commits = []
         for c, p, v in zip(batch, props, verdicts):
             c.policy.update(p.tokens.shape[0], v.num_accepted)
@@ -212,9 +223,10 @@ class HiSpec(StrategyBase):
             positions = [w.base + len(w) for w in wins]
             starts = [(w.tokens[-1] if w.tokens else c.tokens[-1], p) for c, w, p in zip(ctxs, wins, positions)]
             with phase_timer([c.stats for c in ctxs], "draft", device):
-                props = draft(ctxs, starts, d, [self._room(c, w) for c, w in zip(ctxs, wins)])
+                props = draft(ctxs, starts, d, [self._room(c, w) for c, w in zip(ctxs, wins)],
+                              [list(w.tokens) for w in wins])
             with phase_timer([c.stats for c in ctxs], "intermediate_verify", device):
-                verdicts = verify(ctxs, props, positions, d, i, "draft->intermediate")
+                verdicts = verify(ctxs, props, positions, d, i, "draft->intermediate", [list(w.tokens) for w in wins])
             for c, w, p, v in zip(ctxs, wins, props, verdicts):
                 c.policy.update(p.tokens.shape[0], v.num_accepted)
                 self._add_to_window(c, w, p, v)
@@ -242,7 +254,8 @@ class HiSpec(StrategyBase):
         commits = []
         for c, w, lg in zip(batch, windows, logits):
             p_i = torch.cat(w.probs) if w.probs else lg.new_zeros((0, lg.shape[-1]))
-            _, (num, token) = accept(c, c.token_tensor(w.tokens), p_i, lg)
+            _, (num, token) = accept(c, c.token_tensor(w.tokens), p_i, lg, w.tokens)
+            c.target_logits = lg[:num + 1]
             c.runner.truncate(c.seq_id, w.base + num + 1)
             if len(w):
                 c.stats.level("intermediate->final").record(len(w), num)

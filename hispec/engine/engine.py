@@ -20,6 +20,8 @@ from ..decode.autoregressive import Autoregressive
 from ..decode.base import DecodeContext, LayerRunner, Strategy
 from ..decode.stats import DecodeStats, phase_timer
 from ..model.llama import DecoderModel
+from ..sampling.logprobs import TokenLogprob, token_logprobs
+from ..sampling.processors import LogitsProcessor
 from .adaptive import PLAIN, SPECULATE, AdaptiveController
 from .scheduler import Scheduler
 from .sequence import Sequence
@@ -44,6 +46,8 @@ class RequestOutput:
     stats: DecodeStats = field(repr=False)
     seconds: float = 0.0  # arrival to now
     time_to_first_token: float | None = None
+    new_logprobs: list[TokenLogprob] | None = None  # one per new token, if the request asked (params.logprobs)
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # one per prompt token (the first: None), if asked
 
 
 def kv_blocks_for(model: DecoderModel, block_size: int, *, kv_blocks: int | None = None,
@@ -128,6 +132,8 @@ class Engine:
         ctx = DecodeContext(self.runner, seq_id, list(prompt_ids), params, generator, DecodeStats(self.strategy.name),
                             min(len(prompt_ids) + params.max_new_tokens, max_pos),
                             frozenset() if params.ignore_eos else self.eos_ids)
+        if params.modifies_logits:
+            ctx.processor = LogitsProcessor(params, self.model.cfg.vocab_size, self.model.device)
         seq = Sequence(request_id, ctx, self._decode, max_pos)
         self._requests[request_id] = seq
         self.scheduler.add(seq)
@@ -182,22 +188,45 @@ class Engine:
 
     def _prefill(self, seqs: list[Sequence]) -> None:
         """Run each new (or preempted) sequence's tokens but the pending last one through all layers."""
-        items = [(s.seq_id, 0, s.ctx.token_tensor(s.ctx.tokens[:-1])) for s in seqs if len(s.ctx.tokens) > 1]
+        long = [s for s in seqs if len(s.ctx.tokens) > 1]
+        items = [(s.seq_id, 0, s.ctx.token_tensor(s.ctx.tokens[:-1])) for s in long]
         if items:
             with phase_timer([s.ctx.stats for s in seqs], "prefill", self.model.device):
-                self.runner.forward_many(items, 0, self.model.num_layers)
+                hidden = self.runner.forward_many(items, 0, self.model.num_layers)  # each [T_i - 1, H]
+            for s, h in zip(long, hidden):
+                if s.ctx.params.prompt_logprobs is not None and s.prompt_logprobs is None:
+                    s.prompt_logprobs = [None] + self._prompt_logprobs(h, s.prompt_ids[1:], s.ctx.params.prompt_logprobs)
         for s in seqs:
             s.prefilled = True
+            if s.ctx.params.prompt_logprobs is not None and s.prompt_logprobs is None:
+                s.prompt_logprobs = [None]  # a one-token prompt
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, tokens: list[int], num_top: int,
+                         rows: int = 256) -> list[TokenLogprob]:
+        """Log-probabilities of the prompt's tokens 1.. from the prefill's final states ``hidden [T, H]``,
+        ``rows`` positions at a time (a [T, V] logits matrix of a long prompt would be large)."""
+        out: list[TokenLogprob] = []
+        for i in range(0, len(tokens), rows):
+            logits = self.model.exit_logits(hidden[i:i + rows], self.model.num_layers)  # [rows, V]
+            out += token_logprobs(logits, tokens[i:i + rows], num_top)
+        return out
 
     def _commit(self, seq: Sequence, chunk: list[int]) -> RequestOutput:
         kept = seq.commit(chunk)
+        params, ctx = seq.ctx.params, seq.ctx
+        if ctx.processor is not None:
+            ctx.processor.commit(kept)
+        logprobs = None
+        if params.logprobs is not None:
+            logprobs = token_logprobs(ctx.target_logits[:len(kept)], kept, params.logprobs)
         if seq.finished:
             self.scheduler.finish(seq)
             self._requests.pop(seq.request_id, None)
         now = time.perf_counter()
         ttft = None if seq.first_token_time is None else seq.first_token_time - seq.arrival_time
         return RequestOutput(seq.request_id, seq.prompt_ids, list(seq.new_tokens), kept, seq.text.text, seq.text.delta(),
-                             seq.finished, seq.finish_reason, seq.ctx.stats, now - seq.arrival_time, ttft)
+                             seq.finished, seq.finish_reason, seq.ctx.stats, now - seq.arrival_time, ttft,
+                             logprobs, seq.prompt_logprobs)
 
     def run_to_completion(self) -> dict[str, RequestOutput]:
         """Step until every request has finished; the final output of each."""

@@ -34,6 +34,7 @@ class Sequence:
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
         self.num_preemptions = 0
+        self.prompt_logprobs: list | None = None  # set at the first prefill when the request asks
 
     @property
     def seq_id(self) -> int:

@@ -23,7 +23,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..config import ConfigError, SamplingParams
 from .async_engine import AsyncEngine, EngineStoppedError, QueueFullError, RequestStream
 from .metrics import Metrics
-from .protocol import APIError, ParsedRequest, bad, parse_chat, parse_completion
+from .responses import (Choice, best, chat_logprobs, completion_logprobs, echo_logprobs, join_logprobs,
+                        usage)
+from .protocol import SEED_RANGE, APIError, ParsedRequest, bad, parse_chat, parse_completion
 
 API_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models")
 MAX_BODY_BYTES = 16 * 1024 * 1024
@@ -40,6 +42,7 @@ class ServerState:
     api_key: str | None = None
     tokenizer_lock: threading.Lock = field(default_factory=threading.Lock)
     created: int = field(default_factory=lambda: int(time.time()))
+    _token_texts: dict[int, str] = field(default_factory=dict)
 
     @property
     def metrics(self) -> Metrics:
@@ -56,15 +59,41 @@ class ServerState:
         return e.blocks.num_blocks * e.block_size
 
     # ---- prompts ------------------------------------------------------------------------------
-    def prompt_ids(self, req: ParsedRequest) -> list[int]:
-        if req.prompt_ids is not None:
-            return req.prompt_ids
+    def prompt_ids(self, req: ParsedRequest) -> list[list[int]]:
+        """The token ids of each prompt (one for chat)."""
+        if req.kind == "completion":
+            return [p if isinstance(p, list) else self._encode(p) for p in req.prompts]
+        return [self._chat_ids(req)]
+
+    def _encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise bad("this model has no tokenizer: send the prompt as a list of token ids", "prompt")
+        with self.tokenizer_lock:
+            return self.tokenizer(text)["input_ids"]
+
+    def decode(self, ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        with self.tokenizer_lock:
+            return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def token_text(self, token: int) -> str:
+        """One token as text (logprobs' ``token``); ``token_id:N`` without a tokenizer, as vLLM writes it."""
+        text = self._token_texts.get(token)
+        if text is None:
+            if self.tokenizer is None:
+                text = f"token_id:{token}"
+            else:
+                with self.tokenizer_lock:
+                    text = self.tokenizer.decode([token])
+            self._token_texts[token] = text
+        return text
+
+    def _chat_ids(self, req: ParsedRequest) -> list[int]:
         tok = self.tokenizer
         if tok is None:
             raise bad("this model has no tokenizer: send the prompt as a list of token ids", "prompt")
         with self.tokenizer_lock:
-            if req.kind == "completion":
-                return tok(req.prompt)["input_ids"]
             if not getattr(tok, "chat_template", None):
                 raise bad("this model has no chat template: use /v1/completions", "messages")
             try:
@@ -73,7 +102,9 @@ class ServerState:
                 raise bad(f"the chat template rejected the messages: {e}", "messages") from None
             return tok(text, add_special_tokens=False)["input_ids"]
 
-    def sampling_params(self, req: ParsedRequest, num_prompt: int) -> SamplingParams:
+    def sampling_params(self, req: ParsedRequest, num_prompt: int, sample: int = 0) -> SamplingParams:
+        """The engine's parameters for sample ``sample`` (0 .. best_of - 1) of a prompt: sample j
+        uses seed + j, so every choice of a seeded request is reproducible."""
         ctx = self.context_length
         param = "prompt" if req.kind == "completion" else "messages"
         if num_prompt == 0:
@@ -87,6 +118,8 @@ class ServerState:
                       f"{self.pool_tokens - 1} positions per request (--kv-blocks)", param, "kv_cache_too_small")
         max_name = req.max_tokens_param
         max_tokens = req.max_tokens
+        if max_tokens == 0:  # echo only (checked when parsing): one token is made and dropped
+            max_tokens = 1
         if max_tokens is None:
             max_tokens = min(16, room) if req.kind == "completion" else room  # OpenAI's defaults
         elif num_prompt + max_tokens > ctx:
@@ -97,9 +130,18 @@ class ServerState:
             raise bad(f"the request needs {num_prompt + max_tokens + 1} positions in the KV cache but the server's "
                       f"pool holds {self.pool_tokens} (--kv-blocks); reduce '{max_name}'", max_name,
                       "kv_cache_too_small")
+        seed = req.seed
+        if seed is not None and sample:
+            seed = seed + sample if seed + sample <= SEED_RANGE[1] else seed - sample
+        logprobs = req.logprobs
+        if req.best_of > req.n and logprobs is None:
+            logprobs = 0  # ranking needs each token's log-probability
         try:
-            return SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, seed=req.seed,
-                                  max_new_tokens=max_tokens, stop=req.stop, ignore_eos=req.ignore_eos)
+            return SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, seed=seed,
+                                  max_new_tokens=max_tokens, stop=req.stop, ignore_eos=req.ignore_eos,
+                                  logprobs=logprobs, prompt_logprobs=req.logprobs if req.echo else None,
+                                  presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+                                  logit_bias=req.logit_bias)
         except ConfigError as e:
             raise bad(str(e)) from None
 
@@ -110,26 +152,50 @@ def error_response(err: APIError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status, headers=headers)
 
 
-def usage(stream: RequestStream) -> dict:
-    return {"prompt_tokens": stream.prompt_tokens, "completion_tokens": stream.completion_tokens,
-            "total_tokens": stream.prompt_tokens + stream.completion_tokens}
-
-
 class EngineStreamingResponse(StreamingResponse):
-    """A streaming response that aborts its request however the response ends (client gone,
+    """A streaming response that aborts its requests however the response ends (client gone,
     server cancelling its task), even before the body iterator has started."""
 
-    def __init__(self, content, stream: RequestStream, engine: AsyncEngine) -> None:
+    def __init__(self, content, streams: list[RequestStream], engine: AsyncEngine) -> None:
         super().__init__(content, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self._stream, self._engine = stream, engine
+        self._streams, self._engine = streams, engine
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            if not self._stream.finished:
-                self._engine.abort(self._stream.request_id)
+            abort_unfinished(self._engine, self._streams)
+
+
+def abort_unfinished(engine: AsyncEngine, streams: list[RequestStream]) -> None:
+    for stream in streams:
+        if not stream.finished:
+            engine.abort(stream.request_id)
+
+
+async def merged(choices: list[Choice]):
+    """``(choice, delta)`` from every choice's stream as they come, until all have finished."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(choice: Choice) -> None:
+        while True:
+            delta = await choice.stream.get()
+            queue.put_nowait((choice, delta))
+            if delta.finished:
+                return
+
+    tasks = [asyncio.create_task(pump(c)) for c in choices]
+    try:
+        for _ in range(len(choices)):
+            while True:
+                choice, delta = await queue.get()
+                yield choice, delta
+                if delta.finished:
+                    break
+    finally:
+        for t in tasks:
+            t.cancel()
 
 
 def sse(data: dict | str) -> str:
@@ -244,56 +310,77 @@ def create_app(state: ServerState) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         check_key(request)
-        req = parse_chat(await read_json(request))
+        req = parse_chat(await read_json(request), state.vocab_size)
         check_model(req)
         return await generate(request, req)
 
     async def generate(request: Request, req: ParsedRequest) -> Response:
-        prompt_ids = state.prompt_ids(req)
-        params = state.sampling_params(req, len(prompt_ids))
-        try:
-            stream = state.engine.submit(prompt_ids, params)
-        except QueueFullError as e:
-            raise APIError(str(e), status=429, type="rate_limit_error", code="queue_full") from None
-        except EngineStoppedError as e:
-            raise APIError(str(e), status=503, type="server_error", code="shutting_down") from None
+        prompts = state.prompt_ids(req)
+        samples = req.best_of if req.kind == "completion" else req.n
+        jobs = [(i, ids, state.sampling_params(req, len(ids), j)) for i, ids in enumerate(prompts)
+                for j in range(samples)]
+        choices = submit(jobs, req.n)
+        streams = [c.stream for c in choices]
         rid = ("chatcmpl-" if req.kind == "chat" else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
         if req.stream:
-            events = chat_events(stream, req, rid, created) if req.kind == "chat" else \
-                completion_events(stream, req, rid, created)
-            return EngineStreamingResponse(events, stream, state.engine)
+            events = chat_events(choices, req, rid, created) if req.kind == "chat" else \
+                completion_events(choices, req, rid, created)
+            return EngineStreamingResponse(events, streams, state.engine)
         try:
-            text = await collect(request, stream)
+            complete = await collect(request, choices)
         finally:
-            if not stream.finished:
-                state.engine.abort(stream.request_id)
-        if text is None:  # the client went away
+            abort_unfinished(state.engine, streams)
+        if not complete:  # the client went away
             return Response(status_code=499)
-        if stream.finish_reason == "error":
-            raise APIError(f"generation failed: {stream.error}", status=500, type="server_error")
-        if stream.finish_reason == "abort":
-            raise APIError("the request was cancelled: the server is shutting down", status=503,
-                           type="server_error", code="shutting_down")
-        if req.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "logprobs": None, "finish_reason": stream.finish_reason}
-            obj = "chat.completion"
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": stream.finish_reason}
-            obj = "text_completion"
-        return JSONResponse({"id": rid, "object": obj, "created": created, "model": state.served_name,
-                             "choices": [choice], "usage": usage(stream), "hispec_stats": stream.stats})
+        for c in choices:
+            if c.stream.finish_reason == "error":
+                raise APIError(f"generation failed: {c.stream.error}", status=500, type="server_error")
+            if c.stream.finish_reason == "abort":
+                raise APIError("the request was cancelled: the server is shutting down", status=503,
+                               type="server_error", code="shutting_down")
+        returned = best(choices, req.n) if samples > req.n else choices
+        body = [chat_choice(c, req) if req.kind == "chat" else completion_choice(c, req) for c in returned]
+        return JSONResponse({"id": rid, "object": "chat.completion" if req.kind == "chat" else "text_completion",
+                             "created": created, "model": state.served_name, "choices": body,
+                             "usage": usage(choices), "hispec_stats": returned[0].stream.stats})
 
-    async def collect(request: Request, stream: RequestStream) -> str | None:
-        """The whole text, or None if the client disconnected first."""
-        async def read_all() -> str:
-            parts = []
-            while True:
-                delta = await stream.get()
-                parts.append(delta.text)
-                if delta.finished:
-                    return "".join(parts)
+    def submit(jobs: list[tuple[int, list[int], SamplingParams]], n: int) -> list[Choice]:
+        """Queue every sequence of a request, or none (a full queue aborts those already queued)."""
+        choices: list[Choice] = []
+        try:
+            for k, (i, ids, params) in enumerate(jobs):
+                choices.append(Choice(i, ids, state.engine.submit(ids, params), index=k))
+        except (QueueFullError, EngineStoppedError) as e:
+            abort_unfinished(state.engine, [c.stream for c in choices])
+            if isinstance(e, QueueFullError):
+                raise APIError(str(e), status=429, type="rate_limit_error", code="queue_full") from None
+            raise APIError(str(e), status=503, type="server_error", code="shutting_down") from None
+        return choices
+
+    def completion_choice(c: Choice, req: ParsedRequest) -> dict:
+        text = c.text if req.max_tokens != 0 else ""
+        logprobs = None
+        if req.logprobs is not None:
+            logprobs = completion_logprobs(c.logprobs if req.max_tokens != 0 else [], state.token_text)
+        if req.echo:
+            text = prompt_text(req, c) + text
+            if logprobs is not None:
+                logprobs = join_logprobs(echo_logprobs(c.prompt_ids, c.prompt_logprobs or [], state.token_text),
+                                         logprobs)
+        return {"index": c.index, "text": text, "logprobs": logprobs,
+                "finish_reason": "length" if req.max_tokens == 0 else c.stream.finish_reason}
+
+    def chat_choice(c: Choice, req: ParsedRequest) -> dict:
+        logprobs = chat_logprobs(c.logprobs, state.token_text) if req.logprobs is not None else None
+        return {"index": c.index, "message": {"role": "assistant", "content": c.text}, "logprobs": logprobs,
+                "finish_reason": c.stream.finish_reason}
+
+    async def collect(request: Request, choices: list[Choice]) -> bool:
+        """Read every choice to its end; False if the client disconnected first."""
+        async def read_all() -> None:
+            async for choice, delta in merged(choices):
+                choice.add(delta)
 
         async def disconnected() -> None:
             while (await request.receive())["type"] != "http.disconnect":
@@ -305,7 +392,10 @@ def create_app(state: ServerState) -> FastAPI:
         finally:
             for t in (reader, watcher):
                 t.cancel()
-        return reader.result() if reader in done else None
+        if reader in done:
+            reader.result()
+            return True
+        return False
 
     def chunk(rid: str, created: int, obj: str, choice: dict | None, **extra) -> str:
         body = {"id": rid, "object": obj, "created": created, "model": state.served_name,
@@ -313,44 +403,62 @@ def create_app(state: ServerState) -> FastAPI:
         body.update(extra)
         return sse(body)
 
-    def final_events(stream: RequestStream, req: ParsedRequest, rid: str, created: int, obj: str, delta) -> list:
-        if delta.error:
-            return [sse(APIError(f"generation failed: {delta.error}", status=500, type="server_error").body()),
-                    sse("[DONE]")]
+    def delta_logprobs(req: ParsedRequest, delta, choice: Choice, echo: bool):
+        if req.logprobs is None:
+            return None
+        generated = delta.logprobs or [] if req.max_tokens != 0 else []
         if req.kind == "chat":
-            choice = {"index": 0, "delta": {}, "logprobs": None, "finish_reason": delta.finish_reason}
-        else:
-            choice = {"index": 0, "text": "", "logprobs": None, "finish_reason": delta.finish_reason}
-        out = [chunk(rid, created, obj, choice, hispec_stats=delta.stats)]
-        if req.include_usage:
-            out.append(chunk(rid, created, obj, None, usage=usage(stream)))
-        out.append(sse("[DONE]"))
+            return chat_logprobs(generated, state.token_text)
+        out = completion_logprobs(generated, state.token_text)
+        if echo:
+            out = join_logprobs(echo_logprobs(choice.prompt_ids, delta.prompt_logprobs or [], state.token_text), out)
         return out
 
-    async def chat_events(stream: RequestStream, req: ParsedRequest, rid: str, created: int):
-        obj = "chat.completion.chunk"
-        yield chunk(rid, created, obj, {"index": 0, "delta": {"role": "assistant", "content": ""},
-                                        "logprobs": None, "finish_reason": None})
-        while True:
-            delta = await stream.get()
-            if delta.text:
-                yield chunk(rid, created, obj, {"index": 0, "delta": {"content": delta.text}, "logprobs": None,
-                                                "finish_reason": None})
-            if delta.finished:
-                for event in final_events(stream, req, rid, created, obj, delta):
-                    yield event
-                return
+    def prompt_text(req: ParsedRequest, choice: Choice) -> str:
+        prompt = req.prompts[choice.prompt_index]
+        return prompt if isinstance(prompt, str) else state.decode(prompt)
 
-    async def completion_events(stream: RequestStream, req: ParsedRequest, rid: str, created: int):
-        obj = "text_completion"
-        while True:
-            delta = await stream.get()
-            if delta.text:
-                yield chunk(rid, created, obj, {"index": 0, "text": delta.text, "logprobs": None,
-                                                "finish_reason": None})
-            if delta.finished:
-                for event in final_events(stream, req, rid, created, obj, delta):
-                    yield event
+    async def events(choices: list[Choice], req: ParsedRequest, rid: str, created: int, obj: str, body):
+        """Chunks of every choice as they come; ``body(choice, delta)`` is one choice's chunk content."""
+        async for choice, delta in merged(choices):
+            if delta.error:
+                yield sse(APIError(f"generation failed: {delta.error}", status=500, type="server_error").body())
+                yield sse("[DONE]")
                 return
+            echo = req.echo and not choice.echoed  # the first chunk of a choice carries the echoed prompt
+            choice.echoed = True
+            logprobs = delta_logprobs(req, delta, choice, echo)
+            content = body(choice, delta, echo)
+            if content is not None or (logprobs and (logprobs.get("tokens") or logprobs.get("content"))):
+                empty = {"delta": {"content": ""}} if req.kind == "chat" else {"text": ""}
+                yield chunk(rid, created, obj, {"index": choice.index, **(content or empty),
+                                                "logprobs": logprobs, "finish_reason": None})
+            if delta.finished:
+                final = {"index": choice.index, **({"delta": {}} if req.kind == "chat" else {"text": ""}),
+                         "logprobs": None, "finish_reason": delta.finish_reason}
+                yield chunk(rid, created, obj, final, hispec_stats=delta.stats)
+        if req.include_usage:
+            yield chunk(rid, created, obj, None, usage=usage(choices))
+        yield sse("[DONE]")
+
+    async def chat_events(choices: list[Choice], req: ParsedRequest, rid: str, created: int):
+        obj = "chat.completion.chunk"
+        for c in choices:
+            yield chunk(rid, created, obj, {"index": c.index, "delta": {"role": "assistant", "content": ""},
+                                            "logprobs": None, "finish_reason": None})
+
+        def body(choice: Choice, delta, echo: bool):
+            return {"delta": {"content": delta.text}} if delta.text or echo else None
+
+        async for event in events(choices, req, rid, created, obj, body):
+            yield event
+
+    async def completion_events(choices: list[Choice], req: ParsedRequest, rid: str, created: int):
+        def body(choice: Choice, delta, echo: bool):
+            text = (prompt_text(req, choice) if echo else "") + (delta.text if req.max_tokens != 0 else "")
+            return {"text": text} if text or echo else None
+
+        async for event in events(choices, req, rid, created, "text_completion", body):
+            yield event
 
     return app

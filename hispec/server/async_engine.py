@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from ..config import SamplingParams
 from ..engine.engine import Engine
+from ..sampling.logprobs import TokenLogprob
 from .metrics import Metrics
 from .protocol import openai_finish_reason
 
@@ -42,6 +43,15 @@ class Delta:
     finish_reason: str | None = None  # OpenAI's: stop, length; or abort (cancelled), error
     stats: dict | None = None  # DecodeStats.to_dict() plus timings, on the last delta
     error: str | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per committed token, when the request asked
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # with the first delta, when asked
+
+    def merge(self, more: "Delta") -> "Delta":
+        """This delta followed by ``more``, as one."""
+        logprobs = None if self.logprobs is None and more.logprobs is None else \
+            (self.logprobs or []) + (more.logprobs or [])
+        return Delta(self.text + more.text, self.num_tokens + more.num_tokens, more.finished, more.finish_reason,
+                     more.stats, more.error, logprobs, self.prompt_logprobs or more.prompt_logprobs)
 
 
 class RequestStream:
@@ -63,9 +73,7 @@ class RequestStream:
         """The next delta, merged with any others already waiting (one chunk for several steps)."""
         delta = await self.queue.get()
         while not delta.finished and not self.queue.empty():
-            more = self.queue.get_nowait()
-            delta = Delta(delta.text + more.text, delta.num_tokens + more.num_tokens, more.finished,
-                          more.finish_reason, more.stats, more.error)
+            delta = delta.merge(self.queue.get_nowait())
         self.completion_tokens += delta.num_tokens
         if delta.finished:
             self.finished = True
@@ -83,6 +91,7 @@ class _Live:
     num_tokens: int = 0
     first_token: float | None = None  # seconds after arrival
     stats: object = None  # the live DecodeStats of the sequence
+    sent_prompt_logprobs: bool = False
 
 
 class AsyncEngine:
@@ -243,13 +252,19 @@ class AsyncEngine:
                 if live.first_token is None:
                     live.first_token = now - live.stream.arrival
                     self.metrics.observe_ttft(live.first_token)
+            prompt_logprobs = None
+            if out.prompt_logprobs is not None and not live.sent_prompt_logprobs:
+                prompt_logprobs, live.sent_prompt_logprobs = out.prompt_logprobs, True
             if out.finished:
                 self._live.pop(out.request_id, None)
-                self._end(live, openai_finish_reason(out.finish_reason), None, out.text_delta, n)
-            elif out.text_delta or n:
-                self._send(live.stream, Delta(out.text_delta, n))
+                self._end(live, openai_finish_reason(out.finish_reason), None, out.text_delta, n,
+                          out.new_logprobs, prompt_logprobs)
+            elif out.text_delta or n or prompt_logprobs:
+                self._send(live.stream, Delta(out.text_delta, n, logprobs=out.new_logprobs,
+                                              prompt_logprobs=prompt_logprobs))
 
-    def _end(self, live: _Live, reason: str, error: str | None, text: str = "", num_tokens: int = 0) -> None:
+    def _end(self, live: _Live, reason: str, error: str | None, text: str = "", num_tokens: int = 0,
+             logprobs: list | None = None, prompt_logprobs: list | None = None) -> None:
         seconds = time.perf_counter() - live.stream.arrival
         stats = live.stats.to_dict() if live.stats is not None else None
         if stats is not None:
@@ -257,7 +272,7 @@ class AsyncEngine:
             stats["time_to_first_token"] = None if live.first_token is None else round(live.first_token, 6)
             stats["seconds"] = round(seconds, 6)
         self.metrics.finish(reason, stats, live.num_tokens, seconds, live.first_token)
-        self._send(live.stream, Delta(text, num_tokens, True, reason, stats, error))
+        self._send(live.stream, Delta(text, num_tokens, True, reason, stats, error, logprobs, prompt_logprobs))
 
     @staticmethod
     def _send(stream: RequestStream, delta: Delta) -> None:

@@ -85,13 +85,21 @@ class ParsedRequest:
     stop: tuple[str, ...]
     ignore_eos: bool
     max_tokens_param: str = "max_tokens"  # the field max_tokens came from (for error messages)
-    prompt: str | None = None  # completions, text
-    prompt_ids: list[int] | None = None  # completions, token ids
+    n: int = 1  # choices per prompt
+    best_of: int = 1  # completions: sequences generated per prompt, the n most likely returned
+    logprobs: int | None = None  # alternatives per token (None: no logprobs)
+    echo: bool = False  # completions: the prompt (and its logprobs) before the completion
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    prompts: list[str | list[int]] = field(default_factory=list)  # completions: text or token ids each
     messages: list[dict] = field(default_factory=list)  # chat, normalised {"role", "content": str}
 
 
 SEED_RANGE = (-(2 ** 63), 2 ** 64 - 1)  # what torch.Generator.manual_seed accepts
 MAX_STOP = 16
+MAX_LOGPROBS = 20  # alternatives per token (OpenAI's chat limit; vLLM's default max_logprobs)
+MAX_N = 64  # choices (n, best_of) per prompt
 
 
 def _common(body: Any, kind: str) -> dict:
@@ -103,8 +111,8 @@ def _common(body: Any, kind: str) -> dict:
     if not isinstance(model, str):
         raise bad(f"'model' must be a string, got {_show(model)}", "model")
     n = get_int(body, "n", 1)
-    if n != 1:
-        raise bad(f"only n=1 is supported, got n={n}", "n")
+    if not 1 <= n <= MAX_N:
+        raise bad(f"'n' must be between 1 and {MAX_N}, got {n}", "n")
     stream = get_bool(body, "stream")
     options = body.get("stream_options")
     include_usage = False
@@ -131,8 +139,9 @@ def _common(body: Any, kind: str) -> dict:
     max_name = "max_completion_tokens" if kind == "chat" and body.get("max_completion_tokens") is not None \
         else "max_tokens"
     max_tokens = get_int(body, max_name)
-    if max_tokens is not None and max_tokens < 1:
-        raise bad(f"'{max_name}' must be at least 1, got {max_tokens}", max_name)
+    echo_only = kind == "completion" and max_tokens == 0 and body.get("echo") is True  # scores the prompt
+    if max_tokens is not None and max_tokens < 1 and not echo_only:
+        raise bad(f"'{max_name}' must be at least 1 (0 only with echo), got {max_tokens}", max_name)
     stop = body.get("stop")
     if stop is None:
         stops: tuple[str, ...] = ()
@@ -144,34 +153,62 @@ def _common(body: Any, kind: str) -> dict:
         stops = tuple(stop)
     else:
         raise bad("'stop' must be a string or a list of strings", "stop")
+    penalties = {}
+    for name in ("presence_penalty", "frequency_penalty"):
+        penalties[name] = get_number(body, name, 0.0)
+        if not -2.0 <= penalties[name] <= 2.0:
+            raise bad(f"'{name}' must be between -2 and 2, got {penalties[name]}", name)
     _unsupported(body, kind)
     return dict(kind=kind, model=model, stream=stream, include_usage=include_usage, max_tokens=max_tokens,
-                max_tokens_param=max_name,
+                max_tokens_param=max_name, n=n,
                 temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stops,
-                ignore_eos=get_bool(body, "ignore_eos"))
+                ignore_eos=get_bool(body, "ignore_eos"), logprobs=_logprobs(body, kind), **penalties)
+
+
+def _logprobs(body: dict, kind: str) -> int | None:
+    """Alternatives per token, or None: completions' ``logprobs`` (an integer), chat's
+    ``logprobs`` (a boolean) with ``top_logprobs``."""
+    if kind == "completion":
+        k = get_int(body, "logprobs")
+        if k is not None and not 0 <= k <= MAX_LOGPROBS:
+            raise bad(f"'logprobs' must be between 0 and {MAX_LOGPROBS}, got {k}", "logprobs")
+        return k
+    top = get_int(body, "top_logprobs")
+    if top is not None and not 0 <= top <= MAX_LOGPROBS:
+        raise bad(f"'top_logprobs' must be between 0 and {MAX_LOGPROBS}, got {top}", "top_logprobs")
+    if not get_bool(body, "logprobs"):
+        if top:
+            raise bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        return None
+    return top or 0
+
+
+def logit_bias(body: dict, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``logit_bias``: ``{"token id": bias in [-100, 100]}``."""
+    bias = body.get("logit_bias")
+    if bias is None:
+        return ()
+    if not isinstance(bias, dict):
+        raise bad("'logit_bias' must be an object mapping token ids to numbers", "logit_bias")
+    out = []
+    for key, value in bias.items():
+        if not (isinstance(key, str) and key.strip().lstrip("-").isdigit()):
+            raise bad(f"'logit_bias' keys must be token ids, got {_show(key)}", "logit_bias")
+        token = int(key)
+        if not 0 <= token < vocab_size:
+            raise bad(f"'logit_bias' token id {token} is out of range [0, {vocab_size})", "logit_bias")
+        if not (_is_number(value) and -100 <= value <= 100):
+            raise bad(f"'logit_bias' values must be numbers between -100 and 100, got {_show(value)}", "logit_bias")
+        out.append((token, float(value)))
+    return tuple(out)
 
 
 def _unsupported(body: dict, kind: str) -> None:
     """Options that would change the answer and that this server does not implement: refuse
     them rather than silently ignore them (their neutral values are accepted)."""
-    for name in ("presence_penalty", "frequency_penalty"):
-        v = get_number(body, name, 0.0)
-        if v != 0.0:
-            raise bad(f"'{name}' is not supported (only 0)", name)
-    if body.get("logit_bias") not in (None, {}):
-        raise bad("'logit_bias' is not supported", "logit_bias")
-    logprobs = body.get("logprobs")
-    if logprobs not in (None, False, 0):
-        raise bad("'logprobs' is not supported", "logprobs")
-    if body.get("top_logprobs") not in (None, 0):
-        raise bad("'top_logprobs' is not supported", "top_logprobs")
     if kind == "completion":
-        if get_bool(body, "echo"):
-            raise bad("'echo' is not supported", "echo")
-        if get_int(body, "best_of", 1) != 1:
-            raise bad("only best_of=1 is supported", "best_of")
         if body.get("suffix") not in (None, ""):
-            raise bad("'suffix' is not supported", "suffix")
+            raise bad("'suffix' is not supported: the served models have no fill-in-the-middle format", "suffix")
     else:
         for name in ("tools", "functions"):
             if body.get(name) not in (None, []):
@@ -181,34 +218,49 @@ def _unsupported(body: dict, kind: str) -> None:
             raise bad("only response_format {'type': 'text'} is supported", "response_format")
 
 
+MAX_PROMPTS = 256
+
+
 def parse_completion(body: Any, vocab_size: int) -> ParsedRequest:
     fields = _common(body, "completion")
-    prompt = body.get("prompt")
-    req = ParsedRequest(**fields)
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, str):
-        if not prompt:
-            raise bad("'prompt' is empty", "prompt")
-        req.prompt = prompt
-    elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
-        bad_ids = [t for t in prompt if not 0 <= t < vocab_size]
-        if bad_ids:
-            raise bad(f"'prompt' token id {bad_ids[0]} is out of range [0, {vocab_size})", "prompt")
-        req.prompt_ids = list(prompt)
-    elif isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
-        raise bad(f"only one prompt per request is supported, got {len(prompt)}", "prompt")
-    elif prompt is None:
-        raise bad("'prompt' is required", "prompt")
+    req = ParsedRequest(**fields, logit_bias=logit_bias(body, vocab_size), echo=get_bool(body, "echo"))
+    best_of = get_int(body, "best_of")
+    if best_of is not None:
+        if not req.n <= best_of <= MAX_N:
+            raise bad(f"'best_of' must be between n ({req.n}) and {MAX_N}, got {best_of}", "best_of")
+        if req.stream and best_of > req.n:
+            raise bad("'best_of' greater than 'n' cannot be streamed", "best_of")
+        req.best_of = best_of
     else:
-        raise bad("'prompt' must be a string, a list of token ids, or a list of one of these", "prompt")
+        req.best_of = req.n
+    prompt = body.get("prompt")
+    if prompt is None:
+        raise bad("'prompt' is required", "prompt")
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt)):
+        prompt = [prompt]  # one prompt
+    if not (isinstance(prompt, list) and prompt):
+        raise bad("'prompt' must be a string, a list of token ids, or a non-empty list of these", "prompt")
+    if len(prompt) > MAX_PROMPTS:
+        raise bad(f"at most {MAX_PROMPTS} prompts per request, got {len(prompt)}", "prompt")
+    for i, p in enumerate(prompt):
+        param = "prompt" if len(prompt) == 1 else f"prompt[{i}]"
+        if isinstance(p, str):
+            if not p:
+                raise bad(f"'{param}' is empty", "prompt")
+        elif isinstance(p, list) and p and all(_is_int(t) for t in p):
+            bad_ids = [t for t in p if not 0 <= t < vocab_size]
+            if bad_ids:
+                raise bad(f"'{param}' token id {bad_ids[0]} is out of range [0, {vocab_size})", "prompt")
+        else:
+            raise bad(f"'{param}' must be a non-empty string or a non-empty list of token ids", "prompt")
+    req.prompts = list(prompt)
     return req
 
 
 CHAT_ROLES = {"system", "developer", "user", "assistant"}
 
 
-def parse_chat(body: Any) -> ParsedRequest:
+def parse_chat(body: Any, vocab_size: int) -> ParsedRequest:
     fields = _common(body, "chat")
     messages = body.get("messages")
     if messages is None:
@@ -226,7 +278,7 @@ def parse_chat(body: Any) -> ParsedRequest:
                       f"{param}.role")
         out.append({"role": "system" if role == "developer" else role,
                     "content": _content_text(m.get("content"), role, f"{param}.content")})
-    req = ParsedRequest(**fields)
+    req = ParsedRequest(**fields, logit_bias=logit_bias(body, vocab_size))
     req.messages = out
     return req
 
