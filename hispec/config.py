@@ -210,3 +210,42 @@ class SpecConfig:
             raise ConfigError(f"unknown draft policy {self.draft_policy!r}; choose from {', '.join(DRAFT_POLICIES)}")
         if self.svip_threshold <= 0:
             raise ConfigError(f"svip threshold must be > 0, got {self.svip_threshold}")
+
+    @property
+    def lookahead(self) -> int:
+        """An upper bound on the positions one round writes past the pending token: the window,
+        the longest draft the policy may ask for, the bonus position and spare."""
+        longest = max(self.num_draft, self.max_draft if self.draft_policy == "heuristic" else 0)
+        return self.window + longest + 3
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """How the engine batches and sizes its KV pool (one config for ``Generator``, ``LLM`` and the server).
+
+    The pool holds ``kv_blocks`` blocks if given, else the share ``kv_memory_fraction`` of the
+    device's free memory, else enough for ``max_batch_size`` sequences of the longest request
+    (or of ``min(context, DEFAULT_SEQ_TOKENS)`` tokens when no request is known yet), each
+    with the strategy's look-ahead: see ``engine.engine.kv_blocks_for``.
+    """
+
+    block_size: int = 16
+    max_batch_size: int = 16
+    kv_blocks: int | None = None
+    kv_memory_fraction: float | None = None
+    adaptive: bool = True  # per step, speculate only where measured speculation pays
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ConfigError(f"block size must be >= 1, got {self.block_size}")
+        if self.max_batch_size < 1:
+            raise ConfigError(f"max batch size must be >= 1, got {self.max_batch_size}")
+        if self.kv_blocks is not None and self.kv_blocks < 1:
+            raise ConfigError(f"kv_blocks must be >= 1, got {self.kv_blocks}")
+        if self.kv_memory_fraction is not None and not 0 < self.kv_memory_fraction <= 0.95:
+            raise ConfigError(f"memory fraction must be in (0, 0.95], got {self.kv_memory_fraction}")
+
+    @property
+    def fixed_pool(self) -> bool:
+        """The pool size is set by the user, not by the requests."""
+        return self.kv_blocks is not None or self.kv_memory_fraction is not None

@@ -13,13 +13,14 @@ from typing import Callable
 
 import torch
 
-from .config import ConfigError, SamplingParams, SpecConfig
+from .cache.paged import PagedCache
+from .config import ConfigError, EngineConfig, SamplingParams, SpecConfig
 from .decode.autoregressive import Autoregressive
 from .decode.base import Strategy
 from .decode.speculative import HiSpec, SelfSpec
 from .decode.stats import DecodeStats
 from .engine.adaptive import AdaptiveController
-from .engine.engine import Engine, PromptTooLongError, kv_blocks_for  # noqa: F401 (PromptTooLongError re-exported)
+from .engine.engine import Engine, PromptTooLongError  # noqa: F401 (PromptTooLongError re-exported)
 from .model.llama import DecoderModel
 
 STRATEGIES = ("ar", "selfspec", "hispec")
@@ -67,7 +68,7 @@ class Generator:
         self.model = model
         self.tokenizer = tokenizer
         self.block_size = block_size
-        self._engine: Engine | None = None
+        self._cache: PagedCache | None = None  # one KV pool, reused by every request's engine
         self._controllers: dict[str, AdaptiveController] = {}  # adaptive speculation, per strategy + settings
         self.model_path: Path | None = None
         self.recommended_spec: SpecConfig | None = None  # set by exit heads that declare their layers
@@ -129,28 +130,23 @@ class Generator:
     # ---- generation ----------------------------------------------------------------------
     @property
     def blocks(self):
-        return self._engine.blocks if self._engine else None
+        return self._cache.blocks if self._cache else None
 
     @property
     def pool(self):
-        return self._engine.pool if self._engine else None
+        return self._cache.pool if self._cache else None
 
     def _engine_for(self, strategy: Strategy, num_tokens: int, adaptive: bool) -> Engine:
-        """The single-request engine, with a pool that holds ``num_tokens`` positions. With
-        ``adaptive``, one controller per strategy and settings learns across calls whether
-        speculation pays."""
-        if self._engine is None:
-            self._engine = Engine(self.model, strategy, tokenizer=self.tokenizer, eos_ids=self.eos_ids,
-                                  kv_blocks=1, block_size=self.block_size, max_batch_size=1, adaptive=False)
-        engine = self._engine
-        engine.strategy = strategy
+        """A single-request engine for ``strategy`` over the generator's KV pool (grown to hold
+        ``num_tokens`` positions). With ``adaptive``, one controller per strategy and settings
+        learns across calls whether speculation pays."""
         key = f"{strategy.name} {getattr(strategy, 'spec', None)!r}"
-        engine.adaptive = (self._controllers.setdefault(key, AdaptiveController())
-                           if adaptive and strategy.name != "ar" else None)
-        engine.eos_ids = frozenset(self.eos_ids)
-        need = kv_blocks_for(self.model, self.block_size, min_tokens=num_tokens + engine.lookahead)
-        if engine.blocks.num_blocks < need:
-            engine.resize_pool(need)
+        controller = self._controllers.setdefault(key, AdaptiveController()) if adaptive else None
+        engine = Engine(self.model, strategy, EngineConfig(block_size=self.block_size, max_batch_size=1,
+                                                           adaptive=adaptive),
+                        tokenizer=self.tokenizer, eos_ids=self.eos_ids, controller=controller, cache=self._cache,
+                        seq_tokens=num_tokens, num_seqs=1)
+        self._cache = engine.cache
         return engine
 
     def generate(self, prompt: str | list[int], params: SamplingParams | None = None, strategy: str | Strategy = "ar",

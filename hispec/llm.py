@@ -7,9 +7,9 @@ from typing import Callable
 
 import torch
 
-from .config import SamplingParams, SpecConfig
+from .config import EngineConfig, SamplingParams, SpecConfig
 from .decode.stats import DecodeStats
-from .engine.engine import Engine, kv_blocks_for
+from .engine.engine import Engine
 from .generate import Generator, make_strategy
 
 
@@ -46,20 +46,17 @@ class LLM:
         m = self.generator.model
         spec = spec or self.generator.spec_for(strategy)
         self.strategy = make_strategy(strategy, spec, m.num_layers)
-        self.kv_blocks, self.kv_memory_fraction = kv_blocks, kv_memory_fraction
-        self.engine = Engine(m, self.strategy, tokenizer=self.generator.tokenizer, eos_ids=self.generator.eos_ids,
-                             kv_blocks=1, block_size=block_size, max_batch_size=max_batch_size, adaptive=adaptive)
+        config = EngineConfig(block_size=block_size, max_batch_size=max_batch_size, kv_blocks=kv_blocks,
+                              kv_memory_fraction=kv_memory_fraction, adaptive=adaptive)
+        # the pool is sized by each generate() call for its requests
+        self.engine = Engine(m, self.strategy, config, tokenizer=self.generator.tokenizer,
+                             eos_ids=self.generator.eos_ids, seq_tokens=1, num_seqs=1)
 
     def _size_pool(self, prompts: list[list[int]], params: list[SamplingParams]) -> None:
         """Blocks from the options, or by default enough for a full batch of the longest request."""
         e, m = self.engine, self.generator.model
         longest = max(min(len(p) + sp.max_new_tokens, m.cfg.max_position_embeddings) for p, sp in zip(prompts, params))
-        per_seq = kv_blocks_for(m, e.block_size, min_tokens=longest + e.lookahead)
-        default = per_seq * min(e.max_batch_size, len(prompts))
-        need = kv_blocks_for(m, e.block_size, kv_blocks=self.kv_blocks, memory_fraction=self.kv_memory_fraction) \
-            if self.kv_blocks or self.kv_memory_fraction else default
-        if e.blocks.num_blocks != need:
-            e.resize_pool(need)
+        e.fit_pool(longest, min(e.max_batch_size, len(prompts)))
 
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None,
                  *, chat: bool | None = None, on_output: Callable | None = None) -> list[BatchOutput]:

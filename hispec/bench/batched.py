@@ -65,7 +65,7 @@ def run_batch_sizes(gen, strategies: dict, prompt_ids: list[list[int]], params: 
 
 def _own(llm, b: int):
     def run(prompt_ids, params):
-        llm.engine.max_batch_size = llm.engine.scheduler.max_batch_size = b
+        llm.engine.set_max_batch_size(b)
         t0 = time.perf_counter()
         outs = llm.generate(prompt_ids, params)
         return [o.token_ids for o in outs], time.perf_counter() - t0

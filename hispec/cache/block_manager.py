@@ -88,10 +88,14 @@ class BlockManager:
             seq.lengths[layer] = length
         self._check(seq_id)
 
-    def truncate(self, seq_id: int, length: int) -> None:
-        """Roll back: every layer keeps at most ``length`` positions; surplus tail blocks are freed."""
+    def truncate(self, seq_id: int, length: int, *, keep_blocks: bool = False) -> None:
+        """Roll back: every layer keeps at most ``length`` positions; surplus tail blocks are freed
+        (kept with ``keep_blocks``: they stay reserved for the rest of a step)."""
         seq = self._seqs[seq_id]
         seq.lengths = [min(n, length) for n in seq.lengths]
+        if keep_blocks:
+            self._check(seq_id)
+            return
         keep = self.blocks_needed(max(seq.lengths, default=0))
         while len(seq.table) > keep:
             self._free.append(seq.table.pop())

@@ -10,6 +10,7 @@ from .stats import phase_timer
 
 class Autoregressive(StrategyBase):
     name = "ar"
+    lookahead = 2  # the pending token's slot, plus one spare
 
     def step(self, batch: list[DecodeContext]) -> list[list[int]]:
         model, num_layers = batch[0].model, batch[0].model.num_layers

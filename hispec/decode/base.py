@@ -20,10 +20,18 @@ from .stats import DecodeStats
 
 
 class LayerRunner:
-    """Runs a sequence's new tokens through a layer range and keeps the block manager in step."""
+    """Runs a sequence's new tokens through a layer range and keeps the block manager in step.
 
-    def __init__(self, model: DecoderModel, blocks: BlockManager, pool: KVPool) -> None:
+    ``reserved``: the caller (the engine's scheduler) reserves every slot a step writes before
+    the step; the runner then only reads the block tables, and a rollback keeps the reserved
+    blocks (the scheduler's reservation holds for the whole step). Without it (a strategy
+    driven directly, tools, tests) the runner takes blocks as it writes and a rollback returns
+    the unused tail blocks.
+    """
+
+    def __init__(self, model: DecoderModel, blocks: BlockManager, pool: KVPool, *, reserved: bool = False) -> None:
         self.model, self.blocks, self.pool = model, blocks, pool
+        self.reserved = reserved
 
     def forward(self, seq_id: int, start_pos: int, x: torch.Tensor, start_layer: int, end_layer: int) -> torch.Tensor:
         """Run one sequence's positions ``start_pos ..`` through layers ``[start_layer, end_layer)``.
@@ -42,7 +50,11 @@ class LayerRunner:
             for layer in (start_layer, end_layer - 1):
                 assert self.blocks.length(seq_id, layer) == start_pos, \
                     f"layer {layer} holds {self.blocks.length(seq_id, layer)} positions, expected {start_pos}"
-            self.blocks.ensure_capacity(seq_id, start_pos + x.shape[0])
+            if self.reserved:
+                assert self.blocks.capacity(seq_id) >= start_pos + x.shape[0], \
+                    f"sequence {seq_id} writes past its reserved slots: the strategy's lookahead is too small"
+            else:
+                self.blocks.ensure_capacity(seq_id, start_pos + x.shape[0])
             chunks.append(SeqChunk(seq_id, start_pos, x.shape[0]))
         batch = AttentionBatch(chunks, self.blocks, self.model.device)
         x = torch.cat([x for _, _, x in items]) if len(items) > 1 else items[0][2]
@@ -53,7 +65,8 @@ class LayerRunner:
         return list(h.split([c.num_tokens for c in chunks]))
 
     def truncate(self, seq_id: int, length: int) -> None:
-        self.blocks.truncate(seq_id, length)
+        """Roll every layer of the sequence back to at most ``length`` positions."""
+        self.blocks.truncate(seq_id, length, keep_blocks=self.reserved)
 
 
 @dataclass
@@ -93,6 +106,7 @@ class DecodeContext:
 
 class Strategy(Protocol):
     name: str
+    lookahead: int  # positions past the pending token one step may write, per sequence (an upper bound)
 
     def step(self, batch: list[DecodeContext]) -> list[list[int]]:
         """One round for every sequence of the batch (each with ``remaining > 0``): the tokens
@@ -104,6 +118,7 @@ class StrategyBase:
     """Shared by the strategies: one request driven round by round."""
 
     name = "base"
+    lookahead = 2
 
     def step(self, batch: list[DecodeContext]) -> list[list[int]]:
         raise NotImplementedError

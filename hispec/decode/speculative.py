@@ -145,6 +145,7 @@ class SelfSpec(StrategyBase):
 
     def __init__(self, spec: SpecConfig) -> None:
         self.spec = spec
+        self.lookahead = spec.lookahead
 
     def step(self, batch: list[DecodeContext]) -> list[list[int]]:
         model, d = batch[0].model, self.spec.draft_layer
@@ -199,6 +200,7 @@ class HiSpec(StrategyBase):
 
     def __init__(self, spec: SpecConfig) -> None:
         self.spec = spec
+        self.lookahead = spec.lookahead
 
     def step(self, batch: list[DecodeContext]) -> list[list[int]]:
         model = batch[0].model

@@ -7,15 +7,15 @@ commits the tokens, and retires finished sequences at once.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from dataclasses import dataclass, field
 
 import torch
 
-from ..cache.block_manager import BlockManager
-from ..cache.kv_cache import KVPool
-from ..config import ConfigError, SamplingParams
+from ..cache.paged import PagedCache
+from ..config import ConfigError, EngineConfig, SamplingParams
 from ..decode.autoregressive import Autoregressive
 from ..decode.base import DecodeContext, LayerRunner, Strategy
 from ..decode.stats import DecodeStats, phase_timer
@@ -50,9 +50,13 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprob | None] | None = None  # one per prompt token (the first: None), if asked
 
 
+DEFAULT_SEQ_TOKENS = 1024  # tokens per sequence a pool is sized for before any request is known
+
+
 def kv_blocks_for(model: DecoderModel, block_size: int, *, kv_blocks: int | None = None,
-                  memory_fraction: float | None = None, min_tokens: int = 0) -> int:
-    """Pool size: ``kv_blocks``, or a fraction of the device's free memory, or enough for ``min_tokens``."""
+                  memory_fraction: float | None = None, min_tokens: int = 0, num_seqs: int = 1) -> int:
+    """The one KV pool sizing rule: ``kv_blocks``, or a fraction of the device's free memory, or
+    enough for ``num_seqs`` sequences of ``min_tokens`` positions each (plus one spare block each)."""
     if kv_blocks is not None:
         if kv_blocks < 1:
             raise ConfigError(f"kv_blocks must be >= 1, got {kv_blocks}")
@@ -63,7 +67,7 @@ def kv_blocks_for(model: DecoderModel, block_size: int, *, kv_blocks: int | None
         if not 0 < memory_fraction <= 0.95:
             raise ConfigError(f"memory fraction must be in (0, 0.95], got {memory_fraction}")
         return max(1, int(_free_memory(model.device) * memory_fraction) // block_bytes)
-    return -(-max(min_tokens, 1) // block_size) + 1
+    return (-(-max(min_tokens, 1) // block_size) + 1) * max(1, num_seqs)
 
 
 def _free_memory(device: torch.device) -> int:
@@ -75,43 +79,85 @@ def _free_memory(device: torch.device) -> int:
 
 
 class Engine:
-    """Many requests, one model, one strategy (``ar``, ``selfspec`` or ``hispec``)."""
+    """Many requests, one model, one strategy (``ar``, ``selfspec`` or ``hispec``), fixed for its life.
 
-    def __init__(self, model: DecoderModel, strategy: Strategy, *, tokenizer=None, eos_ids=frozenset(),
-                 kv_blocks: int = 64, block_size: int = 16, max_batch_size: int = 16, adaptive: bool = True,
-                 lookahead: int | None = None) -> None:
+    ``config`` (or the same fields as keywords) sets the batch size, the pool size and adaptive
+    speculation; ``controller`` hands in an adaptive controller that outlives the engine (the
+    ``Generator`` keeps one per strategy and settings). ``cache`` reuses a pool no request holds
+    when it is big enough; else the pool is sized for ``num_seqs`` sequences (default: the batch
+    size) of ``seq_tokens`` tokens (default: ``min(context, DEFAULT_SEQ_TOKENS)``).
+
+    The scheduler is the only allocator: before each step it reserves, for every running
+    sequence, the slots the step may write (the strategy's ``lookahead``); the layer runner only
+    reads the block tables, and a rollback inside a step keeps the reserved blocks.
+    """
+
+    def __init__(self, model: DecoderModel, strategy: Strategy, config: EngineConfig | None = None, *,
+                 tokenizer=None, eos_ids=frozenset(), controller: AdaptiveController | None = None,
+                 cache: PagedCache | None = None, seq_tokens: int | None = None, num_seqs: int | None = None,
+                 **settings) -> None:
         self.model, self.tokenizer = model, tokenizer
+        self.config = dataclasses.replace(config or EngineConfig(), **settings)
         self.strategy = strategy
         self.eos_ids = frozenset(eos_ids)
-        self.block_size = block_size
         self._ar = Autoregressive()
-        self.adaptive = AdaptiveController() if adaptive and strategy.name != "ar" else None
+        self.adaptive = None
+        if self.config.adaptive and strategy.name != "ar":
+            self.adaptive = controller if controller is not None else AdaptiveController()
         self._seq_ids = itertools.count()
         self._requests: dict[str, Sequence] = {}
-        self.max_batch_size = max_batch_size
-        self._lookahead = lookahead
-        self.resize_pool(kv_blocks)
+        self._max_batch_size = self.config.max_batch_size
+        seq_tokens = seq_tokens or min(model.cfg.max_position_embeddings, DEFAULT_SEQ_TOKENS)
+        need = self.pool_blocks(seq_tokens, num_seqs or self.config.max_batch_size)
+        fits = (cache is not None and cache.block_size == self.config.block_size and cache.blocks.num_used_blocks == 0
+                and (cache.num_blocks == need if self.config.fixed_pool else cache.num_blocks >= need))
+        self._use_cache(cache if fits else PagedCache.for_model(model, need, self.config.block_size))
 
-    # ---- the pool ------------------------------------------------------------------------
-    def resize_pool(self, kv_blocks: int) -> None:
-        """(Re)make the KV pool; only while no request is in flight."""
-        assert not self._requests, "cannot resize the KV pool with requests in flight"
-        cfg = self.model.cfg
-        self.blocks = BlockManager(kv_blocks, self.block_size, cfg.num_layers)
-        self.pool = KVPool(cfg.num_layers, kv_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim,
-                           self.model.dtype, self.model.device)
-        self.runner = LayerRunner(self.model, self.blocks, self.pool)
-        self.scheduler = Scheduler(self.blocks, self.max_batch_size, self.lookahead)
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    @property
+    def max_batch_size(self) -> int:
+        return self.scheduler.max_batch_size
 
     @property
     def lookahead(self) -> int:
-        """Positions one step may add to a sequence (drafts, window, bonus)."""
-        if self._lookahead is not None:
-            return self._lookahead
+        """Positions one step may add to a sequence: the strategy's declaration (a wrapper that
+        declares none is sized by the settings it carries)."""
+        declared = getattr(self.strategy, "lookahead", None)
+        if declared is not None:
+            return declared
         spec = getattr(self.strategy, "spec", None)
-        if spec is None:
-            return 2
-        return spec.window + max(spec.num_draft, spec.max_draft if spec.draft_policy == "heuristic" else 0) + 3
+        return spec.lookahead if spec is not None else self._ar.lookahead
+
+    # ---- the pool ------------------------------------------------------------------------
+    def pool_blocks(self, seq_tokens: int, num_seqs: int) -> int:
+        """Blocks for ``num_seqs`` sequences of ``seq_tokens`` tokens, unless the config fixes the size."""
+        c = self.config
+        return kv_blocks_for(self.model, c.block_size, kv_blocks=c.kv_blocks, memory_fraction=c.kv_memory_fraction,
+                             min_tokens=seq_tokens + self.lookahead, num_seqs=num_seqs)
+
+    def fit_pool(self, seq_tokens: int, num_seqs: int) -> None:
+        """Size the pool for the requests about to be added (only while none is in flight)."""
+        if self.config.fixed_pool:  # sized once, from the options
+            return
+        need = self.pool_blocks(seq_tokens, num_seqs)
+        if need != self.blocks.num_blocks:
+            assert not self._requests, "cannot resize the KV pool with requests in flight"
+            self._use_cache(PagedCache.for_model(self.model, need, self.config.block_size))
+
+    def _use_cache(self, cache: PagedCache) -> None:
+        self.cache = cache
+        self.blocks, self.pool = cache.blocks, cache.pool
+        self.runner = LayerRunner(self.model, self.blocks, self.pool, reserved=True)
+        self.scheduler = Scheduler(self.blocks, self._max_batch_size, self.lookahead)
+
+    def set_max_batch_size(self, n: int) -> None:
+        """Decode at most ``n`` sequences together from the next step on."""
+        if n < 1:
+            raise ConfigError(f"max batch size must be >= 1, got {n}")
+        self._max_batch_size = self.scheduler.max_batch_size = n
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:

@@ -1,10 +1,12 @@
 """Continuous batching: which sequences run this step.
 
 A finished sequence leaves at once and a waiting one joins as soon as the batch has room and
-the KV pool has blocks for it (``can_allocate`` is asked before anything is allocated).
-Before each step every running sequence must be able to grow by the strategy's look-ahead;
-when the pool is short, the most recently admitted sequence is preempted: its blocks are
-freed and it goes back to the front of the queue, to be recomputed from its tokens later.
+the KV pool has blocks for it. Before each step every running sequence must be able to grow
+by the strategy's look-ahead; when the pool is short, the most recently admitted sequence is
+preempted: its blocks are freed and it goes back to the front of the queue, to be recomputed
+from its tokens later. The scheduler is the only allocator: once the batch is settled it
+reserves each sequence's slots for the step (as vLLM's ``allocate_slots`` with its look-ahead
+tokens), and nothing during the step allocates.
 """
 from __future__ import annotations
 
@@ -48,13 +50,14 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self.blocks.add_sequence(seq.seq_id)
-            self.blocks.ensure_capacity(seq.seq_id, len(seq.ctx.tokens))
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
         if not self.running and self.waiting:
             seq = self.waiting[0]
             raise CacheFullError(f"request {seq.request_id} needs {self.blocks.blocks_needed(self._need(seq))} "
                                  f"KV blocks but the pool has only {self.blocks.num_blocks}: raise --kv-blocks")
+        for s in self.running:  # the step's slots (room was checked above)
+            self.blocks.ensure_capacity(s.seq_id, self._need(s))
         return list(self.running)
 
     def _can_admit(self, seq: Sequence) -> bool:

@@ -104,7 +104,8 @@ def build_server_state(args, gen):
     import threading
 
     from ..cli import spec_from_args
-    from ..engine.engine import Engine, kv_blocks_for
+    from ..config import EngineConfig
+    from ..engine.engine import Engine
     from ..generate import make_strategy
     from .app import ServerState
     from .async_engine import AsyncEngine
@@ -115,15 +116,11 @@ def build_server_state(args, gen):
     strategy = make_strategy(args.strategy, spec, model.num_layers)
     lock = threading.Lock()
     tokenizer = _LockedTokenizer(gen.tokenizer, lock) if gen.tokenizer is not None else None
-    engine = Engine(model, strategy, tokenizer=tokenizer, eos_ids=gen.eos_ids, kv_blocks=1,
-                    block_size=gen.block_size, max_batch_size=args.max_batch_size, adaptive=not args.no_adaptive)
+    config = EngineConfig(block_size=gen.block_size, max_batch_size=args.max_batch_size, kv_blocks=args.kv_blocks,
+                          adaptive=not args.no_adaptive)
+    # default pool: a full batch of min(context, 1024)-token sequences
+    engine = Engine(model, strategy, config, tokenizer=tokenizer, eos_ids=gen.eos_ids)
     ctx = model.cfg.max_position_embeddings
-    if args.kv_blocks is not None:
-        blocks = args.kv_blocks
-    else:
-        per_seq = kv_blocks_for(model, engine.block_size, min_tokens=min(ctx, 1024) + engine.lookahead)
-        blocks = per_seq * args.max_batch_size
-    engine.resize_pool(blocks)
     names = served_names(args, gen)
     metrics = Metrics(names[0], args.strategy)
     bridge = AsyncEngine(engine, max_queue=args.max_queue, metrics=metrics)
