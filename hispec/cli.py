@@ -52,9 +52,13 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
                    help="trained exit heads (a folder with a manifest); default: the model's own, if any")
     g.add_argument("--no-exits", action="store_true", help="ignore trained exit heads; exit through the final head")
     g.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
+
+
+def add_parallel_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
-                   help="split the model over N processes (one per GPU with --device cuda; gloo on CPU), "
-                        "started here (default: 1)")
+                   help="split the model over N processes started here, one per GPU with --device cuda "
+                        "(NCCL), or on CPU (gloo); N may not exceed the model's KV heads (default: 1)")
 
 
 def add_sampling_options(p: argparse.ArgumentParser) -> None:
@@ -163,6 +167,7 @@ def register_generate(sub) -> None:
     b.add_argument("--kv-blocks", type=int, default=None, help="KV-cache blocks of 16 tokens (default: enough for a full batch)")
     b.add_argument("--kv-memory-fraction", type=float, default=None, help="size the KV pool as this fraction of free memory")
     add_model_options(p)
+    add_parallel_options(p)
     add_sampling_options(p)
     add_spec_options(p)
     p.set_defaults(func=cmd_generate)

@@ -36,6 +36,7 @@ def assert_lossless(report: dict) -> None:
     for name, diff in report["logits_max_abs_diff"].items():
         assert diff < 1e-4, (name, diff)
     assert report["greedy_equal_to_single_process_ar"] == {"ar": True, "selfspec": True, "hispec": True}
+    assert report["greedy_equal_to_tp_ar"] == {"ar": True, "selfspec": True, "hispec": True}
     kv = report["kv_after_rejections"]
     assert kv["rejected"] > 0 and kv["max_abs_diff"] < 1e-5 and kv["layer_lengths"] == [kv["positions"]]
 

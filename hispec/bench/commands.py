@@ -37,7 +37,7 @@ example:
 
 
 def register(subparsers) -> None:
-    from ..cli import add_model_options, add_sampling_options, add_spec_options
+    from ..cli import add_model_options, add_parallel_options, add_sampling_options, add_spec_options
 
     p = subparsers.add_parser("bench", help="benchmark strategies and peers side by side",
                               description="Benchmark ar, selfspec, hispec and transformers' generate (plain and "
@@ -72,6 +72,7 @@ def register(subparsers) -> None:
                        help="also report agreement with ar on the first N tokens (default 32)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_model_options(p)
+    add_parallel_options(p)
     add_sampling_options(p)
     add_spec_options(p)
     p.set_defaults(func=cmd_bench)

@@ -21,7 +21,7 @@ example:
 
 
 def register(subparsers) -> None:
-    from ..cli import add_model_options, add_spec_options
+    from ..cli import add_model_options, add_parallel_options, add_spec_options
 
     p = subparsers.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API",
                               description="An OpenAI-compatible HTTP server: every client's requests join one "
@@ -47,6 +47,7 @@ def register(subparsers) -> None:
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     g.add_argument("--no-access-log", action="store_true", help="do not log each HTTP request")
     add_model_options(p)
+    add_parallel_options(p)
     add_spec_options(p)
     p.set_defaults(func=cmd_serve)
 
