@@ -184,3 +184,36 @@ def test_logit_bias_and_penalties(http):
     text = penalised["choices"][0]["message"]["content"]
     assert text != plain["choices"][0]["message"]["content"]
     assert len(set(text)) > len(set(plain["choices"][0]["message"]["content"]))
+
+
+# ---- metrics under vLLM's names --------------------------------------------------------------------------------
+def test_vllm_metrics_parse_with_prometheus_client(server, http):
+    parser = pytest.importorskip("prometheus_client.parser")
+    post(http, "/v1/completions", {"prompt": "Hello there", "max_tokens": 16, "temperature": 0, "ignore_eos": True})
+    text = httpx.get(f"{server.url}/metrics", trust_env=False, timeout=30).text
+    families = {f.name: f for f in parser.text_string_to_metric_families(text)}
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:prompt_tokens", "vllm:generation_tokens", "vllm:request_success",
+                 "vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
+                 "vllm:spec_decode_num_accepted_tokens", "vllm:spec_decode_num_accepted_tokens_per_pos",
+                 "vllm:time_to_first_token_seconds", "vllm:e2e_request_latency_seconds",
+                 "vllm:request_queue_time_seconds", "vllm:request_prefill_time_seconds",
+                 "vllm:request_decode_time_seconds", "vllm:request_prompt_tokens", "vllm:request_generation_tokens"):
+        assert name in families, name
+        assert all(s.labels.get("model_name") == MODEL for s in families[name].samples), name
+
+    def value(family: str, sample: str, **labels) -> float:
+        return next(s.value for s in families[family].samples if s.name == sample
+                    and all(s.labels.get(k) == v for k, v in labels.items()))
+
+    assert families["vllm:prompt_tokens"].type == "counter"
+    assert value("vllm:generation_tokens", "vllm:generation_tokens_total") >= 16
+    assert value("vllm:request_success", "vllm:request_success_total", finished_reason="length") >= 1
+    finished = value("vllm:e2e_request_latency_seconds", "vllm:e2e_request_latency_seconds_count")
+    assert value("vllm:request_generation_tokens", "vllm:request_generation_tokens_count") == finished
+    assert value("vllm:request_queue_time_seconds", "vllm:request_queue_time_seconds_count") == finished
+    drafted = value("vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_draft_tokens_total")
+    accepted = value("vllm:spec_decode_num_accepted_tokens", "vllm:spec_decode_num_accepted_tokens_total")
+    per_pos = [s.value for s in families["vllm:spec_decode_num_accepted_tokens_per_pos"].samples]
+    assert drafted > 0 and 0 <= accepted <= drafted and sum(per_pos) == accepted
+    assert 0.0 <= value("vllm:kv_cache_usage_perc", "vllm:kv_cache_usage_perc") <= 1.0

@@ -48,6 +48,7 @@ class RequestOutput:
     time_to_first_token: float | None = None
     new_logprobs: list[TokenLogprob] | None = None  # one per new token, if the request asked (params.logprobs)
     prompt_logprobs: list[TokenLogprob | None] | None = None  # one per prompt token (the first: None), if asked
+    scheduled_at: float | None = None  # perf_counter when the request was first prefilled
 
 
 DEFAULT_SEQ_TOKENS = 1024  # tokens per sequence a pool is sized for before any request is known
@@ -242,8 +243,10 @@ class Engine:
             for s, h in zip(long, hidden):
                 if s.ctx.params.prompt_logprobs is not None and s.prompt_logprobs is None:
                     s.prompt_logprobs = [None] + self._prompt_logprobs(h, s.prompt_ids[1:], s.ctx.params.prompt_logprobs)
+        now = time.perf_counter()
         for s in seqs:
             s.prefilled = True
+            s.scheduled_time = s.scheduled_time or now
             if s.ctx.params.prompt_logprobs is not None and s.prompt_logprobs is None:
                 s.prompt_logprobs = [None]  # a one-token prompt
 
@@ -272,7 +275,7 @@ class Engine:
         ttft = None if seq.first_token_time is None else seq.first_token_time - seq.arrival_time
         return RequestOutput(seq.request_id, seq.prompt_ids, list(seq.new_tokens), kept, seq.text.text, seq.text.delta(),
                              seq.finished, seq.finish_reason, seq.ctx.stats, now - seq.arrival_time, ttft,
-                             logprobs, seq.prompt_logprobs)
+                             logprobs, seq.prompt_logprobs, seq.scheduled_time)
 
     def run_to_completion(self) -> dict[str, RequestOutput]:
         """Step until every request has finished; the final output of each."""

@@ -35,6 +35,7 @@ class Sequence:
         self.finish_time: float | None = None
         self.num_preemptions = 0
         self.prompt_logprobs: list | None = None  # set at the first prefill when the request asks
+        self.scheduled_time: float | None = None  # the first prefill (perf_counter)
 
     @property
     def seq_id(self) -> int:

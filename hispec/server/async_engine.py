@@ -92,6 +92,7 @@ class _Live:
     first_token: float | None = None  # seconds after arrival
     stats: object = None  # the live DecodeStats of the sequence
     sent_prompt_logprobs: bool = False
+    scheduled: float | None = None  # perf_counter when the engine first ran it
 
 
 class AsyncEngine:
@@ -245,6 +246,8 @@ class AsyncEngine:
             if live is None:
                 continue
             live.stats = out.stats
+            if live.scheduled is None:
+                live.scheduled = out.scheduled_at
             n = len(out.new_token_ids)
             if n:
                 live.num_tokens += n
@@ -271,7 +274,9 @@ class AsyncEngine:
             stats["new_tokens"] = live.num_tokens
             stats["time_to_first_token"] = None if live.first_token is None else round(live.first_token, 6)
             stats["seconds"] = round(seconds, 6)
-        self.metrics.finish(reason, stats, live.num_tokens, seconds, live.first_token)
+        queue = None if live.scheduled is None else max(0.0, live.scheduled - live.stream.arrival)
+        self.metrics.finish(reason, stats, live.num_tokens, seconds, live.first_token,
+                            prompt_tokens=live.stream.prompt_tokens, queue=queue)
         self._send(live.stream, Delta(text, num_tokens, True, reason, stats, error, logprobs, prompt_logprobs))
 
     @staticmethod

@@ -123,7 +123,7 @@ def build_server_state(args, gen):
     engine = Engine(model, strategy, config, tokenizer=tokenizer, eos_ids=gen.eos_ids)
     ctx = model.cfg.max_position_embeddings
     names = served_names(args, gen)
-    metrics = Metrics(names[0], args.strategy)
+    metrics = Metrics(names[0], args.strategy, ctx)
     bridge = AsyncEngine(engine, max_queue=args.max_queue, metrics=metrics)
     return ServerState(engine=bridge, tokenizer=gen.tokenizer, model_names=names, context_length=ctx,
                        vocab_size=model.cfg.vocab_size, strategy=args.strategy, api_key=args.api_key,

@@ -9,6 +9,8 @@ from __future__ import annotations
 import bisect
 import threading
 
+from .vllm_metrics import VllmMetrics
+
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
@@ -49,8 +51,9 @@ def _label(v: str) -> str:
 
 
 class Metrics:
-    def __init__(self, model_name: str = "", strategy: str = "") -> None:
+    def __init__(self, model_name: str = "", strategy: str = "", max_model_len: int = 2048) -> None:
         self.lock = threading.Lock()
+        self.vllm = VllmMetrics(model_name, max_model_len)  # the same measurements under vLLM's names
         self.model_name, self.strategy = model_name, strategy
         self.http: dict[tuple[str, int], int] = {}  # (endpoint, status code) -> requests
         self.finished: dict[str, int] = {}  # finish reason (stop, length, abort, error) -> requests
@@ -86,8 +89,9 @@ class Metrics:
             self.ttft.observe(seconds)
 
     def finish(self, reason: str, stats: dict | None, num_tokens: int, seconds: float,
-               ttft: float | None) -> None:
+               ttft: float | None, prompt_tokens: int = 0, queue: float | None = None) -> None:
         with self.lock:
+            self.vllm.finish(reason, stats, prompt_tokens, num_tokens, seconds, ttft, queue)
             self.finished[reason] = self.finished.get(reason, 0) + 1
             self.e2e.observe(seconds)
             if ttft is not None and num_tokens > 1:
@@ -157,6 +161,7 @@ class Metrics:
         metric("engine_steps_total", "counter", "Engine steps run.", [("", e.get("steps", 0))])
         for h in (self.ttft, self.tpot, self.e2e):
             out.extend(h.render())
+        out.extend(self.vllm.lines(e, self.prompt_tokens, self.generation_tokens))
         return out
 
 
