@@ -17,12 +17,14 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..config import ConfigError, SamplingParams
 from .async_engine import AsyncEngine, EngineStoppedError, QueueFullError, RequestStream
 from .metrics import Metrics
+from .schema import add_api_models
 from .responses import (Choice, best, chat_logprobs, completion_logprobs, echo_logprobs, join_logprobs,
                         usage)
 from .protocol import SEED_RANGE, APIError, ParsedRequest, bad, parse_chat, parse_completion
@@ -146,6 +148,15 @@ class ServerState:
             raise bad(str(e)) from None
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("hispec")
+    except PackageNotFoundError:
+        return "0"
+
+
 # ---- responses ------------------------------------------------------------------------------------
 def error_response(err: APIError) -> JSONResponse:
     headers = {"WWW-Authenticate": "Bearer"} if err.status == 401 else None
@@ -232,8 +243,17 @@ def create_app(state: ServerState) -> FastAPI:
         finally:
             await asyncio.get_running_loop().run_in_executor(None, state.engine.stop, 10.0)
 
-    app = FastAPI(title="hispec", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="hispec", summary="OpenAI-compatible API of hispec (lossless self-speculative decoding)",
+                  version=_version(), lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     app.state.hispec = state
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            app.openapi_schema = add_api_models(get_openapi(title=app.title, version=app.version,
+                                                            summary=app.summary, routes=app.routes))
+        return app.openapi_schema
+
+    app.openapi = openapi
     app.add_middleware(CountRequests, metrics=state.metrics)
 
     @app.exception_handler(APIError)

@@ -273,7 +273,7 @@ def parse_chat(body: Any, vocab_size: int) -> ParsedRequest:
         if not isinstance(m, dict):
             raise bad(f"{param} must be an object with 'role' and 'content'", param)
         role = m.get("role")
-        if role not in CHAT_ROLES:
+        if not isinstance(role, str) or role not in CHAT_ROLES:
             raise bad(f"{param}.role must be one of {', '.join(sorted(CHAT_ROLES))}, got {_show(role)}",
                       f"{param}.role")
         out.append({"role": "system" if role == "developer" else role,
