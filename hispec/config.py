@@ -122,9 +122,12 @@ class ModelConfig:
         )
 
 
+MIN_TEMPERATURE = 1.1754943508222875e-38  # torch.finfo(torch.float32).tiny
+
+
 @dataclass(slots=True)
 class SamplingParams:
-    """How the next token is chosen. ``temperature == 0`` means greedy (argmax)."""
+    """How the next token is chosen. ``temperature == 0`` (or below ``MIN_TEMPERATURE``) means greedy (argmax)."""
 
     temperature: float = 0.0
     top_k: int = 0  # 0 = off
@@ -162,7 +165,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Temperature 0, or one below float32's smallest normal number: dividing float32 logits
+        by it would lose all precision (or divide by zero), and its limit is the argmax anyway."""
+        return self.temperature < MIN_TEMPERATURE
 
     @property
     def modifies_logits(self) -> bool:

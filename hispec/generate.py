@@ -173,6 +173,8 @@ class Generator:
                         final = out
         finally:
             engine.abort(request_id)  # no-op once finished; frees the blocks after an error
+        if final.error is not None:
+            raise final.error
         return GenerationOutput(prompt_ids, final.token_ids, final.text, final.finish_reason,
                                 time.perf_counter() - t0, final.stats)
 

@@ -23,6 +23,7 @@ class BatchOutput:
     seconds: float  # from submission to finish
     time_to_first_token: float | None
     stats: DecodeStats
+    error: str | None = None  # why it failed (finish reason "error"); the other prompts are unaffected
 
     @property
     def new_tokens(self) -> int:
@@ -75,4 +76,6 @@ class LLM:
                     done[out.request_id] = out
         self.seconds = time.perf_counter() - start
         return [BatchOutput(r, done[r].prompt_token_ids, done[r].token_ids, done[r].text, done[r].finish_reason,
-                            done[r].seconds, done[r].time_to_first_token, done[r].stats) for r in request_ids]
+                            done[r].seconds, done[r].time_to_first_token, done[r].stats,
+                            None if done[r].error is None else f"{type(done[r].error).__name__}: {done[r].error}")
+                for r in request_ids]

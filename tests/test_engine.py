@@ -146,3 +146,64 @@ def test_a_seeded_sampled_request_gives_the_same_output_in_any_batch(model, work
             engine.add_request(p, SamplingParams(max_new_tokens=25))
         outputs.append(engine.run_to_completion()[rid].token_ids)
     assert outputs[0] == outputs[1] == outputs[2]
+
+
+# ---- one request cannot hurt another ------------------------------------------------------------
+EXTREME = [SamplingParams(max_new_tokens=12, temperature=1e-40, seed=1),  # 1/T overflows float32
+           SamplingParams(max_new_tokens=12, temperature=1e-46, seed=2),  # T itself underflows to 0
+           SamplingParams(max_new_tokens=12, temperature=1.0, top_p=1e-46, seed=3),  # top_p rounds to 0
+           SamplingParams(max_new_tokens=12, temperature=2.0, top_k=1, top_p=1e-30, seed=4)]
+
+
+@pytest.mark.parametrize("name", ["ar", "selfspec", "hispec", "hispec-svip"])
+def test_extreme_sampling_values_behave_as_greedy_in_a_greedy_batch(model, workload, name):
+    """A temperature that underflows is greedy, a top_p that keeps nothing keeps the top token:
+    every one of these requests gives the greedy output, and so do the greedy ones beside them."""
+    prompts, limits, expected, eos = workload
+    engine = Engine(model, make_strategy(name.split("-")[0], STRATEGIES[name], model.num_layers), eos_ids={eos},
+                    kv_blocks=400, block_size=4, max_batch_size=16)
+    greedy = [engine.add_request(p, SamplingParams(max_new_tokens=n)) for p, n in zip(prompts[:6], limits)]
+    extreme = [engine.add_request(prompts[0], sp) for sp in EXTREME]
+    final = engine.run_to_completion()
+    assert [final[r].token_ids for r in greedy] == expected[:6]
+    want = Generator(model)
+    want.eos_ids = frozenset({eos})
+    ref = want.generate(prompts[0], SamplingParams(max_new_tokens=12), "ar").token_ids
+    for r in extreme:
+        assert final[r].finish_reason != "error" and final[r].token_ids == ref
+
+
+class FailsFor:
+    """A strategy that raises, after running (and so touching the cache), whenever its batch
+    holds a request with ``top_k == 7``: a stand-in for a bug that one request's input triggers."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.name, self.spec = inner, inner.name, getattr(inner, "spec", None)
+
+    def step(self, batch):
+        commits = self.inner.step(batch)
+        if any(c.params.top_k == 7 for c in batch):
+            raise RuntimeError("boom")
+        return commits
+
+
+@pytest.mark.parametrize("name", ["ar", "hispec"])
+def test_a_failing_request_fails_alone(model, workload, name):
+    prompts, limits, expected, eos = workload
+    strategy = FailsFor(make_strategy(name, STRATEGIES[name], model.num_layers))
+    engine = Engine(model, strategy, eos_ids={eos}, kv_blocks=400, block_size=4, max_batch_size=16, adaptive=False)
+    greedy = [engine.add_request(p, SamplingParams(max_new_tokens=n)) for p, n in zip(prompts[:5], limits)]
+    sampled = engine.add_request(prompts[5], SamplingParams(max_new_tokens=30, temperature=0.8, seed=5))
+    bad = engine.add_request(prompts[6], SamplingParams(max_new_tokens=30, temperature=0.8, top_k=7))
+    final = engine.run_to_completion()
+    assert [final[r].token_ids for r in greedy] == expected[:5]
+    assert final[bad].finish_reason == "error" and "boom" in str(final[bad].error)
+    alone = Engine(model, make_strategy(name, STRATEGIES[name], model.num_layers), eos_ids={eos}, kv_blocks=400,
+                   block_size=4, adaptive=False)
+    rid = alone.add_request(prompts[5], SamplingParams(max_new_tokens=30, temperature=0.8, seed=5))
+    assert final[sampled].token_ids == alone.run_to_completion()[rid].token_ids  # its random stream was restored
+    engine.blocks.check_invariants()
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+    with pytest.raises(RuntimeError, match="boom"):  # a single request in the library still raises
+        g = Generator(model)
+        g.generate(prompts[6], SamplingParams(max_new_tokens=5, temperature=0.8, top_k=7), strategy)

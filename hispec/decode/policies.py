@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from ..config import SpecConfig
-from ..sampling.sampler import entropy
+from ..sampling.sampler import entropy, scale
 
 
 class DraftPolicy:
@@ -73,4 +73,4 @@ def make_policy(spec: SpecConfig) -> DraftPolicy:
 
 def draft_entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """Entropy (nats) of the draft distribution ``softmax(logits / T)`` for ``logits [1, V]``; T=1 when greedy."""
-    return entropy(torch.softmax(logits.float() / (temperature or 1.0), dim=-1))[0]
+    return entropy(torch.softmax(scale(logits, temperature or 1.0), dim=-1))[0]

@@ -70,7 +70,8 @@ def draft(batch: list[DecodeContext], starts: list[tuple[int, int]], layer: int,
             lg = logits[i:i + 1]
             if c.processor is not None:
                 lg = c.process(lg, prefixes[b] + torch.cat(tokens[b]).tolist() if tokens[b] else prefixes[b])
-            if j > 0 and c.policy.wants_entropy() and c.policy.stop_before(draft_entropy(lg, c.params.temperature)):
+            if j > 0 and c.policy.wants_entropy() and c.policy.stop_before(
+                    draft_entropy(lg, 0.0 if c.params.greedy else c.params.temperature)):
                 continue
             if c.params.greedy:
                 x[b] = lg.argmax(-1)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -25,6 +26,13 @@ from ..sampling.processors import LogitsProcessor
 from .adaptive import PLAIN, SPECULATE, AdaptiveController
 from .scheduler import Scheduler
 from .sequence import Sequence
+
+
+log = logging.getLogger("hispec.engine")
+
+
+def _generator_state(seq: Sequence) -> torch.Tensor | None:
+    return seq.ctx.generator.get_state() if seq.ctx.generator is not None else None
 
 
 class PromptTooLongError(ValueError):
@@ -49,6 +57,7 @@ class RequestOutput:
     new_logprobs: list[TokenLogprob] | None = None  # one per new token, if the request asked (params.logprobs)
     prompt_logprobs: list[TokenLogprob | None] | None = None  # one per prompt token (the first: None), if asked
     scheduled_at: float | None = None  # perf_counter when the request was first prefilled
+    error: Exception | None = None  # what its round raised, for finish reason "error"
 
 
 DEFAULT_SEQ_TOKENS = 1024  # tokens per sequence a pool is sized for before any request is known
@@ -210,9 +219,45 @@ class Engine:
 
     # ---- one step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One round for the running batch. A request whose round raises fails alone (finish
+        reason ``error``); the others commit their tokens as if it had not been there."""
         running = self.scheduler.schedule()
         if not running:
             return []
+        chunks, errors = self._rounds(running)
+        outputs = []
+        for s in running:
+            try:
+                outputs.append(self._fail(s, errors[s]) if s in errors else self._commit(s, chunks[s]))
+            except Exception as e:  # e.g. the tokenizer failed on this request's tokens
+                log.exception("request %s failed", s.request_id)
+                outputs.append(self._fail(s, e))
+        return outputs
+
+    def _rounds(self, running: list[Sequence]) -> tuple[dict, dict]:
+        """Each sequence's committed chunk, or the exception its round raised. A failed batched
+        round is rolled back and retried one sequence at a time to find the culprit(s)."""
+        saved = [_generator_state(s) for s in running]
+        try:
+            return dict(zip(running, self._round(running))), {}
+        except Exception as e:
+            if len(running) == 1:
+                log.exception("request %s failed", running[0].request_id)
+                return {}, {running[0]: e}
+            log.warning("a batched step failed (%s); retrying its %d requests one at a time", e, len(running))
+        for s, state in zip(running, saved):
+            self._roll_back(s, state)
+        chunks, errors = {}, {}
+        for s in running:
+            try:
+                chunks[s] = self._round([s])[0]
+            except Exception as e:
+                log.exception("request %s failed", s.request_id)
+                errors[s] = e
+        return chunks, errors
+
+    def _round(self, running: list[Sequence]) -> list[list[int]]:
+        """Prefill the new sequences, then one round of the strategy: each sequence's tokens."""
         self._prefill([s for s in running if not s.prefilled])
         batch = [s.ctx for s in running]
         # Only greedy batches switch: a sampled sequence's random stream depends on the mode, and
@@ -228,10 +273,23 @@ class Engine:
         if self.model.device.type == "cuda":
             torch.cuda.synchronize(self.model.device)
         elapsed = time.perf_counter() - t0
-        outputs = [self._commit(s, chunk) for s, chunk in zip(running, commits)]
         if adaptive:
-            self.adaptive.record(len(batch), mode, sum(len(o.new_token_ids) for o in outputs), elapsed)
-        return outputs
+            self.adaptive.record(len(batch), mode, sum(len(c) for c in commits), elapsed)
+        return commits
+
+    def _roll_back(self, seq: Sequence, generator_state: torch.Tensor | None) -> None:
+        """Back to the state before a failed round: the cache holds the committed tokens but the
+        pending one (or nothing, if the prefill had not finished), the random stream as it was."""
+        self.runner.truncate(seq.seq_id, len(seq.ctx.tokens) - 1 if seq.prefilled else 0)
+        if generator_state is not None:
+            seq.ctx.generator.set_state(generator_state)
+
+    def _fail(self, seq: Sequence, error: Exception) -> RequestOutput:
+        """End a request whose round raised: finish reason ``error``, blocks freed."""
+        seq.finish("error")
+        self.scheduler.finish(seq)
+        self._requests.pop(seq.request_id, None)
+        return self._output(seq, [], "", error=error)
 
     def _prefill(self, seqs: list[Sequence]) -> None:
         """Run each new (or preempted) sequence's tokens but the pending last one through all layers."""
@@ -271,11 +329,16 @@ class Engine:
         if seq.finished:
             self.scheduler.finish(seq)
             self._requests.pop(seq.request_id, None)
+        return self._output(seq, kept, seq.text.delta(), logprobs)
+
+    @staticmethod
+    def _output(seq: Sequence, new_tokens: list[int], text_delta: str, logprobs: list[TokenLogprob] | None = None,
+                error: Exception | None = None) -> RequestOutput:
         now = time.perf_counter()
         ttft = None if seq.first_token_time is None else seq.first_token_time - seq.arrival_time
-        return RequestOutput(seq.request_id, seq.prompt_ids, list(seq.new_tokens), kept, seq.text.text, seq.text.delta(),
-                             seq.finished, seq.finish_reason, seq.ctx.stats, now - seq.arrival_time, ttft,
-                             logprobs, seq.prompt_logprobs, seq.scheduled_time)
+        return RequestOutput(seq.request_id, seq.prompt_ids, list(seq.new_tokens), new_tokens, seq.text.text,
+                             text_delta, seq.finished, seq.finish_reason, seq.ctx.stats, now - seq.arrival_time,
+                             ttft, logprobs, seq.prompt_logprobs, seq.scheduled_time, error)
 
     def run_to_completion(self) -> dict[str, RequestOutput]:
         """Step until every request has finished; the final output of each."""

@@ -11,24 +11,33 @@ import torch
 from ..config import SamplingParams
 
 
+def scale(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``(logits - max) / T`` for ``logits [T, V]`` (float32): the top logit becomes 0, so any
+    temperature, however small, gives finite-or-``-inf`` values and a softmax without NaN."""
+    logits = logits.float()
+    return (logits - logits.max(-1, keepdim=True).values) / temperature
+
+
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """``logits [T, V]`` -> probabilities ``[T, V]`` (float32) after temperature, top-k and top-p.
 
-    Greedy (temperature 0) gives the one-hot distribution of the argmax, so that the
-    speculative acceptance rule reduces to exact argmax matching.
+    Greedy (temperature 0, or one too small for float32: see ``SamplingParams.greedy``) gives
+    the one-hot distribution of the argmax, so that the speculative acceptance rule reduces to
+    exact argmax matching. Every legal parameter gives a proper distribution: the top token
+    always survives top-k and top-p, and the temperature divides logits shifted to max 0.
     """
-    logits = logits.float()
     if params.greedy:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
-    logits = logits / params.temperature
+    logits = scale(logits, params.temperature)
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]  # [T, 1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     if params.top_p < 1.0:
         sorted_p, order = probs.sort(dim=-1, descending=True)
-        before = sorted_p.cumsum(-1) - sorted_p  # mass strictly before each token
-        sorted_p = sorted_p.masked_fill(before >= params.top_p, 0.0)  # always keeps the top token
+        drop = sorted_p.cumsum(-1) - sorted_p >= params.top_p  # mass strictly before each token
+        drop[..., 0] = False  # the top token stays, even when top_p rounds to 0 in float32
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
         probs = probs / probs.sum(-1, keepdim=True)
     return probs

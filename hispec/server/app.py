@@ -8,6 +8,7 @@ its KV blocks. Every error is ``{"error": {"message", "type", "param", "code"}}`
 from __future__ import annotations
 
 import asyncio
+import copy
 import hmac
 import json
 import threading
@@ -27,10 +28,12 @@ from .metrics import Metrics
 from .schema import add_api_models
 from .responses import (Choice, best, chat_logprobs, completion_logprobs, echo_logprobs, join_logprobs,
                         usage)
-from .protocol import SEED_RANGE, APIError, ParsedRequest, bad, parse_chat, parse_completion
+from .protocol import SEED_RANGE, APIError, ParsedRequest, bad, check_text, parse_chat, parse_completion
 
 API_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models")
 MAX_BODY_BYTES = 16 * 1024 * 1024
+THREAD_JSON_BYTES = 1024 * 1024  # bodies larger than this are parsed in a worker thread
+MAX_CHARS_PER_TOKEN = 32  # a text this many times longer than the context is first counted on a prefix
 
 
 @dataclass
@@ -45,6 +48,7 @@ class ServerState:
     tokenizer_lock: threading.Lock = field(default_factory=threading.Lock)
     created: int = field(default_factory=lambda: int(time.time()))
     _token_texts: dict[int, str] = field(default_factory=dict)
+    _decoder_copy: object = None
 
     @property
     def metrics(self) -> Metrics:
@@ -62,22 +66,42 @@ class ServerState:
 
     # ---- prompts ------------------------------------------------------------------------------
     def prompt_ids(self, req: ParsedRequest) -> list[list[int]]:
-        """The token ids of each prompt (one for chat)."""
+        """The token ids of each prompt (one for chat). Blocking (seconds for a huge prompt): run it
+        in a worker thread."""
         if req.kind == "completion":
-            return [p if isinstance(p, list) else self._encode(p) for p in req.prompts]
+            return [p if isinstance(p, list) else self._encode(p, "prompt", True) for p in req.prompts]
         return [self._chat_ids(req)]
 
-    def _encode(self, text: str) -> list[int]:
+    def _encode(self, text: str, param: str, add_special_tokens: bool) -> list[int]:
+        """Tokenize ``text``; a text far longer than the context is refused after counting a prefix
+        (it cannot fit, and tokenizing megabytes would only keep a core busy)."""
         if self.tokenizer is None:
             raise bad("this model has no tokenizer: send the prompt as a list of token ids", "prompt")
-        with self.tokenizer_lock:
-            return self.tokenizer(text)["input_ids"]
+        ctx, limit = self.context_length, self.context_length * MAX_CHARS_PER_TOKEN
+        try:
+            with self.tokenizer_lock:
+                if len(text) > limit:
+                    head = len(self.tokenizer(text[:limit], add_special_tokens=add_special_tokens)["input_ids"])
+                    if head > ctx + 16:  # the cut can change the last few tokens, never hundreds
+                        raise bad(f"This model's maximum context length is {ctx} tokens, and the prompt has "
+                                  f"more than {ctx} tokens", param, "context_length_exceeded")
+                return self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+        except APIError:
+            raise
+        except Exception as e:  # the tokenizer refused this text
+            raise bad(f"the prompt could not be tokenized: {type(e).__name__}", param) from None
+
+    def _decoder(self):
+        """The event loop's own copy of the tokenizer (for logprobs and echo): never waits behind a
+        huge prompt that a worker thread tokenizes under ``tokenizer_lock``."""
+        if self._decoder_copy is None:
+            self._decoder_copy = copy.deepcopy(self.tokenizer)
+        return self._decoder_copy
 
     def decode(self, ids: list[int]) -> str:
         if self.tokenizer is None:
             return ""
-        with self.tokenizer_lock:
-            return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return self._decoder().decode(ids, skip_special_tokens=True)
 
     def token_text(self, token: int) -> str:
         """One token as text (logprobs' ``token``); ``token_id:N`` without a tokenizer, as vLLM writes it."""
@@ -86,8 +110,7 @@ class ServerState:
             if self.tokenizer is None:
                 text = f"token_id:{token}"
             else:
-                with self.tokenizer_lock:
-                    text = self.tokenizer.decode([token])
+                text = self._decoder().decode([token])
             self._token_texts[token] = text
         return text
 
@@ -95,14 +118,14 @@ class ServerState:
         tok = self.tokenizer
         if tok is None:
             raise bad("this model has no tokenizer: send the prompt as a list of token ids", "prompt")
-        with self.tokenizer_lock:
-            if not getattr(tok, "chat_template", None):
-                raise bad("this model has no chat template: use /v1/completions", "messages")
-            try:
+        if not getattr(tok, "chat_template", None):
+            raise bad("this model has no chat template: use /v1/completions", "messages")
+        try:
+            with self.tokenizer_lock:
                 text = tok.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=False)
-            except Exception as e:  # jinja's TemplateError and friends: the template refused the messages
-                raise bad(f"the chat template rejected the messages: {e}", "messages") from None
-            return tok(text, add_special_tokens=False)["input_ids"]
+        except Exception as e:  # jinja's TemplateError and friends: the template refused the messages
+            raise bad(f"the chat template rejected the messages: {e}", "messages") from None
+        return self._encode(text, "messages", add_special_tokens=False)
 
     def sampling_params(self, req: ParsedRequest, num_prompt: int, sample: int = 0) -> SamplingParams:
         """The engine's parameters for sample ``sample`` (0 .. best_of - 1) of a prompt: sample j
@@ -158,9 +181,18 @@ def _version() -> str:
 
 
 # ---- responses ------------------------------------------------------------------------------------
+class SafeJSONResponse(JSONResponse):
+    """JSON that always encodes: text that UTF-8 cannot carry (lone surrogates) goes out \\u-escaped."""
+
+    def render(self, content) -> bytes:
+        try:
+            return super().render(content)
+        except UnicodeEncodeError:
+            return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode()
+
+
 def error_response(err: APIError) -> JSONResponse:
-    headers = {"WWW-Authenticate": "Bearer"} if err.status == 401 else None
-    return JSONResponse(err.body(), status_code=err.status, headers=headers)
+    return SafeJSONResponse(err.body(), status_code=err.status, headers=err.headers or None)
 
 
 class EngineStreamingResponse(StreamingResponse):
@@ -244,7 +276,8 @@ def create_app(state: ServerState) -> FastAPI:
             await asyncio.get_running_loop().run_in_executor(None, state.engine.stop, 10.0)
 
     app = FastAPI(title="hispec", summary="OpenAI-compatible API of hispec (lossless self-speculative decoding)",
-                  version=_version(), lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url="/openapi.json")
+                  version=_version(), lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url="/openapi.json",
+                  default_response_class=SafeJSONResponse)
     app.state.hispec = state
 
     def openapi() -> dict:
@@ -265,6 +298,10 @@ def create_app(state: ServerState) -> FastAPI:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return error_response(APIError(str(exc.detail), status=exc.status_code, type=kind))
 
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, exc: Exception):  # a bug: still answered in OpenAI's shape
+        return error_response(APIError(f"internal error: {type(exc).__name__}", status=500, type="server_error"))
+
     def check_key(request: Request) -> None:
         if state.api_key is None:
             return
@@ -283,9 +320,11 @@ def create_app(state: ServerState) -> FastAPI:
         if len(raw) > MAX_BODY_BYTES:
             raise too_big
         try:
-            return json.loads(raw)
+            body = json.loads(raw) if len(raw) <= THREAD_JSON_BYTES else await asyncio.to_thread(json.loads, raw)
         except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
             raise bad(f"the request body is not valid JSON: {e}", code="invalid_json") from None
+        check_text(raw, body)
+        return body
 
     def check_model(req: ParsedRequest) -> None:
         if req.model not in state.model_names:
@@ -335,7 +374,7 @@ def create_app(state: ServerState) -> FastAPI:
         return await generate(request, req)
 
     async def generate(request: Request, req: ParsedRequest) -> Response:
-        prompts = state.prompt_ids(req)
+        prompts = await asyncio.to_thread(state.prompt_ids, req)  # off the event loop: streams go on
         samples = req.best_of if req.kind == "completion" else req.n
         jobs = [(i, ids, state.sampling_params(req, len(ids), j)) for i, ids in enumerate(prompts)
                 for j in range(samples)]
@@ -374,7 +413,8 @@ def create_app(state: ServerState) -> FastAPI:
         except (QueueFullError, EngineStoppedError) as e:
             abort_unfinished(state.engine, [c.stream for c in choices])
             if isinstance(e, QueueFullError):
-                raise APIError(str(e), status=429, type="rate_limit_error", code="queue_full") from None
+                raise APIError(str(e), status=429, type="rate_limit_error", code="queue_full",
+                               headers={"Retry-After": str(e.retry_after)}) from None
             raise APIError(str(e), status=503, type="server_error", code="shutting_down") from None
         return choices
 

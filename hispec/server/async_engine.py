@@ -5,6 +5,8 @@ thread-safe command queue, runs ``step()`` while anything is unfinished, and han
 request's committed text to that request's ``asyncio.Queue`` with
 ``loop.call_soon_threadsafe``. With no work it blocks on the command queue (no busy wait).
 Handlers never touch the engine: they call ``submit`` and ``abort``, which only enqueue.
+The only reads from other threads are the queue limit and the metrics gauges, which take
+``len()`` of the engine's queues and free-block list (atomic in CPython) at the moment asked.
 """
 from __future__ import annotations
 
@@ -27,6 +29,8 @@ log = logging.getLogger("hispec.server")
 
 class QueueFullError(RuntimeError):
     """More requests are waiting than the server's queue allows."""
+
+    retry_after = 1  # seconds, for the 429's Retry-After header
 
 
 class EngineStoppedError(RuntimeError):
@@ -106,8 +110,7 @@ class AsyncEngine:
         self._live: dict[str, _Live] = {}  # engine thread only
         self._ids = itertools.count()
         self._lock = threading.Lock()
-        self._pending = 0  # submitted, not yet counted in the engine's waiting queue
-        self._waiting = 0  # the engine's waiting queue after its last step
+        self._pending = 0  # submitted, not yet taken by the engine thread
         self._accepting = True
         self._thread: threading.Thread | None = None
         self._steps = 0
@@ -116,7 +119,7 @@ class AsyncEngine:
     # ---- the event-loop side ---------------------------------------------------------------
     def start(self) -> None:
         if self._thread is None:
-            self._snapshot()
+            self.metrics.refresh = self._publish
             self._thread = threading.Thread(target=self._run, name="hispec-engine", daemon=True)
             self._thread.start()
 
@@ -125,9 +128,10 @@ class AsyncEngine:
         with self._lock:
             if not self._accepting or self._thread is None or not self._thread.is_alive():
                 raise EngineStoppedError("the server is shutting down")
-            if self._pending + self._waiting >= self.max_queue:
-                raise QueueFullError(f"{self._pending + self._waiting} requests are waiting; the server's "
-                                     f"queue holds {self.max_queue} (--max-queue)")
+            waiting = self._num_waiting()
+            if waiting >= self.max_queue:
+                raise QueueFullError(f"{waiting} requests are waiting for a batch slot; the server's queue holds "
+                                     f"{self.max_queue} (--max-queue)")
             self._pending += 1
         stream = RequestStream(f"cmpl-{next(self._ids)}", len(prompt_ids), asyncio.get_running_loop())
         self.metrics.add_prompt(len(prompt_ids))
@@ -165,7 +169,6 @@ class AsyncEngine:
                     break
                 if self.engine.has_unfinished():
                     self._step()
-                self._snapshot(added)
         except BaseException as e:  # a bug: fail every request rather than hang them
             log.exception("the engine thread died")
             self.error = e
@@ -174,7 +177,6 @@ class AsyncEngine:
             with self._lock:
                 self._accepting = False
             self._abort_all("abort")
-            self._snapshot()
 
     def _take_commands(self, block: bool) -> tuple[int, bool]:
         added = 0
@@ -192,7 +194,6 @@ class AsyncEngine:
             elif kind == "abort_all":
                 self._abort_all("abort")
             elif kind == "stop":
-                self._snapshot(added)
                 return 0, True
             try:
                 cmd = self._commands.get_nowait()
@@ -206,6 +207,9 @@ class AsyncEngine:
             self._send(stream, Delta("", 0, True, "error", error=str(e)))
             self.metrics.finish("error", None, 0, time.perf_counter() - stream.arrival, None)
             return
+        finally:
+            with self._lock:
+                self._pending -= 1  # after the engine counts it: a gauge may count it twice, never zero times
         self._live[stream.request_id] = _Live(stream)
 
     def _abort(self, request_id: str, reason: str) -> None:
@@ -260,7 +264,8 @@ class AsyncEngine:
                 prompt_logprobs, live.sent_prompt_logprobs = out.prompt_logprobs, True
             if out.finished:
                 self._live.pop(out.request_id, None)
-                self._end(live, openai_finish_reason(out.finish_reason), None, out.text_delta, n,
+                error = None if out.error is None else f"{type(out.error).__name__}: {out.error}"
+                self._end(live, openai_finish_reason(out.finish_reason), error, out.text_delta, n,
                           out.new_logprobs, prompt_logprobs)
             elif out.text_delta or n or prompt_logprobs:
                 self._send(live.stream, Delta(out.text_delta, n, logprobs=out.new_logprobs,
@@ -286,12 +291,20 @@ class AsyncEngine:
         except RuntimeError:  # the event loop is closed: nobody is listening any more
             pass
 
-    def _snapshot(self, added: int = 0) -> None:
-        snap = self.engine.stats()
-        snap.pop("adaptive", None)
-        snap["steps"] = self._steps
+    # ---- reads from any thread ------------------------------------------------------------------
+    def _num_waiting(self) -> int:
+        """Requests that wait for a batch slot now (call under ``_lock``): those the engine holds
+        back, or those that will find every slot taken once the engine thread picks them up."""
+        e = self.engine
+        running, waiting = e.num_running, e.num_waiting
+        return max(waiting, running + waiting + self._pending - e.max_batch_size)
+
+    def _publish(self) -> None:
+        """The engine's gauges as they are now, for ``/metrics`` (called when it is scraped)."""
+        e = self.engine
         with self._lock:
-            self._pending -= added
-            self._waiting = snap["waiting"]
-            snap["waiting"] += self._pending  # submitted but not yet taken by the engine thread
-        self.metrics.set_engine(snap)
+            waiting = e.num_waiting + self._pending
+        self.metrics.set_engine({"kv_blocks_total": e.blocks.num_blocks, "kv_blocks_in_use": e.blocks.num_used_blocks,
+                                 "kv_blocks_free": e.blocks.num_free_blocks, "waiting": waiting,
+                                 "running": e.num_running, "preemptions": e.scheduler.num_preemptions,
+                                 "steps": self._steps})

@@ -72,18 +72,6 @@ def _check_args(args) -> None:
         raise UsageError("--api-key is empty")
 
 
-class _LockedTokenizer:
-    """The engine's view of the tokenizer: ``decode`` under the lock the request handlers encode
-    under (a Hugging Face fast tokenizer is not safe to use from two threads at once)."""
-
-    def __init__(self, tokenizer, lock) -> None:
-        self._tokenizer, self._lock = tokenizer, lock
-
-    def decode(self, *args, **kwargs):
-        with self._lock:
-            return self._tokenizer.decode(*args, **kwargs)
-
-
 def served_names(args, gen) -> tuple[str, ...]:
     """The model ids clients may send: the served name first."""
     from pathlib import Path
@@ -102,7 +90,7 @@ def served_names(args, gen) -> tuple[str, ...]:
 
 def build_server_state(args, gen):
     """Engine, bridge and app state for a loaded ``Generator`` (also used by tests in-process)."""
-    import threading
+    import copy
 
     from ..cli import spec_from_args
     from ..config import EngineConfig
@@ -115,8 +103,9 @@ def build_server_state(args, gen):
     model = gen.model
     spec = spec_from_args(args, gen) if args.strategy != "ar" else None
     strategy = make_strategy(args.strategy, spec, model.num_layers)
-    lock = threading.Lock()
-    tokenizer = _LockedTokenizer(gen.tokenizer, lock) if gen.tokenizer is not None else None
+    # The engine thread detokenizes with its own copy: a Hugging Face fast tokenizer is not safe to
+    # use from two threads at once, and a shared lock would stall every stream behind a huge prompt.
+    tokenizer = copy.deepcopy(gen.tokenizer)
     config = EngineConfig(block_size=gen.block_size, max_batch_size=args.max_batch_size, kv_blocks=args.kv_blocks,
                           adaptive=not args.no_adaptive)
     # default pool: a full batch of min(context, 1024)-token sequences
@@ -126,8 +115,7 @@ def build_server_state(args, gen):
     metrics = Metrics(names[0], args.strategy, ctx)
     bridge = AsyncEngine(engine, max_queue=args.max_queue, metrics=metrics)
     return ServerState(engine=bridge, tokenizer=gen.tokenizer, model_names=names, context_length=ctx,
-                       vocab_size=model.cfg.vocab_size, strategy=args.strategy, api_key=args.api_key,
-                       tokenizer_lock=lock)
+                       vocab_size=model.cfg.vocab_size, strategy=args.strategy, api_key=args.api_key)
 
 
 def _listen(host: str, port: int):

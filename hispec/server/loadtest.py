@@ -3,7 +3,10 @@
 Each client sends ``--requests`` streaming requests one after another (a bounded run); the
 report gives requests/s and generated tokens/s over the wall time of the run, and the p50/p95
 of time to first token and of per-token latency (per request: seconds after the first token
-divided by the tokens after the first).
+divided by the tokens after the first) and of inter-token latency (the gaps between a stream's
+consecutive text events). With ``--long-prompt N`` one extra request with an N-token prompt
+arrives ``--long-delay`` seconds into the run; the report then also gives the inter-token
+latency of the running streams while that prompt is prefilled, and its time to first token.
 """
 from __future__ import annotations
 
@@ -50,6 +53,10 @@ def register_loadtest(subparsers) -> None:
     p.add_argument("--api-key", default=None)
     p.add_argument("--warmup", type=int, default=1, help="requests sent before the measured run (default: 1)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request (default: 600)")
+    p.add_argument("--long-prompt", type=int, default=0, metavar="N",
+                   help="also send one request with an N-token prompt while the clients stream (default: off)")
+    p.add_argument("--long-delay", type=float, default=2.0, metavar="S",
+                   help="seconds into the run the long prompt arrives (default: 2)")
     p.add_argument("--json", action="store_true", help="print the results as one JSON object")
     p.set_defaults(func=cmd_loadtest)
 
@@ -62,6 +69,7 @@ class Result:
     tokens: int = 0
     mean_accepted_length: float | None = None
     error: str | None = None
+    events: list[float] = field(default_factory=list)  # perf_counter() of each text event
 
 
 @dataclass
@@ -78,6 +86,13 @@ class Report:
     tpot_p50: float | None
     tpot_p95: float | None
     mean_accepted_length: float | None
+    itl_p50: float | None = None
+    itl_p95: float | None = None
+    itl_max: float | None = None
+    long_prompt_tokens: int = 0
+    long_ttft: float | None = None  # the long request's time to first token
+    long_itl_p95: float | None = None  # the streams' inter-token latency while it was prefilled
+    long_itl_max: float | None = None
     first_errors: list[str] = field(default_factory=list)
 
     def lines(self) -> list[str]:
@@ -89,7 +104,11 @@ class Report:
                f"  requests/s        {self.requests_per_second:.2f}",
                f"  generated tok/s   {self.tokens_per_second:.1f}  ({self.generated_tokens} tokens)",
                f"  TTFT              p50 {ms(self.ttft_p50)}   p95 {ms(self.ttft_p95)}",
-               f"  per-token latency p50 {ms(self.tpot_p50)}   p95 {ms(self.tpot_p95)}"]
+               f"  per-token latency p50 {ms(self.tpot_p50)}   p95 {ms(self.tpot_p95)}",
+               f"  inter-token lat.  p50 {ms(self.itl_p50)}   p95 {ms(self.itl_p95)}   max {ms(self.itl_max)}"]
+        if self.long_prompt_tokens:
+            out += [f"  long prompt ({self.long_prompt_tokens} tokens): TTFT {ms(self.long_ttft)}; streams' "
+                    f"inter-token latency meanwhile p95 {ms(self.long_itl_p95)}   max {ms(self.long_itl_max)}"]
         if self.mean_accepted_length is not None:
             out.append(f"  mean accepted length (server's hispec_stats) {self.mean_accepted_length:.2f}")
         out += [f"  error: {e}" for e in self.first_errors]
@@ -108,7 +127,7 @@ def percentile(values: list[float], q: float) -> float | None:
 
 async def one_request(client, url: str, body: dict, chat: bool, timeout: float) -> Result:
     t0 = time.perf_counter()
-    ttft, tokens, mal = None, 0, None
+    ttft, tokens, mal, events = None, 0, None, []
     try:
         async with client.stream("POST", url, json=body, timeout=timeout) as r:
             if r.status_code != 200:
@@ -125,8 +144,10 @@ async def one_request(client, url: str, body: dict, chat: bool, timeout: float) 
                     return Result(False, error=str(event["error"])[:200])
                 for choice in event.get("choices", []):
                     text = choice.get("delta", {}).get("content") if chat else choice.get("text")
-                    if text and ttft is None:
-                        ttft = time.perf_counter() - t0
+                    if text:
+                        events.append(time.perf_counter())
+                        if ttft is None:
+                            ttft = events[-1] - t0
                 if event.get("usage"):
                     tokens = event["usage"]["completion_tokens"]
                 stats = event.get("hispec_stats")
@@ -134,12 +155,23 @@ async def one_request(client, url: str, body: dict, chat: bool, timeout: float) 
                     mal = stats.get("mean_accepted_length")
     except Exception as e:  # connection errors, timeouts: count them, keep going
         return Result(False, error=f"{type(e).__name__}: {e}")
-    return Result(True, time.perf_counter() - t0, ttft, tokens, mal)
+    return Result(True, time.perf_counter() - t0, ttft, tokens, mal, events=events)
+
+
+def gaps(results: list[Result], start: float = -math.inf, end: float = math.inf) -> list[float]:
+    """Seconds between consecutive text events of each stream, for gaps that end in [start, end]."""
+    return [b - a for r in results for a, b in zip(r.events, r.events[1:]) if start <= b <= end]
+
+
+def long_prompt_ids(n: int) -> list[int]:
+    """A deterministic n-token prompt (ids 100..1099: inside any real model's vocabulary)."""
+    return [100 + (37 * i) % 1000 for i in range(n)]
 
 
 async def run_load(url: str, *, clients: int, requests: int, max_tokens: int, chat: bool = False,
                    temperature: float = 0.0, ignore_eos: bool = False, model: str | None = None,
-                   api_key: str | None = None, warmup: int = 1, timeout: float = 600.0) -> Report:
+                   api_key: str | None = None, warmup: int = 1, timeout: float = 600.0, long_prompt: int = 0,
+                   long_delay: float = 2.0) -> Report:
     import httpx
 
     base = url.rstrip("/")
@@ -171,25 +203,48 @@ async def run_load(url: str, *, clients: int, requests: int, max_tokens: int, ch
             return [await one_request(client, endpoint, body(c * requests + j), chat, timeout)
                     for j in range(requests)]
 
+        async def long_request() -> tuple[float, Result]:
+            await asyncio.sleep(long_delay)
+            b = {**body(0), "prompt": long_prompt_ids(long_prompt), "max_tokens": 1}
+            b.pop("messages", None)
+            sent = time.perf_counter()
+            return sent, await one_request(client, f"{base}/completions", b, False, timeout)
+
         t0 = time.perf_counter()
-        per_client = await asyncio.gather(*(worker(c) for c in range(clients)))
+        jobs = [worker(c) for c in range(clients)] + ([long_request()] if long_prompt else [])
+        done = await asyncio.gather(*jobs)
         wall = time.perf_counter() - t0
+    per_client = done[:clients]
     results = [r for rs in per_client for r in rs]
     ok = [r for r in results if r.ok]
     ttfts = [r.ttft for r in ok if r.ttft is not None]
     tpots = [(r.seconds - r.ttft) / (r.tokens - 1) for r in ok if r.ttft is not None and r.tokens > 1]
     tokens = sum(r.tokens for r in ok)
     mals = [r.mean_accepted_length for r in ok if r.mean_accepted_length]
-    return Report(clients, len(results), len(results) - len(ok), wall, len(ok) / wall if wall else 0.0, tokens,
-                  tokens / wall if wall else 0.0, percentile(ttfts, 0.5), percentile(ttfts, 0.95),
-                  percentile(tpots, 0.5), percentile(tpots, 0.95),
-                  sum(mals) / len(mals) if mals else None,
-                  [r.error for r in results if not r.ok][:3])
+    itls = gaps(ok)
+    report = Report(clients, len(results), len(results) - len(ok), wall, len(ok) / wall if wall else 0.0, tokens,
+                    tokens / wall if wall else 0.0, percentile(ttfts, 0.5), percentile(ttfts, 0.95),
+                    percentile(tpots, 0.5), percentile(tpots, 0.95),
+                    sum(mals) / len(mals) if mals else None, percentile(itls, 0.5), percentile(itls, 0.95),
+                    max(itls, default=None), first_errors=[r.error for r in results if not r.ok][:3])
+    if long_prompt:
+        sent, long = done[clients]
+        report.long_prompt_tokens = long_prompt
+        if not long.ok:
+            report.errors += 1
+            report.first_errors.append(f"long prompt: {long.error}")
+        else:
+            report.long_ttft = long.ttft
+            during = gaps(ok, sent, sent + long.seconds)
+            report.long_itl_p95, report.long_itl_max = percentile(during, 0.95), max(during, default=None)
+    return report
 
 
 def cmd_loadtest(args) -> int:
     from ..cli import UsageError
 
+    if args.long_prompt < 0 or args.long_delay < 0:
+        raise UsageError("--long-prompt and --long-delay must be >= 0")
     for name in ("clients", "requests", "max_tokens"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -201,7 +256,8 @@ def cmd_loadtest(args) -> int:
         report = asyncio.run(run_load(args.url, clients=args.clients, requests=args.requests,
                                       max_tokens=args.max_tokens, chat=args.chat, temperature=args.temperature,
                                       ignore_eos=args.ignore_eos, model=args.model, api_key=args.api_key,
-                                      warmup=args.warmup, timeout=args.timeout))
+                                      warmup=args.warmup, timeout=args.timeout, long_prompt=args.long_prompt,
+                                      long_delay=args.long_delay))
     except httpx.HTTPError as e:
         raise UsageError(f"cannot reach the server at {args.url}: {e}") from None
     if args.json:

@@ -1,13 +1,14 @@
 """Server metrics in the Prometheus text exposition format (version 0.0.4), written by hand.
 
 Counters and histograms are updated from the engine thread and the event loop under one
-lock; the engine's gauges (KV blocks, waiting, running) come from a snapshot that the engine
-thread takes after each step, so reading them never touches the engine itself.
+lock; the engine's gauges (KV blocks, waiting, running) are read at scrape time through the
+``refresh`` hook (set by the engine's owner), so they are right even in the middle of a step.
 """
 from __future__ import annotations
 
 import bisect
 import threading
+from typing import Callable
 
 from .vllm_metrics import VllmMetrics
 
@@ -69,7 +70,8 @@ class Metrics:
                               "Per request: seconds per output token after the first.", TPOT_BUCKETS)
         self.e2e = Histogram(f"{PREFIX}_request_latency_seconds",
                              "Seconds from a request's arrival to its end.", E2E_BUCKETS)
-        self.engine: dict = {}  # the engine thread's latest snapshot
+        self.engine: dict = {}  # the engine's gauges, as of the last refresh
+        self.refresh: Callable[[], None] | None = None  # updates ``engine`` (via set_engine) before a render
 
     # ---- updates ------------------------------------------------------------------------------
     def count_http(self, endpoint: str, status: int) -> None:
@@ -114,6 +116,8 @@ class Metrics:
             return dict(self.engine)
 
     def render(self) -> str:
+        if self.refresh is not None:
+            self.refresh()
         with self.lock:
             return "\n".join(self._lines()) + "\n"
 

@@ -7,6 +7,7 @@ strictly (``true`` is not a number, ``"5"`` is not an integer) and each message 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,9 +16,12 @@ class APIError(Exception):
     """An error answered to the client in OpenAI's shape."""
 
     def __init__(self, message: str, *, status: int = 400, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
+                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.message, self.status, self.type, self.param, self.code = message, status, type, param, code
+        self.headers = dict(headers or {})
+        if status == 401:
+            self.headers.setdefault("WWW-Authenticate", "Bearer")
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -66,6 +70,40 @@ def get_number(body: dict, name: str, default: float | None = None) -> float | N
 def _show(v: Any) -> str:
     text = repr(v)
     return f"{type(v).__name__} {text[:40]}{'...' if len(text) > 40 else ''}"
+
+
+# ---- text ---------------------------------------------------------------------------------------------
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # how a UTF-16 surrogate appears in JSON
+
+
+def check_text(raw: bytes, body: Any) -> None:
+    """Refuse lone UTF-16 surrogates (``"\\ud800"``): JSON allows the escape, but the string is not
+    text (it cannot be tokenized, nor encoded as UTF-8). Walks the body only if ``raw`` has such
+    an escape; a proper pair (an emoji) is one character after parsing and passes."""
+    if not _SURROGATE_ESCAPE.search(raw):
+        return
+    stack: list[tuple[str, Any]] = [("", body)]
+    while stack:
+        path, v = stack.pop()
+        if isinstance(v, str) and not _is_utf8(v):
+            raise bad(f"{path or 'the body'} holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff escape), "
+                      "which is not text", path or None, "invalid_unicode")
+        if isinstance(v, dict):
+            for k, x in v.items():
+                name = k if _is_utf8(k) else k.encode("utf-8", "backslashreplace").decode()
+                stack.append((f"{path}.{name}" if path else name, x))
+                if not _is_utf8(k):
+                    stack.append((f"{path}.{name}" if path else name, k))
+        elif isinstance(v, list):
+            stack.extend((f"{path}[{i}]", x) for i, x in enumerate(v))
+
+
+def _is_utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
 
 
 # ---- the request --------------------------------------------------------------------------------
