@@ -92,7 +92,7 @@ def spec_from_args(args, generator) -> SpecConfig:
     from .generate import default_spec
 
     num_layers = generator.model.num_layers
-    per_strategy = getattr(generator, "recommended_specs", None) or {}
+    per_strategy = generator.recommended_specs
     base = generator.spec_for(args.strategy) or default_spec(num_layers)
     values = {"draft_layer": args.draft_layer, "verify_layer": args.verify_layer, "num_draft": args.num_draft,
               "window": args.window, "draft_policy": args.draft_policy, "svip_threshold": args.svip_threshold}

@@ -21,6 +21,7 @@ from .decode.speculative import HiSpec, SelfSpec
 from .decode.stats import DecodeStats
 from .engine.adaptive import AdaptiveController
 from .engine.engine import Engine, PromptTooLongError  # noqa: F401 (PromptTooLongError re-exported)
+from .model.exits.attached import ExitSet
 from .model.llama import DecoderModel
 
 STRATEGIES = ("ar", "selfspec", "hispec")
@@ -71,7 +72,7 @@ class Generator:
         self._cache: PagedCache | None = None  # one KV pool, reused by every request's engine
         self._controllers: dict[str, AdaptiveController] = {}  # adaptive speculation, per strategy + settings
         self.model_path: Path | None = None
-        self.recommended_spec: SpecConfig | None = None  # set by exit heads that declare their layers
+        self.exits: ExitSet | None = None  # trained exit heads and their recommended settings
         self.eos_ids = frozenset(self._eos_ids())
 
     @classmethod
@@ -93,10 +94,25 @@ class Generator:
             attach_exits(gen, None if exits is True else exits)
         return gen
 
+    # ---- exit heads ----------------------------------------------------------------------
+    def use_exits(self, exits: ExitSet | None) -> None:
+        """Exit through these heads (None: through the model's own final norm and head)."""
+        self.exits = exits
+        self.model.exits = dict(exits.heads) if exits is not None else {}
+
     def spec_for(self, strategy: str) -> SpecConfig | None:
         """The exit heads' recommended settings for ``strategy`` (None: no recommendation)."""
-        per_strategy = getattr(self, "recommended_specs", None) or {}
-        return per_strategy.get(strategy) or self.recommended_spec
+        return self.exits.spec_for(strategy) if self.exits is not None else None
+
+    @property
+    def recommended_spec(self) -> SpecConfig | None:
+        """The exit heads' recommended hispec settings."""
+        return self.exits.specs.get("hispec") if self.exits is not None else None
+
+    @property
+    def recommended_specs(self) -> dict[str, SpecConfig]:
+        """The exit heads' recommended settings per strategy."""
+        return dict(self.exits.specs) if self.exits is not None else {}
 
     # ---- prompts -------------------------------------------------------------------------
     def _eos_ids(self) -> set[int]:

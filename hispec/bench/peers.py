@@ -130,7 +130,7 @@ def peer_weights(spec: PeerSpec, generator, model_name: str) -> Weights:
     """The file or folder holding the same weights as hispec's model, for this peer."""
     if spec.engine == "ar":
         return Weights(model_name, f"hispec {_options_argv(spec.options)}")
-    folder = getattr(generator, "model_path", None)
+    folder = generator.model_path
     if spec.engine == "vllm":
         if folder is None:
             raise ConfigError("vllm needs the model's folder; this model was not loaded from one")

@@ -71,7 +71,7 @@ def model_info(generator, name: str) -> dict:
     cfg = model.cfg
     info = {
         "name": name,
-        "path": portable(getattr(generator, "model_path", None)),
+        "path": portable(generator.model_path),
         "family": cfg.family,
         "num_layers": cfg.num_layers,
         "hidden_size": cfg.hidden_size,
@@ -79,12 +79,11 @@ def model_info(generator, name: str) -> dict:
         "dtype": str(model.dtype).replace("torch.", ""),
         "parameters": _parameters(model),
     }
-    heads = getattr(model, "exits", None) or {}
-    rec = getattr(generator, "recommended_spec", None)
-    path = getattr(generator, "exit_heads_path", None)
-    info["exit_heads"] = None if not heads and rec is None else {
-        "path": portable(path),
-        "layers": sorted(int(k) for k in heads) if isinstance(heads, dict) else None,
+    exits = generator.exits
+    rec = generator.recommended_spec
+    info["exit_heads"] = None if exits is None or (not exits.heads and rec is None) else {
+        "path": portable(exits.path),
+        "layers": sorted(int(k) for k in exits.heads),
         "recommended_spec": None if rec is None else
         {k: v for k, v in dataclasses.asdict(rec).items() if k != "num_layers"}}
     return info

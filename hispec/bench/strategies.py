@@ -212,7 +212,7 @@ class HFModel:
 
 
 def _load_hf(gen):
-    folder = getattr(gen, "model_path", None)
+    folder = gen.model_path
     if folder is None:
         return None, "the model was not loaded from a folder, so transformers has nothing to load"
     try:

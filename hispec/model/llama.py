@@ -176,7 +176,7 @@ class DecoderModel(nn.Module):
         else:
             inv_freq, _ = rope_inv_freq(cfg)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
-        self.exits: dict[int, nn.Module] = {}  # trained exit heads by layer; see exits.py
+        self.exits: dict[int, nn.Module] = {}  # trained exit heads by layer; see model/exits/
 
     @property
     def num_layers(self) -> int:

@@ -125,11 +125,11 @@ def _say(msg: str) -> None:
 def _say_heads(gen) -> None:
     from ..model.exits import describe
 
-    manifest = getattr(gen, "exit_manifest", None)
+    manifest = gen.exits.manifest if gen.exits else None
     if manifest is None:
         _say("no trained exit heads: every exit goes through the model's own final norm and output head")
     else:
-        _say(f"{gen.exit_heads_path}: {describe(manifest)}")
+        _say(f"{gen.exits.path}: {describe(manifest)}")
 
 
 _PARSERS: dict[str, argparse.ArgumentParser] = {}
@@ -166,7 +166,7 @@ def cmd_probe(args) -> int:
     prompts = _prompt_ids(gen, [args.data], args.limit, args.max_prompt_tokens)
     t0 = time.perf_counter()
     rows, positions = probe(gen.model, prompts, args.max_new_tokens, gen.eos_ids)
-    spec = getattr(gen, "recommended_spec", None)
+    spec = gen.recommended_spec
     marks = {spec.draft_layer: "L_d", spec.verify_layer: "L_i"} if spec else {}
     if args.json:
         print(json.dumps({"positions": positions, "layers": [dataclasses.asdict(r) for r in rows]}, indent=1))
@@ -283,8 +283,8 @@ def cmd_tune(args) -> int:
     _say_heads(gen)
     model = gen.model
     n = model.num_layers
-    manifest = getattr(gen, "exit_manifest", None)
-    heads_path = getattr(gen, "exit_heads_path", None)
+    manifest = gen.exits.manifest if gen.exits else None
+    heads_path = gen.exits.path if gen.exits else None
     layers = sorted(model.exits) or list(range(1, n))  # no heads: the shared head at every layer (LayerSkip)
     prompts = _prompt_ids(gen, [args.data], args.limit, args.max_prompt_tokens)
     _say(f"measuring costs ({len(layers)} exits) ...")

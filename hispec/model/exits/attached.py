@@ -1,0 +1,30 @@
+"""The exit heads a ``Generator`` uses and the settings they recommend, as one object."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ...config import SpecConfig
+from .head import ExitHead
+from .manifest import Manifest
+
+
+@dataclass(frozen=True)
+class ExitSet:
+    """Heads by exit layer, where they came from, and their recommended settings per strategy."""
+
+    heads: dict[int, ExitHead]
+    manifest: Manifest | None = None
+    path: Path | None = None
+    specs: dict[str, SpecConfig] = field(default_factory=dict)  # "hispec", "selfspec" -> settings
+
+    @classmethod
+    def from_manifest(cls, heads: dict[int, ExitHead], manifest: Manifest | None, path: Path | None,
+                      num_layers: int) -> "ExitSet":
+        specs = {} if manifest is None else {name: s for name in ("hispec", "selfspec")
+                                             if (s := manifest.spec(num_layers, name)) is not None}
+        return cls(dict(heads), manifest, None if path is None else Path(path), specs)
+
+    def spec_for(self, strategy: str) -> SpecConfig | None:
+        """The recommended settings for ``strategy`` (the hispec ones stand in for selfspec)."""
+        return self.specs.get(strategy) or self.specs.get("hispec")

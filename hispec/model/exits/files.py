@@ -1,0 +1,82 @@
+"""Exit heads on disk: ``heads.safetensors`` (float32 adapters, subset ids) beside ``manifest.json``."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from .errors import ExitHeadError
+from .fingerprint import identity_mismatch
+from .head import ExitHead
+from .manifest import FORMAT, Manifest, read_manifest, write_manifest
+
+WEIGHTS_FILE = "heads.safetensors"
+
+
+def new_heads(model: nn.Module, layers: list[int], vocab_ids: dict[int, torch.Tensor | None] | None = None
+              ) -> dict[int, ExitHead]:
+    """Identity-initialised heads at ``layers`` (1 .. num_layers - 1), on the model's device and dtype."""
+    n = model.cfg.num_layers
+    bad = [L for L in layers if not 1 <= L < n]
+    if bad:
+        raise ExitHeadError(f"exit layers must be between 1 and {n - 1} for this {n}-layer model, got {bad}")
+    vocab_ids = vocab_ids or {}
+    return {L: ExitHead(model, vocab_ids.get(L)).to(device=model.device, dtype=model.dtype).eval().requires_grad_(False)
+            for L in layers}
+
+
+def save_heads(folder: str | Path, heads: dict[int, ExitHead], manifest: Manifest) -> Path:
+    """Write ``heads.safetensors`` (float32) and ``manifest.json`` into ``folder``."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for L, head in sorted(heads.items()):
+        for k, v in head.state_dict().items():
+            if v is not None:
+                tensors[f"{L}.{k}"] = v.detach().to("cpu", torch.float32 if v.is_floating_point() else v.dtype
+                                                   ).contiguous()
+    manifest.layers = sorted(heads)
+    manifest.design = {**manifest.design, "kind": "linear",
+                       "vocab": {str(L): (int(h.vocab_ids.numel()) if h.restricted else None)
+                                 for L, h in sorted(heads.items())}}
+    tmp = folder / (WEIGHTS_FILE + ".tmp")
+    save_file(tensors, str(tmp), metadata={"format": FORMAT})
+    tmp.replace(folder / WEIGHTS_FILE)
+    write_manifest(folder, manifest)
+    return folder
+
+
+def load_heads(folder: str | Path, model: nn.Module, check_identity: bool = True
+               ) -> tuple[dict[int, ExitHead], Manifest]:
+    """Heads from ``folder`` for ``model``; ExitHeadError if they belong to another model."""
+    folder = Path(folder)
+    manifest = read_manifest(folder)
+    if check_identity:
+        why = identity_mismatch(model, manifest.base_model)
+        if why:
+            name = manifest.base_model.get("name") or "another model"
+            raise ExitHeadError(f"the exit heads in {folder} were trained for {name}, not this model ({why}); "
+                                "train heads for this model with `hispec train-exits`, or pass --no-exits")
+    wfile = folder / WEIGHTS_FILE
+    if not wfile.is_file():
+        raise ExitHeadError(f"{folder}: {WEIGHTS_FILE} is missing")
+    try:
+        tensors = load_file(str(wfile))
+    except Exception as e:  # safetensors raises its own error types
+        raise ExitHeadError(f"cannot read {wfile}: {e}") from None
+    vocab = {L: tensors.get(f"{L}.vocab_ids") for L in manifest.layers}
+    heads = new_heads(model, manifest.layers, vocab)
+    for L, head in heads.items():
+        state = {k: tensors.get(f"{L}.{k}") for k in head.state_dict()}
+        missing = [k for k, v in state.items() if v is None and k != "vocab_ids"]
+        if missing:
+            raise ExitHeadError(f"{wfile} lacks the tensors {', '.join(f'{L}.{k}' for k in missing)}")
+        for k, v in state.items():
+            if v is not None and tuple(v.shape) != tuple(head.state_dict()[k].shape):
+                raise ExitHeadError(f"{wfile}: {L}.{k} has shape {tuple(v.shape)}, expected "
+                                    f"{tuple(head.state_dict()[k].shape)}")
+        head.load_state_dict({k: v for k, v in state.items() if v is not None}, strict=False)
+        head.to(device=model.device, dtype=model.dtype).eval().requires_grad_(False)
+    return heads, manifest

@@ -1,0 +1,110 @@
+"""Exit heads: how a hidden state after ``L`` decoder layers becomes next-token logits.
+
+A model trained for early exit (LayerSkip) needs nothing here: its shared final norm and
+output head already work at every layer. A standard model does not (SmolLM2-135M: layer 8
+of 30 agrees with the final top-1 token ~2% of the time through its own head), so small
+heads are trained after the fact, with the base model frozen (``hispec train-exits``).
+
+Design ``linear`` (per exit layer ``L``)::
+
+    v = RMSNorm_g(h)                  # own gain g, initialised to 1
+    z = v + W v + b                   # residual linear adapter, W = 0, b = 0 at initialisation
+    logits = lm_head(final_norm(z))   # the model's own, shared (never copied, never trained)
+
+At initialisation the head is the identity: ``final_norm(v) == final_norm(h)`` (RMSNorm is
+scale invariant), so an untrained head equals the shared-head exit. The added weights are
+``H*H + 2H`` per exit (333k for H = 576, 0.25% of SmolLM2-135M).
+
+A head may restrict its output to a subset of the vocabulary (the most frequent tokens, as
+in FR-Spec, arXiv 2502.14856): the matmul covers only those rows of ``lm_head``, and the
+logits are still returned full-vocabulary shaped ``[T, V]``, with ``-inf`` outside the
+subset. The strategies and the lossless maths are unchanged: a draft/intermediate exit can
+only propose subset tokens, and the final verification uses the model's full head.
+
+Files: ``heads.safetensors`` + ``manifest.json`` (``files.py``, ``manifest.py``); which model
+they belong to: ``fingerprint.py``; finding and attaching them: ``__init__.py``.
+"""
+from __future__ import annotations
+
+import hashlib
+import weakref
+
+import torch
+from torch import nn
+
+from ..llama import RMSNorm
+from ..matmul import Linear, linear
+
+# base model -> {(subset hash, device, dtype): the subset's rows of its output head [K, H]}
+_SUBSET_ROWS: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
+
+
+class ExitHead(nn.Module):
+    """One exit: RMSNorm + residual linear adapter, then the model's shared final norm + output head.
+
+    The shared modules are held by reference (not registered), so ``state_dict()`` holds the
+    adapter only.
+    """
+
+    def __init__(self, model: nn.Module, vocab_ids: torch.Tensor | None = None) -> None:
+        super().__init__()
+        cfg = model.cfg
+        h = cfg.hidden_size
+        self.norm = RMSNorm(h, cfg.norm_eps)  # the adapter's own input normalisation
+        self.proj = Linear(h, h, bias=True)
+        nn.init.zeros_(self.proj.weight)
+        nn.init.zeros_(self.proj.bias)
+        self._base = (model,)  # a tuple, so nn.Module does not register (or save) the base model
+        self.vocab_size = cfg.vocab_size
+        self.register_buffer("vocab_ids", None if vocab_ids is None else vocab_ids.long().clone())
+        self._sub_weight: torch.Tensor | None = None
+
+    @property
+    def base(self) -> nn.Module:
+        return self._base[0]
+
+    @property
+    def restricted(self) -> bool:
+        return self.vocab_ids is not None
+
+    def adapt(self, h: torch.Tensor) -> torch.Tensor:
+        """``h [T, H]`` -> the adapted state ``z [T, H]`` that enters the shared final norm."""
+        v = self.norm(h)
+        return v + self.proj(v)
+
+    def output_input(self, z: torch.Tensor) -> torch.Tensor:
+        """The shared final norm (and OPT's output projection) on ``z [T, H]``."""
+        base = self.base
+        y = base.norm(z)
+        if base.project_out is not None:
+            y = base.project_out(y)
+        return y
+
+    def sub_weight(self) -> torch.Tensor:
+        """The rows of the shared output head for the subset, ``[K, H]``: copied once (the head
+        is frozen) and shared by every exit of the model with the same subset."""
+        w = self.base.lm_head.weight
+        if self._sub_weight is None or self._sub_weight.device != w.device or self._sub_weight.dtype != w.dtype:
+            key = (hashlib.sha1(self.vocab_ids.cpu().numpy().tobytes()).hexdigest(), w.device, w.dtype)
+            shared = _SUBSET_ROWS.setdefault(self.base, {})
+            if key not in shared:
+                rows = w.detach()[self.vocab_ids.to(w.device)].contiguous()
+                shared[key] = rows
+            self._sub_weight = shared[key]
+        return self._sub_weight
+
+    def subset_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Logits over the subset only ``[T, K]`` (restricted heads), e.g. for training."""
+        return nn.functional.linear(self.output_input(self.adapt(h)), self.sub_weight())
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        # h: [T, H] -> logits [T, V]
+        y = self.output_input(self.adapt(h))
+        if self.vocab_ids is None:
+            return linear(y, self.base.lm_head.weight)
+        sub = linear(y, self.sub_weight())  # [T, K]
+        out = sub.new_full((h.shape[0], self.vocab_size), float("-inf"))
+        return out.index_copy_(1, self.vocab_ids, sub)
+
+    def num_added_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
