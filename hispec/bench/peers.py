@@ -222,7 +222,7 @@ class PeerRunner(Runner):
                  log_dir: Path, max_batch: int = 16, context: int | None = None) -> None:
         self.label, self.kind, self.spec = spec.label, "peer", spec
         self.gen, self.model_name, self.threads, self.max_batch = generator, model_name, threads, max_batch
-        self.context = context or generator.model.cfg.max_position_embeddings
+        self.context = context or min(generator.model.cfg.max_position_embeddings, 8192)  # prompts are checked against it
         self.log = log_dir / f"peer-{spec.label.replace(':', '_').replace('=', '-')}.log"
         self.python, self.unavailable = find_python(spec.engine, python_overrides)
         self.weights: Weights | None = None

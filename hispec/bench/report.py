@@ -161,7 +161,10 @@ def peer_summary_table(results: dict, batch: dict | None = None, batch_size: str
     note = [f"`ar` ran at {ar['tokens_per_second']:.1f} tokens/s at batch 1" + (
         f" and {ar_b['tokens_per_second']:.1f} at batch {batch_size}" if ar_b else "") + "."] if ar.get(
         "tokens_per_second") else []
-    return _table(header, rows) + [""] + note
+    if batch and any(e.get("engine") == "llama.cpp" for e in strategies.values()):
+        note.append(f"llama.cpp has no batch {batch_size} figure: llama-cpp-python's API generates one sequence "
+                    "at a time.")
+    return _table(header, rows) + [""] + [" ".join(note)]
 
 
 def wall_memory_table(strategies: dict) -> list[str]:
