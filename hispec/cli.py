@@ -166,6 +166,7 @@ def register_generate(sub) -> None:
     b.add_argument("--batch-size", type=int, default=1, help="sequences decoded together (continuous batching)")
     b.add_argument("--kv-blocks", type=int, default=None, help="KV-cache blocks of 16 tokens (default: enough for a full batch)")
     b.add_argument("--kv-memory-fraction", type=float, default=None, help="size the KV pool as this fraction of free memory")
+    add_prefill_option(b)
     add_model_options(p)
     add_parallel_options(p)
     add_sampling_options(p)
@@ -224,6 +225,15 @@ def _generate_many(gen, args, params, spec, prompts) -> int:
     return 0
 
 
+def add_prefill_option(group) -> None:
+    from .config import DEFAULT_PREFILL_CHUNK
+
+    group.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK, metavar="N",
+                       help="chunked prefill: prompt tokens prefilled per engine step, all sequences together; "
+                            "running sequences decode between a long prompt's chunks (as SGLang's "
+                            f"--chunked-prefill-size; 0 = whole prompts in one step; default: {DEFAULT_PREFILL_CHUNK})")
+
+
 def _generate_batched(gen, args, params, spec, prompts) -> int:
     from tqdm import tqdm
 
@@ -231,7 +241,8 @@ def _generate_batched(gen, args, params, spec, prompts) -> int:
     from .llm import LLM
 
     llm = LLM(gen, args.strategy, spec=spec, max_batch_size=args.batch_size, kv_blocks=args.kv_blocks,
-              kv_memory_fraction=args.kv_memory_fraction, adaptive=not args.no_adaptive)
+              kv_memory_fraction=args.kv_memory_fraction, adaptive=not args.no_adaptive,
+              prefill_chunk=args.prefill_chunk)
     total = DecodeStats(args.strategy)
     with tqdm(total=len(prompts), desc=f"{args.strategy} batch {args.batch_size}", unit="prompt", file=sys.stderr,
               disable=None) as bar:

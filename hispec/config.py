@@ -122,6 +122,7 @@ class ModelConfig:
         )
 
 
+DEFAULT_PREFILL_CHUNK = 256  # prompt tokens per engine step (chunked prefill)
 MIN_TEMPERATURE = 1.1754943508222875e-38  # torch.finfo(torch.float32).tiny
 
 
@@ -228,6 +229,10 @@ class SpecConfig:
 class EngineConfig:
     """How the engine batches and sizes its KV pool (one config for ``Generator``, ``LLM`` and the server).
 
+    Chunked prefill: each step prefills at most ``prefill_chunk`` prompt tokens (the sequences
+    that wait for their prefill, oldest first, share the budget), so a long prompt is prefilled
+    over several steps while the running sequences go on decoding between its chunks.
+
     The pool holds ``kv_blocks`` blocks if given, else the share ``kv_memory_fraction`` of the
     device's free memory, else enough for ``max_batch_size`` sequences of the longest request
     (or of ``min(context, DEFAULT_SEQ_TOKENS)`` tokens when no request is known yet), each
@@ -239,8 +244,11 @@ class EngineConfig:
     kv_blocks: int | None = None
     kv_memory_fraction: float | None = None
     adaptive: bool = True  # per step, speculate only where measured speculation pays
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK  # prompt tokens prefilled per step, all sequences together; 0 = no limit
 
     def __post_init__(self) -> None:
+        if not isinstance(self.prefill_chunk, int) or self.prefill_chunk < 0:
+            raise ConfigError(f"prefill chunk must be an integer >= 0 (0 = whole prompts), got {self.prefill_chunk}")
         if self.block_size < 1:
             raise ConfigError(f"block size must be >= 1, got {self.block_size}")
         if self.max_batch_size < 1:

@@ -7,7 +7,7 @@ from typing import Callable
 
 import torch
 
-from .config import EngineConfig, SamplingParams, SpecConfig
+from .config import DEFAULT_PREFILL_CHUNK, EngineConfig, SamplingParams, SpecConfig
 from .decode.stats import DecodeStats
 from .engine.engine import Engine
 from .generate import Generator, make_strategy
@@ -41,14 +41,14 @@ class LLM:
     def __init__(self, model: str | Generator = "default", strategy: str = "hispec", *, spec: SpecConfig | None = None,
                  device: str = "cpu", dtype: torch.dtype = torch.float32, max_batch_size: int = 16,
                  kv_blocks: int | None = None, kv_memory_fraction: float | None = None, block_size: int = 16,
-                 adaptive: bool = True) -> None:
+                 adaptive: bool = True, prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> None:
         self.generator = model if isinstance(model, Generator) else Generator.from_pretrained(model, device=device,
                                                                                                dtype=dtype)
         m = self.generator.model
         spec = spec or self.generator.spec_for(strategy)
         self.strategy = make_strategy(strategy, spec, m.num_layers)
         config = EngineConfig(block_size=block_size, max_batch_size=max_batch_size, kv_blocks=kv_blocks,
-                              kv_memory_fraction=kv_memory_fraction, adaptive=adaptive)
+                              kv_memory_fraction=kv_memory_fraction, adaptive=adaptive, prefill_chunk=prefill_chunk)
         # the pool is sized by each generate() call for its requests
         self.engine = Engine(m, self.strategy, config, tokenizer=self.generator.tokenizer,
                              eos_ids=self.generator.eos_ids, seq_tokens=1, num_seqs=1)

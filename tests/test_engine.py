@@ -207,3 +207,61 @@ def test_a_failing_request_fails_alone(model, workload, name):
     with pytest.raises(RuntimeError, match="boom"):  # a single request in the library still raises
         g = Generator(model)
         g.generate(prompts[6], SamplingParams(max_new_tokens=5, temperature=0.8, top_k=7), strategy)
+
+
+# ---- chunked prefill ----------------------------------------------------------------------------------------
+def prompt_kv(engine: Engine, request_id: str, length: int) -> list[torch.Tensor]:
+    """Every layer's K and V of a sequence's first ``length`` positions."""
+    from hispec.cache.kv_cache import slots_for
+
+    seq = engine._requests[request_id]
+    slots = slots_for(engine.blocks.block_table(seq.seq_id), 0, length, engine.block_size, "cpu")
+    return [t for layer in range(engine.model.num_layers) for t in engine.pool.read(layer, slots)]
+
+
+@pytest.mark.parametrize("name", list(STRATEGIES))
+def test_chunked_prefill_gives_the_unchunked_output_and_kv(model, workload, name):
+    """Long prompts prefilled in chunks of 7 tokens (shared by the sequences, oldest first), with
+    short ones decoding between the chunks: every output equals batch-of-one ``ar``, and a long
+    prompt's K/V equal its one-piece prefill."""
+    prompts, limits, expected, eos = workload
+    rng = random.Random(5)
+    long_prompts = [[rng.randrange(128) for _ in range(n)] for n in (90, 61)]
+    gen = Generator(model)
+    gen.eos_ids = frozenset({eos})
+    long_expected = [gen.generate(p, SamplingParams(max_new_tokens=12), "ar").token_ids for p in long_prompts]
+    kv = {}
+    for chunk in (0, 7):
+        engine = Engine(model, make_strategy(name.split("-")[0], STRATEGIES[name], model.num_layers), eos_ids={eos},
+                        kv_blocks=400, block_size=4, max_batch_size=16, prefill_chunk=chunk)
+        ids = [engine.add_request(p, SamplingParams(max_new_tokens=n)) for p, n in zip(prompts[:6], limits)]
+        final = {o.request_id: o for o in engine.step()}  # the short ones run when the long ones arrive
+        long_ids = [engine.add_request(p, SamplingParams(max_new_tokens=12)) for p in long_prompts]
+        while not engine._requests[long_ids[0]].prefilled:
+            final.update((o.request_id, o) for o in engine.step())
+        kv[chunk] = prompt_kv(engine, long_ids[0], len(long_prompts[0]) - 1)
+        final.update(engine.run_to_completion())
+        assert [final[i].token_ids for i in ids] == expected[:6]
+        assert [final[i].token_ids for i in long_ids] == long_expected
+        assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+    for a, b in zip(kv[0], kv[7]):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
+def test_running_sequences_decode_between_prefill_chunks_and_an_abort_stops_the_prefill(model):
+    engine = Engine(model, make_strategy("hispec", STRATEGIES["hispec"], model.num_layers), kv_blocks=400,
+                    block_size=4, max_batch_size=8, prefill_chunk=16)
+    short = [engine.add_request([5 + i, 6, 7], SamplingParams(max_new_tokens=200, ignore_eos=True)) for i in range(3)]
+    engine.step()
+    long = engine.add_request(list(range(1, 120)) * 2, SamplingParams(max_new_tokens=4))  # 238 tokens
+    seq = engine._requests[long]
+    for step in range(1, 6):
+        outputs = {o.request_id: o for o in engine.step()}
+        assert all(outputs[r].new_token_ids for r in short)  # every stream moved on in this step
+        assert long not in outputs and seq.num_cached == 16 * step and not seq.prefilled
+    used = engine.blocks.num_used_blocks
+    assert engine.abort(long)  # between two chunks: its blocks come back at once
+    assert engine.blocks.num_used_blocks < used
+    for r in short:
+        engine.abort(r)
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks

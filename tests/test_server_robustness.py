@@ -2,8 +2,8 @@
 cannot hurt another, the queue limit counts only requests that wait for a batch slot, the
 event loop and the gauges stay live while a huge prompt is tokenized or a long one prefilled.
 
-One tiny-model server (batch 8, queue 2) on a free loopback port serves the HTTP tests; the
-gauge test drives the engine bridge in-process.
+One tiny-model server (batch 8, queue 2, prefill chunks of 32 tokens) on a free loopback port
+serves the HTTP tests; the gauge test drives the engine bridge in-process.
 """
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def model_dir(tiny_model_dir, tmp_path_factory):
 def server(model_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("robust-logs") / "server.log"
     srv = ServerProcess(["--model", str(model_dir), "--threads", "1", "--max-batch-size", str(BATCH),
-                         "--max-queue", str(QUEUE), "--kv-blocks", "600"], log)
+                         "--max-queue", str(QUEUE), "--kv-blocks", "600", "--prefill-chunk", "32"], log)
     yield srv.wait_ready()
     srv.stop()
 
@@ -164,6 +164,45 @@ def test_queue_counts_only_requests_waiting_for_a_slot(server):
             c.close()  # disconnects: the server aborts them all
     m = wait_idle(server)
     assert m["hispec_requests_running"] == 0 and m["hispec_kv_blocks_in_use"] == 0, m
+
+
+# ---- 4: chunked prefill ------------------------------------------------------------------------------------------
+def test_a_long_prompt_arriving_while_streams_run(server, greedy_text):
+    """A 1,500-token prompt (47 chunks of 32) arrives while three greedy streams run: the streams
+    go on producing text while it is prefilled, and every output equals its one-request output."""
+    long_prompt = "".join(chr(33 + (7 * i) % 90) for i in range(1500))
+    short = ["Hello there", "The quick brown fox", "Once upon a time"]
+    events: dict[int, list[float]] = {i: [] for i in range(len(short))}
+    texts: dict[int, str] = {}
+
+    def stream(i: int) -> None:
+        body = {"model": MODEL, "prompt": short[i], "max_tokens": 400, "temperature": 0, "stream": True}
+        parts = []
+        with httpx.Client(trust_env=False, timeout=120) as c, c.stream("POST", f"{server.url}{C}", json=body) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    text = json.loads(line[6:])["choices"][0]["text"]
+                    if text:
+                        events[i].append(time.perf_counter())
+                    parts.append(text)
+        texts[i] = "".join(parts)
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(len(short))]
+    for t in threads:
+        t.start()
+    while not all(events.values()):
+        time.sleep(0.01)
+    sent = time.perf_counter()
+    r = post(server, C, {"model": MODEL, "prompt": long_prompt, "max_tokens": 8, "temperature": 0}, timeout=120)
+    done = time.perf_counter()
+    for t in threads:
+        t.join()
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == greedy_text(long_prompt, 8)
+    for i, prompt in enumerate(short):
+        assert texts[i] == greedy_text(prompt, 400)
+    during = [sum(sent < e < done for e in events[i]) for i in events]
+    assert min(during) >= 2, during  # text arrived while the long prompt was being prefilled
 
 
 # ---- 5: the event loop stays live while a huge prompt is tokenized ---------------------------------------------

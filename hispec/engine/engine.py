@@ -227,6 +227,8 @@ class Engine:
         chunks, errors = self._rounds(running)
         outputs = []
         for s in running:
+            if s not in errors and chunks.get(s) is None:
+                continue  # its prefill goes on next step
             try:
                 outputs.append(self._fail(s, errors[s]) if s in errors else self._commit(s, chunks[s]))
             except Exception as e:  # e.g. the tokenizer failed on this request's tokens
@@ -256,9 +258,15 @@ class Engine:
                 errors[s] = e
         return chunks, errors
 
-    def _round(self, running: list[Sequence]) -> list[list[int]]:
-        """Prefill the new sequences, then one round of the strategy: each sequence's tokens."""
+    def _round(self, running: list[Sequence]) -> list[list[int] | None]:
+        """The next prefill chunks, then one round of the strategy for the sequences whose prompt
+        is in the cache: each sequence's tokens (None for one whose prefill is not done)."""
         self._prefill([s for s in running if not s.prefilled])
+        ready = [s for s in running if s.prefilled]
+        commits = dict(zip(ready, self._decode_round(ready))) if ready else {}
+        return [commits.get(s) for s in running]
+
+    def _decode_round(self, running: list[Sequence]) -> list[list[int]]:
         batch = [s.ctx for s in running]
         # Only greedy batches switch: a sampled sequence's random stream depends on the mode, and
         # a seeded request must give the same output whatever else shares its batch.
@@ -280,7 +288,7 @@ class Engine:
     def _roll_back(self, seq: Sequence, generator_state: torch.Tensor | None) -> None:
         """Back to the state before a failed round: the cache holds the committed tokens but the
         pending one (or nothing, if the prefill had not finished), the random stream as it was."""
-        self.runner.truncate(seq.seq_id, len(seq.ctx.tokens) - 1 if seq.prefilled else 0)
+        self.runner.truncate(seq.seq_id, len(seq.ctx.tokens) - 1 if seq.prefilled else seq.num_cached)
         if generator_state is not None:
             seq.ctx.generator.set_state(generator_state)
 
@@ -292,21 +300,39 @@ class Engine:
         return self._output(seq, [], "", error=error)
 
     def _prefill(self, seqs: list[Sequence]) -> None:
-        """Run each new (or preempted) sequence's tokens but the pending last one through all layers."""
-        long = [s for s in seqs if len(s.ctx.tokens) > 1]
-        items = [(s.seq_id, 0, s.ctx.token_tensor(s.ctx.tokens[:-1])) for s in long]
-        if items:
-            with phase_timer([s.ctx.stats for s in seqs], "prefill", self.model.device):
-                hidden = self.runner.forward_many(items, 0, self.model.num_layers)  # each [T_i - 1, H]
-            for s, h in zip(long, hidden):
-                if s.ctx.params.prompt_logprobs is not None and s.prompt_logprobs is None:
-                    s.prompt_logprobs = [None] + self._prompt_logprobs(h, s.prompt_ids[1:], s.ctx.params.prompt_logprobs)
+        """Run the next chunk of each new (or preempted) sequence's tokens but the pending last one
+        through all layers: at most ``config.prefill_chunk`` tokens in all, oldest sequence first."""
+        budget = self.config.prefill_chunk or float("inf")
+        parts: list[tuple[Sequence, int, int]] = []  # (sequence, start, end) of this step's chunks
+        for s in seqs:
+            end = min(len(s.ctx.tokens) - 1, s.num_cached + budget)
+            if end > s.num_cached:
+                parts.append((s, s.num_cached, int(end)))
+                budget -= end - s.num_cached
+        if parts:
+            items = [(s.seq_id, a, s.ctx.token_tensor(s.ctx.tokens[a:b])) for s, a, b in parts]
+            with phase_timer([s.ctx.stats for s, _, _ in parts], "prefill", self.model.device):
+                hidden = self.runner.forward_many(items, 0, self.model.num_layers)  # each [b - a, H]
+            for (s, a, b), h in zip(parts, hidden):
+                s.num_cached = b
+                self._chunk_logprobs(s, a, b, h)
         now = time.perf_counter()
         for s in seqs:
-            s.prefilled = True
-            s.scheduled_time = s.scheduled_time or now
-            if s.ctx.params.prompt_logprobs is not None and s.prompt_logprobs is None:
-                s.prompt_logprobs = [None]  # a one-token prompt
+            if s.num_cached >= len(s.ctx.tokens) - 1:
+                s.prefilled = True
+                s.scheduled_time = s.scheduled_time or now
+                if s.ctx.params.prompt_logprobs is not None and s.prompt_logprobs is None:
+                    s.prompt_logprobs = [None] + s.prompt_logprob_rows
+                    s.prompt_logprob_rows = []
+
+    def _chunk_logprobs(self, seq: Sequence, start: int, end: int, hidden: torch.Tensor) -> None:
+        """Prompt log-probabilities of the tokens after positions ``start .. end - 1`` (first prefill only)."""
+        num_top = seq.ctx.params.prompt_logprobs
+        if num_top is None or seq.prompt_logprobs is not None:
+            return
+        if start == 0:
+            seq.prompt_logprob_rows = []
+        seq.prompt_logprob_rows += self._prompt_logprobs(hidden, seq.prompt_ids[start + 1:end + 1], num_top)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, tokens: list[int], num_top: int,
                          rows: int = 256) -> list[TokenLogprob]:

@@ -68,7 +68,7 @@ class Scheduler:
         self.running.remove(seq)
         self.blocks.free(seq.seq_id)
         seq.status = SeqStatus.WAITING
-        seq.prefilled = False
+        seq.forget_cache()
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)

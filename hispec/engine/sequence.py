@@ -28,6 +28,8 @@ class Sequence:
         self.status = SeqStatus.WAITING
         self.finish_reason: str | None = None
         self.prefilled = False  # its cache holds tokens[:-1] (false again after a preemption)
+        self.num_cached = 0  # while not prefilled: positions of tokens[:-1] in its cache (prefill chunks done)
+        self.prompt_logprob_rows: list = []  # prompt log-probabilities of the chunks done so far
         self.text = TextState(decode, ctx.params.stop)
         self.context_room = max_positions - len(self.prompt_ids)
         self.arrival_time = time.perf_counter()
@@ -40,6 +42,11 @@ class Sequence:
     @property
     def seq_id(self) -> int:
         return self.ctx.seq_id
+
+    def forget_cache(self) -> None:
+        """Its blocks were freed (preemption): the next prefill starts from position 0."""
+        self.prefilled = False
+        self.num_cached = 0
 
     @property
     def finished(self) -> bool:

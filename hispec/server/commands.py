@@ -21,7 +21,7 @@ example:
 
 
 def register(subparsers) -> None:
-    from ..cli import add_model_options, add_parallel_options, add_spec_options
+    from ..cli import add_model_options, add_parallel_options, add_prefill_option, add_spec_options
 
     p = subparsers.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API",
                               description="An OpenAI-compatible HTTP server: every client's requests join one "
@@ -39,6 +39,7 @@ def register(subparsers) -> None:
     g.add_argument("--max-batch-size", type=int, default=16, help="sequences decoded together (default: 16)")
     g.add_argument("--kv-blocks", type=int, default=None, metavar="N",
                    help="KV-cache blocks of 16 tokens (default: enough for a full batch of 1024-token sequences)")
+    add_prefill_option(g)
     g.add_argument("--max-queue", type=int, default=256, metavar="N",
                    help="waiting requests allowed before answering 429 (default: 256)")
     g.add_argument("--shutdown-timeout", type=float, default=10.0, metavar="S",
@@ -64,6 +65,8 @@ def _check_args(args) -> None:
         raise UsageError(f"--max-batch-size must be >= 1, got {args.max_batch_size}")
     if args.max_queue < 1:
         raise UsageError(f"--max-queue must be >= 1, got {args.max_queue}")
+    if args.prefill_chunk < 0:
+        raise UsageError(f"--prefill-chunk must be >= 0 (0 = whole prompts), got {args.prefill_chunk}")
     if args.kv_blocks is not None and args.kv_blocks < 1:
         raise UsageError(f"--kv-blocks must be >= 1, got {args.kv_blocks}")
     if args.shutdown_timeout < 0:
@@ -107,7 +110,7 @@ def build_server_state(args, gen):
     # use from two threads at once, and a shared lock would stall every stream behind a huge prompt.
     tokenizer = copy.deepcopy(gen.tokenizer)
     config = EngineConfig(block_size=gen.block_size, max_batch_size=args.max_batch_size, kv_blocks=args.kv_blocks,
-                          adaptive=not args.no_adaptive)
+                          adaptive=not args.no_adaptive, prefill_chunk=args.prefill_chunk)
     # default pool: a full batch of min(context, 1024)-token sequences
     engine = Engine(model, strategy, config, tokenizer=tokenizer, eos_ids=gen.eos_ids)
     ctx = model.cfg.max_position_embeddings
