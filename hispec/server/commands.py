@@ -47,6 +47,14 @@ def register(subparsers) -> None:
     g.add_argument("--no-adaptive", action="store_true", help="always speculate (no per-step cost model)")
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     g.add_argument("--no-access-log", action="store_true", help="do not log each HTTP request")
+    r = p.add_argument_group("replicas (Ray Serve; needs pip install 'hispec[ray]')")
+    r.add_argument("--ray", action="store_true",
+                   help="serve through Ray Serve: one engine per replica behind the same routes")
+    r.add_argument("--replicas", type=int, default=1, metavar="N", help="replicas to start (default: 1)")
+    r.add_argument("--max-replicas", type=int, default=None, metavar="M",
+                   help="autoscale between --replicas and M on ongoing requests (default: fixed)")
+    r.add_argument("--ray-address", default=None, metavar="ADDR",
+                   help="join a running Ray cluster (default: start a local one)")
     add_model_options(p)
     add_parallel_options(p)
     add_spec_options(p)
@@ -150,6 +158,11 @@ def cmd_serve(args) -> int:
     except ImportError as e:
         raise UsageError(f"hispec serve needs the server extra ({e.name} is missing): "
                          "pip install 'hispec[server]'") from None
+    if args.ray:
+        from ..distributed import ray_serve
+        return ray_serve.run(args)
+    if args.replicas != 1 or args.max_replicas or args.ray_address:
+        raise UsageError("--replicas, --max-replicas and --ray-address need --ray")
     from .app import create_app
 
     gen = load_generator(args)
