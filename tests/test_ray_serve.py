@@ -43,6 +43,18 @@ def replica_pids() -> list[int]:
     return pids
 
 
+def cpu_ticks(pid: int) -> int:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])  # utime + stime
+
+
+def busiest_replica(seconds: float = 1.0) -> int:
+    """The replica that is computing (so it has requests in flight): most CPU time over ``seconds``."""
+    before = {p: cpu_ticks(p) for p in replica_pids()}
+    time.sleep(seconds)
+    return max(before, key=lambda p: cpu_ticks(p) - before[p])
+
+
 def wait_for(what, check, timeout: float, proc) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -147,7 +159,7 @@ def test_replicas_stream_survive_a_killed_replica_and_recover(ray_server, model_
         t.start()
     for _ in threads:
         started.acquire(timeout=60)
-    victim = replica_pids()[0]
+    victim = busiest_replica()
     os.kill(victim, signal.SIGKILL)
     for t in threads:
         t.join(timeout=max(1.0, 120 - (time.monotonic() - t0)))

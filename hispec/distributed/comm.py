@@ -55,8 +55,11 @@ class Comm:
     """One rank's view of the group: rank, size, the two process groups, the counters."""
 
     def __init__(self, rank: int, world_size: int, data_group=None, control_group=None,
-                 timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+                 timeout_s: float = DEFAULT_TIMEOUT_S, nccl: bool = False) -> None:
         self.rank, self.world_size = rank, world_size
+        # NCCL: waiting with a timeout would block the CPU on every collective; its watchdog enforces
+        # the group's timeout instead (and tears the process down, TORCH_NCCL_ASYNC_ERROR_HANDLING)
+        self.nccl = nccl
         self.data_group, self.control_group = data_group, control_group
         self.timeout_s = timeout_s
         self.counter = CommCounter()
@@ -69,7 +72,7 @@ class Comm:
         if self.world_size == 1:
             return t
         self.counter.add("all_reduce", t)
-        self._wait(dist.all_reduce(t, group=self.data_group, async_op=True), "all_reduce")
+        self._wait_data(dist.all_reduce(t, group=self.data_group, async_op=True), "all_reduce")
         return t
 
     def all_gather_last(self, t: torch.Tensor, sizes: list[int]) -> torch.Tensor:
@@ -82,14 +85,14 @@ class Comm:
         t = t.contiguous()
         parts = [torch.empty_like(t) for _ in range(self.world_size)]
         self.counter.add("all_gather", t)
-        self._wait(dist.all_gather(parts, t, group=self.data_group, async_op=True), "all_gather")
+        self._wait_data(dist.all_gather(parts, t, group=self.data_group, async_op=True), "all_gather")
         return torch.cat([p[..., :n] for p, n in zip(parts, sizes)], dim=-1)
 
     def broadcast_data(self, t: torch.Tensor) -> torch.Tensor:
         """Rank 0's ``t`` to every rank (same shape and dtype allocated beforehand), in place."""
         if self.world_size > 1:
             self.counter.add("broadcast", t)
-            self._wait(dist.broadcast(t, 0, group=self.data_group, async_op=True), "broadcast")
+            self._wait_data(dist.broadcast(t, 0, group=self.data_group, async_op=True), "broadcast")
         return t
 
     # ---- the leader's commands (control group, CPU) ---------------------------------------
@@ -97,6 +100,12 @@ class Comm:
         """Rank 0's int64 CPU tensor ``t`` to every rank, in place."""
         self._wait(dist.broadcast(t, 0, group=self.control_group, async_op=True), "command broadcast", timeout_s)
         return t
+
+    def _wait_data(self, work, what: str) -> None:
+        if self.nccl:
+            work.wait()  # orders the current CUDA stream after the collective; the CPU runs on
+        else:
+            self._wait(work, what)
 
     def _wait(self, work, what: str, timeout_s: float | None = None) -> None:
         timeout = datetime.timedelta(seconds=timeout_s or self.timeout_s)
@@ -123,4 +132,4 @@ def init_group(rank: int, world_size: int, address: str, device: torch.device,
                             **({"device_id": device} if device.type == "cuda" else {}))
     data = dist.group.WORLD
     control = dist.new_group(backend="gloo", timeout=timeout)
-    return Comm(rank, world_size, data, control, timeout_s)
+    return Comm(rank, world_size, data, control, timeout_s, nccl=backend == "nccl")
