@@ -41,10 +41,14 @@ class LayerRunner:
         """
         return self.forward_many([(seq_id, start_pos, x)], start_layer, end_layer)[0]
 
-    def forward_many(self, items: list[tuple[int, int, torch.Tensor]], start_layer: int, end_layer: int
-                     ) -> list[torch.Tensor]:
+    def forward_many(self, items: list[tuple[int, int, torch.Tensor]], start_layer: int, end_layer: int,
+                     capture: dict[int, torch.Tensor | None] | None = None) -> list[torch.Tensor]:
         """``forward`` for a ragged batch of ``(seq_id, start_pos, x)``: one pass, no padding;
-        returns each sequence's hidden states ``[T_i, H]``."""
+        returns each sequence's hidden states ``[T_i, H]``.
+
+        ``capture``: a hook for layer outputs; for each key ``L`` in ``(start_layer, end_layer)``
+        it receives the flat hidden states ``[sum T_i, H]`` entering layer ``L`` (the exit after
+        ``L`` layers), e.g. to collect distillation data from the same pass that decodes."""
         chunks = []
         for seq_id, start_pos, x in items:
             for layer in (start_layer, end_layer - 1):
@@ -59,7 +63,12 @@ class LayerRunner:
         batch = AttentionBatch(chunks, self.blocks, self.model.device)
         x = torch.cat([x for _, _, x in items]) if len(items) > 1 else items[0][2]
         h = self.model.embed(x, batch.positions) if start_layer == 0 else x
-        h = self.model.run_layers(h, start_layer, end_layer, batch, self.pool)
+        layer = start_layer
+        for stop in sorted({L for L in capture or () if start_layer < L < end_layer} | {end_layer}):
+            h = self.model.run_layers(h, layer, stop, batch, self.pool)
+            if capture is not None and stop in capture:
+                capture[stop] = h
+            layer = stop
         for c in chunks:
             self.blocks.set_filled(c.seq_id, start_layer, end_layer, c.start + c.num_tokens)
         return list(h.split([c.num_tokens for c in chunks]))

@@ -133,18 +133,30 @@ class DecoderLayer(nn.Module):
         gate, up = self.gate_up_proj(x).split(self.cfg.intermediate_size, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
-    def _attention(self, x: torch.Tensor, layer: int, rope, batch: AttentionBatch, pool: KVPool) -> torch.Tensor:
-        cfg, T = self.cfg, x.shape[0]
+    def qkv(self, x: torch.Tensor, rope) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries ``[T, Hq, D]``, keys and values ``[T, Hkv, D]`` of the normalised input ``x [T, H]``
+        (keys and queries rotated; ``x`` may also be ``[B, T, H]``, then ``[B, T, heads, D]``)."""
+        cfg, lead = self.cfg, x.shape[:-1]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(T, cfg.num_heads, cfg.head_dim)  # [T, Hq, D]
-        k = k.view(T, cfg.num_kv_heads, cfg.head_dim)  # [T, Hkv, D]
-        v = v.view(T, cfg.num_kv_heads, cfg.head_dim)
+        q = q.view(*lead, cfg.num_heads, cfg.head_dim)
+        k = k.view(*lead, cfg.num_kv_heads, cfg.head_dim)
+        v = v.view(*lead, cfg.num_kv_heads, cfg.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             cos, sin = rope  # [T, 1, D]
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
+        return q, k, v
+
+    def write_kv(self, h: torch.Tensor, layer: int, rope, batch: AttentionBatch, pool: KVPool) -> None:
+        """Only this layer's K/V for the input ``h [T, H]`` (e.g. positions whose output nobody reads)."""
+        _, k, v = self.qkv(self.input_norm(h), rope)
+        pool.write(layer, batch.write_slots, k, v)
+
+    def _attention(self, x: torch.Tensor, layer: int, rope, batch: AttentionBatch, pool: KVPool) -> torch.Tensor:
+        T = x.shape[0]
+        q, k, v = self.qkv(x, rope)
         pool.write(layer, batch.write_slots, k, v)
         out = torch.empty_like(q)
         for i in range(len(batch.chunks)):

@@ -67,6 +67,24 @@ def register(sub) -> None:
     p.set_defaults(func=cmd_train_exits)
     _PARSERS["train-exits"] = p
 
+    p = sub.add_parser("collect-exits", help="distillation data for exit blocks: batched teacher passes, in shards",
+                       description="Teacher-forced passes over chat-formatted conversations (prompt + reply): the "
+                                   "states entering the exit layers and the final layer's top-k log-probs at every "
+                                   "position, in resumable shards (run again with the same --out to continue).")
+    add_model_options(p)
+    p.add_argument("--layers", required=True, help="exit layers whose input states are kept, e.g. 2,4,8")
+    p.add_argument("--data", required=True, nargs="+", metavar="FILE",
+                   help="JSONL files or named sources with replies (sharegpt[:N[:OFFSET]], humaneval)")
+    p.add_argument("--holdout", nargs="*", default=[], metavar="FILE", help="prompts never to train on")
+    p.add_argument("--out", required=True, metavar="DIR", help="the shard folder (large: keep it out of a package)")
+    p.add_argument("--topk", type=int, default=32, help="teacher log-probs kept per position (default 32)")
+    p.add_argument("--max-tokens", type=int, default=512, help="positions per conversation (default 512)")
+    p.add_argument("--max-positions", type=int, default=None, help="stop when the folder holds this many")
+    p.add_argument("--batch-tokens", type=int, default=4096, help="positions per teacher pass (default 4096)")
+    p.add_argument("--seed", type=int, default=0, help="record order")
+    p.set_defaults(func=cmd_collect_exits)
+    _PARSERS["collect-exits"] = p
+
     p = sub.add_parser("tune", help="choose L_d, L_i, N_d, N_i and the draft policy by measurement",
                        description="Measure per-phase costs and exit agreement on calibration prompts, predict "
                                    "tokens/s of every configuration, check the best end to end, and write the "
@@ -177,6 +195,31 @@ def cmd_probe(args) -> int:
     if args.out:
         path = plot(rows, Path(args.out), f"{args.model}: exit agreement ({positions} positions)", marks)
         _say(f"wrote {path}")
+    return 0
+
+
+# ---- collect-exits --------------------------------------------------------------------------
+def cmd_collect_exits(args) -> int:
+    from ..cli import UsageError, load_generator
+    from ..model.exits import model_identity
+    from .sources import load_sources
+    from .teacher import TeacherConfig, collect, encode_records
+
+    layers = _layers(args.layers)
+    command = _command_line(args, "collect-exits")
+    args.no_exits, args.exits = True, None
+    gen = load_generator(args, progress=False)
+    n = gen.model.num_layers
+    if not layers or any(not 1 <= L < n for L in layers):
+        raise UsageError(f"--layers must be between 1 and {n - 1} for this {n}-layer model, got {args.layers}")
+    records, summary = load_sources(args.data, args.holdout, shuffle_seed=args.seed)
+    cfg = TeacherConfig(tuple(layers), topk=args.topk, max_tokens=args.max_tokens, batch_tokens=args.batch_tokens)
+    meta = {"model": model_identity(gen.model)["weights_sha256"], "data": summary, "command": command,
+            "dtype": str(gen.model.dtype).removeprefix("torch.")}
+    meta = collect(gen.model, encode_records(gen, records, args.max_tokens), Path(args.out), cfg, meta,
+                   args.max_positions, log=_say)
+    _say(f"{args.out}: {meta['positions']} positions ({meta['reply_positions']} in replies) from "
+         f"{meta['sequences']} conversations, {meta['positions_per_s']} positions/s")
     return 0
 
 

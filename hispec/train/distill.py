@@ -355,7 +355,9 @@ def save_checkpoint(folder: Path, heads: dict[int, ExitHead], opt: torch.optim.O
     (folder / "checkpoint.json").write_text(json.dumps(state.__dict__))
 
 
-def load_checkpoint(folder: Path, heads: dict[int, ExitHead], opt: torch.optim.Optimizer) -> TrainState | None:
+def load_checkpoint(folder: Path, heads: dict[int, ExitHead], opt: torch.optim.Optimizer, state_cls=None):
+    """Weights, optimizer state and progress (a ``state_cls``, default ``TrainState``) saved by
+    ``save_checkpoint``; None if ``folder`` holds no checkpoint."""
     if not (folder / "checkpoint.json").is_file():
         return None
     tensors = load_file(str(folder / "checkpoint.safetensors"))
@@ -374,7 +376,7 @@ def load_checkpoint(folder: Path, heads: dict[int, ExitHead], opt: torch.optim.O
                     st[name] = tensors[key] if name != "step" else tensors[key].reshape(())
             if st:
                 opt.state[p] = st
-    return TrainState(**json.loads((folder / "checkpoint.json").read_text()))
+    return (state_cls or TrainState)(**json.loads((folder / "checkpoint.json").read_text()))
 
 
 def train_heads(heads: dict[int, ExitHead], train: TokenData, cfg: TrainConfig, checkpoint_dir: Path | None = None,

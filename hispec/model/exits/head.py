@@ -39,23 +39,17 @@ from ..matmul import Linear, linear
 _SUBSET_ROWS: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
 
 
-class ExitHead(nn.Module):
-    """One exit: RMSNorm + residual linear adapter, then the model's shared final norm + output head.
+class SharedOutput(nn.Module):
+    """The frozen end of every exit: the model's final norm and output head, optionally over a
+    vocabulary subset. Held by reference (not registered), so ``state_dict()`` holds only what
+    a subclass adds (``ExitHead`` here, ``ExitBlock`` in ``model/exit_block.py``)."""
 
-    The shared modules are held by reference (not registered), so ``state_dict()`` holds the
-    adapter only.
-    """
+    has_kv = False  # True for exits that keep K/V in the paged pool
 
     def __init__(self, model: nn.Module, vocab_ids: torch.Tensor | None = None) -> None:
         super().__init__()
-        cfg = model.cfg
-        h = cfg.hidden_size
-        self.norm = RMSNorm(h, cfg.norm_eps)  # the adapter's own input normalisation
-        self.proj = Linear(h, h, bias=True)
-        nn.init.zeros_(self.proj.weight)
-        nn.init.zeros_(self.proj.bias)
         self._base = (model,)  # a tuple, so nn.Module does not register (or save) the base model
-        self.vocab_size = cfg.vocab_size
+        self.vocab_size = model.cfg.vocab_size
         self.register_buffer("vocab_ids", None if vocab_ids is None else vocab_ids.long().clone())
         self._sub_weight: torch.Tensor | None = None
 
@@ -66,11 +60,6 @@ class ExitHead(nn.Module):
     @property
     def restricted(self) -> bool:
         return self.vocab_ids is not None
-
-    def adapt(self, h: torch.Tensor) -> torch.Tensor:
-        """``h [T, H]`` -> the adapted state ``z [T, H]`` that enters the shared final norm."""
-        v = self.norm(h)
-        return v + self.proj(v)
 
     def output_input(self, z: torch.Tensor) -> torch.Tensor:
         """The shared final norm (and OPT's output projection) on ``z [T, H]``."""
@@ -93,18 +82,49 @@ class ExitHead(nn.Module):
             self._sub_weight = shared[key]
         return self._sub_weight
 
+    def train_logits(self, z: torch.Tensor) -> torch.Tensor:
+        """Differentiable logits of the state ``z [..., H]``: over the subset ``[..., K]`` for
+        restricted exits (cheaper), else the full vocabulary ``[..., V]``."""
+        y = self.output_input(z)
+        if self.restricted:
+            return nn.functional.linear(y, self.sub_weight())
+        return self.base.lm_head(y)
+
+    def logits(self, z: torch.Tensor) -> torch.Tensor:
+        """Full-vocabulary shaped logits ``[T, V]`` of ``z [T, H]`` (``-inf`` outside a subset)."""
+        y = self.output_input(z)
+        if self.vocab_ids is None:
+            return linear(y, self.base.lm_head.weight)
+        sub = linear(y, self.sub_weight())  # [T, K]
+        out = sub.new_full((z.shape[0], self.vocab_size), float("-inf"))
+        return out.index_copy_(1, self.vocab_ids, sub)
+
+    def num_added_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+
+class ExitHead(SharedOutput):
+    """Design ``linear``: RMSNorm + residual linear adapter, then the shared final norm + output head."""
+
+    kind = "linear"
+
+    def __init__(self, model: nn.Module, vocab_ids: torch.Tensor | None = None) -> None:
+        super().__init__(model, vocab_ids)
+        h = model.cfg.hidden_size
+        self.norm = RMSNorm(h, model.cfg.norm_eps)  # the adapter's own input normalisation
+        self.proj = Linear(h, h, bias=True)
+        nn.init.zeros_(self.proj.weight)
+        nn.init.zeros_(self.proj.bias)
+
+    def adapt(self, h: torch.Tensor) -> torch.Tensor:
+        """``h [T, H]`` -> the adapted state ``z [T, H]`` that enters the shared final norm."""
+        v = self.norm(h)
+        return v + self.proj(v)
+
     def subset_logits(self, h: torch.Tensor) -> torch.Tensor:
         """Logits over the subset only ``[T, K]`` (restricted heads), e.g. for training."""
         return nn.functional.linear(self.output_input(self.adapt(h)), self.sub_weight())
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         # h: [T, H] -> logits [T, V]
-        y = self.output_input(self.adapt(h))
-        if self.vocab_ids is None:
-            return linear(y, self.base.lm_head.weight)
-        sub = linear(y, self.sub_weight())  # [T, K]
-        out = sub.new_full((h.shape[0], self.vocab_size), float("-inf"))
-        return out.index_copy_(1, self.vocab_ids, sub)
-
-    def num_added_params(self) -> int:
-        return sum(p.numel() for p in self.parameters())
+        return self.logits(self.adapt(h))

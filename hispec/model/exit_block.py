@@ -1,0 +1,77 @@
+"""Design ``block``: an exit that mixes context through one decoder layer of its own.
+
+A per-token head sees one position's state and plateaus at bigram-level prediction; an exit
+that attends over the exit layer's states at every earlier position does not (Kangaroo,
+Balcony, EAGLE). Per exit layer ``L``::
+
+    v = RMSNorm_g(h)                              # own gain g, initialised to 1
+    z = DecoderLayer_B(v)                         # attention over B's own K/V of v at all
+                                                  # positions <= t, then MLP (both residual)
+    logits = lm_head(final_norm(z))               # the model's own, frozen and shared
+
+``B`` starts as a copy of the model's last decoder layer (``init="copy"``, Balcony), or as
+that copy with its two output projections zeroed (``init="zero"``): then ``z = v`` and the
+exit starts exactly at the shared-head exit.
+
+Its K/V lives in the paged KV pool like any other layer's, at pool index ``kv_layer`` (after
+the model's layers): whenever a forward pass reaches layer ``L`` the runner writes B's K/V for
+those positions (``write_kv``), rollback cuts it with the rest, and an accepted draft costs no
+recomputation. The verifier still continues from the exit layer's own states ``h``.
+Training runs the same weights on dense ``[B, T, H]`` batches (``forward_dense``).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..cache.kv_cache import AttentionBatch, KVPool
+from .exits.head import SharedOutput
+from .llama import DecoderLayer, RMSNorm
+
+INITS = ("copy", "zero")
+
+
+class ExitBlock(SharedOutput):
+    """RMSNorm -> one decoder layer with its own K/V -> the shared final norm + output head."""
+
+    kind = "block"
+    has_kv = True
+
+    def __init__(self, model: nn.Module, vocab_ids: torch.Tensor | None = None, init: str = "copy") -> None:
+        super().__init__(model, vocab_ids)
+        cfg = model.cfg
+        if init not in INITS:
+            raise ValueError(f"block init must be one of {INITS}, got {init!r}")
+        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.layer = DecoderLayer(cfg)
+        self.layer.load_state_dict(model.layers[-1].state_dict())
+        if init == "zero":
+            outs = [self.layer.o_proj] + ([self.layer.fc2] if cfg.family == "opt" else [self.layer.down_proj])
+            for lin in outs:
+                nn.init.zeros_(lin.weight)
+                if lin.bias is not None:
+                    nn.init.zeros_(lin.bias)
+        self.kv_layer: int | None = None  # its index in the KV pool, set by the model (``attach_exits``)
+
+    # ---- inference: over the paged pool --------------------------------------------------------
+    def write_kv(self, h: torch.Tensor, batch: AttentionBatch, pool: KVPool, rope) -> None:
+        """Write B's K/V for the exit states ``h [T, H]`` of ``batch``'s new positions."""
+        self.layer.write_kv(self.norm(h), self.kv_layer, rope, batch, pool)
+
+    def forward_paged(self, h: torch.Tensor, batch: AttentionBatch, pool: KVPool, rope) -> torch.Tensor:
+        """Logits ``[T, V]`` at ``batch``'s new positions (their K/V written, the earlier ones read)."""
+        return self.logits(self.layer(self.norm(h), self.kv_layer, rope, batch, pool))
+
+    # ---- training: dense batches -----------------------------------------------------------------
+    def forward_dense(self, h: torch.Tensor, rope) -> torch.Tensor:
+        """The state ``z [B, T, H]`` entering the final norm, for right-padded sequences
+        ``h [B, T, H]`` that start at position 0 (causal attention; padding never attends back)."""
+        layer, cfg = self.layer, self.layer.cfg
+        B, T, _ = h.shape
+        x = self.norm(h)
+        q, k, v = layer.qkv(layer.input_norm(x), rope)  # [B, T, heads, D]
+        a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+                                           enable_gqa=cfg.num_kv_heads != cfg.num_heads)  # [B, Hq, T, D]
+        x = x + layer.o_proj(a.transpose(1, 2).reshape(B, T, layer.q_size))
+        return x + layer._mlp(layer.post_norm(x))

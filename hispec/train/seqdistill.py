@@ -1,0 +1,297 @@
+"""Distil exits (``block`` or ``linear``) from teacher shards (``teacher.py``), base model frozen.
+
+Loss per position (teacher = the final layer's top-k log-probs, renormalised; for a restricted
+exit the teacher mass outside the subset is dropped)::
+
+    loss = KL(p_teacher || p_exit) + ce_weight * CE(p_exit, argmax of the teacher)
+
+(the KL is computed as the cross-entropy minus the teacher's entropy, so it is 0 for a perfect
+exit). Acceptance is greedy, hence the small extra weight on the argmax.
+
+Batches are whole sequences (a block attends over every earlier position), right-padded,
+drawn from a per-epoch permutation that depends only on ``(seed, epoch)``; with the optimizer
+state in the checkpoint, a run stopped and resumed gives bit-identical weights.
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from . import teacher as T
+from .distill import load_checkpoint, save_checkpoint
+
+
+# ---- data ----------------------------------------------------------------------------------------
+@dataclass
+class SeqData:
+    """Sequences of one exit layer's states, concatenated: sequence ``s`` is rows ``offsets[s]:offsets[s+1]``."""
+
+    hidden: torch.Tensor  # [N, H] float16
+    top_ids: torch.Tensor  # [N, K] int64
+    top_logp: torch.Tensor  # [N, K] float32
+    offsets: torch.Tensor  # [S + 1] int64
+    first: torch.Tensor  # [S] int64: first reply row of each sequence
+    record: torch.Tensor  # [S] int64
+
+    @property
+    def num_sequences(self) -> int:
+        return int(self.first.shape[0])
+
+    @property
+    def num_positions(self) -> int:
+        return int(self.offsets[-1])
+
+    def lengths(self) -> torch.Tensor:
+        return self.offsets[1:] - self.offsets[:-1]
+
+    def subset(self, seqs: torch.Tensor) -> "SeqData":
+        """The sequences ``seqs`` (indices), in that order."""
+        rows = torch.cat([torch.arange(int(self.offsets[s]), int(self.offsets[s + 1])) for s in seqs.tolist()])
+        lengths = self.lengths()[seqs]
+        return SeqData(self.hidden[rows], self.top_ids[rows], self.top_logp[rows],
+                       torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]), self.first[seqs],
+                       self.record[seqs])
+
+    def split(self, every: int) -> tuple["SeqData", "SeqData"]:
+        """(train, held out): records whose index is a multiple of ``every`` are held out."""
+        held = (self.record % every) == 0
+        return self.subset((~held).nonzero().squeeze(1)), self.subset(held.nonzero().squeeze(1))
+
+
+def load_sequences(folder: Path, layer: int, max_positions: int | None = None) -> SeqData:
+    """One layer's states from the shards of ``folder`` (in order, up to ``max_positions``)."""
+    meta = T.read_meta(folder)
+    if layer not in meta["config"]["layers"]:
+        raise ValueError(f"{folder} holds the states of layers {meta['config']['layers']}, not {layer}")
+    parts: dict[str, list[torch.Tensor]] = {}
+    total = 0
+    for path in T.shard_paths(folder):
+        if max_positions is not None and total >= max_positions:
+            break
+        s = T.read_shard(path, [f"h.{layer}", "top_ids", "top_logp", "offsets", "first", "record"])
+        offsets = s.pop("offsets")
+        n_seq = s["first"].shape[0]
+        if max_positions is not None and total + int(offsets[-1]) > max_positions:
+            n_seq = max(1, int((offsets[1:] <= max_positions - total).sum()))
+        rows = int(offsets[n_seq])
+        for k in (f"h.{layer}", "top_ids", "top_logp"):
+            parts.setdefault(k, []).append(s[k][:rows])
+        for k in ("first", "record"):
+            parts.setdefault(k, []).append(s[k][:n_seq].long())
+        parts.setdefault("lengths", []).append(offsets[1:n_seq + 1] - offsets[:n_seq])
+        total += rows
+    if not parts:
+        raise ValueError(f"{folder} holds no shards yet")
+    lengths = torch.cat(parts["lengths"])
+    return SeqData(torch.cat(parts[f"h.{layer}"]), torch.cat(parts["top_ids"]).long(),
+                   torch.cat(parts["top_logp"]).float(), torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]),
+                   torch.cat(parts["first"]), torch.cat(parts["record"]))
+
+
+def frequent_vocab(data: SeqData, size: int, vocab_size: int) -> torch.Tensor:
+    """The ``size`` tokens the final layer chooses most often on ``data``, sorted by id -> ``[size]``."""
+    counts = torch.bincount(data.top_ids[:, 0], minlength=vocab_size).double()
+    counts += 1e-3 * torch.bincount(data.top_ids[:, 1:].reshape(-1), minlength=vocab_size).double()
+    return torch.topk(counts, min(size, vocab_size)).indices.sort().values
+
+
+# ---- batches -------------------------------------------------------------------------------------
+def epoch_batches(data: SeqData, batch_tokens: int, seed: int, epoch: int) -> list[torch.Tensor]:
+    """Sequence indices per batch for ``epoch``: a permutation fixed by ``(seed, epoch)``, sorted
+    by length within groups of 64 (less padding), cut at ``batch_tokens`` padded positions."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    perm = torch.randperm(data.num_sequences, generator=g)
+    lengths = data.lengths()
+    out = []
+    for a in range(0, len(perm), 64):
+        group = perm[a:a + 64]
+        group = group[lengths[group].argsort(stable=True)]
+        cur: list[int] = []
+        for s in group.tolist():
+            longest = max([int(lengths[t]) for t in cur + [s]])
+            if cur and longest * (len(cur) + 1) > batch_tokens:
+                out.append(torch.tensor(cur))
+                cur = []
+            cur.append(s)
+        if cur:
+            out.append(torch.tensor(cur))
+    order = torch.randperm(len(out), generator=g)
+    return [out[i] for i in order.tolist()]
+
+
+def padded(data: SeqData, seqs: torch.Tensor, device) -> dict[str, torch.Tensor]:
+    """Right-padded ``[B, T, ...]`` tensors of the sequences ``seqs`` and a mask of real rows."""
+    lengths = data.lengths()[seqs]
+    B, Tm = len(seqs), int(lengths.max())
+    K = data.top_ids.shape[1]
+    h = torch.zeros(B, Tm, data.hidden.shape[1], dtype=torch.float32)
+    ids = torch.zeros(B, Tm, K, dtype=torch.long)
+    logp = torch.full((B, Tm, K), -1e4, dtype=torch.float32)
+    mask = torch.zeros(B, Tm, dtype=torch.bool)
+    reply = torch.zeros(B, Tm, dtype=torch.bool)
+    for b, s in enumerate(seqs.tolist()):
+        a, n = int(data.offsets[s]), int(lengths[b])
+        h[b, :n] = data.hidden[a:a + n].float()
+        ids[b, :n] = data.top_ids[a:a + n]
+        logp[b, :n] = data.top_logp[a:a + n]
+        mask[b, :n] = True
+        reply[b, int(data.first[s]):n] = True
+    return {k: v.to(device) for k, v in dict(h=h, ids=ids, logp=logp, mask=mask, reply=reply).items()}
+
+
+# ---- the exit's output on dense batches ---------------------------------------------------------
+def exit_state(head, h: torch.Tensor, rope) -> torch.Tensor:
+    """The state ``[B, T, H]`` entering the shared final norm, for either design."""
+    if head.has_kv:
+        return head.forward_dense(h, rope)
+    return head.adapt(h)
+
+
+def dense_rope(model, length: int, device):
+    return model._rope(torch.arange(length, device=device))
+
+
+def subset_remap(head) -> torch.Tensor | None:
+    if not head.restricted:
+        return None
+    remap = torch.full((head.vocab_size,), -1, dtype=torch.long, device=head.vocab_ids.device)
+    remap[head.vocab_ids] = torch.arange(head.vocab_ids.numel(), device=head.vocab_ids.device)
+    return remap
+
+
+def loss_terms(head, batch: dict[str, torch.Tensor], remap: torch.Tensor | None, ce_weight: float
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, number of rows, top-1 hits) over the real rows of a padded batch."""
+    model = head.base
+    rope = dense_rope(model, batch["h"].shape[1], batch["h"].device)
+    z = exit_state(head, batch["h"].to(model.dtype), rope)[batch["mask"]]  # [R, H]
+    logq = torch.log_softmax(head.train_logits(z).float(), dim=-1)  # [R, K or V]
+    ids, logp = batch["ids"][batch["mask"]], batch["logp"][batch["mask"]]  # [R, K]
+    p = torch.softmax(logp, dim=-1)
+    cols = ids if remap is None else remap[ids]
+    inside = cols >= 0
+    p = p * inside
+    p = p / p.sum(-1, keepdim=True).clamp_min(1e-9)
+    cols = cols.clamp_min(0)
+    kl = (p * (p.clamp_min(1e-30).log() - logq.gather(1, cols))).sum(-1)  # [R]
+    ce = -logq.gather(1, cols[:, :1]).squeeze(1) * inside[:, 0]
+    loss = (kl + ce_weight * ce).mean()
+    hits = ((logq.argmax(-1) == cols[:, 0]) & inside[:, 0]).sum()
+    return loss, torch.tensor(z.shape[0]), hits
+
+
+@torch.no_grad()
+def agreement(head, data: SeqData, batch_tokens: int = 4096, reply_only: bool = True) -> dict[str, float]:
+    """Top-1 / top-5 agreement of the exit with the final layer's argmax (reply positions by default)."""
+    model = head.base
+    hits1 = hits5 = n = 0
+    for seqs in epoch_batches(data, batch_tokens, 0, 0):
+        b = padded(data, seqs, model.device)
+        rope = dense_rope(model, b["h"].shape[1], model.device)
+        rows = b["reply"] if reply_only else b["mask"]
+        z = exit_state(head, b["h"].to(model.dtype), rope)[rows]
+        logits = head.logits(z)  # [R, V]
+        want = b["ids"][rows][:, 0]
+        top5 = logits.topk(5, dim=-1).indices
+        hits1 += int((top5[:, 0] == want).sum())
+        hits5 += int((top5 == want[:, None]).any(-1).sum())
+        n += int(want.shape[0])
+    return {"top1": hits1 / max(1, n), "top5": hits5 / max(1, n), "positions": n}
+
+
+# ---- training --------------------------------------------------------------------------------------
+@dataclass
+class TrainConfig:
+    epochs: float = 2.0
+    batch_tokens: int = 4096  # padded positions per step
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.05
+    warmup: int = 20
+    weight_decay: float = 0.01
+    ce_weight: float = 0.2
+    seed: int = 0
+    checkpoint_every: int = 50
+    eval_every: int = 0  # steps (0: only at the end)
+
+
+@dataclass
+class TrainState:
+    step: int = 0
+    losses: list[float] = field(default_factory=list)  # running loss every 10 steps
+    curve: list[dict] = field(default_factory=list)  # held-out agreement vs positions seen
+    positions_seen: int = 0
+    seconds: float = 0.0
+
+
+def total_steps(data: SeqData, cfg: TrainConfig) -> tuple[int, int]:
+    """(steps per epoch, total steps)."""
+    per_epoch = len(epoch_batches(data, cfg.batch_tokens, cfg.seed, 0))
+    return per_epoch, max(1, math.ceil(per_epoch * cfg.epochs))
+
+
+def lr_at(step: int, steps: int, cfg: TrainConfig) -> float:
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    t = min(1.0, (step - cfg.warmup) / max(1, steps - cfg.warmup))
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+def train(head, data: SeqData, cfg: TrainConfig, checkpoint_dir: Path | None = None, resume: bool = False,
+          heldout: SeqData | None = None, max_steps: int | None = None, log=None) -> TrainState:
+    """Distil ``head`` on ``data``; with ``checkpoint_dir`` it saves (and with ``resume`` reloads)
+    weights, optimizer state and progress. ``max_steps`` stops early (to continue later)."""
+    torch.manual_seed(cfg.seed)
+    head.train().requires_grad_(True)
+    params = [p for p in head.parameters()]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    heads = {0: head}
+    state = load_checkpoint(Path(checkpoint_dir), heads, opt, TrainState) if (resume and checkpoint_dir) else None
+    state = state or TrainState()
+    per_epoch, steps = total_steps(data, cfg)
+    remap = subset_remap(head)
+    device = head.base.device
+    running, t0 = None, time.perf_counter()
+    epoch_cache: dict[int, list[torch.Tensor]] = {}
+    while state.step < steps and (max_steps is None or state.step < max_steps):
+        epoch, k = divmod(state.step, per_epoch)
+        if epoch not in epoch_cache:
+            epoch_cache = {epoch: epoch_batches(data, cfg.batch_tokens, cfg.seed, epoch)}
+        batch = padded(data, epoch_cache[epoch][k], device)
+        for group in opt.param_groups:
+            group["lr"] = lr_at(state.step, steps, cfg)
+        opt.zero_grad(set_to_none=True)
+        loss, rows, _ = loss_terms(head, batch, remap, cfg.ce_weight)
+        loss.backward()
+        opt.step()
+        state.step += 1
+        state.positions_seen += int(rows)
+        v = float(loss.detach())
+        running = v if running is None else 0.95 * running + 0.05 * v
+        if state.step % 10 == 0:
+            state.losses.append(round(running, 5))
+        last = state.step == steps
+        if heldout is not None and ((cfg.eval_every and state.step % cfg.eval_every == 0) or last):
+            head.eval()
+            a = agreement(head, heldout)
+            head.train()
+            state.curve.append({"step": state.step, "positions_seen": state.positions_seen,
+                                "top1": round(a["top1"], 4), "top5": round(a["top5"], 4)})
+            if log:
+                log(f"step {state.step}/{steps}: loss {running:.4f}, held-out top-1 {a['top1']:.4f} "
+                    f"top-5 {a['top5']:.4f} after {state.positions_seen} positions")
+        elif log and state.step % 10 == 0:
+            log(f"step {state.step}/{steps}: loss {running:.4f}")
+        if checkpoint_dir is not None and (state.step % cfg.checkpoint_every == 0 or last):
+            state.seconds += time.perf_counter() - t0
+            t0 = time.perf_counter()
+            save_checkpoint(Path(checkpoint_dir), heads, opt, state)
+    state.seconds += time.perf_counter() - t0
+    if checkpoint_dir is not None:
+        save_checkpoint(Path(checkpoint_dir), heads, opt, state)
+    head.eval().requires_grad_(False)
+    return state
