@@ -119,3 +119,96 @@ def test_checkpoint_resume_is_bit_identical(tiny, shards, tmp_path):
     S.train(resumed, data, cfg, checkpoint_dir=tmp_path / "ck", resume=True)
     for (k, a), (_, b) in zip(straight.state_dict().items(), resumed.state_dict().items()):
         assert torch.equal(a, b), k
+
+
+# ---- in the engine -------------------------------------------------------------------------------
+from hispec.config import SamplingParams, SpecConfig  # noqa: E402
+from hispec.generate import Generator  # noqa: E402
+from hispec.model.exits import new_heads  # noqa: E402
+
+PROMPTS = [[5, 17, 9, 33, 2, 71], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58],
+           [100, 3]]
+SPECS = [SpecConfig(draft_layer=1, verify_layer=3, num_draft=4, window=4),
+         SpecConfig(draft_layer=2, verify_layer=4, num_draft=3, window=6, draft_policy="heuristic"),
+         SpecConfig(draft_layer=1, verify_layer=4, num_draft=5, window=3, draft_policy="svip", svip_threshold=3.0)]
+
+
+def block_exits(model, layers, init: str, vocab: int | None = None, noise: float = 0.0):
+    torch.manual_seed(1)
+    ids = {L: torch.randperm(model.cfg.vocab_size)[:vocab] for L in layers} if vocab else None
+    exits = new_heads(model, layers, ids, design="block", init=init)
+    with torch.no_grad():
+        for e in exits.values():
+            for p in e.parameters():
+                p.add_(noise * torch.randn_like(p))
+    return exits
+
+
+@pytest.mark.parametrize("agreeing", [False, True], ids=["random", "agreeing"])
+def test_greedy_output_with_block_exits_equals_ar(tiny_model_dir, agreeing):
+    model = load_model(tiny_model_dir("llama"))
+    if agreeing:
+        for layer in model.layers[1:]:
+            layer.o_proj.weight.data.mul_(0.1)
+            layer.down_proj.weight.data.mul_(0.1)
+    gen = Generator(model)
+    params = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    want = [gen.generate(p, params, "ar").token_ids for p in PROMPTS]
+    model.exits = block_exits(model, [1, 2, 3, 4], "zero" if agreeing else "copy", vocab=None if agreeing else 48,
+                              noise=0.0 if agreeing else 0.05)
+    accepted = 0
+    for spec in SPECS:
+        for strategy in ("selfspec", "hispec"):
+            s = spec if strategy == "hispec" else SpecConfig(spec.draft_layer, model.num_layers, spec.num_draft,
+                                                             draft_policy=spec.draft_policy,
+                                                             svip_threshold=spec.svip_threshold)
+            for p, w in zip(PROMPTS, want):
+                for adaptive in (False, True):
+                    out = gen.generate(p, params, strategy, spec=s, adaptive=adaptive)
+                    assert out.token_ids == w, (strategy, s, p, adaptive)
+                    accepted += sum(lv.accepted_tokens for lv in out.stats.levels.values())
+    if agreeing:
+        assert accepted > 0
+
+
+def test_block_kv_after_rejections_equals_a_fresh_prefill(tiny_model_dir):
+    from hispec.cache.block_manager import BlockManager
+    from hispec.cache.kv_cache import KVPool, slots_for
+    from hispec.decode.base import LayerRunner
+    from hispec.decode.speculative import HiSpec
+    from hispec.engine.engine import Engine
+
+    model = load_model(tiny_model_dir("llama"))
+    model.exits = block_exits(model, [1, 3], "copy", noise=0.05)
+    engine = Engine(model, HiSpec(SpecConfig(1, 3, num_draft=3, window=4)), kv_blocks=32, block_size=8,
+                    adaptive=False)
+    rid = engine.add_request(PROMPTS[1], SamplingParams(max_new_tokens=40, ignore_eos=True))
+    for _ in range(5):
+        engine.step()
+    seq = engine._requests[rid]
+    ctx = seq.ctx
+    rejected = sum(lv.draft_tokens - lv.accepted_tokens for lv in ctx.stats.levels.values())
+    assert rejected > 0
+    n = len(ctx.tokens) - 1  # positions every layer holds
+    blocks = BlockManager(8, 8, model.num_layers, 2)
+    pool = KVPool(model.kv_layers, 8, 8, model.cfg.num_kv_heads, model.cfg.head_dim, model.dtype, model.device)
+    blocks.add_sequence(0)
+    LayerRunner(model, blocks, pool).forward(0, 0, torch.tensor(ctx.tokens[:-1]), 0, model.num_layers)
+    for e in model.kv_exits().values():
+        assert engine.blocks.length(ctx.seq_id, e.kv_layer) == n
+        mine = slots_for(engine.blocks.block_table(ctx.seq_id), 0, n, 8, model.device)
+        fresh = slots_for(blocks.block_table(0), 0, n, 8, model.device)
+        assert torch.allclose(engine.pool.k[e.kv_layer][mine], pool.k[e.kv_layer][fresh], atol=1e-5)
+        assert torch.allclose(engine.pool.v[e.kv_layer][mine], pool.v[e.kv_layer][fresh], atol=1e-5)
+
+
+def test_block_exits_save_and_load(tiny_model_dir, tmp_path):
+    from hispec.model.exits import Manifest, load_heads, model_identity, save_heads
+
+    model = load_model(tiny_model_dir("llama"))
+    exits = block_exits(model, [2], "copy", vocab=48, noise=0.05)
+    save_heads(tmp_path, exits, Manifest(model_identity(model), [2], {}))
+    loaded, manifest = load_heads(tmp_path, model)
+    assert manifest.design["kind"] == "block" and loaded[2].kind == "block"
+    for (k, a), (_, b) in zip(exits[2].state_dict().items(), loaded[2].state_dict().items()):
+        assert torch.allclose(a.float(), b.float(), atol=1e-3), k  # stored in float16

@@ -26,12 +26,15 @@ class _SeqBlocks:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, num_layers: int) -> None:
-        if num_blocks < 1 or block_size < 1 or num_layers < 1:
+    def __init__(self, num_blocks: int, block_size: int, num_layers: int, num_exit_layers: int = 0) -> None:
+        """``num_exit_layers``: K/V layers of exit blocks, tracked after the model's ``num_layers``;
+        they run ahead of the deeper layers (drafts), so the depth order does not apply to them."""
+        if num_blocks < 1 or block_size < 1 or num_layers < 1 or num_exit_layers < 0:
             raise ValueError("num_blocks, block_size and num_layers must all be >= 1")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.num_layers = num_layers
+        self.num_exit_layers = num_exit_layers
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
         self._seqs: dict[int, _SeqBlocks] = {}
 
@@ -67,7 +70,7 @@ class BlockManager:
     # ---- changes -------------------------------------------------------------------------
     def add_sequence(self, seq_id: int) -> None:
         assert seq_id not in self._seqs, f"sequence {seq_id} already exists"
-        self._seqs[seq_id] = _SeqBlocks(lengths=[0] * self.num_layers)
+        self._seqs[seq_id] = _SeqBlocks(lengths=[0] * (self.num_layers + self.num_exit_layers))
 
     def ensure_capacity(self, seq_id: int, num_tokens: int) -> None:
         """Grow the block table so positions ``0..num_tokens-1`` have slots."""
@@ -109,9 +112,9 @@ class BlockManager:
     # ---- invariants ----------------------------------------------------------------------
     def _check(self, seq_id: int) -> None:
         seq = self._seqs[seq_id]
-        assert all(a >= b for a, b in zip(seq.lengths, seq.lengths[1:])), \
-            f"layer lengths must not increase with depth: {seq.lengths}"
-        assert seq.lengths[0] <= len(seq.table) * self.block_size
+        model = seq.lengths[:self.num_layers]
+        assert all(a >= b for a, b in zip(model, model[1:])), f"layer lengths must not increase with depth: {model}"
+        assert max(seq.lengths) <= len(seq.table) * self.block_size
 
     def check_invariants(self) -> None:
         """Every block is either free or owned by exactly one sequence (for tests)."""

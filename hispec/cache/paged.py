@@ -14,9 +14,9 @@ class PagedCache:
 
     @classmethod
     def for_model(cls, model, num_blocks: int, block_size: int) -> "PagedCache":
-        cfg = model.cfg
-        return cls(BlockManager(num_blocks, block_size, cfg.num_layers),
-                   KVPool(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, model.dtype,
+        cfg, layers = model.cfg, model.kv_layers  # the model's layers, then its exit blocks
+        return cls(BlockManager(num_blocks, block_size, cfg.num_layers, layers - cfg.num_layers),
+                   KVPool(layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, model.dtype,
                           model.device))
 
     @property

@@ -63,15 +63,43 @@ class LayerRunner:
         batch = AttentionBatch(chunks, self.blocks, self.model.device)
         x = torch.cat([x for _, _, x in items]) if len(items) > 1 else items[0][2]
         h = self.model.embed(x, batch.positions) if start_layer == 0 else x
+        kv_exits = {L: e for L, e in self.model.kv_exits().items() if start_layer < L <= end_layer}
         layer = start_layer
-        for stop in sorted({L for L in capture or () if start_layer < L < end_layer} | {end_layer}):
+        for stop in sorted({L for L in list(capture or ()) + list(kv_exits) if start_layer < L < end_layer}
+                           | {end_layer}):
             h = self.model.run_layers(h, layer, stop, batch, self.pool)
             if capture is not None and stop in capture:
                 capture[stop] = h
+            if stop in kv_exits:
+                self._write_exit_kv(kv_exits[stop], h, chunks, batch)
             layer = stop
         for c in chunks:
             self.blocks.set_filled(c.seq_id, start_layer, end_layer, c.start + c.num_tokens)
         return list(h.split([c.num_tokens for c in chunks]))
+
+    def _write_exit_kv(self, block, h: torch.Tensor, chunks: list[SeqChunk], batch: AttentionBatch) -> None:
+        """An exit block's K/V for positions that just reached its exit layer (``h [T, H]``)."""
+        for c in chunks:
+            assert self.blocks.length(c.seq_id, block.kv_layer) == c.start, \
+                f"exit block K/V holds {self.blocks.length(c.seq_id, block.kv_layer)} positions, expected {c.start}"
+        block.write_kv(h, batch, self.pool, self.model._rope(batch.positions))
+        for c in chunks:
+            self.blocks.set_filled(c.seq_id, block.kv_layer, block.kv_layer + 1, c.start + c.num_tokens)
+
+    def exit_logits(self, items: list[tuple[int, int, torch.Tensor]], layer: int) -> torch.Tensor:
+        """Logits ``[sum T_i, V]`` of the exit after ``layer`` layers for ``(seq_id, start_pos, h)``
+        rows (``h [T_i, H]`` the exit layer's states at positions ``start_pos ..``). An exit block
+        attends over its K/V of the earlier positions (written when they reached ``layer``)."""
+        h = torch.cat([x for _, _, x in items]) if len(items) > 1 else items[0][2]
+        block = self.model.exits.get(layer) if layer < self.model.num_layers else None
+        if block is None or not getattr(block, "has_kv", False):
+            return self.model.exit_logits(h, layer)
+        chunks = [SeqChunk(s, p, x.shape[0]) for s, p, x in items]
+        for c in chunks:
+            assert self.blocks.length(c.seq_id, block.kv_layer) >= c.start + c.num_tokens, \
+                "an exit block's logits need its K/V of these positions (run them through the exit layer first)"
+        batch = AttentionBatch(chunks, self.blocks, self.model.device)
+        return block.forward_paged(h, batch, self.pool, self.model._rope(batch.positions))
 
     def truncate(self, seq_id: int, length: int) -> None:
         """Roll every layer of the sequence back to at most ``length`` positions."""

@@ -63,7 +63,8 @@ def draft(batch: list[DecodeContext], starts: list[tuple[int, int]], layer: int,
         for b, h in zip(active, hs):
             hidden[b].append(h)
         rows = [r for r, b in enumerate(active) if j < k_max[b]]
-        logits = model.exit_logits(torch.cat([hs[r] for r in rows]), layer) if rows else None  # [len(rows), V]
+        logits = runner.exit_logits([(batch[active[r]].seq_id, starts[active[r]][1] + j, hs[r]) for r in rows],
+                                    layer) if rows else None  # [len(rows), V]
         still = []
         for i, r in enumerate(rows):
             b, c = active[r], batch[active[r]]
@@ -100,7 +101,7 @@ def verify(batch: list[DecodeContext], props: list[Proposal], positions: list[in
     model, runner = batch[0].model, batch[0].runner
     hs = runner.forward_many([(c.seq_id, pos, p.hidden) for c, p, pos in zip(batch, props, positions)],
                              from_layer, to_layer)  # B x [k_b + 1, H]
-    logits = split_rows(model.exit_logits(torch.cat(hs) if len(hs) > 1 else hs[0], to_layer),
+    logits = split_rows(runner.exit_logits([(c.seq_id, pos, h) for c, pos, h in zip(batch, positions, hs)], to_layer),
                         [h.shape[0] for h in hs])
     verdicts = []
     for c, p, pos, h, lg, pre in zip(batch, props, positions, hs, logits, prefixes):

@@ -188,11 +188,24 @@ class DecoderModel(nn.Module):
         else:
             inv_freq, _ = rope_inv_freq(cfg)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
-        self.exits: dict[int, nn.Module] = {}  # trained exit heads by layer; see model/exits/
+        self.exits: dict[int, nn.Module] = {}  # trained exits by layer; see model/exits/, exit_block.py
 
     @property
     def num_layers(self) -> int:
         return self.cfg.num_layers
+
+    def kv_exits(self) -> dict[int, nn.Module]:
+        """The attached exits that keep K/V in the pool (``has_kv``: exit blocks), by exit layer;
+        each gets the pool layer ``num_layers + i`` (``kv_layer``), in layer order."""
+        out = {L: self.exits[L] for L in sorted(self.exits) if getattr(self.exits[L], "has_kv", False)}
+        for i, e in enumerate(out.values()):
+            e.kv_layer = self.cfg.num_layers + i
+        return out
+
+    @property
+    def kv_layers(self) -> int:
+        """Layers of K/V a pool for this model holds: its decoder layers plus its exit blocks."""
+        return self.cfg.num_layers + len(self.kv_exits())
 
     @property
     def device(self) -> torch.device:

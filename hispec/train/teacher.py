@@ -58,8 +58,8 @@ class TeacherPass:
         c = model.cfg
         max_seqs = cfg.batch_tokens // MIN_TOKENS  # shorter sequences are not collected
         num_blocks = -(-cfg.batch_tokens // block_size) + max_seqs + 1
-        self.blocks = BlockManager(num_blocks, block_size, c.num_layers)
-        self.pool = KVPool(c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim, model.dtype,
+        self.blocks = BlockManager(num_blocks, block_size, c.num_layers, model.kv_layers - c.num_layers)
+        self.pool = KVPool(model.kv_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim, model.dtype,
                            model.device)
         self.runner = LayerRunner(model, self.blocks, self.pool)
 

@@ -79,8 +79,8 @@ def measure_costs(model, token_counts=tuple(range(1, 11)), context: int = 256, r
     """Time forward calls and exit heads for each token count ``n`` at ``context`` cached positions."""
     n_layers = model.num_layers
     max_n = max(token_counts)
-    blocks = BlockManager(-(-(context + max_n) // 16) + 1, 16, n_layers)
-    pool = KVPool(n_layers, blocks.num_blocks, 16, model.cfg.num_kv_heads, model.cfg.head_dim, model.dtype,
+    blocks = BlockManager(-(-(context + max_n) // 16) + 1, 16, n_layers, model.kv_layers - n_layers)
+    pool = KVPool(model.kv_layers, blocks.num_blocks, 16, model.cfg.num_kv_heads, model.cfg.head_dim, model.dtype,
                   model.device)
     runner = LayerRunner(model, blocks, pool)
     blocks.add_sequence(0)

@@ -1,4 +1,5 @@
-"""Exit heads on disk: ``heads.safetensors`` (float32 adapters, subset ids) beside ``manifest.json``."""
+"""Exit heads on disk: ``heads.safetensors`` (float32 adapters or float16 blocks, subset ids) beside
+``manifest.json``."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -9,36 +10,52 @@ from torch import nn
 
 from .errors import ExitHeadError
 from .fingerprint import identity_mismatch
-from .head import ExitHead
+from .head import ExitHead, SharedOutput
 from .manifest import FORMAT, Manifest, read_manifest, write_manifest
 
 WEIGHTS_FILE = "heads.safetensors"
+# stored precision per design: a block is a whole decoder layer (14 MB in float32 for SmolLM2)
+STORED_DTYPE = {"linear": torch.float32, "block": torch.float16}
 
 
-def new_heads(model: nn.Module, layers: list[int], vocab_ids: dict[int, torch.Tensor | None] | None = None
-              ) -> dict[int, ExitHead]:
-    """Identity-initialised heads at ``layers`` (1 .. num_layers - 1), on the model's device and dtype."""
+def new_heads(model: nn.Module, layers: list[int], vocab_ids: dict[int, torch.Tensor | None] | None = None,
+              design: str = "linear", init: str = "copy") -> dict[int, SharedOutput]:
+    """Untrained exits of ``design`` at ``layers`` (1 .. num_layers - 1), on the model's device and
+    dtype: identity-initialised ``linear`` heads, or ``block`` exits (``init`` as in ``ExitBlock``)."""
     n = model.cfg.num_layers
     bad = [L for L in layers if not 1 <= L < n]
     if bad:
         raise ExitHeadError(f"exit layers must be between 1 and {n - 1} for this {n}-layer model, got {bad}")
+    if design not in STORED_DTYPE:
+        raise ExitHeadError(f"unknown exit design {design!r} (known: {', '.join(STORED_DTYPE)})")
     vocab_ids = vocab_ids or {}
-    return {L: ExitHead(model, vocab_ids.get(L)).to(device=model.device, dtype=model.dtype).eval().requires_grad_(False)
-            for L in layers}
+
+    def make(L: int) -> SharedOutput:
+        if design == "block":
+            from ..exit_block import ExitBlock
+
+            return ExitBlock(model, vocab_ids.get(L), init=init)
+        return ExitHead(model, vocab_ids.get(L))
+
+    return {L: make(L).to(device=model.device, dtype=model.dtype).eval().requires_grad_(False) for L in layers}
 
 
-def save_heads(folder: str | Path, heads: dict[int, ExitHead], manifest: Manifest) -> Path:
-    """Write ``heads.safetensors`` (float32) and ``manifest.json`` into ``folder``."""
+def save_heads(folder: str | Path, heads: dict[int, SharedOutput], manifest: Manifest) -> Path:
+    """Write ``heads.safetensors`` (float32 adapters, float16 blocks) and ``manifest.json`` into ``folder``."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
+    kinds = {h.kind for h in heads.values()}
+    if len(kinds) != 1:
+        raise ExitHeadError(f"one design per set of exits, got {sorted(kinds)}")
+    kind = kinds.pop()
     tensors = {}
     for L, head in sorted(heads.items()):
         for k, v in head.state_dict().items():
             if v is not None:
-                tensors[f"{L}.{k}"] = v.detach().to("cpu", torch.float32 if v.is_floating_point() else v.dtype
+                tensors[f"{L}.{k}"] = v.detach().to("cpu", STORED_DTYPE[kind] if v.is_floating_point() else v.dtype
                                                    ).contiguous()
     manifest.layers = sorted(heads)
-    manifest.design = {**manifest.design, "kind": "linear",
+    manifest.design = {**manifest.design, "kind": kind,
                        "vocab": {str(L): (int(h.vocab_ids.numel()) if h.restricted else None)
                                  for L, h in sorted(heads.items())}}
     tmp = folder / (WEIGHTS_FILE + ".tmp")
@@ -49,7 +66,7 @@ def save_heads(folder: str | Path, heads: dict[int, ExitHead], manifest: Manifes
 
 
 def load_heads(folder: str | Path, model: nn.Module, check_identity: bool = True
-               ) -> tuple[dict[int, ExitHead], Manifest]:
+               ) -> tuple[dict[int, SharedOutput], Manifest]:
     """Heads from ``folder`` for ``model``; ExitHeadError if they belong to another model."""
     folder = Path(folder)
     manifest = read_manifest(folder)
@@ -67,7 +84,7 @@ def load_heads(folder: str | Path, model: nn.Module, check_identity: bool = True
     except Exception as e:  # safetensors raises its own error types
         raise ExitHeadError(f"cannot read {wfile}: {e}") from None
     vocab = {L: tensors.get(f"{L}.vocab_ids") for L in manifest.layers}
-    heads = new_heads(model, manifest.layers, vocab)
+    heads = new_heads(model, manifest.layers, vocab, design=manifest.design["kind"])
     for L, head in heads.items():
         state = {k: tensors.get(f"{L}.{k}") for k in head.state_dict()}
         missing = [k for k, v in state.items() if v is None and k != "vocab_ids"]
@@ -77,6 +94,7 @@ def load_heads(folder: str | Path, model: nn.Module, check_identity: bool = True
             if v is not None and tuple(v.shape) != tuple(head.state_dict()[k].shape):
                 raise ExitHeadError(f"{wfile}: {L}.{k} has shape {tuple(v.shape)}, expected "
                                     f"{tuple(head.state_dict()[k].shape)}")
-        head.load_state_dict({k: v for k, v in state.items() if v is not None}, strict=False)
+        head.load_state_dict({k: v.to(head.state_dict()[k].dtype) for k, v in state.items() if v is not None},
+                             strict=False)
         head.to(device=model.device, dtype=model.dtype).eval().requires_grad_(False)
     return heads, manifest
