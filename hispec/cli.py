@@ -80,6 +80,8 @@ def add_spec_options(p: argparse.ArgumentParser, strategies_help: str = "ar, sel
     g.add_argument("--window", type=int, default=None, help="N_i: tentatively accepted tokens per full verification")
     g.add_argument("--draft-policy", default=None, choices=DRAFT_POLICIES)
     g.add_argument("--svip-threshold", type=float, default=None, help="entropy (nats) above which svip stops drafting")
+    g.add_argument("--confidence-threshold", type=float, default=None,
+                   help="top-1 probability below which the confidence policy stops drafting")
 
 
 def sampling_from_args(args) -> SamplingParams:
@@ -95,9 +97,10 @@ def spec_from_args(args, generator) -> SpecConfig:
     per_strategy = generator.recommended_specs
     base = generator.spec_for(args.strategy) or default_spec(num_layers)
     values = {"draft_layer": args.draft_layer, "verify_layer": args.verify_layer, "num_draft": args.num_draft,
-              "window": args.window, "draft_policy": args.draft_policy, "svip_threshold": args.svip_threshold}
+              "window": args.window, "draft_policy": args.draft_policy, "svip_threshold": args.svip_threshold,
+              "confidence_threshold": getattr(args, "confidence_threshold", None)}
     fields = {k: getattr(base, k) for k in ("draft_layer", "verify_layer", "num_draft", "window", "draft_policy",
-                                            "svip_threshold", "max_draft")}
+                                            "svip_threshold", "confidence_threshold", "max_draft")}
     fields.update({k: v for k, v in values.items() if v is not None})
     if args.strategy == "selfspec" and args.verify_layer is None and "selfspec" not in per_strategy:
         fields["verify_layer"] = num_layers

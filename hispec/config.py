@@ -176,7 +176,7 @@ class SamplingParams:
         return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias)
 
 
-DRAFT_POLICIES = ("fixed", "svip", "heuristic")
+DRAFT_POLICIES = ("fixed", "svip", "confidence", "heuristic")
 
 
 @dataclass(slots=True)
@@ -194,6 +194,7 @@ class SpecConfig:
     window: int = 4  # N_i: tentatively accepted tokens before full verification
     draft_policy: str = "fixed"
     svip_threshold: float = 2.0  # nats: stop drafting when the draft entropy exceeds it
+    confidence_threshold: float = 0.4  # stop drafting when the draft's top-1 probability falls below it
     max_draft: int = 16  # upper bound for the heuristic policy
     num_layers: int = field(default=0, repr=False)  # the model's depth, for validation
 
@@ -216,6 +217,8 @@ class SpecConfig:
             raise ConfigError(f"unknown draft policy {self.draft_policy!r}; choose from {', '.join(DRAFT_POLICIES)}")
         if self.svip_threshold <= 0:
             raise ConfigError(f"svip threshold must be > 0, got {self.svip_threshold}")
+        if not 0 < self.confidence_threshold < 1:
+            raise ConfigError(f"confidence threshold must be in (0, 1), got {self.confidence_threshold}")
 
     @property
     def lookahead(self) -> int:

@@ -212,3 +212,29 @@ def test_block_exits_save_and_load(tiny_model_dir, tmp_path):
     assert manifest.design["kind"] == "block" and loaded[2].kind == "block"
     for (k, a), (_, b) in zip(exits[2].state_dict().items(), loaded[2].state_dict().items()):
         assert torch.allclose(a.float(), b.float(), atol=1e-3), k  # stored in float16
+
+
+# ---- the tuner simulates what runs -----------------------------------------------------------------
+@pytest.mark.parametrize("policy", ["fixed", "confidence"])
+def test_tuner_simulation_matches_the_engine_with_block_exits(tiny_model_dir, policy):
+    from hispec.train import tune
+
+    model = load_model(tiny_model_dir("llama"))
+    for layer in model.layers[1:]:
+        layer.o_proj.weight.data.mul_(0.1)
+        layer.down_proj.weight.data.mul_(0.1)
+    model.exits = block_exits(model, [2], "zero")
+    gen = Generator(model)
+    spec = SpecConfig(2, model.num_layers, num_draft=3, draft_policy=policy, confidence_threshold=0.05,
+                      num_layers=model.num_layers)
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    traces = tune.collect_traces(model, PROMPTS, [2], 24, eos_ids=())
+    sim = tune.simulate_selfspec(traces, spec, tune.CostModel({1: 1.0}, {1: 0.0}, {2: {1: 0.0}, 6: {1: 0.0}}, 6))
+    drafted = accepted = 0
+    for p, tr in zip(PROMPTS, traces):
+        out = gen.generate(p, params, "selfspec", spec=spec)
+        assert out.token_ids == tr.y
+        lv = out.stats.levels["draft->final"]
+        drafted, accepted = drafted + lv.draft_tokens, accepted + lv.accepted_tokens
+    assert (sim.drafted, sim.accepted_full) == (drafted, accepted)
+    assert accepted > 0

@@ -3,9 +3,10 @@
 Syntax: a comma-separated list of ``NAME[:OPTION[:OPTION...]]``.
 
 - ``ar``: autoregressive decoding (the reference).
-- ``selfspec`` / ``hispec``: options are a draft policy (``fixed``, ``svip``, ``heuristic``) and
-  ``KEY=VALUE`` overrides of the speculation settings: ``d`` (draft layer L_d), ``i`` (verify
-  layer L_i), ``k`` (tokens per draft round N_d), ``w`` (window N_i), ``t`` (svip threshold, nats).
+- ``selfspec`` / ``hispec``: options are a draft policy (``fixed``, ``svip``, ``confidence``,
+  ``heuristic``) and ``KEY=VALUE`` overrides of the speculation settings: ``d`` (draft layer L_d),
+  ``i`` (verify layer L_i), ``k`` (tokens per draft round N_d), ``w`` (window N_i), ``t`` (svip
+  threshold, nats), ``c`` (confidence threshold, top-1 probability).
   Unset values come from the command line's speculation options, then the exit heads'
   recommendation, then the depth-based defaults. Examples: ``hispec:svip``,
   ``selfspec:heuristic``, ``selfspec:d=4:k=6``, ``hispec:d=2:i=8:w=8``.
@@ -30,7 +31,8 @@ from ..config import DRAFT_POLICIES, ConfigError, SamplingParams, SpecConfig
 
 KINDS = ("ar", "selfspec", "hispec", "hf", "hf-early-exit")
 OWN_KINDS = ("ar", "selfspec", "hispec")
-SPEC_KEYS = {"d": "draft_layer", "i": "verify_layer", "k": "num_draft", "w": "window", "t": "svip_threshold"}
+SPEC_KEYS = {"d": "draft_layer", "i": "verify_layer", "k": "num_draft", "w": "window", "t": "svip_threshold",
+             "c": "confidence_threshold"}
 
 
 @dataclass
@@ -78,7 +80,7 @@ def _parse_one(item: str) -> StrategySpec:
         elif "=" in opt and opt.split("=", 1)[0] in SPEC_KEYS:
             key, value = opt.split("=", 1)
             try:
-                spec.overrides[SPEC_KEYS[key]] = float(value) if key == "t" else int(value)
+                spec.overrides[SPEC_KEYS[key]] = float(value) if key in ("t", "c") else int(value)
             except ValueError:
                 raise ConfigError(f"strategy {item!r}: {key}= needs a number, got {value!r}") from None
         else:

@@ -3,6 +3,8 @@
 - ``fixed``: always ``num_draft``.
 - ``svip`` (SVIP, arXiv 2411.18462): keep drafting while the draft distribution is confident;
   stop as soon as its entropy exceeds a threshold, since acceptance is then unlikely.
+- ``confidence`` (Kangaroo's early stop): stop as soon as the draft's top-1 probability falls
+  below a threshold.
 - ``heuristic`` (Hugging Face's schedule): +2 after a round whose drafts were all accepted,
   -1 otherwise, between 1 and ``max_draft``.
 
@@ -10,10 +12,20 @@ Every policy drafts at least one token per round.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ..config import SpecConfig
 from ..sampling.sampler import entropy, scale
+
+
+@dataclass(frozen=True)
+class DraftConfidence:
+    """How sure the draft exit is of a position: its distribution's entropy and top-1 probability."""
+
+    entropy: float  # nats
+    top1: float
 
 
 class DraftPolicy:
@@ -25,11 +37,11 @@ class DraftPolicy:
     def max_drafts(self) -> int:
         return self.num_draft
 
-    def wants_entropy(self) -> bool:
+    def wants_confidence(self) -> bool:
         return False
 
-    def stop_before(self, draft_entropy: torch.Tensor | None) -> bool:
-        """Called before each draft after the first, with the entropy of its distribution."""
+    def stop_before(self, confidence: DraftConfidence) -> bool:
+        """Called before each draft after the first, with the confidence of its distribution."""
         return False
 
     def update(self, num_drafted: int, num_accepted: int) -> None:
@@ -43,11 +55,25 @@ class SvipPolicy(DraftPolicy):
         super().__init__(spec)
         self.threshold = spec.svip_threshold
 
-    def wants_entropy(self) -> bool:
+    def wants_confidence(self) -> bool:
         return True
 
-    def stop_before(self, draft_entropy: torch.Tensor | None) -> bool:
-        return draft_entropy is not None and float(draft_entropy) > self.threshold
+    def stop_before(self, confidence: DraftConfidence) -> bool:
+        return confidence.entropy > self.threshold
+
+
+class ConfidencePolicy(DraftPolicy):
+    name = "confidence"
+
+    def __init__(self, spec: SpecConfig) -> None:
+        super().__init__(spec)
+        self.threshold = spec.confidence_threshold
+
+    def wants_confidence(self) -> bool:
+        return True
+
+    def stop_before(self, confidence: DraftConfidence) -> bool:
+        return confidence.top1 < self.threshold
 
 
 class HeuristicPolicy(DraftPolicy):
@@ -64,13 +90,15 @@ class HeuristicPolicy(DraftPolicy):
             self.num_draft = max(self.num_draft - 1, 1)
 
 
-POLICIES = {p.name: p for p in (DraftPolicy, SvipPolicy, HeuristicPolicy)}
+POLICIES = {p.name: p for p in (DraftPolicy, SvipPolicy, ConfidencePolicy, HeuristicPolicy)}
 
 
 def make_policy(spec: SpecConfig) -> DraftPolicy:
     return POLICIES[spec.draft_policy](spec)
 
 
-def draft_entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """Entropy (nats) of the draft distribution ``softmax(logits / T)`` for ``logits [1, V]``; T=1 when greedy."""
-    return entropy(torch.softmax(scale(logits, temperature or 1.0), dim=-1))[0]
+def draft_confidence(logits: torch.Tensor, temperature: float) -> DraftConfidence:
+    """Entropy (nats) and top-1 probability of the draft distribution ``softmax(logits / T)`` for
+    ``logits [1, V]``; T=1 when greedy."""
+    p = torch.softmax(scale(logits, temperature or 1.0), dim=-1)
+    return DraftConfidence(float(entropy(p)[0]), float(p.max()))

@@ -23,7 +23,7 @@ from ..config import ConfigError, SpecConfig
 from ..sampling.sampler import logits_to_probs, sample
 from ..sampling.speculative import greedy_accept, sample_accept
 from .base import DecodeContext, StrategyBase, split_rows
-from .policies import DraftPolicy, draft_entropy, make_policy
+from .policies import DraftPolicy, draft_confidence, make_policy
 from .stats import phase_timer
 
 
@@ -71,8 +71,8 @@ def draft(batch: list[DecodeContext], starts: list[tuple[int, int]], layer: int,
             lg = logits[i:i + 1]
             if c.processor is not None:
                 lg = c.process(lg, prefixes[b] + torch.cat(tokens[b]).tolist() if tokens[b] else prefixes[b])
-            if j > 0 and c.policy.wants_entropy() and c.policy.stop_before(
-                    draft_entropy(lg, 0.0 if c.params.greedy else c.params.temperature)):
+            if j > 0 and c.policy.wants_confidence() and c.policy.stop_before(
+                    draft_confidence(lg, 0.0 if c.params.greedy else c.params.temperature)):
                 continue
             if c.params.greedy:
                 x[b] = lg.argmax(-1)

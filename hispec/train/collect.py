@@ -26,7 +26,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..cache.block_manager import BlockManager
-from ..cache.kv_cache import AttentionBatch, KVPool, SeqChunk
+from ..cache.kv_cache import KVPool, SeqChunk
+from ..decode.base import LayerRunner
 from ..model.llama import DecoderModel
 
 SELF, TEACHER = 0, 1
@@ -68,36 +69,31 @@ class Capture:
 
 
 class LayerTap:
-    """Runs ragged batches through the model over a private KV pool, returning the hidden
-    states entering each tapped layer and after the last layer."""
+    """The engine's layer runner over a private KV pool, with its capture hook on the tapped
+    layers: ragged batches in, the hidden states entering each tapped layer and after the last
+    layer out."""
 
     def __init__(self, model: DecoderModel, layers: tuple[int, ...], capacity_tokens: int, block_size: int = 16):
         self.model, self.layers = model, tuple(sorted(set(layers)))
         cfg = model.cfg
         self.num_blocks = -(-capacity_tokens // block_size) + 1
-        self.blocks = BlockManager(self.num_blocks, block_size, cfg.num_layers)
-        self.pool = KVPool(cfg.num_layers, self.num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
+        self.blocks = BlockManager(self.num_blocks, block_size, cfg.num_layers, model.kv_layers - cfg.num_layers)
+        self.pool = KVPool(model.kv_layers, self.num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
                            model.dtype, model.device)
+        self.runner = LayerRunner(model, self.blocks, self.pool)
 
     def forward(self, chunks: list[SeqChunk], token_ids: torch.Tensor, keep: torch.Tensor | None = None
                 ) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
         """Hidden states at the tapped layers and after the last one, for the rows ``keep`` only
         (all rows if None; a long prefill keeps just what it needs, not every layer's states)."""
-        model = self.model
+        items, a = [], 0
         for c in chunks:
-            self.blocks.ensure_capacity(c.seq_id, c.start + c.num_tokens)
-        batch = AttentionBatch(chunks, self.blocks, model.device)
-        h = model.embed(token_ids, batch.positions)
-        taps, start = {}, 0
-        for L in self.layers:
-            h = model.run_layers(h, start, L, batch, self.pool)
-            taps[L], start = (h if keep is None else h[keep]), L
-        h = model.run_layers(h, start, model.num_layers, batch, self.pool)
-        if keep is not None:
-            h = h[keep]
-        for c in chunks:
-            self.blocks.set_filled(c.seq_id, 0, model.num_layers, c.start + c.num_tokens)
-        return taps, h
+            items.append((c.seq_id, c.start, token_ids[a:a + c.num_tokens]))
+            a += c.num_tokens
+        capture = {L: None for L in self.layers}
+        h = torch.cat(self.runner.forward_many(items, 0, self.model.num_layers, capture))
+        taps = {L: (t if keep is None else t[keep]) for L, t in capture.items()}
+        return taps, (h if keep is None else h[keep])
 
 
 @torch.inference_mode()

@@ -85,6 +85,32 @@ def register(sub) -> None:
     p.set_defaults(func=cmd_collect_exits)
     _PARSERS["collect-exits"] = p
 
+    p = sub.add_parser("distill-exits", help="train exits (block or linear) on collect-exits shards, resumable",
+                       description="Distil exits from the teacher shards of `hispec collect-exits` (KL to the final "
+                                   "layer's top-k + a small cross-entropy on its argmax), base model frozen; "
+                                   "checkpoints let a stopped run continue bit-identically (--resume).")
+    add_model_options(p)
+    p.add_argument("--data", required=True, metavar="DIR", help="a collect-exits folder")
+    p.add_argument("--layers", required=True, help="exit layers, e.g. 4 or 2,4 (their states must be in --data)")
+    p.add_argument("--design", default="block", choices=["block", "linear"])
+    p.add_argument("--init", default="copy", choices=["copy", "zero"],
+                   help="block start: a copy of the last decoder layer, or that copy with zeroed output projections")
+    p.add_argument("--vocab", type=int, default=8192, help="restricted output vocabulary (0 = full)")
+    p.add_argument("--epochs", type=float, default=2.0)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--batch-tokens", type=int, default=4096, help="padded positions per step")
+    p.add_argument("--ce-weight", type=float, default=0.2)
+    p.add_argument("--max-positions", type=int, default=None, help="train on the first N positions of --data")
+    p.add_argument("--heldout-every", type=int, default=50, help="hold out every N-th record (default 50)")
+    p.add_argument("--eval-every", type=int, default=0, help="held-out agreement every N steps (0: at the end)")
+    p.add_argument("--max-steps", type=int, default=None, help="stop after this many steps (continue with --resume)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", required=True, metavar="DIR", help="where heads.safetensors + manifest.json go")
+    p.add_argument("--work", default=None, metavar="DIR", help="checkpoints (default: OUT/work)")
+    p.add_argument("--resume", action="store_true", help="continue from the checkpoints in --work")
+    p.set_defaults(func=cmd_distill_exits)
+    _PARSERS["distill-exits"] = p
+
     p = sub.add_parser("tune", help="choose L_d, L_i, N_d, N_i and the draft policy by measurement",
                        description="Measure per-phase costs and exit agreement on calibration prompts, predict "
                                    "tokens/s of every configuration, check the best end to end, and write the "
@@ -220,6 +246,53 @@ def cmd_collect_exits(args) -> int:
                    args.max_positions, log=_say)
     _say(f"{args.out}: {meta['positions']} positions ({meta['reply_positions']} in replies) from "
          f"{meta['sequences']} conversations, {meta['positions_per_s']} positions/s")
+    return 0
+
+
+# ---- distill-exits --------------------------------------------------------------------------
+def cmd_distill_exits(args) -> int:
+    from ..cli import UsageError, load_generator
+    from ..model.exits import Manifest, model_identity, new_heads, save_heads
+    from . import seqdistill as S
+    from .teacher import read_meta
+
+    layers = _layers(args.layers)
+    command = _command_line(args, "distill-exits")
+    args.no_exits, args.exits = True, None
+    gen = load_generator(args, progress=False)
+    model = gen.model
+    meta = read_meta(Path(args.data))
+    if meta.get("model") != model_identity(model)["weights_sha256"]:
+        raise UsageError(f"{args.data} was collected with another model")
+    work = Path(args.work) if args.work else Path(args.out) / "work"
+    cfg = S.TrainConfig(epochs=args.epochs, batch_tokens=args.batch_tokens, lr=args.lr, ce_weight=args.ce_weight,
+                        seed=args.seed, eval_every=args.eval_every)
+    exits, agreement, training, positions = {}, {}, {}, {}
+    for L in layers or []:
+        data = S.load_sequences(Path(args.data), L, args.max_positions)
+        train, held = data.split(args.heldout_every)
+        vocab = {L: S.frequent_vocab(train, args.vocab, model.cfg.vocab_size)} if args.vocab else None
+        exit_ = new_heads(model, [L], vocab, design=args.design, init=args.init)[L]
+        before = S.agreement(exit_, held)
+        _say(f"layer {L}: {train.num_positions} training positions ({train.num_sequences} conversations), "
+             f"held-out top-1 before {before['top1']:.4f}")
+        state = S.train(exit_, train, cfg, work / f"layer-{L}", args.resume, held, args.max_steps, log=_say)
+        after = S.agreement(exit_, held)
+        exits[L] = exit_
+        positions[str(L)] = train.num_positions
+        agreement[str(L)] = {"top1_before": round(before["top1"], 4), "top1_after": round(after["top1"], 4),
+                             "top5_after": round(after["top5"], 4), "heldout_positions": after["positions"]}
+        training[str(L)] = {"steps": state.step, "positions_seen": state.positions_seen,
+                            "seconds": round(state.seconds, 1), "curve": state.curve, "loss": state.losses[-5:]}
+    manifest = Manifest(model_identity(model, args.model), layers, {"kind": args.design, "init": args.init},
+                        data={"folder": Path(args.data).name, "positions": positions, "collect": meta.get("command"),
+                              "heldout_every": args.heldout_every},
+                        training={"command": command, "config": dataclasses.asdict(cfg), "per_layer": training},
+                        agreement=agreement)
+    save_heads(args.out, exits, manifest)
+    size = (Path(args.out) / "heads.safetensors").stat().st_size
+    _say(f"wrote {args.out} ({size / 1e6:.1f} MB): " + ", ".join(
+        f"layer {L} top-1 {a['top1_before']:.3f} -> {a['top1_after']:.3f}" for L, a in agreement.items()))
     return 0
 
 
@@ -364,7 +437,8 @@ def cmd_tune(args) -> int:
         if k not in seen:
             seen.add(k)
             table.append(r)
-    spec_fields = ("draft_layer", "verify_layer", "num_draft", "window", "draft_policy", "svip_threshold")
+    spec_fields = ("draft_layer", "verify_layer", "num_draft", "window", "draft_policy", "svip_threshold",
+                   "confidence_threshold")
     rec = {k: getattr(chosen["hispec"].spec, k) for k in spec_fields} if "hispec" in chosen else {}
     rec_self = {k: getattr(chosen["selfspec"].spec, k) for k in spec_fields} if "selfspec" in chosen else {}
     if args.json:

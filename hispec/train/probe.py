@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from . import collect as C
+from .teacher import exit_logits_along
 
 
 @dataclass
@@ -35,16 +36,20 @@ def probe(model, prompts: list[list[int]], max_new_tokens: int, eos_ids, batch_s
     total = 0
     for a in range(0, len(prompts), batch_size):
         cap = C.Capture(layers, 1)
-        C.self_generate(model, list(enumerate(prompts[a:a + batch_size])), layers, cap, max_new_tokens,
-                        frozenset(eos_ids))
+        batch = list(enumerate(prompts[a:a + batch_size]))
+        new = C.self_generate(model, batch, layers, cap, max_new_tokens, frozenset(eos_ids))
         rows = cap.take()
         want = rows["top_ids"][:, 0].long()
         total += want.shape[0]
+        # trained exits as decoding runs them (a block attends over its own K/V of the sequence),
+        # in the row order of the capture: step by step, the batch's active sequences
+        views = [exit_logits_along(model, p + new[s][:-1], len(p) - 1, sorted(model.exits)) for s, p in batch]
+        order = [(s, t) for t in range(max(len(v) for v in new.values())) for s, _ in batch if t < len(new[s])]
         for L in layers:
             h = rows[f"h.{L}"].to(model.dtype)
             outs = [model.final_logits(h)]
             if L in model.exits:
-                outs.append(model.exits[L](h))
+                outs.append(torch.stack([views[s][L][t] for s, t in order]))
             for j, logits in enumerate(outs):
                 top5 = logits.topk(5, dim=-1).indices
                 hits[L][2 * j] += int((top5[:, 0] == want).sum())

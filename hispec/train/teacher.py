@@ -100,6 +100,26 @@ def encode_records(gen, records, max_tokens: int, max_prompt_tokens: int = 384
             yield i, (prompt + reply)[:max_tokens], len(prompt) - 1
 
 
+@torch.inference_mode()
+def exit_logits_along(model, ids: list[int], first: int, layers: list[int], block_size: int = 16
+                      ) -> dict[int, torch.Tensor]:
+    """Logits ``[len(ids) - first, V]`` of each exit layer at positions ``first ..`` of ``ids``, as
+    decoding computes them: one pass through the engine's runner (exit blocks write their K/V as
+    in decoding) with the capture hook, then each exit (``LayerRunner.exit_logits``)."""
+    c = model.cfg
+    blocks = BlockManager(-(-len(ids) // block_size) + 1, block_size, c.num_layers, model.kv_layers - c.num_layers)
+    pool = KVPool(model.kv_layers, blocks.num_blocks, block_size, c.num_kv_heads, c.head_dim, model.dtype, model.device)
+    runner = LayerRunner(model, blocks, pool)
+    blocks.add_sequence(0)
+    capture = {L: None for L in layers if L < c.num_layers}
+    x = torch.tensor(ids, dtype=torch.long, device=model.device)
+    final = runner.forward_many([(0, 0, x)], 0, c.num_layers, capture)[0]
+    out = {L: runner.exit_logits([(0, first, capture[L][first:])], L) for L in capture}
+    if c.num_layers in layers:
+        out[c.num_layers] = model.final_logits(final[first:])
+    return out
+
+
 def batches(seqs: Iterable[tuple[int, list[int], int]], batch_tokens: int
             ) -> Iterator[list[tuple[int, list[int], int]]]:
     """Group ``(record, ids, first)`` into batches of at most ``batch_tokens`` positions."""

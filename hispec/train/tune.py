@@ -20,7 +20,7 @@ from __future__ import annotations
 import itertools
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,7 +28,10 @@ from ..cache.block_manager import BlockManager
 from ..cache.kv_cache import KVPool
 from ..config import SpecConfig
 from ..decode.base import LayerRunner
+from ..decode.policies import DraftConfidence, DraftPolicy, make_policy
+from ..engine.engine import EngineConfig
 from . import collect as C
+from .teacher import exit_logits_along
 
 
 # ---- costs ---------------------------------------------------------------------------------
@@ -74,13 +77,16 @@ def _median_time(fn, repeat: int) -> float:
 
 
 @torch.inference_mode()
-def measure_costs(model, token_counts=tuple(range(1, 11)), context: int = 256, repeat: int = 9
-                  ) -> CostModel:
-    """Time forward calls and exit heads for each token count ``n`` at ``context`` cached positions."""
+def measure_costs(model, token_counts=tuple(range(1, 11)), context: int = 256, repeat: int = 9,
+                  block_size: int | None = None) -> CostModel:
+    """Time forward calls and exit heads for each token count ``n`` at ``context`` cached positions
+    (in the engine's KV layout: ``block_size`` as the engine's by default). An exit block costs
+    one decoder layer plus its output head."""
     n_layers = model.num_layers
     max_n = max(token_counts)
-    blocks = BlockManager(-(-(context + max_n) // 16) + 1, 16, n_layers, model.kv_layers - n_layers)
-    pool = KVPool(model.kv_layers, blocks.num_blocks, 16, model.cfg.num_kv_heads, model.cfg.head_dim, model.dtype,
+    bs = block_size or EngineConfig().block_size
+    blocks = BlockManager(-(-(context + max_n) // bs) + 1, bs, n_layers, model.kv_layers - n_layers)
+    pool = KVPool(model.kv_layers, blocks.num_blocks, bs, model.cfg.num_kv_heads, model.cfg.head_dim, model.dtype,
                   model.device)
     runner = LayerRunner(model, blocks, pool)
     blocks.add_sequence(0)
@@ -100,6 +106,8 @@ def measure_costs(model, token_counts=tuple(range(1, 11)), context: int = 256, r
     def head_fn(L: int, n: int):
         if L == n_layers:
             return lambda: model.final_logits(hidden[n]).argmax(-1)
+        if getattr(heads[L], "has_kv", False):
+            return lambda: heads[L].logits(hidden[n]).argmax(-1)  # + one layer, added below
         return lambda: heads[L](hidden[n]).argmax(-1)
 
     run(b, max_n)  # warm-up
@@ -115,7 +123,8 @@ def measure_costs(model, token_counts=tuple(range(1, 11)), context: int = 256, r
     med = {k: statistics.median(v) for k, v in samples.items()}
     per_layer = {n: max(1e-7, (med[("fwd", b, n)] - med[("fwd", a, n)]) / (b - a)) for n in token_counts}
     overhead = {n: max(0.0, med[("fwd", a, n)] - a * per_layer[n]) for n in token_counts}
-    head = {L: {n: med[("head", L, n)] for n in token_counts} for L in list(heads) + [n_layers]}
+    head = {L: {n: med[("head", L, n)] + (per_layer[n] if getattr(heads.get(L), "has_kv", False) else 0.0)
+                for n in token_counts} for L in list(heads) + [n_layers]}
     logits = torch.randn(5, model.cfg.vocab_size, generator=g).to(model.device)
     from ..sampling.speculative import greedy_accept
     drafts = logits[:4].argmax(-1)
@@ -128,35 +137,39 @@ def measure_costs(model, token_counts=tuple(range(1, 11)), context: int = 256, r
 @dataclass
 class Trace:
     """One greedy continuation: ``y[t]`` is the final layer's token at step t; per exit layer
-    ``argmax[L][t]`` and ``entropy[L][t]`` are that exit's view of the same position."""
+    ``argmax[L][t]``, ``entropy[L][t]`` and ``top1[L][t]`` are that exit's view of the same position."""
 
     y: list[int]
     argmax: dict[int, list[int]]
     entropy: dict[int, list[float]]
+    top1: dict[int, list[float]] = field(default_factory=dict)
+
+    def confidence(self, layer: int, t: int) -> DraftConfidence:
+        if t >= len(self.y):
+            return DraftConfidence(0.0, 1.0)
+        return DraftConfidence(self.entropy[layer][t], self.top1[layer][t] if self.top1 else 1.0)
 
 
 @torch.inference_mode()
 def collect_traces(model, prompts: list[list[int]], layers: list[int], max_new_tokens: int, eos_ids,
                    batch_size: int = 8) -> list[Trace]:
-    """Greedy continuations of ``prompts`` and every exit's argmax/entropy along them."""
+    """Greedy continuations of ``prompts`` and every exit's argmax/entropy/top-1 probability along
+    them, computed as decoding computes them (exit blocks attend over their own K/V)."""
     traces = []
     for a in range(0, len(prompts), batch_size):
         batch = list(enumerate(prompts[a:a + batch_size]))
-        cap = C.Capture(tuple(layers), 1)
-        C.self_generate(model, batch, tuple(layers), cap, max_new_tokens, frozenset(eos_ids))
-        rows = cap.take()
-        seq = rows["seq"]
-        for s, _ in batch:
-            idx = (seq == s).nonzero().squeeze(1)
-            y = rows["top_ids"][idx, 0].tolist()
-            am, ent = {}, {}
+        new = C.self_generate(model, batch, (), C.Capture((), 1), max_new_tokens, frozenset(eos_ids))
+        for s, p in batch:
+            y = new[s]
+            views = exit_logits_along(model, p + y[:-1], len(p) - 1, layers)
+            am, ent, top1 = {}, {}, {}
             for L in layers:
-                h = rows[f"h.{L}"][idx].to(model.dtype)
-                logits = model.exit_logits(h, L).float()
+                logits = views[L].float()
                 am[L] = logits.argmax(-1).tolist()
-                p = torch.softmax(logits, -1)
-                ent[L] = (-(p * p.clamp_min(1e-30).log()).sum(-1)).tolist()
-            traces.append(Trace(y, am, ent))
+                q = torch.softmax(logits, -1)
+                ent[L] = (-(q * q.clamp_min(1e-30).log()).sum(-1)).tolist()
+                top1[L] = q.max(-1).values.tolist()
+            traces.append(Trace(y, am, ent, top1))
     return traces
 
 
@@ -187,27 +200,17 @@ class SimResult:
         return self.tokens / self.seconds if self.seconds else 0.0
 
 
-class _Policy:
-    def __init__(self, spec: SpecConfig) -> None:
-        self.spec, self.k = spec, spec.num_draft
-
-    def drafts(self, ent: list[float], t: int, limit: int) -> tuple[int, int]:
-        """(tokens drafted, head evaluations) starting at trace position ``t``."""
-        k = max(1, min(self.k, limit))
-        if self.spec.draft_policy != "svip":
-            return k, k
-        n = 1
-        while n < k:
-            e = ent[t + n] if t + n < len(ent) else 0.0
-            if e > self.spec.svip_threshold:
-                return n, n + 1
-            n += 1
-        return n, n
-
-    def update(self, drafted: int, accepted: int) -> None:
-        if self.spec.draft_policy == "heuristic":
-            self.k = min(self.k + 2, max(self.spec.max_draft, self.spec.num_draft)) if accepted == drafted \
-                else max(self.k - 1, 1)
+def _drafts(policy: DraftPolicy, trace: Trace, layer: int, t: int, limit: int) -> tuple[int, int]:
+    """(tokens drafted, exit evaluations) of one round starting at trace position ``t``, asking
+    the real draft policy as ``speculative.draft`` does (the exit's view at ``t + n`` stands in
+    for its view after ``n`` drafts)."""
+    k = max(1, min(policy.max_drafts(), limit))
+    if not policy.wants_confidence():
+        return k, k
+    for n in range(1, k):
+        if policy.stop_before(trace.confidence(layer, t + n)):
+            return n, n + 1
+    return k, k
 
 
 def _runs(a: list[int], b: list[int]) -> list[int]:
@@ -248,10 +251,10 @@ def simulate_selfspec(traces: list[Trace], spec: SpecConfig, costs: CostModel) -
     d, N = spec.draft_layer, costs.num_layers
     r = SimResult()
     for tr in _prepared(traces):
-        T, t, pol = len(tr.trace.y), 0, _Policy(spec)
-        run_dy, ent = tr.runs(d, None), tr.trace.entropy[d]
+        T, t, pol = len(tr.trace.y), 0, make_policy(spec)
+        run_dy = tr.runs(d, None)
         while t < T:
-            k, evals = pol.drafts(ent, t, T - t)
+            k, evals = _drafts(pol, tr.trace, d, t, T - t)
             acc = min(run_dy[t], k)
             r.seconds += _draft_and_verify_seconds(costs, d, N, k, evals)
             pol.update(k, acc)
@@ -270,12 +273,12 @@ def simulate_hispec(traces: list[Trace], spec: SpecConfig, costs: CostModel) -> 
     d, i, N = spec.draft_layer, spec.verify_layer, costs.num_layers
     r = SimResult()
     for tr in _prepared(traces):
-        T, t, pol = len(tr.trace.y), 0, _Policy(spec)
-        run_di, run_iy, ent = tr.runs(d, i), tr.runs(i, None), tr.trace.entropy[d]
+        T, t, pol = len(tr.trace.y), 0, make_policy(spec)
+        run_di, run_iy = tr.runs(d, i), tr.runs(i, None)
         while t < T:
             m = 0  # window length
             while m < spec.window and t + m < T:
-                k, evals = pol.drafts(ent, t + m, T - t - m)
+                k, evals = _drafts(pol, tr.trace, d, t + m, T - t - m)
                 acc = min(run_di[t + m], k)
                 r.seconds += _draft_and_verify_seconds(costs, d, i, k, evals)
                 pol.update(k, acc)
@@ -310,7 +313,7 @@ class Candidate:
         s, p = self.spec, self.predicted
         return {"strategy": self.strategy, "draft_layer": s.draft_layer, "verify_layer": s.verify_layer,
                 "num_draft": s.num_draft, "window": s.window, "draft_policy": s.draft_policy,
-                "svip_threshold": s.svip_threshold,
+                "svip_threshold": s.svip_threshold, "confidence_threshold": s.confidence_threshold,
                 "predicted_tokens_per_s": round(p.tokens_per_second, 2),
                 "predicted_speedup": round(p.tokens_per_second / ar_tps, 3) if ar_tps else None,
                 "tokens_per_full_pass": round(p.tokens / max(1, p.full_passes), 3),
@@ -323,10 +326,18 @@ class Candidate:
 class SearchSpace:
     num_draft: tuple[int, ...] = (1, 2, 3, 4, 6)
     window: tuple[int, ...] = (2, 3, 4, 6, 8)
-    policies: tuple[tuple[str, float], ...] = (("fixed", 2.0), ("heuristic", 2.0), ("svip", 1.0), ("svip", 2.0),
-                                               ("svip", 3.0))
+    # (policy, threshold): nats for svip, a top-1 probability for confidence
+    policies: tuple[tuple[str, float], ...] = (("fixed", 0.0), ("heuristic", 0.0), ("svip", 1.0), ("svip", 2.0),
+                                               ("svip", 3.0), ("confidence", 0.3), ("confidence", 0.5),
+                                               ("confidence", 0.7))
     draft_layers: tuple[int, ...] | None = None
     verify_layers: tuple[int, ...] | None = None
+
+
+def _policy_fields(policy: str, threshold: float) -> dict:
+    """SpecConfig fields of a ``(policy, threshold)`` pair of the search space."""
+    name = {"svip": "svip_threshold", "confidence": "confidence_threshold"}.get(policy)
+    return {"draft_policy": policy, **({name: threshold} if name else {})}
 
 
 def search(traces: list[Trace], costs: CostModel, layers: list[int], space: SearchSpace = SearchSpace()
@@ -338,13 +349,13 @@ def search(traces: list[Trace], costs: CostModel, layers: list[int], space: Sear
     i_layers = [L for L in layers if space.verify_layers is None or L in space.verify_layers]
     out = []
     for d, (pol, thr), k in itertools.product(d_layers, space.policies, space.num_draft):
-        spec = SpecConfig(d, n, num_draft=k, window=1, draft_policy=pol, svip_threshold=thr, num_layers=n)
+        spec = SpecConfig(d, n, num_draft=k, window=1, **_policy_fields(pol, thr), num_layers=n)
         out.append(Candidate("selfspec", spec, simulate_selfspec(traces, spec, costs)))
         for i in i_layers:
             if i <= d:
                 continue
             for w in space.window:
-                spec = SpecConfig(d, i, num_draft=k, window=w, draft_policy=pol, svip_threshold=thr, num_layers=n)
+                spec = SpecConfig(d, i, num_draft=k, window=w, **_policy_fields(pol, thr), num_layers=n)
                 out.append(Candidate("hispec", spec, simulate_hispec(traces, spec, costs)))
     out.sort(key=lambda c: -c.predicted.tokens_per_second)
     return out, simulate_ar(traces, costs)
@@ -388,8 +399,9 @@ def format_table(rows: list[dict], limit: int = 25) -> str:
             v = r.get(c)
             if r["strategy"] == "selfspec" and c in ("verify_layer", "window"):
                 v = "-"
-            if c == "svip_threshold" and r["draft_policy"] != "svip":
-                v = "-"
+            if c == "svip_threshold":
+                v = {"svip": r.get("svip_threshold"), "confidence": r.get("confidence_threshold")}.get(
+                    r["draft_policy"], "-")
             cells.append(f"{'-' if v is None else v:>8}")
         lines.append("  ".join(cells))
     return "\n".join(lines)

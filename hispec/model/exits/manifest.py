@@ -15,7 +15,8 @@ FORMAT_VERSION = 1
 MANIFEST_FILE = "manifest.json"
 DESIGNS = ("linear", "block")  # ExitHead (head.py), ExitBlock (model/exit_block.py)
 
-SPEC_FIELDS = ("draft_layer", "verify_layer", "num_draft", "window", "draft_policy", "svip_threshold")
+SPEC_FIELDS = ("draft_layer", "verify_layer", "num_draft", "window", "draft_policy", "svip_threshold",
+               "confidence_threshold")
 
 
 @dataclasses.dataclass
