@@ -142,6 +142,7 @@ class SamplingParams:
     presence_penalty: float = 0.0  # subtracted from the logit of every token already generated
     frequency_penalty: float = 0.0  # subtracted once per earlier occurrence in the generated tokens
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    grammar: Any = None  # a sampling.grammar.Grammar the output must match (structured output), or None
 
     def __post_init__(self) -> None:
         if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
@@ -173,7 +174,7 @@ class SamplingParams:
     @property
     def modifies_logits(self) -> bool:
         """Whether penalties or biases change the target's logits before sampling."""
-        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias)
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias or self.grammar is not None)
 
 
 DRAFT_POLICIES = ("fixed", "svip", "confidence", "heuristic")

@@ -1,5 +1,5 @@
-"""Per-request changes to the logits before a token is chosen: ``logit_bias`` and OpenAI's
-presence and frequency penalties.
+"""Per-request changes to the logits before a token is chosen: ``logit_bias``, OpenAI's
+presence and frequency penalties, and a grammar's mask (``sampling.grammar``).
 
 Speculative sampling stays exact with respect to the *modified* target distribution only if
 every level (draft, intermediate, final) and every row of a verification pass sees the
@@ -30,6 +30,7 @@ class LogitsProcessor:
             self.bias = torch.zeros(vocab_size, device=device).index_put_(
                 (torch.tensor(ids, device=device),), torch.tensor(values, device=device), accumulate=True)
         self.counts = torch.zeros(vocab_size, device=device)  # [V] occurrences in the committed output
+        self.grammar = params.grammar.state() if params.grammar is not None else None  # GrammarState
 
     @property
     def penalised(self) -> bool:
@@ -39,6 +40,8 @@ class LogitsProcessor:
         """Count newly committed output tokens."""
         if tokens and self.penalised:
             self._count(self.counts, tokens)
+        if self.grammar is not None:
+            self.grammar.commit(tokens)
 
     def __call__(self, logits: torch.Tensor,  # [T, V]
                  spec: list[int]) -> torch.Tensor:
@@ -65,6 +68,10 @@ class LogitsProcessor:
                 step[torch.arange(1, t, device=counts.device), ids] = 1.0
                 counts += step.cumsum(0)  # row r also counts the pass's first r tokens
             logits = logits - self.frequency * counts - self.presence * (counts > 0).float()
+        if self.grammar is not None:
+            if self.bias is None and not self.penalised:
+                logits = logits.clone()  # the mask is applied in place: keep the caller's raw logits
+            logits = self.grammar.mask(logits, spec)
         return logits
 
     @staticmethod

@@ -127,7 +127,24 @@ class ServerState:
             raise bad(f"the chat template rejected the messages: {e}", "messages") from None
         return self._encode(text, "messages", add_special_tokens=False)
 
-    def sampling_params(self, req: ParsedRequest, num_prompt: int, sample: int = 0) -> SamplingParams:
+    def grammar(self, req: ParsedRequest):
+        """The compiled grammar of ``req.json_schema`` (call off the event loop: the first one
+        builds the tokenizer's grammar tables, which takes seconds)."""
+        try:
+            from ..sampling.grammar import Grammar, GrammarError, llguidance_tokenizer
+        except ImportError:  # pragma: no cover - llguidance is in the server extra
+            raise bad("structured output needs the llguidance package: pip install 'hispec[server]'",
+                      "response_format") from None
+        if self.tokenizer is None:
+            raise bad("structured output needs the model's tokenizer", "response_format")
+        with self.tokenizer_lock:
+            tokenizer = llguidance_tokenizer(self.tokenizer, self.vocab_size)
+        try:
+            return Grammar.json_schema(req.json_schema, tokenizer)
+        except GrammarError as e:
+            raise bad(str(e), "response_format") from None
+
+    def sampling_params(self, req: ParsedRequest, num_prompt: int, sample: int = 0, grammar=None) -> SamplingParams:
         """The engine's parameters for sample ``sample`` (0 .. best_of - 1) of a prompt: sample j
         uses seed + j, so every choice of a seeded request is reproducible."""
         ctx = self.context_length
@@ -166,7 +183,7 @@ class ServerState:
                                   max_new_tokens=max_tokens, stop=req.stop, ignore_eos=req.ignore_eos,
                                   logprobs=logprobs, prompt_logprobs=req.logprobs if req.echo else None,
                                   presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-                                  logit_bias=req.logit_bias)
+                                  logit_bias=req.logit_bias, grammar=grammar)
         except ConfigError as e:
             raise bad(str(e)) from None
 
@@ -376,7 +393,10 @@ def create_app(state: ServerState) -> FastAPI:
     async def generate(request: Request, req: ParsedRequest) -> Response:
         prompts = await asyncio.to_thread(state.prompt_ids, req)  # off the event loop: streams go on
         samples = req.best_of if req.kind == "completion" else req.n
-        jobs = [(i, ids, state.sampling_params(req, len(ids), j)) for i, ids in enumerate(prompts)
+        grammar = None
+        if req.json_schema is not None:
+            grammar = await asyncio.get_running_loop().run_in_executor(None, state.grammar, req)
+        jobs = [(i, ids, state.sampling_params(req, len(ids), j, grammar)) for i, ids in enumerate(prompts)
                 for j in range(samples)]
         choices = submit(jobs, req.n)
         streams = [c.stream for c in choices]

@@ -130,6 +130,7 @@ class ParsedRequest:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    json_schema: dict | bool | None = None  # response_format: the output must be JSON matching it
     prompts: list[str | list[int]] = field(default_factory=list)  # completions: text or token ids each
     messages: list[dict] = field(default_factory=list)  # chat, normalised {"role", "content": str}
 
@@ -200,7 +201,32 @@ def _common(body: Any, kind: str) -> dict:
     return dict(kind=kind, model=model, stream=stream, include_usage=include_usage, max_tokens=max_tokens,
                 max_tokens_param=max_name, n=n,
                 temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stops,
-                ignore_eos=get_bool(body, "ignore_eos"), logprobs=_logprobs(body, kind), **penalties)
+                ignore_eos=get_bool(body, "ignore_eos"), logprobs=_logprobs(body, kind),
+                json_schema=_response_format(body), **penalties)
+
+
+def _response_format(body: dict) -> dict | bool | None:
+    """The JSON schema that ``response_format`` asks for: ``json_object`` is any JSON object,
+    ``json_schema`` is ``json_schema.schema``; ``text`` (or none) is None."""
+    fmt = body.get("response_format")
+    if fmt is None:
+        return None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "object"}
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict):
+            raise bad("response_format.json_schema must be an object with 'name' and 'schema'",
+                      "response_format.json_schema")
+        schema = spec.get("schema", True)
+        if not isinstance(schema, (dict, bool)):
+            raise bad("response_format.json_schema.schema must be a JSON schema (an object)",
+                      "response_format.json_schema.schema")
+        return schema
+    raise bad("response_format.type must be 'text', 'json_object' or 'json_schema'", "response_format")
 
 
 def _logprobs(body: dict, kind: str) -> int | None:
@@ -251,9 +277,6 @@ def _unsupported(body: dict, kind: str) -> None:
         for name in ("tools", "functions"):
             if body.get(name) not in (None, []):
                 raise bad(f"'{name}' (function calling) is not supported", name)
-        fmt = body.get("response_format")
-        if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-            raise bad("only response_format {'type': 'text'} is supported", "response_format")
 
 
 MAX_PROMPTS = 256

@@ -49,6 +49,7 @@ class CompletionRequest(_Sampling):
     logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS, description="alternatives per token")
     echo: Optional[bool] = Field(False, description="return the prompt (and its logprobs) too")
     suffix: Optional[str] = Field(None, description="not supported: a non-empty suffix is refused with 400")
+    response_format: Optional["ResponseFormat"] = Field(None, description="extension (vLLM's): structured output")
 
 
 class TextPart(_Open):
@@ -62,8 +63,15 @@ class ChatMessage(_Open):
     name: Optional[str] = None
 
 
+class JsonSchemaFormat(_Open):
+    name: Optional[str] = None
+    schema_: Optional[Union[dict[str, Any], bool]] = Field(None, alias="schema")
+    strict: Optional[bool] = None
+
+
 class ResponseFormat(_Open):
-    type: Literal["text"] = "text"
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    json_schema: Optional[JsonSchemaFormat] = Field(None, description="with type json_schema")
 
 
 class ChatCompletionRequest(_Sampling):
@@ -71,7 +79,7 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: Optional[int] = Field(None, ge=1)
     logprobs: Optional[bool] = False
     top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS, description="needs logprobs=true")
-    response_format: Optional[ResponseFormat] = None
+    response_format: Optional[ResponseFormat] = Field(None, description="structured output (JSON)")
     tools: Optional[list[Any]] = Field(None, description="not supported: a non-empty list is refused with 400")
 
 

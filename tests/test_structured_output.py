@@ -1,0 +1,182 @@
+"""Structured output (llguidance grammars) is lossless with respect to the constrained
+distribution in every strategy:
+
+- greedy: every strategy's output equals ``ar``'s under the same grammar, and it parses and
+  validates against the JSON schema;
+- sampling: on an 8-token model, the joint distribution of the first tokens equals the
+  masked target's (chi-square, as in ``test_speculative_sampling``), and the same statistic
+  rejects a mask that ignores the speculative tokens before each row.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("llguidance")
+
+import llguidance  # noqa: E402
+
+from hispec.config import SamplingParams, SpecConfig  # noqa: E402
+from hispec.generate import Generator  # noqa: E402
+from hispec.model.loader import load_model  # noqa: E402
+from hispec.sampling.grammar import Grammar, llguidance_tokenizer  # noqa: E402
+
+from conftest import write_char_tokenizer  # noqa: E402
+from test_speculative_sampling import (PROMPT, SPEC, TINY, VOCAB, fit, reference_probs,  # noqa: E402
+                                       report)
+
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 999},
+                                           "ok": {"type": "boolean"}, "tag": {"enum": ["ab", "cd", "ef"]}},
+          "required": ["n", "ok", "tag"], "additionalProperties": False,
+          "x-guidance": {"whitespace_flexible": False}}
+STRATEGIES = {"ar": None, "selfspec": SpecConfig(2, 6, num_draft=3), "hispec": SpecConfig(1, 3, num_draft=3, window=4),
+              "hispec-svip": SpecConfig(1, 2, draft_policy="svip", svip_threshold=3.0)}
+
+
+@pytest.fixture(scope="module", params=["agreeing", "plain"])
+def char_gen(request, tiny_model_dir, tmp_path_factory):
+    """A character-tokenizer model whose early exits agree often (drafts accepted, EOS inside
+    verified passes) or seldom (rejections and recovered tokens)."""
+    import shutil
+
+    folder = tmp_path_factory.mktemp("grammar-model") / "m"
+    shutil.copytree(tiny_model_dir("llama", eos_token_id=2, bos_token_id=1), folder)
+    write_char_tokenizer(folder)
+    gen = Generator.from_pretrained(str(folder), progress=False)
+    if request.param == "agreeing":
+        for layer in gen.model.layers[2:]:
+            layer.o_proj.weight.mul_(0.1)
+            layer.down_proj.weight.mul_(0.1)
+    return gen
+
+
+@pytest.fixture
+def strict_commits(monkeypatch):
+    """Every committed token must be one the grammar allows (its state never goes wrong)."""
+    from hispec.sampling.grammar import GrammarState
+
+    right = GrammarState.commit
+
+    def commit(self, tokens):
+        right(self, tokens)
+        assert not self.matcher.is_error(), self.matcher.get_error()
+
+    monkeypatch.setattr(GrammarState, "commit", commit)
+
+
+def valid(obj: dict) -> bool:
+    return set(obj) == {"n", "ok", "tag"} and isinstance(obj["n"], int) and 0 <= obj["n"] <= 999 \
+        and isinstance(obj["ok"], bool) and obj["tag"] in ("ab", "cd", "ef")
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_json_schema_output_in_every_strategy(char_gen, temperature, strict_commits):
+    grammar = Grammar.json_schema(SCHEMA, llguidance_tokenizer(char_gen.tokenizer, char_gen.model.cfg.vocab_size))
+    outputs = {}
+    for name, spec in STRATEGIES.items():
+        for prompt in ("Hi", "JSON please: "):
+            params = SamplingParams(temperature=temperature, seed=3, max_new_tokens=60, grammar=grammar)
+            out = char_gen.generate(prompt, params, name.split("-")[0], spec=spec, chat=True)
+            assert out.finish_reason == "eos", (name, out.text)
+            assert valid(json.loads(out.text)), (name, out.text)
+            outputs[name, prompt] = out.token_ids
+    if temperature == 0.0:
+        for prompt in ("Hi", "JSON please: "):
+            assert len({tuple(outputs[name, prompt]) for name in STRATEGIES}) == 1, prompt
+
+
+# ---- exactness on an 8-token model ----------------------------------------------------------------------
+class EightTokens:
+    """A tokenizer for llguidance: token i is the letter 'a' + i; token 2 ('<eos>') ends."""
+
+    eos_token_id, bos_token_id = 2, None
+    tokens = [bytes([ord("a") + i]) if i != 2 else b"<eos>" for i in range(VOCAB)]
+    special_token_ids = [2]
+
+    def __call__(self, s):
+        s = s.decode() if isinstance(s, bytes) else s
+        return [ord(ch) - ord("a") for ch in s]
+
+
+REGEX = "[adf][bd-h](e|[gh]f)"  # which letters may follow depends on the ones before
+
+
+@pytest.fixture(scope="module")
+def eight():
+    from llguidance._tokenizer import TokenizerWrapper
+
+    tok = llguidance.LLTokenizer(TokenizerWrapper(EightTokens()))
+    return tok, Grammar(llguidance.LLMatcher.grammar_from_regex(REGEX), tok)
+
+
+@pytest.fixture(scope="module")
+def gen8(tiny_model_dir):
+    g = Generator(load_model(tiny_model_dir("llama", seed=1, **TINY)))
+    g.eos_ids = frozenset()
+    return g
+
+
+@pytest.fixture(scope="module")
+def hf8(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir("llama", seed=1, **TINY), dtype=torch.float32).eval()
+
+
+def allowed(grammar: Grammar, prefix: tuple[int, ...]) -> list[int]:
+    m = llguidance.LLMatcher(grammar.tokenizer, grammar.spec)
+    assert m.consume_tokens(list(prefix))
+    return [t for t in range(VOCAB) if m.validate_tokens([t]) == 1]
+
+
+def exact_joint(hf, grammar, params) -> dict:
+    joint = {(): 1.0}
+    for _ in range(params.max_new_tokens):
+        prefixes = list(joint)
+        with torch.no_grad():
+            logits = hf(torch.tensor([PROMPT + list(s) for s in prefixes])).logits[:, -1].double()
+        for r, s in enumerate(prefixes):
+            mask = torch.full((VOCAB,), float("-inf"), dtype=torch.float64)
+            mask[allowed(grammar, s)] = 0.0
+            logits[r] += mask
+        probs = reference_probs(logits, params)
+        joint = {s + (t,): joint[s] * float(probs[i, t]) for i, s in enumerate(prefixes) for t in range(VOCAB)
+                 if probs[i, t] > 0}
+    return joint
+
+
+def empirical(gen, strategy, params, grammar, num_seeds):
+    from collections import Counter
+
+    counts = Counter()
+    for seed in range(num_seeds):
+        p = SamplingParams(temperature=params.temperature, seed=seed, max_new_tokens=params.max_new_tokens,
+                           grammar=grammar)
+        counts[tuple(gen.generate(PROMPT, p, strategy, spec=SPEC).token_ids)] += 1
+    return counts
+
+
+def test_hispec_samples_the_constrained_distribution(gen8, hf8, eight):
+    _, grammar = eight
+    params = SamplingParams(temperature=1.0, max_new_tokens=3)
+    joint = exact_joint(hf8, grammar, params)
+    result = fit(empirical(gen8, "hispec", params, grammar, 400), joint)
+    report("hispec/T1-grammar", result)
+    assert result["stat"] <= result["bound"], result
+
+
+def test_the_statistic_rejects_a_mask_blind_to_speculative_tokens(gen8, hf8, eight, monkeypatch):
+    """WRONG: every row of a pass masked with the committed tokens' state."""
+    from hispec.sampling.grammar import GrammarState
+
+    _, grammar = eight
+    right = GrammarState.mask
+    monkeypatch.setattr(GrammarState, "mask",
+                        lambda self, logits, spec: torch.cat([right(self, row, []) for row in logits.split(1)]))
+    params = SamplingParams(temperature=1.0, max_new_tokens=3)
+    joint = exact_joint(hf8, grammar, params)
+    result = fit(empirical(gen8, "hispec", params, grammar, 200), joint)
+    report("WRONG blind grammar/hispec/T1-grammar", result)
+    assert result["stat"] > result["bound"], result
