@@ -311,6 +311,9 @@ class Engine:
                 parts.append((s, s.num_cached, int(end)))
                 budget -= end - s.num_cached
         if parts:
+            started = time.perf_counter()
+            for s, _, _ in parts:
+                s.scheduled_time = s.scheduled_time or started  # first scheduled (vLLM's end of queue time)
             items = [(s.seq_id, a, s.ctx.token_tensor(s.ctx.tokens[a:b])) for s, a, b in parts]
             with phase_timer([s.ctx.stats for s, _, _ in parts], "prefill", self.model.device):
                 hidden = self.runner.forward_many(items, 0, self.model.num_layers)  # each [b - a, H]
