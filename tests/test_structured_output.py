@@ -177,6 +177,6 @@ def test_the_statistic_rejects_a_mask_blind_to_speculative_tokens(gen8, hf8, eig
                         lambda self, logits, spec: torch.cat([right(self, row, []) for row in logits.split(1)]))
     params = SamplingParams(temperature=1.0, max_new_tokens=3)
     joint = exact_joint(hf8, grammar, params)
-    result = fit(empirical(gen8, "hispec", params, grammar, 200), joint)
+    result = fit(empirical(gen8, "hispec", params, grammar, 100), joint)
     report("WRONG blind grammar/hispec/T1-grammar", result)
     assert result["stat"] > result["bound"], result
