@@ -123,7 +123,7 @@ class Comm:
 
 def init_group(rank: int, world_size: int, address: str, device: torch.device,
                timeout_s: float = DEFAULT_TIMEOUT_S) -> Comm:
-    """Join the group at ``address`` (``tcp://host:port``): NCCL for CUDA devices, else gloo."""
+    """Join the group at ``address`` (``file://...`` or ``tcp://host:port``): NCCL for CUDA devices, else gloo."""
     timeout = datetime.timedelta(seconds=timeout_s)
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":

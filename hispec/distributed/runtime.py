@@ -22,7 +22,6 @@ from __future__ import annotations
 import itertools
 import multiprocessing
 import os
-import socket
 import sys
 import threading
 import time
@@ -345,10 +344,11 @@ def follow(model: nn.Module, *, fail_after: int | None = None, fail_mode: str = 
 
 
 # ---- starting a group -------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _rendezvous() -> str:
+    """A fresh file for the ranks to meet at (no port to pick, so no race with other processes)."""
+    import tempfile
+
+    return "file://" + os.path.join(tempfile.mkdtemp(prefix="hispec-tp-"), "rendezvous")
 
 
 def rank_device(device: str, rank: int) -> torch.device:
@@ -384,7 +384,11 @@ def start_group(path, world_size: int, *, device: str = "cpu", dtype: torch.dtyp
     (tests of the failure path).
     """
     ctx = multiprocessing.get_context("spawn")
-    address = f"tcp://127.0.0.1:{_free_port()}"
+    address = _rendezvous()
+    import atexit
+    import shutil
+
+    atexit.register(shutil.rmtree, os.path.dirname(address.removeprefix("file://")), True)
     dtype_name = str(dtype).removeprefix("torch.")
     procs = []
     for rank in range(1, world_size):
