@@ -242,3 +242,34 @@ def test_response_format_json_schema(client):
         client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=5, response_format={
             "type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "no-such-type"}}})
     assert e.value.body["param"] == "response_format"
+
+
+# ---- tools ------------------------------------------------------------------------------------------------
+def test_tool_call_round_trip_with_the_openai_client(client):
+    """A forced call parses and validates; the result goes back in the history and the model answers;
+    the stream delivers the same call as ``delta.tool_calls``; a bad tool is an OpenAI-shaped 400."""
+    pytest.importorskip("llguidance")
+    from test_server_tools import TOOLS, valid_call
+
+    msgs = [{"role": "user", "content": "Weather in Rome?"}]
+    for choice in ({"type": "function", "function": {"name": "get_weather"}}, "required"):
+        r = client.chat.completions.create(model=MODEL, messages=msgs, tools=TOOLS, tool_choice=choice,
+                                           max_tokens=120, temperature=0)
+        c = r.choices[0]
+        assert c.finish_reason == "tool_calls" and len(c.message.tool_calls) == 1, c.message
+        call = c.message.tool_calls[0]
+        assert call.type == "function" and call.id and valid_call(call.model_dump())
+    stream = client.chat.completions.create(model=MODEL, messages=msgs, tools=TOOLS, tool_choice=choice,
+                                            max_tokens=120, temperature=0, stream=True)
+    chunks = list(stream)
+    streamed = [t for ch in chunks for t in (ch.choices[0].delta.tool_calls or [])]
+    assert [t.function.model_dump() for t in streamed] == [call.function.model_dump()]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    history = msgs + [c.message.model_dump(exclude_none=True),
+                      {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"}]
+    r = client.chat.completions.create(model=MODEL, messages=history, tools=TOOLS, max_tokens=8, temperature=0)
+    assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=5,
+                                       tools=[{"type": "function", "function": {"name": "bad name"}}])
+    assert e.value.body["param"] == "tools[0].function.name"

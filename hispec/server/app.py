@@ -29,6 +29,8 @@ from .schema import add_api_models
 from .responses import (Choice, best, chat_logprobs, completion_logprobs, echo_logprobs, join_logprobs,
                         usage)
 from .protocol import SEED_RANGE, APIError, ParsedRequest, bad, check_text, parse_chat, parse_completion
+from .tools import (CallStream, fallback_messages, forced_grammar, parse_calls, template_knows_tools,
+                    template_messages)
 
 API_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models")
 MAX_BODY_BYTES = 16 * 1024 * 1024
@@ -120,29 +122,39 @@ class ServerState:
             raise bad("this model has no tokenizer: send the prompt as a list of token ids", "prompt")
         if not getattr(tok, "chat_template", None):
             raise bad("this model has no chat template: use /v1/completions", "messages")
+        tools = req.tools if req.tool_choice not in (None, "none") else []
         try:
             with self.tokenizer_lock:
-                text = tok.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=False)
+                if template_knows_tools(tok):
+                    text = tok.apply_chat_template(template_messages(req.messages), add_generation_prompt=True,
+                                                   tokenize=False, tools=[{"type": "function", "function": t}
+                                                                          for t in tools] or None)
+                else:
+                    text = tok.apply_chat_template(fallback_messages(req.messages, tools), add_generation_prompt=True,
+                                                   tokenize=False)
         except Exception as e:  # jinja's TemplateError and friends: the template refused the messages
             raise bad(f"the chat template rejected the messages: {e}", "messages") from None
         return self._encode(text, "messages", add_special_tokens=False)
 
     def grammar(self, req: ParsedRequest):
-        """The compiled grammar of ``req.json_schema`` (call off the event loop: the first one
-        builds the tokenizer's grammar tables, which takes seconds)."""
+        """The compiled grammar of ``req.json_schema``, or of a forced tool call (call off the event
+        loop: the first one builds the tokenizer's grammar tables, which takes seconds)."""
+        param = "response_format" if req.json_schema is not None else "tool_choice"
         try:
             from ..sampling.grammar import Grammar, GrammarError, llguidance_tokenizer
         except ImportError:  # pragma: no cover - llguidance is in the server extra
             raise bad("structured output needs the llguidance package: pip install 'hispec[server]'",
-                      "response_format") from None
+                      param) from None
         if self.tokenizer is None:
-            raise bad("structured output needs the model's tokenizer", "response_format")
+            raise bad("structured output needs the model's tokenizer", param)
         with self.tokenizer_lock:
             tokenizer = llguidance_tokenizer(self.tokenizer, self.vocab_size)
         try:
-            return Grammar.json_schema(req.json_schema, tokenizer)
+            if req.json_schema is not None:
+                return Grammar.json_schema(req.json_schema, tokenizer)
+            return Grammar(forced_grammar(req.tools, req.tool_choice), tokenizer)
         except GrammarError as e:
-            raise bad(str(e), "response_format") from None
+            raise bad(str(e), "tools" if param == "tool_choice" else param) from None
 
     def sampling_params(self, req: ParsedRequest, num_prompt: int, sample: int = 0, grammar=None) -> SamplingParams:
         """The engine's parameters for sample ``sample`` (0 .. best_of - 1) of a prompt: sample j
@@ -394,7 +406,7 @@ def create_app(state: ServerState) -> FastAPI:
         prompts = await asyncio.to_thread(state.prompt_ids, req)  # off the event loop: streams go on
         samples = req.best_of if req.kind == "completion" else req.n
         grammar = None
-        if req.json_schema is not None:
+        if req.json_schema is not None or req.tool_choice not in (None, "none", "auto"):
             grammar = await asyncio.get_running_loop().run_in_executor(None, state.grammar, req)
         jobs = [(i, ids, state.sampling_params(req, len(ids), j, grammar)) for i, ids in enumerate(prompts)
                 for j in range(samples)]
@@ -453,8 +465,12 @@ def create_app(state: ServerState) -> FastAPI:
 
     def chat_choice(c: Choice, req: ParsedRequest) -> dict:
         logprobs = chat_logprobs(c.logprobs, state.token_text) if req.logprobs is not None else None
-        return {"index": c.index, "message": {"role": "assistant", "content": c.text}, "logprobs": logprobs,
-                "finish_reason": c.stream.finish_reason}
+        message, reason = {"role": "assistant", "content": c.text}, c.stream.finish_reason
+        if req.tool_choice not in (None, "none"):
+            content, calls = parse_calls(c.text, req.tools)
+            if calls:
+                message, reason = {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
+        return {"index": c.index, "message": message, "logprobs": logprobs, "finish_reason": reason}
 
     async def collect(request: Request, choices: list[Choice]) -> bool:
         """Read every choice to its end; False if the client disconnected first."""
@@ -514,8 +530,9 @@ def create_app(state: ServerState) -> FastAPI:
                 yield chunk(rid, created, obj, {"index": choice.index, **(content or empty),
                                                 "logprobs": logprobs, "finish_reason": None})
             if delta.finished:
+                reason = "tool_calls" if choice.calls is not None and choice.calls.count else delta.finish_reason
                 final = {"index": choice.index, **({"delta": {}} if req.kind == "chat" else {"text": ""}),
-                         "logprobs": None, "finish_reason": delta.finish_reason}
+                         "logprobs": None, "finish_reason": reason}
                 yield chunk(rid, created, obj, final, hispec_stats=delta.stats)
         if req.include_usage:
             yield chunk(rid, created, obj, None, usage=usage(choices))
@@ -528,7 +545,17 @@ def create_app(state: ServerState) -> FastAPI:
                                             "logprobs": None, "finish_reason": None})
 
         def body(choice: Choice, delta, echo: bool):
-            return {"delta": {"content": delta.text}} if delta.text or echo else None
+            if req.tool_choice in (None, "none"):
+                return {"delta": {"content": delta.text}} if delta.text or echo else None
+            if choice.calls is None:
+                choice.calls = CallStream(req.tools)
+            text, calls = choice.calls.feed(delta.text)
+            if delta.finished:
+                text += choice.calls.flush()
+            out = {"content": text} if text else {}
+            if calls:
+                out["tool_calls"] = calls
+            return {"delta": out} if out else None
 
         async for event in events(choices, req, rid, created, obj, body):
             yield event

@@ -132,7 +132,9 @@ class ParsedRequest:
     logit_bias: tuple[tuple[int, float], ...] = ()
     json_schema: dict | bool | None = None  # response_format: the output must be JSON matching it
     prompts: list[str | list[int]] = field(default_factory=list)  # completions: text or token ids each
-    messages: list[dict] = field(default_factory=list)  # chat, normalised {"role", "content": str}
+    messages: list[dict] = field(default_factory=list)  # chat, normalised {"role", "content": str, ...}
+    tools: list[dict] = field(default_factory=list)  # chat: function definitions {"name", "parameters", ...}
+    tool_choice: str | None = None  # "none", "auto", "required" or a function name (None: no tools)
 
 
 SEED_RANGE = (-(2 ** 63), 2 ** 64 - 1)  # what torch.Generator.manual_seed accepts
@@ -274,9 +276,8 @@ def _unsupported(body: dict, kind: str) -> None:
         if body.get("suffix") not in (None, ""):
             raise bad("'suffix' is not supported: the served models have no fill-in-the-middle format", "suffix")
     else:
-        for name in ("tools", "functions"):
-            if body.get(name) not in (None, []):
-                raise bad(f"'{name}' (function calling) is not supported", name)
+        if body.get("functions") not in (None, []):
+            raise bad("'functions' (legacy function calling) is not supported: use 'tools'", "functions")
 
 
 MAX_PROMPTS = 256
@@ -318,10 +319,12 @@ def parse_completion(body: Any, vocab_size: int) -> ParsedRequest:
     return req
 
 
-CHAT_ROLES = {"system", "developer", "user", "assistant"}
+CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
 
 
 def parse_chat(body: Any, vocab_size: int) -> ParsedRequest:
+    from .tools import history_tool_calls, parse_tool_choice, parse_tools
+
     fields = _common(body, "chat")
     messages = body.get("messages")
     if messages is None:
@@ -337,10 +340,25 @@ def parse_chat(body: Any, vocab_size: int) -> ParsedRequest:
         if not isinstance(role, str) or role not in CHAT_ROLES:
             raise bad(f"{param}.role must be one of {', '.join(sorted(CHAT_ROLES))}, got {_show(role)}",
                       f"{param}.role")
-        out.append({"role": "system" if role == "developer" else role,
-                    "content": _content_text(m.get("content"), role, f"{param}.content")})
+        msg = {"role": "system" if role == "developer" else role}
+        if role == "assistant":
+            msg["tool_calls"] = history_tool_calls(m, param)
+        if role == "tool":
+            call_id = m.get("tool_call_id")
+            if not isinstance(call_id, str):
+                raise bad(f"{param}.tool_call_id is required (a string) in a tool message", f"{param}.tool_call_id")
+            msg["tool_call_id"] = call_id
+        msg["content"] = _content_text(m.get("content"), "assistant" if msg.get("tool_calls") else role,
+                                       f"{param}.content")
+        if not msg.get("tool_calls"):
+            msg.pop("tool_calls", None)
+        out.append(msg)
     req = ParsedRequest(**fields, logit_bias=logit_bias(body, vocab_size))
     req.messages = out
+    req.tools = parse_tools(body)
+    req.tool_choice = parse_tool_choice(body, req.tools)
+    if req.tool_choice not in (None, "none", "auto") and req.json_schema is not None:
+        raise bad("'response_format' and a forced 'tool_choice' cannot be combined", "tool_choice")
     return req
 
 

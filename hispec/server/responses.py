@@ -7,7 +7,7 @@ numbering), so a list of prompts reads back in order.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 from ..sampling.logprobs import TokenLogprob
 from .async_engine import Delta, RequestStream
@@ -25,6 +25,7 @@ class Choice:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] | None = None
     echoed: bool = False  # streaming: the echoed prompt has been sent
+    calls: Any = None  # streaming with tools: the choice's CallStream
 
     def add(self, delta: Delta) -> None:
         self.text += delta.text

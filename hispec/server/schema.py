@@ -58,9 +58,11 @@ class TextPart(_Open):
 
 
 class ChatMessage(_Open):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Optional[Union[str, list[TextPart]]] = Field(None, description="null only for the assistant")
     name: Optional[str] = None
+    tool_calls: Optional[list[Any]] = Field(None, description="assistant: the calls it made")
+    tool_call_id: Optional[str] = Field(None, description="tool: the call this message answers")
 
 
 class JsonSchemaFormat(_Open):
@@ -80,7 +82,9 @@ class ChatCompletionRequest(_Sampling):
     logprobs: Optional[bool] = False
     top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS, description="needs logprobs=true")
     response_format: Optional[ResponseFormat] = Field(None, description="structured output (JSON)")
-    tools: Optional[list[Any]] = Field(None, description="not supported: a non-empty list is refused with 400")
+    tools: Optional[list[Any]] = Field(None, description="function tools {'type': 'function', 'function': {...}}")
+    tool_choice: Optional[Union[str, dict[str, Any]]] = Field(
+        None, description="'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}")
 
 
 class ErrorBody(BaseModel):
