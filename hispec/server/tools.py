@@ -82,7 +82,7 @@ def parse_tool_choice(body: dict, tools: list[dict]) -> str | None:
         return choice
     if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
         name = choice["function"].get("name")
-        if name not in {t["name"] for t in tools}:
+        if not isinstance(name, str) or name not in {t["name"] for t in tools}:
             raise bad(f"tool_choice names function {name!r}, which is not in 'tools'", "tool_choice")
         return name
     raise bad("'tool_choice' must be 'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}",
