@@ -118,6 +118,9 @@ def cmd_bench(args) -> int:
         raise UsageError("--agree-first must be >= 1")
     gen = load_generator(args, progress=not args.no_progress)
     peers = build_peers(peer_specs, args, gen, out)
+    if peers:  # SIGTERM (e.g. timeout) runs the finally below, which stops the peer processes
+        import signal
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         return _bench(args, gen, strategies, exit_layers, categories, prompts, params, out, peers, started,
                       load_at_start)

@@ -67,6 +67,12 @@ class VLLM:
                             max_num_seqs=args.max_batch, seed=0)
         self.info = {"engine": "vllm", "version": vllm.__version__, "dtype": args.dtype, "batching": True}
 
+    def close(self) -> None:
+        """Stop vLLM's engine-core process with this one (it would outlive it otherwise)."""
+        shutdown = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
+        if shutdown is not None and hasattr(shutdown, "shutdown"):
+            shutdown.shutdown()
+
     def generate(self, prompts, max_new_tokens, eos, ignore_eos, batch_size):
         params = self.vllm.SamplingParams(temperature=0.0, max_tokens=max_new_tokens, ignore_eos=ignore_eos,
                                           stop_token_ids=list(eos), detokenize=False)
@@ -146,6 +152,14 @@ def main(argv=None) -> int:
         replies.write(json.dumps({"error": f"{type(e).__name__}: {e}"}) + "\n")
         return 1
     replies.write(json.dumps({"ready": True, "info": engine.info}) + "\n")
+    try:
+        return _serve(engine, replies)
+    finally:  # also when the benchmark goes away (stdin closes)
+        if hasattr(engine, "close"):
+            engine.close()
+
+
+def _serve(engine, replies) -> int:
     for line in sys.stdin:
         if not line.strip():
             continue
