@@ -46,6 +46,11 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
     g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="weights dtype (default: float32 on cpu, bfloat16 on cuda)")
+    g.add_argument("--quantize", default="auto", choices=["auto", "none", "native", "int4", "int8"],
+                   help="weight format on CPU: native = a GGUF file's own 4-bit blocks on the int4 kernel; "
+                        "int4 / int8 = quantize float weights (int4: groups of 32, int8: per row); none = --dtype "
+                        "weights. Default auto: native for 4-bit GGUF models (the default model) where the "
+                        "kernels are faster on this CPU, else none; an explicit --dtype means none")
     g.add_argument("--allow-pickle", action="store_true",
                    help="allow loading pickle checkpoints (.bin/.pt): only for files you trust")
     g.add_argument("--exits", default=None, metavar="PATH",
@@ -119,16 +124,16 @@ def load_generator(args, progress: bool = True):
         raise UsageError("--device cuda: no CUDA device is available on this machine")
     if device not in ("cpu",) and not device.startswith("cuda"):
         raise UsageError(f"--device must be cpu or cuda, got {device!r}")
-    dtype_name = args.dtype or ("float32" if device == "cpu" else "bfloat16")
-    dtype = getattr(torch, dtype_name)
+    dtype_name = args.dtype or (None if device == "cpu" else "bfloat16")  # cpu: float32 unless quantized
+    dtype = getattr(torch, dtype_name) if dtype_name else None
     if getattr(args, "no_exits", False) and args.exits:
         raise UsageError("--exits and --no-exits exclude each other")
     exits = False if getattr(args, "no_exits", False) else (args.exits or True)
     tp = getattr(args, "tensor_parallel_size", 1)
     if tp != 1:
-        return _load_tensor_parallel(args, tp, device, dtype, exits, progress)
+        return _load_tensor_parallel(args, tp, device, dtype or torch.float32, exits, progress)
     gen = Generator.from_pretrained(args.model, device=device, dtype=dtype, allow_pickle=args.allow_pickle,
-                                    exits=exits, progress=progress)
+                                    exits=exits, progress=progress, quantize=getattr(args, "quantize", "none"))
     return gen
 
 
@@ -205,7 +210,7 @@ def _generate_one(gen, args, params, spec) -> int:
     else:
         sys.stdout.write("\n")
     if args.stats:
-        print_stats(out, sys.stderr)
+        print_stats(out, sys.stderr, kernels_of(gen))
     return 0
 
 
@@ -224,7 +229,7 @@ def _generate_many(gen, args, params, spec, prompts) -> int:
         else:
             print(f"### {p.id}\n{out.text}\n", flush=True)
     if args.stats:
-        print_stats_table(total, tokens, seconds, sys.stderr)
+        print_stats_table(total, tokens, seconds, sys.stderr, kernels_of(gen))
     return 0
 
 
@@ -259,7 +264,7 @@ def _generate_batched(gen, args, params, spec, prompts) -> int:
             print(f"### {p.id}\n{out.text}\n", flush=True)
     if args.stats:
         tokens = sum(o.new_tokens for o in outputs)
-        print_stats_table(total, tokens, llm.seconds, sys.stderr)
+        print_stats_table(total, tokens, llm.seconds, sys.stderr, kernels_of(gen))
         print(f"  engine: {json.dumps(llm.engine.stats())}", file=sys.stderr)
     return 0
 
@@ -271,11 +276,19 @@ def output_record(pid: str, out, strategy: str) -> dict:
             "finish_reason": out.finish_reason, "strategy": strategy, "stats": out.stats.to_dict()}
 
 
-def print_stats(out, file) -> None:
-    print_stats_table(out.stats, out.new_tokens, out.seconds, file)
+def print_stats(out, file, kernels: str | None = None) -> None:
+    print_stats_table(out.stats, out.new_tokens, out.seconds, file, kernels)
 
 
-def print_stats_table(stats, tokens: int, seconds: float, file) -> None:
+def kernels_of(gen) -> str | None:
+    """Which kernels the generator's model runs on (None for a model this cannot inspect)."""
+    from .model.kernels import describe
+
+    model = getattr(gen, "model", None)
+    return describe(model) if hasattr(model, "layers") and hasattr(model, "weight_format") else None
+
+
+def print_stats_table(stats, tokens: int, seconds: float, file, kernels: str | None = None) -> None:
     d = stats.to_dict()
     rate = tokens / seconds if seconds else 0.0
     lines = [f"strategy {d['strategy']}: {tokens} tokens in {seconds:.2f} s = {rate:.1f} tokens/s; "
@@ -285,6 +298,8 @@ def print_stats_table(stats, tokens: int, seconds: float, file) -> None:
         lines.append(f"  {name:<22} draft tokens {lv['draft_tokens']:>6}  accepted {lv['accepted_tokens']:>6}  "
                      f"rate {lv['acceptance_rate']:.3f}  per position [{per_pos}]")
     phases = "  ".join(f"{k} {v:.2f}s" for k, v in d["phase_seconds"].items() if v)
+    if kernels:
+        lines.append(f"  kernels: {kernels}")
     lines.append(f"  seconds per phase: {phases}")
     if d["plain_steps"]:
         lines.append(f"  adaptive: {d['plain_steps']} of {d['full_passes']} steps decoded plainly (measured "

@@ -77,16 +77,25 @@ class Generator:
 
     @classmethod
     def from_pretrained(cls, name_or_path: str = "default", *, device: str = "cpu",
-                        dtype: torch.dtype = torch.float32, allow_pickle: bool = False,
-                        exits: str | Path | bool = True, progress: bool = True) -> "Generator":
+                        dtype: torch.dtype | None = None, allow_pickle: bool = False,
+                        exits: str | Path | bool = True, progress: bool = True,
+                        quantize: str = "auto") -> "Generator":
         """Load a model by name or path. ``exits``: True finds the model's trained exit heads (the
         ones shipped for the default model, or an ``exits/`` folder in the model folder), a path
-        loads those, False exits through the model's own final head."""
+        loads those, False exits through the model's own final head. ``quantize``: ``none``
+        (``dtype`` weights), ``native`` (a GGUF file's own 4-bit weights), ``int4``/``int8``, or
+        ``auto``: native where it runs faster on this CPU (``model/loader.py``), unless a ``dtype``
+        is given (``dtype=torch.float32`` is the float32 reference). ``dtype`` defaults to float32."""
         from .model.loader import load_model
-        from .model.registry import resolve_model
+        from .model.registry import gguf_source, resolve_model
 
         folder = resolve_model(name_or_path, progress=progress)
-        model = load_model(folder, device=device, dtype=dtype, allow_pickle=allow_pickle)
+        if quantize == "auto" and dtype is not None:
+            quantize = "none"
+        dtype = dtype or torch.float32
+        gguf = gguf_source(name_or_path) if quantize in ("auto", "native") else None
+        model = load_model(folder, device=device, dtype=dtype, allow_pickle=allow_pickle, quantize=quantize,
+                           gguf=gguf)
         gen = cls(model, load_tokenizer(folder))
         gen.model_path = folder
         if exits is not False:

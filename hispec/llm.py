@@ -39,7 +39,7 @@ class LLM:
     """
 
     def __init__(self, model: str | Generator = "default", strategy: str = "hispec", *, spec: SpecConfig | None = None,
-                 device: str = "cpu", dtype: torch.dtype = torch.float32, max_batch_size: int = 16,
+                 device: str = "cpu", dtype: torch.dtype | None = None, max_batch_size: int = 16,
                  kv_blocks: int | None = None, kv_memory_fraction: float | None = None, block_size: int = 16,
                  adaptive: bool = True, prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> None:
         self.generator = model if isinstance(model, Generator) else Generator.from_pretrained(model, device=device,

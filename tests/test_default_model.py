@@ -29,7 +29,7 @@ NUM_PROMPTS, NEW_TOKENS = 20, 64
 def generator():
     from hispec.generate import Generator
 
-    return Generator.from_pretrained("default", progress=False)
+    return Generator.from_pretrained("default", dtype=torch.float32, progress=False)  # the float32 reference
 
 
 @pytest.fixture(scope="module")

@@ -418,3 +418,41 @@ def test_default_model_second_call_noop(smol):
     assert convert_gguf(src, out, progress=False) == out
     assert time.perf_counter() - t0 < 1.0
     assert (out / "model.safetensors").stat().st_mtime_ns == before
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0], ids=lambda q: q.name)
+def test_native_weights_are_the_files_own(tmp_path, qtype):
+    """``--quantize native``: the 4-bit tensors run on the int4 kernel with the file's exact
+    values (``source_weight``), the others stay float32; logits stay close to the float32 copy."""
+    from hispec.model.loader import apply_quantization, load_model
+    from hispec.model.quant import QuantLinear
+
+    model = _tiny_hf_model(tie=False)
+    src = tmp_path / "tiny.gguf"
+    _write_tiny_gguf(src, model, qtype=qtype)
+    out = convert_gguf(src, tmp_path / "out", progress=False)
+    ref = load_model(out)
+    native = load_model(out, quantize="native", gguf=src) if qtype != Q.Q8_0 else None
+    if native is None:  # Q8_0 decoder tensors have no kernel here: nothing to run natively
+        with pytest.raises(Exception, match="no Q4_0/Q4_1"):
+            apply_quantization(load_model(out), "native", src)
+        return
+    assert native.weight_format == "native"
+    for layer, want in zip(native.layers, ref.layers):
+        for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+            lin = getattr(layer, name)
+            assert isinstance(lin, QuantLinear) and lin.source == qtype.name
+            assert torch.equal(lin.source_weight(), getattr(want, name).weight)
+    from hispec.cache.block_manager import BlockManager
+    from hispec.cache.kv_cache import KVPool
+    from hispec.decode.base import LayerRunner
+
+    ids = torch.tensor([1, 40, 50, 60, 70, 80, 90, 100])
+    logits = []
+    for m in (ref, native):
+        blocks, pool = BlockManager(4, 16, 2), KVPool(2, 4, 16, 2, 16, torch.float32, "cpu")
+        blocks.add_sequence(0)
+        h = LayerRunner(m, blocks, pool).forward(0, 0, ids, 0, 2)
+        logits.append(m.exit_logits(h, 2))
+    assert (logits[0] - logits[1]).abs().max() < 0.05 * logits[0].abs().max()
+    assert apply_quantization(load_model(out), "auto", src) in ("native", "none")

@@ -1,6 +1,7 @@
 """Greedy decoding is lossless: ``selfspec`` and ``hispec`` produce ``ar``'s token ids exactly.
 
-"Identical" here means the same token ids in float32 on these tiny random models: batched
+"Identical" here means the same token ids in the same precision and kernels (float32, or the
+int4/int8 kernels) on these tiny random models: batched
 verification passes may differ from one-token passes in the last bits of the logits, which
 would only matter at an exact argmax tie (none occurs on these models and settings).
 """
@@ -14,7 +15,7 @@ from hypothesis import strategies as st
 from hispec.config import SamplingParams, SpecConfig
 from hispec.decode.stats import LevelStats
 from hispec.generate import Generator
-from hispec.model.loader import load_model
+from hispec.model.loader import apply_quantization, load_model
 
 # name -> (family, overrides, agreeing)
 MODELS = {
@@ -23,7 +24,10 @@ MODELS = {
     "qwen3-5l": ("qwen3", {"num_hidden_layers": 5}, False),
     "llama-agree": ("llama", {}, True),
     "qwen2-agree": ("qwen2", {}, True),
+    "llama-int4": ("llama", {}, False),  # decoder linears on the int4 kernel (bfloat16 activations)
+    "qwen2-agree-int8": ("qwen2", {}, True),
 }
+QUANTIZED = {"llama-int4": "int4", "qwen2-agree-int8": "int8"}
 
 
 def make_agreeing(model) -> None:
@@ -43,6 +47,8 @@ def gens(tiny_model_dir) -> dict[str, Generator]:
         model = load_model(tiny_model_dir(family, **overrides))
         if agreeing:
             make_agreeing(model)
+        if name in QUANTIZED:
+            apply_quantization(model, QUANTIZED[name])
         out[name] = Generator(model)
     return out
 

@@ -189,6 +189,7 @@ class DecoderModel(nn.Module):
             inv_freq, _ = rope_inv_freq(cfg)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.exits: dict[int, nn.Module] = {}  # trained exits by layer; see model/exits/, exit_block.py
+        self.weight_format = "none"  # or "native" / "int4" / "int8": see loader.apply_quantization
 
     @property
     def num_layers(self) -> int:
@@ -244,7 +245,7 @@ class DecoderModel(nn.Module):
         h = self.norm(h)
         if self.project_out is not None:
             h = self.project_out(h)
-        return linear(h, self.lm_head.weight)
+        return self.lm_head(h)
 
     def exit_logits(self, h: torch.Tensor, layer: int) -> torch.Tensor:
         """Logits ``[T, V]`` of the exit after ``layer`` decoder layers.

@@ -159,8 +159,14 @@ def load_weights(model: DecoderModel, files: list[Path], dtype: torch.dtype) -> 
 
 
 def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-               allow_pickle: bool = False) -> DecoderModel:
-    """Load a Hugging Face model folder as a ``DecoderModel`` in eval mode."""
+               allow_pickle: bool = False, quantize: str = "none", gguf: str | Path | None = None) -> DecoderModel:
+    """Load a Hugging Face model folder as a ``DecoderModel`` in eval mode.
+
+    ``quantize`` (see :data:`QUANTIZE`): ``native`` puts the 4-bit tensors of ``gguf`` (the file
+    the folder was converted from) on the int4 kernel, ``int4`` / ``int8`` quantize the decoder's
+    float weights, ``auto`` is ``native`` where the file has 4-bit tensors and the kernels pay on
+    this CPU (``kernels.py``), else ``none``.
+    """
     path = Path(path)
     if not path.is_dir():
         raise ModelLoadError(f"model folder {path} does not exist")
@@ -174,4 +180,52 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
     if cfg.family != "opt":  # the RoPE buffer was built on the meta device
         from .llama import rope_inv_freq
         model.inv_freq = rope_inv_freq(cfg)[0]
-    return model.to(device).eval().requires_grad_(False)
+    model = model.to(device).eval().requires_grad_(False)
+    apply_quantization(model, quantize, gguf)
+    return model
+
+
+QUANTIZE = ("auto", "none", "native", "int4", "int8")
+
+
+def apply_quantization(model: DecoderModel, quantize: str, gguf: str | Path | None = None) -> str:
+    """Put the decoder's linear layers on the quantized kernels as ``quantize`` asks; returns the
+    format chosen (``model.weight_format``)."""
+    from .kernels import quantized_kernels_pay
+    from .quant import quantize_linears
+
+    if quantize not in QUANTIZE:
+        raise ConfigError(f"unknown quantization {quantize!r}; choose from {', '.join(QUANTIZE)}")
+    on_cpu = model.device.type == "cpu"
+    if quantize == "auto":
+        pays = on_cpu and gguf is not None and quantized_kernels_pay()[0]
+        quantize = "native" if pays and _has_four_bit(gguf) else "none"
+    if quantize != "none" and not on_cpu:
+        raise ConfigError(f"--quantize {quantize}: the int4/int8 kernels are CPU kernels; use --quantize none on "
+                          f"{model.device.type}")
+    if quantize == "native":
+        if gguf is None:
+            raise ConfigError("--quantize native needs a GGUF model (the default model or a .gguf file)")
+        from .gguf_weights import native_linears
+
+        linears, kind = native_linears(gguf, model.cfg.num_heads, model.cfg.num_kv_heads)
+        if not linears:
+            raise ConfigError(f"{Path(gguf).name} has no Q4_0/Q4_1 decoder tensors to run natively")
+        for name, layer in linears.items():
+            parent, child = name.rsplit(".", 1)
+            setattr(model.get_submodule(parent), child, layer)
+        from .gguf_weights import native_head
+
+        head = native_head(gguf)
+        if head is not None:  # the embedding keeps its float32 copy of the same values for lookups
+            model.lm_head = head
+    elif quantize in ("int4", "int8"):
+        quantize_linears(model.layers, quantize)
+    model.weight_format = quantize
+    return quantize
+
+
+def _has_four_bit(gguf: str | Path) -> bool:
+    from gguf import GGUFReader
+
+    return any(t.tensor_type.name in ("Q4_0", "Q4_1") for t in GGUFReader(str(gguf)).tensors)

@@ -61,6 +61,20 @@ def resolve_model(name_or_path: str, *, progress: bool = True) -> Path:
                              "a Hugging Face model folder or a .gguf file")
 
 
+def gguf_source(name_or_path: str) -> Path | None:
+    """The GGUF file a model comes from (the default model's, or a ``.gguf`` path); None for folders."""
+    key = ALIASES.get(name_or_path.lower(), name_or_path.lower())
+    if key in KNOWN_MODELS:
+        from .gguf_convert import default_gguf_path
+
+        try:
+            return default_gguf_path()
+        except FileNotFoundError:
+            return None
+    path = Path(name_or_path).expanduser()
+    return path if path.is_file() and path.suffix == ".gguf" else None
+
+
 def _known_model_folder(model: KnownModel, progress: bool) -> Path:
     from .gguf_convert import convert_gguf, default_gguf_path
 

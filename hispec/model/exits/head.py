@@ -52,6 +52,7 @@ class SharedOutput(nn.Module):
         self.vocab_size = model.cfg.vocab_size
         self.register_buffer("vocab_ids", None if vocab_ids is None else vocab_ids.long().clone())
         self._sub_weight: torch.Tensor | None = None
+        self._sub_of: int | None = None  # id() of the output head the cached rows came from
 
     @property
     def base(self) -> nn.Module:
@@ -71,15 +72,16 @@ class SharedOutput(nn.Module):
 
     def sub_weight(self) -> torch.Tensor:
         """The rows of the shared output head for the subset, ``[K, H]``: copied once (the head
-        is frozen) and shared by every exit of the model with the same subset."""
-        w = self.base.lm_head.weight
-        if self._sub_weight is None or self._sub_weight.device != w.device or self._sub_weight.dtype != w.dtype:
-            key = (hashlib.sha1(self.vocab_ids.cpu().numpy().tobytes()).hexdigest(), w.device, w.dtype)
+        is frozen) and shared by every exit of the model with the same subset. A quantized head
+        (``QuantLinear``) gives its exact source values here, in float32."""
+        head = self.base.lm_head
+        if self._sub_weight is None or self._sub_of != id(head) or self._sub_weight.device != self.vocab_ids.device:
+            w = head.weight  # computed once for a quantized head
+            key = (hashlib.sha1(self.vocab_ids.cpu().numpy().tobytes()).hexdigest(), w.device, w.dtype, id(head))
             shared = _SUBSET_ROWS.setdefault(self.base, {})
             if key not in shared:
-                rows = w.detach()[self.vocab_ids.to(w.device)].contiguous()
-                shared[key] = rows
-            self._sub_weight = shared[key]
+                shared[key] = w.detach()[self.vocab_ids.to(w.device)].contiguous()
+            self._sub_weight, self._sub_of = shared[key], id(head)
         return self._sub_weight
 
     def train_logits(self, z: torch.Tensor) -> torch.Tensor:
@@ -94,7 +96,7 @@ class SharedOutput(nn.Module):
         """Full-vocabulary shaped logits ``[T, V]`` of ``z [T, H]`` (``-inf`` outside a subset)."""
         y = self.output_input(z)
         if self.vocab_ids is None:
-            return linear(y, self.base.lm_head.weight)
+            return self.base.lm_head(y)
         sub = linear(y, self.sub_weight())  # [T, K]
         out = sub.new_full((z.shape[0], self.vocab_size), float("-inf"))
         return out.index_copy_(1, self.vocab_ids, sub)

@@ -1,0 +1,74 @@
+"""Which weight format runs on this CPU: the quantized kernels, or the float32 path.
+
+``torch.backends.cpu.get_cpu_capability()`` names the vector kernels ATen dispatches to
+(``AVX512``, ``AVX2``, ``DEFAULT``, or an ARM name). With ``AVX512`` the int4 kernel is 3-4x
+faster than float32 on decode-sized inputs (measured on the AMD EPYC Zen 5 machine, which has
+AVX-512 BF16). Elsewhere it is not obvious (an AVX2 CPU without bfloat16 instructions, ARM), so
+one layer-sized matmul is timed both ways at load time and the quantized weights are used only
+if they win clearly: nothing gets slower than the float32 path of before.
+"""
+from __future__ import annotations
+
+import functools
+import time
+
+import torch
+
+FAST_CAPABILITIES = ("AVX512",)
+MARGIN = 0.8  # quantized must take at most this fraction of the float32 time
+
+
+def cpu_capability() -> str:
+    return torch.backends.cpu.get_cpu_capability()
+
+
+def time_matmuls(n: int = 1536, k: int = 576, reps: int = 9) -> tuple[float, float]:
+    """Median seconds of one ``[1, k] x [k, n]`` product: (int4 kernel, float32 path)."""
+    from .matmul import linear
+    from .quant import QuantLinear
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(n, k, generator=g) * 0.02
+    q = QuantLinear.from_float(w, "int4")
+    x = torch.randn(1, k, generator=g)
+    times = {"int4": [], "float32": []}
+    for _ in range(reps):  # interleaved, so a busy moment hits both
+        for name, f in (("int4", lambda: q(x)), ("float32", lambda: linear(x, w))):
+            t0 = time.perf_counter()
+            for _ in range(8):
+                f()
+            times[name].append(time.perf_counter() - t0)
+    med = {name: sorted(v)[len(v) // 2] for name, v in times.items()}
+    return med["int4"], med["float32"]
+
+
+@functools.lru_cache(maxsize=1)
+def quantized_kernels_pay() -> tuple[bool, str]:
+    """(use the int4/int8 kernels?, why), decided once per process."""
+    cap = cpu_capability()
+    if cap in FAST_CAPABILITIES:
+        return True, f"CPU capability {cap}"
+    try:
+        quant, dense = time_matmuls()
+    except RuntimeError as e:  # the kernel is missing on this build / CPU
+        return False, f"CPU capability {cap}: int4 kernel unavailable ({e})"
+    ok = quant <= MARGIN * dense
+    return ok, f"CPU capability {cap}: int4 {quant * 1e6:.0f} us vs float32 {dense * 1e6:.0f} us per matmul"
+
+
+def describe(model) -> str:
+    """Which kernels the model's matmuls run on, e.g. for ``hispec generate --stats``."""
+    from .quant import QuantLinear
+
+    kinds: dict[str, int] = {}
+    for m in model.layers.modules():
+        if isinstance(m, QuantLinear):
+            kinds[m.describe()] = kinds.get(m.describe(), 0) + 1
+        elif isinstance(m, torch.nn.Linear):
+            key = f"{str(m.weight.dtype)[6:]} dense"
+            kinds[key] = kinds.get(key, 0) + 1
+    layers = ", ".join(f"{n} x {k}" for k, n in kinds.items())
+    head = model.lm_head
+    head_kind = head.describe() if isinstance(head, QuantLinear) else f"{str(head.weight.dtype)[6:]} dense"
+    return (f"weights {model.weight_format}: decoder linears {layers}; output head {head_kind}; "
+            f"CPU capability {cpu_capability()}")

@@ -1,0 +1,203 @@
+"""Weight-only quantized linear layers on PyTorch's CPU int4 / int8 kernels.
+
+Two kernels ship with PyTorch (no extra package):
+
+- ``int4``: ``aten._weight_int4pack_mm_for_cpu(x, packed, group, scales_zeros)`` computes
+  ``x @ W.T`` with ``W[n, k] = (q[n, k] - 8) * s[g, n] + z[g, n]`` for ``q`` in 0..15 and one
+  scale/zero pair per ``group`` consecutive inputs (``g = k // group``).
+- ``int8``: ``aten._weight_int8pack_mm(x, q, s)`` with ``W[n, k] = q[n, k] * s[n]`` (``q`` int8,
+  one scale per output row).
+
+Both want bfloat16 activations (``ACT_DTYPE``): with float32 or float16 activations they are
+7-30x slower on the 2-core test machine. Scales, zeros and outputs are bfloat16 too. Per row,
+their results do not depend on how many rows share the call (checked in the tests), which
+keeps batched verification and one-token decoding bit-identical.
+
+GGUF blocks map onto the int4 form exactly in ``q``; where rounding happens:
+
+- Q4_0 (``w = d * (q - 8)``): ``s = d``, ``z = 0``.
+- Q4_1 (``w = d * q + m``):   ``s = d``, ``z = m + 8 d`` (computed exactly in float32).
+- ``s`` and ``z`` are rounded once from float32 to bfloat16 when the layer is built
+  (:func:`scales_zeros`); ``d`` and ``m`` are float16 in the file, so this drops 3 of their 11
+  significant bits (relative error <= 2^-9 per block). That is the only change to the weights:
+  the file's ``q`` are used as they are. Activations are rounded to bfloat16 on entry to each
+  layer and the kernel's output is bfloat16. The measured effect is in BENCHMARKS.md.
+
+``QuantLinear.source_weight()`` gives the file's exact values (``d``, ``m`` are kept in float16
+beside the kernel's copy), so fingerprints and reference paths see what is in the file.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+ACT_DTYPE = torch.bfloat16
+GROUP = 32  # GGUF's block size, and the default group of --quantize int4
+INNER_K_TILES = 2
+SCHEMES = ("int4", "int8")
+KERNELS = ("int4", "int8", "int4x2")
+
+
+def scales_zeros(scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """The int4 kernel's ``[K / group, N, 2]`` table from per-block ``scale, zero [N, K / group]``
+    (float32): the one place where they are rounded to the activation dtype."""
+    return torch.stack([scale.float().T, zero.float().T], dim=-1).to(ACT_DTYPE).contiguous()
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """``q [N, K]`` integers in 0..15 -> the CPU kernel's packed layout (N a multiple of 16)."""
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), INNER_K_TILES)
+
+
+class QuantLinear(nn.Module):
+    """A linear layer ``y = x @ W.T (+ bias)`` whose weight is stored for the int4 or int8 kernel.
+
+    ``forward`` takes any float input and returns the same dtype (the kernel runs in bfloat16).
+    ``source`` holds what the weights were made from (GGUF ``d``/``m`` blocks or nothing), for
+    :meth:`source_weight`.
+    """
+
+    def __init__(self, kernel: str, in_features: int, out_features: int, qweight: torch.Tensor,
+                 qparams: torch.Tensor, group: int = 0, bias: torch.Tensor | None = None,
+                 source: str = "", exact: dict[str, torch.Tensor] | None = None) -> None:
+        super().__init__()
+        assert kernel in KERNELS, kernel
+        self.kernel, self.in_features, self.out_features, self.group = kernel, in_features, out_features, group
+        self.source = source  # e.g. "Q4_1", "float32"
+        self.register_buffer("qweight", qweight)  # int4: packed uint8; int8: [N, K] int8; int4x2: 2 x int4
+        self.register_buffer("qparams", qparams)  # int4: [K/group, N, 2] bf16; int8: [N] bf16; int4x2: 2 x int4
+        self.register_buffer("bias", bias)
+        self._exact = exact or {}  # GGUF blocks: {"d", "m": [N, K / group] float16} with w = d * q + m
+
+    # ---- construction ----------------------------------------------------------------------
+    @classmethod
+    def from_int4(cls, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int,
+                  bias: torch.Tensor | None = None, source: str = "") -> "QuantLinear":
+        """``W = (q - 8) * scale + zero`` with ``q [N, K]`` in 0..15, ``scale, zero [N, K / group]``."""
+        n, k = q.shape
+        return cls("int4", k, n, pack_int4(q), scales_zeros(scale, zero), group, bias, source)
+
+    @classmethod
+    def from_blocks(cls, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, source: str) -> "QuantLinear":
+        """GGUF 4-bit blocks ``w = d * q + m`` (``q [N, K]`` in 0..15, ``d, m [N, K / 32]`` float16;
+        Q4_0 is ``m = -8 d``). The kernel gets ``scale = d``, ``zero = m + 8 d``; ``d, m`` are kept."""
+        group = q.shape[1] // d.shape[1]
+        layer = cls.from_int4(q, d.float(), m.float() + 8 * d.float(), group, source=source)
+        layer._exact = {"d": d.half(), "m": m.half()}
+        return layer
+
+    @classmethod
+    def from_q8_blocks(cls, q: torch.Tensor, d: torch.Tensor, source: str = "Q8_0") -> "QuantLinear":
+        """GGUF Q8_0 blocks ``w = d * q`` (``q [N, K]`` int8, ``d [N, K / 32]`` float16) as two int4
+        halves on the int4 kernel, exact in ``q``: ``q = 16 hi + lo`` with ``hi`` in -8..7 and ``lo``
+        in 0..15, so ``w = (hi + 8 - 8) * 16 d + (lo - 8) * d + 8 d``. Twice the int4 work, half
+        the float32 time for the 49k-row output head of the default model."""
+        n, k = q.shape
+        group = k // d.shape[1]
+        q = q.to(torch.int32)
+        hi, lo = torch.div(q, 16, rounding_mode="floor"), q.remainder(16)
+        d32 = d.float()
+        packed = torch.stack([pack_int4(hi + 8), pack_int4(lo)])
+        params = torch.stack([scales_zeros(16 * d32, torch.zeros_like(d32)), scales_zeros(d32, 8 * d32)])
+        layer = cls("int4x2", k, n, packed, params, group, source=source)
+        layer._exact = {"d": d.half(), "m": torch.zeros_like(d, dtype=torch.float16)}
+        return layer
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, scheme: str, group: int = GROUP,
+                   bias: torch.Tensor | None = None) -> "QuantLinear":
+        """Quantize a float weight ``[N, K]``: int4 asymmetric per group of ``group`` inputs
+        (min/max, as gpt-fast and torchao do), or int8 symmetric per output row."""
+        w = weight.detach().float()
+        b = None if bias is None else bias.detach().float()
+        if scheme == "int8":
+            s = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)  # [N]
+            q = torch.round(w / s[:, None]).clamp(-127, 127).to(torch.int8)
+            return cls("int8", w.shape[1], w.shape[0], q.contiguous(), s.to(ACT_DTYPE), 0, b, str(weight.dtype)[6:])
+        if scheme != "int4":
+            raise ValueError(f"unknown quantization {scheme!r}; choose from {', '.join(SCHEMES)}")
+        n, k = w.shape
+        blocks = w.view(n, k // group, group)
+        lo, hi = blocks.amin(-1), blocks.amax(-1)  # [N, K/group]
+        scale = ((hi - lo) / 15).clamp(min=1e-12)
+        q = torch.round((blocks - lo[..., None]) / scale[..., None]).clamp(0, 15).view(n, k)
+        return cls.from_int4(q, scale, lo + 8 * scale, group, b, str(weight.dtype)[6:])
+
+    # ---- use -----------------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [..., K] -> [..., N] in x's dtype
+        lead = x.shape[:-1]
+        rows = x.reshape(-1, self.in_features).to(ACT_DTYPE)  # [T, K]
+        if self.kernel == "int4":
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.qweight, self.group, self.qparams)
+        elif self.kernel == "int8":
+            out = torch.ops.aten._weight_int8pack_mm(rows, self.qweight, self.qparams)
+        else:  # the two halves summed in float32
+            mm = torch.ops.aten._weight_int4pack_mm_for_cpu
+            out = mm(rows, self.qweight[0], self.group, self.qparams[0]).float()
+            out += mm(rows, self.qweight[1], self.group, self.qparams[1])
+        out = out.to(x.dtype)
+        if self.bias is not None:
+            out = out + self.bias.to(x.dtype)
+        return out.view(*lead, self.out_features)
+
+    def _int4_codes(self, part: int | None = None) -> torch.Tensor:
+        """The stored ``q [N, K]`` (0..15, float32), read back through the kernel itself (identity
+        input, scale 1, zero 8), so no assumption about the packed layout is needed. ``int4x2``:
+        the signed ``16 hi + lo`` (or one half, ``part`` 0 / 1)."""
+        if self.kernel == "int4x2" and part is None:
+            return 16 * (self._int4_codes(0) - 8) + self._int4_codes(1)
+        packed, params = (self.qweight, self.qparams) if part is None else (self.qweight[part], self.qparams[part])
+        eye = torch.eye(self.in_features, dtype=ACT_DTYPE)
+        s = params[..., 0]
+        ones = torch.stack([torch.ones_like(s), torch.full_like(s, 8.0)], -1)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, packed, self.group, ones).float().T
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight the kernel multiplies by, ``[N, K]`` float32 (bfloat16 scales applied)."""
+        if self.kernel == "int8":
+            return self.qweight.float() * self.qparams.float()[:, None]
+        if self.kernel == "int4x2":
+            d = self.qparams[1][..., 0].float().T.repeat_interleave(self.group, dim=1)
+            return self._int4_codes() * d
+        s, z = (self.qparams[..., i].float().T.repeat_interleave(self.group, dim=1) for i in (0, 1))
+        return (self._int4_codes() - 8) * s + z
+
+    def source_weight(self) -> torch.Tensor:
+        """The weight as given (a GGUF file's exact ``d * q + m``), else :meth:`dequantize`."""
+        if "d" not in self._exact:
+            return self.dequantize()
+        d, m = (self._exact[k].float().repeat_interleave(self.group, dim=1) for k in ("d", "m"))
+        return self._int4_codes() * d + m
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """Float32 ``[N, K]`` view of the weights (computed; for fingerprints and reference code)."""
+        return self.source_weight()
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, kernel={self.kernel}"
+                + (f", group={self.group}" if self.group else "") + (f", from={self.source}" if self.source else ""))
+
+    def describe(self) -> str:
+        what = f"{self.kernel} per row" if self.kernel == "int8" else f"{self.kernel} group {self.group}"
+        return f"{what} ({self.source} weights, {str(ACT_DTYPE)[6:]} activations)"
+
+
+def quantizable(module: nn.Module) -> bool:
+    return isinstance(module, nn.Linear) and module.in_features % GROUP == 0 and module.out_features % 16 == 0
+
+
+def quantize_linears(module: nn.Module, scheme: str, group: int = GROUP, skip: tuple[str, ...] = ()) -> int:
+    """Replace every ``nn.Linear`` under ``module`` (any module: decoder layers, exit layers) by a
+    :class:`QuantLinear`; ``skip`` names children to leave alone. Returns how many were replaced."""
+    count = 0
+    for name, child in list(module.named_children()):
+        if name in skip:
+            continue
+        if quantizable(child) and child.weight.device.type == "cpu":
+            setattr(module, name, QuantLinear.from_float(child.weight, scheme, group, child.bias))
+            count += 1
+        elif not isinstance(child, QuantLinear):
+            count += quantize_linears(child, scheme, group, skip)
+    return count
