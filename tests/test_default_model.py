@@ -140,3 +140,41 @@ def test_one_request_at_a_time_equals_ar(generator, ar_reference, two_threads, s
     params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
     for ids, want in list(zip(prompts, expected))[:3]:
         assert generator.generate(ids, params, strategy, spec=spec).token_ids == want
+
+
+# ---- the quantized default (the file's own Q4_1 / Q8_0 weights on the int4 kernel) ----------------
+NUM_QUANT_PROMPTS = 4
+
+
+@pytest.fixture(scope="module")
+def quantized():
+    from hispec.generate import Generator
+
+    return Generator.from_pretrained("default", quantize="native", progress=False)
+
+
+@pytest.fixture(scope="module")
+def quantized_ar(quantized, two_threads):
+    prompts = [quantized.encode_prompt(p) for p in spec_bench_prompts(NUM_PROMPTS)[::NUM_PROMPTS // NUM_QUANT_PROMPTS]]
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    return prompts, [quantized.generate(p, params, "ar").token_ids for p in prompts]
+
+
+@pytest.mark.parametrize("strategy", ["selfspec", "hispec"])
+def test_quantized_default_strategies_equal_its_ar(quantized, quantized_ar, two_threads, strategy):
+    """Same kernels, same tokens: batched in the engine (always speculating) and one at a time."""
+    from hispec.engine import Engine
+    from hispec.engine.engine import kv_blocks_for
+    from hispec.generate import make_strategy
+
+    assert quantized.model.weight_format == "native"
+    prompts, expected = quantized_ar
+    model, spec = quantized.model, default_specs(quantized, strategy)
+    engine = Engine(model, make_strategy(strategy, spec, model.num_layers), tokenizer=quantized.tokenizer,
+                    eos_ids=quantized.eos_ids, max_batch_size=len(prompts), adaptive=False,
+                    kv_blocks=len(prompts) * kv_blocks_for(model, 16, min_tokens=max(map(len, prompts)) + 96))
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    ids = [engine.add_request(p, params) for p in prompts]
+    final = engine.run_to_completion()
+    assert [final[r].token_ids for r in ids] == expected
+    assert quantized.generate(prompts[0], params, strategy, spec=spec).token_ids == expected[0]

@@ -34,13 +34,23 @@ class KVPool:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        # slots: [T]; k, v: [T, num_kv_heads, head_dim]
-        self.k[layer].index_copy_(0, slots, k)
-        self.v[layer].index_copy_(0, slots, v)
+        # slots: [T]; k, v: [T, num_kv_heads, head_dim] (cast to the pool's dtype)
+        kp, vp = self.k[layer], self.v[layer]
+        kp.index_copy_(0, slots, k if k.dtype == kp.dtype else k.to(kp.dtype))
+        vp.index_copy_(0, slots, v if v.dtype == vp.dtype else v.to(vp.dtype))
 
     def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # slots: [C] -> k, v: [C, num_kv_heads, head_dim]
         return self.k[layer].index_select(0, slots), self.v[layer].index_select(0, slots)
+
+    def context(self, layer: int, batch: "AttentionBatch", i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V ``[C, num_kv_heads, head_dim]`` that chunk ``i`` of ``batch`` attends to: views of
+        the pool when its slots are one run (no copy), else gathered."""
+        run = batch.context_runs[i]
+        if run is None:
+            return self.read(layer, batch.context_slots[i])
+        first, n = run
+        return self.k[layer][first:first + n], self.v[layer][first:first + n]
 
 
 def slots_for(table: list[int], start: int, end: int, block_size: int, device) -> torch.Tensor:
@@ -48,6 +58,15 @@ def slots_for(table: list[int], start: int, end: int, block_size: int, device) -
     pos = torch.arange(start, end, device="cpu")
     blocks = torch.tensor(table, dtype=torch.long)[pos // block_size]
     return (blocks * block_size + pos % block_size).to(device)
+
+
+def _run(table: list[int], length: int, block_size: int) -> tuple[int, int] | None:
+    """``(first slot, length)`` if positions ``0..length-1`` sit in consecutive blocks, else None."""
+    used = -(-length // block_size)
+    first = table[0]
+    if any(table[j] != first + j for j in range(1, used)):
+        return None
+    return first * block_size, length
 
 
 @dataclass
@@ -78,6 +97,9 @@ class AttentionBatch:
         # every slot a sequence attends to: its cached prefix plus the new tokens
         self.context_slots = [slots_for(t, 0, c.start + c.num_tokens, bs, device) for t, c in zip(tables, chunks)]
         self.write_slots = torch.cat([s[c.start:] for s, c in zip(self.context_slots, chunks)])  # [T]
+        # (first slot, length) where a sequence's context is one run of slots (consecutive blocks:
+        # the usual case for a lone sequence), so attention reads a view instead of a gather
+        self.context_runs = [_run(t, c.start + c.num_tokens, bs) for t, c in zip(tables, chunks)]
         self.masks = [self._causal_mask(c, device) for c in chunks]
 
     @staticmethod

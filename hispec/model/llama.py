@@ -30,15 +30,28 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+    def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``x [..., D]`` normalised in float32, scaled; returned in ``out_dtype`` (default: x's)."""
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            y = torch.rms_norm(x, (x.shape[-1],), self.weight, self.eps)  # one fused op, same values
+        else:
+            x32 = x.float()
+            x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+            y = self.weight * x32.to(x.dtype)
+        return y if out_dtype is None or out_dtype == y.dtype else y.to(out_dtype)
+
+
+class LayerNorm(nn.LayerNorm):
+    """``nn.LayerNorm`` (OPT) with RMSNorm's ``out_dtype`` argument."""
+
+    def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        y = super().forward(x)
+        return y if out_dtype is None or out_dtype == y.dtype else y.to(out_dtype)
 
 
 def make_norm(cfg: ModelConfig, dim: int) -> nn.Module:
     if cfg.family == "opt":
-        return nn.LayerNorm(dim, eps=cfg.norm_eps)
+        return LayerNorm(dim, eps=cfg.norm_eps)
     return RMSNorm(dim, cfg.norm_eps)
 
 
@@ -73,6 +86,21 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """``x * cos + rotate_half(x) * sin`` for ``x [..., T, H, D]``, with ``signed_sin = [-sin, sin]``
+    (halves): the halves are swapped by one flip, and ``(-a) * b == a * (-b)`` exactly, so the
+    values equal the rotate_half form bit for bit with fewer operations."""
+    d = x.shape[-1]
+    swapped = x.reshape(*x.shape[:-1], 2, d // 2).flip(-2).view(x.shape)  # [x2, x1]
+    return x * cos + swapped * signed_sin
+
+
+# With bfloat16 between layers (the quantized kernels), a last-bit difference in attention can flip
+# a rounding and grow; batched matmuls give a query's scores last-bit differences depending on how
+# many queries share the call and on the padded context. So a sequence's verification queries (up
+# to this many) are attended one by one, each over exactly its own context, as in one-token
+# decoding: every strategy then computes each token bit for bit as ``ar`` does.
+EXACT_MAX_QUERIES = 32
 SDPA_MIN_QUERIES = 256  # CPU: from here the fused kernel is as fast as the batched matmuls, and leaner
 
 
@@ -120,12 +148,16 @@ class DecoderLayer(nn.Module):
             self.gate_up_proj = Linear(h, 2 * cfg.intermediate_size, bias=False)
             self.down_proj = Linear(cfg.intermediate_size, h, bias=False)
         self.act = {"silu": F.silu, "relu": F.relu, "gelu": F.gelu}[cfg.hidden_act]
+        # dtype of the linear layers' inputs: None = the residual stream's; bfloat16 when they
+        # run on the quantized kernels (set by loader.apply_quantization), so the norms hand
+        # them bfloat16 directly and their outputs stay bfloat16 into the next kernel
+        self.act_dtype: torch.dtype | None = None
 
     def forward(self, h: torch.Tensor, layer: int, rope: tuple[torch.Tensor, torch.Tensor] | None,
                 batch: AttentionBatch, pool: KVPool) -> torch.Tensor:
-        # h: [T, H]
-        h = h + self._attention(self.input_norm(h), layer, rope, batch, pool)
-        return h + self._mlp(self.post_norm(h))
+        # h: [T, H] (the residual stream stays in the model's dtype)
+        h = h + self._attention(self.input_norm(h, self.act_dtype), layer, rope, batch, pool)
+        return h + self._mlp(self.post_norm(h, self.act_dtype))
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         if self.cfg.family == "opt":
@@ -135,35 +167,47 @@ class DecoderLayer(nn.Module):
 
     def qkv(self, x: torch.Tensor, rope) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Queries ``[T, Hq, D]``, keys and values ``[T, Hkv, D]`` of the normalised input ``x [T, H]``
-        (keys and queries rotated; ``x`` may also be ``[B, T, H]``, then ``[B, T, heads, D]``)."""
+        (keys and queries rotated, together; ``x`` may also be ``[B, T, H]``, then ``[B, T, heads, D]``)."""
         cfg, lead = self.cfg, x.shape[:-1]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(*lead, cfg.num_heads, cfg.head_dim)
-        k = k.view(*lead, cfg.num_kv_heads, cfg.head_dim)
-        v = v.view(*lead, cfg.num_kv_heads, cfg.head_dim)
+        hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        qkv = self.qkv_proj(x)  # [..., Q + 2 KV]
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+            q, k, _ = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            qk = torch.cat([self.q_norm(q.view(*lead, hq, d)), self.k_norm(k.view(*lead, hkv, d))], dim=-2)
+        else:
+            qk = qkv[..., :self.q_size + self.kv_size].view(*lead, hq + hkv, d)  # q and k heads
+        v = qkv[..., self.q_size + self.kv_size:].view(*lead, hkv, d)
         if rope is not None:
-            cos, sin = rope  # [T, 1, D]
-            q = q * cos + rotate_half(q) * sin
-            k = k * cos + rotate_half(k) * sin
-        return q, k, v
+            qk = apply_rope(qk, *rope)  # both at once
+        return qk[..., :hq, :], qk[..., hq:, :], v
 
     def write_kv(self, h: torch.Tensor, layer: int, rope, batch: AttentionBatch, pool: KVPool) -> None:
         """Only this layer's K/V for the input ``h [T, H]`` (e.g. positions whose output nobody reads)."""
-        _, k, v = self.qkv(self.input_norm(h), rope)
+        _, k, v = self.qkv(self.input_norm(h, self.act_dtype), rope)
         pool.write(layer, batch.write_slots, k, v)
 
     def _attention(self, x: torch.Tensor, layer: int, rope, batch: AttentionBatch, pool: KVPool) -> torch.Tensor:
         T = x.shape[0]
+        hq, d = self.cfg.num_heads, self.cfg.head_dim
         q, k, v = self.qkv(x, rope)
         pool.write(layer, batch.write_slots, k, v)
-        out = torch.empty_like(q)
-        for i in range(len(batch.chunks)):
-            lo, hi = batch.offsets[i], batch.offsets[i + 1]
-            ck, cv = pool.read(layer, batch.context_slots[i])  # [C, Hkv, D]
-            out[lo:hi] = attend(q[lo:hi], ck, cv, batch.masks[i])
-        return self.o_proj(out.reshape(T, self.q_size))
+        exact = self.act_dtype is not None
+        if len(batch.chunks) == 1 and not (exact and 1 < T <= EXACT_MAX_QUERIES):
+            ck, cv = pool.context(layer, batch, 0)  # [C, Hkv, D]
+            out = attend(q, ck, cv, batch.masks[0])
+        else:
+            out = q.new_empty((T, hq, d))
+            for i, c in enumerate(batch.chunks):
+                lo, hi = batch.offsets[i], batch.offsets[i + 1]
+                ck, cv = pool.context(layer, batch, i)
+                if exact and 1 < c.num_tokens <= EXACT_MAX_QUERIES:
+                    for j in range(c.num_tokens):  # each query exactly as if it were decoded alone
+                        n = c.start + j + 1
+                        out[lo + j:lo + j + 1] = attend(q[lo + j:lo + j + 1], ck[:n], cv[:n], None)
+                else:
+                    out[lo:hi] = attend(q[lo:hi], ck, cv, batch.masks[i])
+        out = out.reshape(T, self.q_size)
+        return self.o_proj(out if self.act_dtype is None else out.to(self.act_dtype))
 
 
 class DecoderModel(nn.Module):
@@ -229,8 +273,9 @@ class DecoderModel(nn.Module):
         if self.inv_freq is None:
             return None
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, D]
-        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+        cos, sin = freqs.cos(), freqs.sin()
+        cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)  # [T, D]: sin signed for apply_rope
+        return cos[:, None, :].to(self.dtype), sin[:, None, :].to(self.dtype)  # [T, 1, D]
 
     def run_layers(self, h: torch.Tensor, start: int, end: int, batch: AttentionBatch, pool: KVPool) -> torch.Tensor:
         """Run decoder layers ``[start, end)`` on ``h [T, H]`` (the input to layer ``start``)."""

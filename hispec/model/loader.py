@@ -192,7 +192,7 @@ def apply_quantization(model: DecoderModel, quantize: str, gguf: str | Path | No
     """Put the decoder's linear layers on the quantized kernels as ``quantize`` asks; returns the
     format chosen (``model.weight_format``)."""
     from .kernels import quantized_kernels_pay
-    from .quant import quantize_linears
+    from .quant import ACT_DTYPE, QuantLinear, quantize_linears
 
     if quantize not in QUANTIZE:
         raise ConfigError(f"unknown quantization {quantize!r}; choose from {', '.join(QUANTIZE)}")
@@ -221,6 +221,9 @@ def apply_quantization(model: DecoderModel, quantize: str, gguf: str | Path | No
             model.lm_head = head
     elif quantize in ("int4", "int8"):
         quantize_linears(model.layers, quantize)
+    for layer in model.layers:  # quantized layers take (and give) bfloat16 between their kernels
+        if any(isinstance(m, QuantLinear) for m in layer.modules()):
+            layer.act_dtype = ACT_DTYPE
     model.weight_format = quantize
     return quantize
 

@@ -125,21 +125,23 @@ class QuantLinear(nn.Module):
 
     # ---- use -----------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [..., K] -> [..., N] in x's dtype
-        lead = x.shape[:-1]
-        rows = x.reshape(-1, self.in_features).to(ACT_DTYPE)  # [T, K]
-        if self.kernel == "int4":
-            out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.qweight, self.group, self.qparams)
-        elif self.kernel == "int8":
-            out = torch.ops.aten._weight_int8pack_mm(rows, self.qweight, self.qparams)
-        else:  # the two halves summed in float32
-            mm = torch.ops.aten._weight_int4pack_mm_for_cpu
-            out = mm(rows, self.qweight[0], self.group, self.qparams[0]).float()
-            out += mm(rows, self.qweight[1], self.group, self.qparams[1])
-        out = out.to(x.dtype)
+        # x: [..., K] -> [..., N] in x's dtype (int4x2: float32 for float32 input)
+        rows = x if x.dim() == 2 else x.reshape(-1, self.in_features)  # [T, K]
+        out = self._mm(rows if rows.dtype == ACT_DTYPE else rows.to(ACT_DTYPE))
+        if out.dtype != x.dtype:
+            out = out.to(x.dtype)
         if self.bias is not None:
             out = out + self.bias.to(x.dtype)
-        return out.view(*lead, self.out_features)
+        return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
+
+    def _mm(self, rows: torch.Tensor) -> torch.Tensor:
+        if self.kernel == "int4":
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.qweight, self.group, self.qparams)
+        if self.kernel == "int8":
+            return torch.ops.aten._weight_int8pack_mm(rows, self.qweight, self.qparams)
+        mm = torch.ops.aten._weight_int4pack_mm_for_cpu  # int4x2: the two halves summed in float32
+        out = mm(rows, self.qweight[0], self.group, self.qparams[0]).float()
+        return out.add_(mm(rows, self.qweight[1], self.group, self.qparams[1]))
 
     def _int4_codes(self, part: int | None = None) -> torch.Tensor:
         """The stored ``q [N, K]`` (0..15, float32), read back through the kernel itself (identity

@@ -32,6 +32,7 @@ def register(sub) -> None:
                        description="Distil exit heads at the given layers from the final layer's distribution, "
                                    "on the model's own generations and/or teacher-forced reference text.")
     add_model_options(p)
+    p.set_defaults(quantize="none")  # heads are distilled from the float32 reference; they run on any weights
     p.add_argument("--layers", required=True, help="exit layers, e.g. 4,8")
     p.add_argument("--data", required=True, nargs="+", metavar="FILE",
                    help="JSONL files or named sources (sharegpt[:N[:OFFSET]], humaneval)")
