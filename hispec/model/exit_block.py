@@ -28,6 +28,7 @@ from torch import nn
 from ..cache.kv_cache import AttentionBatch, KVPool
 from .exits.head import SharedOutput
 from .llama import DecoderLayer, RMSNorm
+from .quant import float_state_dict
 
 INITS = ("copy", "zero")
 
@@ -45,7 +46,7 @@ class ExitBlock(SharedOutput):
             raise ValueError(f"block init must be one of {INITS}, got {init!r}")
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.layer = DecoderLayer(cfg)
-        self.layer.load_state_dict(model.layers[-1].state_dict())
+        self.layer.load_state_dict(float_state_dict(model.layers[-1]))  # float copy of a quantized layer too
         if init == "zero":
             outs = [self.layer.o_proj] + ([self.layer.fc2] if cfg.family == "opt" else [self.layer.down_proj])
             for lin in outs:

@@ -203,3 +203,20 @@ def quantize_linears(module: nn.Module, scheme: str, group: int = GROUP, skip: t
         elif not isinstance(child, QuantLinear):
             count += quantize_linears(child, scheme, group, skip)
     return count
+
+
+def float_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
+    """``module.state_dict()`` with every QuantLinear given as ``nn.Linear`` keys (``weight``: its
+    source values in float32, ``bias``), e.g. to copy a quantized layer into a float one."""
+    state = {}
+    quant = {name: m for name, m in module.named_modules() if isinstance(m, QuantLinear)}
+    for key, value in module.state_dict().items():
+        owner = key.rsplit(".", 1)[0] if "." in key else ""
+        if owner not in quant:
+            state[key] = value
+    for name, m in quant.items():
+        prefix = f"{name}." if name else ""
+        state[prefix + "weight"] = m.weight
+        if m.bias is not None:
+            state[prefix + "bias"] = m.bias
+    return state
