@@ -23,8 +23,8 @@ from .engine.adaptive import AdaptiveController
 from .engine.engine import Engine, PromptTooLongError  # noqa: F401 (PromptTooLongError re-exported)
 from .model.exits.attached import ExitSet
 from .model.llama import DecoderModel
+from .settings import STRATEGIES, default_spec, resolve_spec  # noqa: F401 (default_spec re-exported)
 
-STRATEGIES = ("ar", "selfspec", "hispec")
 
 
 @dataclass
@@ -43,14 +43,6 @@ class GenerationOutput:
     @property
     def tokens_per_second(self) -> float:
         return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
-
-
-def default_spec(num_layers: int) -> SpecConfig:
-    """Exits at about 1/8 and 1/4 of the depth (DESIGN.md), unless exit heads declare others."""
-    draft = max(1, round(num_layers / 8))
-    verify = max(draft + 1, round(num_layers / 4))
-    return SpecConfig(draft_layer=draft, verify_layer=min(verify, num_layers - 1) if num_layers > 2 else num_layers,
-                      num_layers=num_layers)
 
 
 def make_strategy(name: str, spec: SpecConfig | None = None, num_layers: int | None = None) -> Strategy:
@@ -112,6 +104,11 @@ class Generator:
     def spec_for(self, strategy: str) -> SpecConfig | None:
         """The exit heads' recommended settings for ``strategy`` (None: no recommendation)."""
         return self.exits.spec_for(strategy) if self.exits is not None else None
+
+    def resolve_spec(self, strategy: str, **overrides) -> SpecConfig:
+        """The validated settings ``strategy`` runs with on this model: ``overrides`` (SpecConfig
+        fields; None = not given) over the exit heads' recommendation over depth-based defaults."""
+        return resolve_spec(strategy, self.model.num_layers, self.recommended_specs, **overrides)
 
     @property
     def recommended_spec(self) -> SpecConfig | None:

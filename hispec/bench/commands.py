@@ -37,7 +37,7 @@ example:
 
 
 def register(subparsers) -> None:
-    from ..cli import add_model_options, add_parallel_options, add_sampling_options, add_spec_options
+    from ..options import add_model_options, add_parallel_options, add_sampling_options, add_spec_options
 
     p = subparsers.add_parser("bench", help="benchmark strategies and peers side by side",
                               description="Benchmark ar, selfspec, hispec and transformers' generate (plain and "
@@ -81,7 +81,7 @@ def register(subparsers) -> None:
 def _int_list(text: str | None, option: str) -> list[int] | None:
     if text is None:
         return None
-    from ..cli import UsageError
+    from ..options import UsageError
 
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
@@ -93,7 +93,7 @@ def _int_list(text: str | None, option: str) -> list[int] | None:
 
 
 def cmd_bench(args) -> int:
-    from ..cli import UsageError, load_generator, sampling_from_args
+    from ..options import UsageError, load_generator, sampling_from_args
     from .datasets import load_prompts
     from .peers import build_peers, parse_peer_python, parse_peers
     from .results import load_average
@@ -172,7 +172,7 @@ def _bench(args, gen, strategies, exit_layers, categories, prompts, params, out,
 
 
 def _bench_batch_sizes(args, gen, strategies, prompts, params, batch_sizes, out: Path, peers=()) -> int:
-    from ..cli import UsageError
+    from ..options import UsageError
     from .batched import run_batch_sizes, write_batch_outputs
     from .results import git_commit, machine_info
     from .runner import encode_prompts

@@ -91,7 +91,7 @@ class Hispec:
     batching = True
 
     def __init__(self, args) -> None:
-        from hispec.cli import add_model_options, load_generator
+        from hispec.options import add_model_options, load_generator
 
         p = argparse.ArgumentParser(prog="hispec peer")
         add_model_options(p)

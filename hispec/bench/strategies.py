@@ -21,7 +21,6 @@ A label may appear once. A strategy that cannot run is kept, with the reason.
 from __future__ import annotations
 
 import argparse
-import copy
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -103,19 +102,17 @@ def expand_early_exit(specs: list[StrategySpec], layers: list[int]) -> list[Stra
 
 def spec_for(strategy: StrategySpec, args: argparse.Namespace, generator) -> SpecConfig | None:
     """The speculation settings of an own strategy (None for ``ar``): its options over the
-    command line's, through the CLI's ``spec_from_args`` (exit heads' recommendation, defaults)."""
+    command line's over the exit heads' recommendation over the defaults (``resolve_spec``)."""
     if strategy.kind not in ("selfspec", "hispec"):
         return None
-    from ..cli import spec_from_args
+    from ..options import spec_overrides
 
-    a = copy.copy(args)
-    a.strategy = strategy.kind
+    overrides = spec_overrides(args)
     if strategy.draft_policy:
-        a.draft_policy = strategy.draft_policy
-    for key, value in strategy.overrides.items():
-        setattr(a, key, value)
+        overrides["draft_policy"] = strategy.draft_policy
+    overrides.update(strategy.overrides)
     try:
-        return spec_from_args(a, generator)
+        return generator.resolve_spec(strategy.kind, **overrides)
     except ConfigError as e:
         raise ConfigError(f"strategy {strategy.label!r}: {e}") from None
 

@@ -21,7 +21,7 @@ example:
 
 
 def register(subparsers) -> None:
-    from ..cli import add_model_options, add_parallel_options, add_prefill_option, add_spec_options
+    from ..options import add_model_options, add_parallel_options, add_prefill_option, add_spec_options
 
     p = subparsers.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API",
                               description="An OpenAI-compatible HTTP server: every client's requests join one "
@@ -65,7 +65,7 @@ def register(subparsers) -> None:
 
 
 def _check_args(args) -> None:
-    from ..cli import UsageError
+    from ..options import UsageError
 
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port must be between 0 and 65535, got {args.port}")
@@ -103,7 +103,7 @@ def build_server_state(args, gen):
     """Engine, bridge and app state for a loaded ``Generator`` (also used by tests in-process)."""
     import copy
 
-    from ..cli import spec_from_args
+    from ..options import spec_from_args
     from ..config import EngineConfig
     from ..engine.engine import Engine
     from ..generate import make_strategy
@@ -140,7 +140,7 @@ def _listen(host: str, port: int):
         sock.bind(address)
     except OSError as e:
         sock.close()
-        from ..cli import UsageError
+        from ..options import UsageError
         raise UsageError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
     sock.set_inheritable(True)
     return sock
@@ -149,7 +149,7 @@ def _listen(host: str, port: int):
 def cmd_serve(args) -> int:
     import signal
 
-    from ..cli import UsageError, load_generator
+    from ..options import UsageError, load_generator
 
     _check_args(args)
     try:

@@ -241,7 +241,7 @@ async def run_load(url: str, *, clients: int, requests: int, max_tokens: int, ch
 
 
 def cmd_loadtest(args) -> int:
-    from ..cli import UsageError
+    from ..options import UsageError
 
     if args.long_prompt < 0 or args.long_delay < 0:
         raise UsageError("--long-prompt and --long-delay must be >= 0")
@@ -267,7 +267,16 @@ def cmd_loadtest(args) -> int:
     return 1 if report.errors else 0
 
 
-if __name__ == "__main__":
-    from ..cli import main
+if __name__ == "__main__":  # python -m hispec.server.loadtest ... (same as hispec loadtest ...)
+    import argparse
 
-    sys.exit(main(["loadtest", *sys.argv[1:]]))
+    from ..options import UsageError
+
+    parser = argparse.ArgumentParser(prog="hispec")
+    register_loadtest(parser.add_subparsers(dest="command", required=True))
+    cli_args = parser.parse_args(["loadtest", *sys.argv[1:]])
+    try:
+        sys.exit(cli_args.func(cli_args))
+    except UsageError as e:
+        print(f"hispec: error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -13,7 +13,7 @@ from ..paths import portable
 
 
 def register(sub) -> None:
-    from ..cli import add_model_options
+    from ..options import add_model_options
 
     p = sub.add_parser("probe", help="per-layer agreement with the final layer (table + PNG)",
                        description="Top-1/top-5 agreement of every exit layer with the final layer over the "
@@ -137,7 +137,7 @@ def register(sub) -> None:
 def _layers(text: str | None) -> list[int] | None:
     if not text:
         return None
-    from ..cli import UsageError
+    from ..options import UsageError
 
     try:
         return sorted({int(x) for x in text.split(",") if x.strip()})
@@ -146,7 +146,7 @@ def _layers(text: str | None) -> list[int] | None:
 
 
 def _prompt_ids(gen, specs: list[str], limit: int | None, max_prompt_tokens: int) -> list[list[int]]:
-    from ..cli import UsageError
+    from ..options import UsageError
     from .distill import encode_record
     from .sources import load_sources
 
@@ -203,7 +203,7 @@ def _command_line(args, name: str) -> str:
 
 # ---- probe -------------------------------------------------------------------------------------
 def cmd_probe(args) -> int:
-    from ..cli import load_generator
+    from ..options import load_generator
     from .probe import format_table, plot, probe
 
     gen = load_generator(args, progress=False)
@@ -301,7 +301,7 @@ def cmd_distill_exits(args) -> int:
 def cmd_train_exits(args) -> int:
     import torch
 
-    from ..cli import UsageError, load_generator
+    from ..options import UsageError, load_generator
     from ..model.exits import Manifest, model_identity, new_heads, save_heads
     from .distill import (CollectConfig, TrainConfig, agreement, collect_cache, frequent_vocab,
                           heldout_mask, load_token_data, train_heads, vocab_coverage)
@@ -391,7 +391,7 @@ def cmd_train_exits(args) -> int:
 
 # ---- tune ----------------------------------------------------------------------------------------
 def cmd_tune(args) -> int:
-    from ..cli import UsageError, load_generator
+    from ..options import UsageError, load_generator
     from ..model.exits import read_manifest, save_heads, write_manifest
     from .tune import (SearchSpace, collect_traces, format_table, measure_costs, measure_end_to_end, search,
                        trace_agreement)

@@ -1,0 +1,139 @@
+"""Command-line option groups shared by the sub-commands, and the glue that turns them into
+library objects (a loaded ``Generator``, ``SamplingParams``, speculation overrides).
+
+Every sub-command module (``cli``, ``train.commands``, ``bench.commands``, ``server.commands``)
+builds its parser from these groups; nothing imports ``hispec.cli``, which is only the entry
+point.
+"""
+from __future__ import annotations
+
+import argparse
+
+from .config import DRAFT_POLICIES, SamplingParams, SpecConfig
+
+
+class UsageError(ValueError):
+    """A command-line usage mistake."""
+
+
+# ---- option groups -------------------------------------------------------------------------
+def add_model_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--model", default="default",
+                   help="'default' (SmolLM2-135M-Instruct), a Hugging Face model folder or a .gguf file")
+    g.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+    g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="weights dtype (default: float32 on cpu, bfloat16 on cuda)")
+    g.add_argument("--quantize", default="auto", choices=["auto", "none", "native", "int4", "int8"],
+                   help="weight format on CPU: native = a GGUF file's own 4-bit blocks on the int4 kernel; "
+                        "int4 / int8 = quantize float weights (int4: groups of 32, int8: per row); none = --dtype "
+                        "weights. Default auto: native for 4-bit GGUF models (the default model) where the "
+                        "kernels are faster on this CPU, else none; an explicit --dtype means none")
+    g.add_argument("--allow-pickle", action="store_true",
+                   help="allow loading pickle checkpoints (.bin/.pt): only for files you trust")
+    g.add_argument("--exits", default=None, metavar="PATH",
+                   help="trained exit heads (a folder with a manifest); default: the model's own, if any")
+    g.add_argument("--no-exits", action="store_true", help="ignore trained exit heads; exit through the final head")
+    g.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
+
+
+def add_parallel_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                   help="split the model over N processes started here, one per GPU with --device cuda "
+                        "(NCCL), or on CPU (gloo); N may not exceed the model's KV heads (default: 1)")
+
+
+def add_sampling_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-k", type=int, default=0, help="0 = off")
+    g.add_argument("--top-p", type=float, default=1.0, help="1.0 = off")
+    g.add_argument("--seed", type=int, default=None, help="seed for sampling (same seed, same output)")
+    g.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
+
+
+SPEC_OPTIONS = ("draft_layer", "verify_layer", "num_draft", "window", "draft_policy", "svip_threshold",
+                "confidence_threshold")
+
+
+def add_spec_options(p: argparse.ArgumentParser, strategies_help: str = "ar, selfspec or hispec") -> None:
+    g = p.add_argument_group("speculation")
+    g.add_argument("--draft-layer", type=int, default=None, help="L_d: the drafting exit (default: exit heads' or depth/8)")
+    g.add_argument("--verify-layer", type=int, default=None, help="L_i: the intermediate exit (default: exit heads' or depth/4)")
+    g.add_argument("--num-draft", type=int, default=None, help="N_d: tokens per draft round")
+    g.add_argument("--window", type=int, default=None, help="N_i: tentatively accepted tokens per full verification")
+    g.add_argument("--draft-policy", default=None, choices=DRAFT_POLICIES)
+    g.add_argument("--svip-threshold", type=float, default=None, help="entropy (nats) above which svip stops drafting")
+    g.add_argument("--confidence-threshold", type=float, default=None,
+                   help="top-1 probability below which the confidence policy stops drafting")
+
+
+def add_prefill_option(group) -> None:
+    from .config import DEFAULT_PREFILL_CHUNK
+
+    group.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK, metavar="N",
+                       help="chunked prefill: prompt tokens prefilled per engine step, all sequences together; "
+                            "running sequences decode between a long prompt's chunks (as SGLang's "
+                            f"--chunked-prefill-size; 0 = whole prompts in one step; default: {DEFAULT_PREFILL_CHUNK})")
+
+
+
+# ---- options -> library objects ------------------------------------------------------------
+def sampling_from_args(args) -> SamplingParams:
+    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                          max_new_tokens=args.max_new_tokens, stop=tuple(args.stop), ignore_eos=args.ignore_eos)
+
+
+def spec_overrides(args) -> dict:
+    """The speculation settings given on the command line (None: not given)."""
+    return {k: getattr(args, k, None) for k in SPEC_OPTIONS}
+
+
+def spec_from_args(args, generator) -> SpecConfig:
+    """``args.strategy``'s settings: command-line values over the exit heads' over the defaults."""
+    return generator.resolve_spec(args.strategy, **spec_overrides(args))
+
+
+def load_generator(args, progress: bool = True):
+    """The ``Generator`` the model options describe."""
+    import torch
+
+    from .generate import Generator
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = args.device
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise UsageError("--device cuda: no CUDA device is available on this machine")
+    if device not in ("cpu",) and not device.startswith("cuda"):
+        raise UsageError(f"--device must be cpu or cuda, got {device!r}")
+    dtype_name = args.dtype or (None if device == "cpu" else "bfloat16")  # cpu: float32 unless quantized
+    dtype = getattr(torch, dtype_name) if dtype_name else None
+    if getattr(args, "no_exits", False) and args.exits:
+        raise UsageError("--exits and --no-exits exclude each other")
+    exits = False if getattr(args, "no_exits", False) else (args.exits or True)
+    tp = getattr(args, "tensor_parallel_size", 1)
+    if tp != 1:
+        return _load_tensor_parallel(args, tp, device, dtype or torch.float32, exits, progress)
+    gen = Generator.from_pretrained(args.model, device=device, dtype=dtype, allow_pickle=args.allow_pickle,
+                                    exits=exits, progress=progress, quantize=getattr(args, "quantize", "none"))
+    return gen
+
+
+def _load_tensor_parallel(args, tp: int, device: str, dtype, exits, progress: bool):
+    import torch
+
+    from .distributed import tp_generator
+
+    if tp < 1:
+        raise UsageError(f"--tensor-parallel-size must be >= 1, got {tp}")
+    if device.startswith("cuda") and torch.cuda.device_count() < tp:
+        raise UsageError(f"--tensor-parallel-size {tp}: only {torch.cuda.device_count()} CUDA device(s) here")
+    if args.allow_pickle:
+        raise UsageError("--tensor-parallel-size reads safetensors only (each rank reads its slices); "
+                         "convert pickle checkpoints first")
+    return tp_generator(args.model, tp, device=device, dtype=dtype, exits=exits, threads=args.threads,
+                        progress=progress, exit_on_failure=True)
