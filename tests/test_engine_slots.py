@@ -62,9 +62,10 @@ def test_a_lookahead_too_small_is_caught(model):
     strategy = make_strategy("hispec", SPECS["hispec"], 6)
     strategy.lookahead = 1
     engine = Engine(model, strategy, kv_blocks=100, block_size=4, adaptive=False)
-    engine.add_request(list(range(1, 8)), SamplingParams(max_new_tokens=8))
-    with pytest.raises(AssertionError, match="reserved slots"):
-        engine.run_to_completion()
+    rid = engine.add_request(list(range(1, 8)), SamplingParams(max_new_tokens=8))
+    out = engine.run_to_completion()[rid]  # the engine fails the request alone, with the reason
+    assert out.finish_reason == "error" and isinstance(out.error, AssertionError)
+    assert "reserved slots" in str(out.error)
 
 
 def test_generator_engines_share_one_pool_and_are_not_mutated(model):
