@@ -29,10 +29,10 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from .generate import PromptTooLongError
     from .model.loader import ModelLoadError
     from .model.registry import ModelNotFoundError
-    from .prompts import PromptFileError
+    from .data import DataError
 
     errors = [ConfigError, UsageError, CacheFullError, PromptTooLongError, ModelLoadError,
-              ModelNotFoundError, PromptFileError, FileNotFoundError, PermissionError]
+              ModelNotFoundError, DataError, FileNotFoundError, PermissionError]
     try:
         from .model.exits import ExitHeadError
         errors.append(ExitHeadError)
@@ -47,7 +47,7 @@ def register_generate(sub) -> None:
                        description="Generate a continuation with ar, selfspec or hispec; output is identical "
                                    "across strategies at temperature 0.")
     p.add_argument("prompt", nargs="?", help="the prompt (or use --prompts FILE)")
-    p.add_argument("--prompts", metavar="FILE", help="JSONL prompts: Spec-Bench form or {'id', 'prompt'}")
+    p.add_argument("--prompts", metavar="FILE", help="JSONL prompts: Spec-Bench form, {'id', 'prompt'}, GSM8K {'question'} or {'prompt_ids'}")
     p.add_argument("--strategy", default="hispec", choices=["ar", "selfspec", "hispec"],
                    help="decoding strategy (default: hispec)")
     p.add_argument("--chat", dest="chat", action="store_true", default=None,
@@ -76,7 +76,7 @@ def cmd_generate(args) -> int:
     params = sampling_from_args(args)
     prompts = None
     if args.prompts:
-        from .prompts import read_prompts
+        from .data import read_prompts
         prompts = read_prompts(args.prompts)  # validate the whole file before any work
     gen = load_generator(args)
     spec = spec_from_args(args, gen) if args.strategy != "ar" else None
@@ -109,7 +109,7 @@ def _generate_many(gen, args, params, spec, prompts) -> int:
 
     total, seconds, tokens = DecodeStats(args.strategy), 0.0, 0
     for p in tqdm(prompts, desc=f"{args.strategy}", unit="prompt", file=sys.stderr, disable=None):
-        out = gen.generate(p.prompt, params, args.strategy, chat=args.chat, spec=spec, adaptive=not args.no_adaptive)
+        out = gen.generate(_prompt_of(p), params, args.strategy, chat=args.chat, spec=spec, adaptive=not args.no_adaptive)
         total.merge(out.stats)
         seconds, tokens = seconds + out.seconds, tokens + out.new_tokens
         if args.json:
@@ -133,7 +133,7 @@ def _generate_batched(gen, args, params, spec, prompts) -> int:
     total = DecodeStats(args.strategy)
     with tqdm(total=len(prompts), desc=f"{args.strategy} batch {args.batch_size}", unit="prompt", file=sys.stderr,
               disable=None) as bar:
-        outputs = llm.generate([p.prompt for p in prompts], params, chat=args.chat,
+        outputs = llm.generate([_prompt_of(p) for p in prompts], params, chat=args.chat,
                                on_output=lambda o: o.finished and bar.update(1))
     for p, out in zip(prompts, outputs):
         total.merge(out.stats)
@@ -146,6 +146,11 @@ def _generate_batched(gen, args, params, spec, prompts) -> int:
         print_stats_table(total, tokens, llm.seconds, sys.stderr, kernels_of(gen))
         print(f"  engine: {json.dumps(llm.engine.stats())}", file=sys.stderr)
     return 0
+
+
+def _prompt_of(record):
+    """What the model is given for a prompt-file record: its token ids, or its text."""
+    return list(record.prompt_ids) if record.prompt_ids else record.prompt
 
 
 def output_record(pid: str, out, strategy: str) -> dict:

