@@ -1,8 +1,10 @@
 """The library entry point for one request at a time: prompt in, committed tokens out.
 
-``Generator`` owns the model and its tokenizer and runs each request through the engine as
-a batch of one; a decoding strategy (``ar``, ``selfspec``, ``hispec``) decides which layers
-run when. The strategy is measured as asked: no adaptive switching here.
+``Generator`` owns the model, its tokenizer, its exit heads (``ExitSet``) and one KV pool, and
+runs each request through an engine of its own as a batch of one; a decoding strategy (``ar``,
+``selfspec``, ``hispec``) decides which layers run when. With ``adaptive=True`` the engine
+decodes plainly on the steps where measured speculation does not pay (greedy only; the output
+is the same either way).
 """
 from __future__ import annotations
 

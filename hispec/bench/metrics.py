@@ -1,4 +1,4 @@
-"""From per-prompt records to the numbers of results.json (DESIGN.md section 6 vocabulary).
+"""From per-prompt records to the numbers of results.json (vocabulary: docs/design.md).
 
 Per strategy, overall and per category:
 

@@ -80,7 +80,7 @@ def acceptance_table(strategies: dict, positions: int = 8) -> list[str]:
     for label, e in strategies.items():
         for level, lv in (e.get("acceptance") or {}).items():
             per = lv["acceptance_per_position"][:positions]
-            rows.append([f"`{label}`", level, str(lv["drafts"]), str(lv["draft_tokens"]), f"{lv['acceptance_rate']:.3f}"]
+            rows.append([f"`{label}`", level, str(lv.get("rounds", lv.get("drafts"))), str(lv["draft_tokens"]), f"{lv['acceptance_rate']:.3f}"]
                         + [f"{a:.2f}" for a in per] + ["–"] * (positions - len(per)))
     if not rows:
         return ["(no strategy with speculation ran)"]

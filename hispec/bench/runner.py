@@ -1,6 +1,6 @@
 """The measuring loop: warm-up, then every prompt through every strategy, interleaved.
 
-Procedure (DESIGN.md section 7): all strategies share one process, one model folder and the
+Procedure (docs/design.md, "Measuring"): all strategies share one process, one model folder and the
 same prompt token ids; a warm-up generation per strategy first; then prompt by prompt, each
 strategy in turn (the order rotates by one per prompt, so no strategy always runs first or
 after the same neighbour); the same sampling parameters (with the same per-prompt seed when

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from .base import DecodeContext, StrategyBase, choose_tokens
+from .base import DecodeContext, Strategy, choose_tokens
 from .stats import phase_timer
 
 
-class Autoregressive(StrategyBase):
+class Autoregressive(Strategy):
     name = "ar"
     lookahead = 2  # the pending token's slot, plus one spare
 

@@ -7,7 +7,7 @@ every layer holds K/V for positions ``0 .. len(tokens) - 2``; the last committed
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator, Protocol
+from typing import Iterator
 
 import torch
 
@@ -141,23 +141,19 @@ class DecodeContext:
         return logits if self.processor is None else self.processor(logits, list(spec))
 
 
-class Strategy(Protocol):
-    name: str
-    lookahead: int  # positions past the pending token one step may write, per sequence (an upper bound)
+class Strategy:
+    """A decoding strategy (``ar``, ``selfspec``, ``hispec``): which layers run when.
 
-    def step(self, batch: list[DecodeContext]) -> list[list[int]]:
-        """One round for every sequence of the batch (each with ``remaining > 0``): the tokens
-        each one commits (at least one). The caller appends them to ``ctx.tokens``."""
-        ...
-
-
-class StrategyBase:
-    """Shared by the strategies: one request driven round by round."""
+    ``lookahead`` declares an upper bound on the positions past the pending token one step may
+    write per sequence; the engine's scheduler reserves that many slots before each step.
+    """
 
     name = "base"
     lookahead = 2
 
     def step(self, batch: list[DecodeContext]) -> list[list[int]]:
+        """One round for every sequence of the batch (each with ``remaining > 0``): the tokens
+        each one commits (at least one). The caller appends them to ``ctx.tokens``."""
         raise NotImplementedError
 
     def steps(self, ctx: DecodeContext) -> Iterator[list[int]]:

@@ -22,7 +22,7 @@ import torch
 from ..config import ConfigError, SpecConfig
 from ..sampling.sampler import logits_to_probs, sample
 from ..sampling.speculative import greedy_accept, sample_accept
-from .base import DecodeContext, StrategyBase, split_rows
+from .base import DecodeContext, Strategy, split_rows
 from .policies import DraftPolicy, draft_confidence, make_policy
 from .stats import phase_timer
 
@@ -140,7 +140,7 @@ def _ensure_policies(batch: list[DecodeContext], spec: SpecConfig) -> None:
             c.policy = make_policy(spec)
 
 
-class SelfSpec(StrategyBase):
+class SelfSpec(Strategy):
     """Single-exit self-speculation (LayerSkip-style): draft at L_d, verify with the full model."""
 
     name = "selfspec"
@@ -195,7 +195,7 @@ class Window:
         self.probs = [torch.cat(self.probs)[:length]] if self.probs else []
 
 
-class HiSpec(StrategyBase):
+class HiSpec(Strategy):
     """Hierarchical self-speculation: draft at L_d, filter at L_i, verify a window at L_f."""
 
     name = "hispec"

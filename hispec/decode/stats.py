@@ -1,4 +1,5 @@
-"""Per-request and aggregate decoding statistics, named as in vLLM (DESIGN.md section 6)."""
+"""Per-request and aggregate decoding statistics, named as in vLLM's spec-decode metrics
+(draft tokens, accepted tokens, acceptance per position; see docs/design.md)."""
 from __future__ import annotations
 
 import time
@@ -7,6 +8,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+# prefill; draft (layers [0, L_d)); intermediate_verify (layers [L_d, L_i), hispec only);
+# full_verify (through the last layer); other (the engine's bookkeeping: committing, end
+# conditions, detokenising)
 PHASES = ("prefill", "draft", "intermediate_verify", "full_verify", "other")
 
 
@@ -14,14 +18,14 @@ PHASES = ("prefill", "draft", "intermediate_verify", "full_verify", "other")
 class LevelStats:
     """One verification level, e.g. ``draft->intermediate``: how many proposed tokens survived."""
 
-    drafts: int = 0  # verification rounds at this level
+    rounds: int = 0  # verification rounds at this level
     draft_tokens: int = 0
     accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)  # [j]: rounds whose draft j was accepted
     drafted_per_position: list[int] = field(default_factory=list)  # [j]: rounds that proposed a draft j
 
     def record(self, num_drafted: int, num_accepted: int) -> None:
-        self.drafts += 1
+        self.rounds += 1
         self.draft_tokens += num_drafted
         self.accepted_tokens += num_accepted
         _grow(self.accepted_per_position, num_drafted)
@@ -35,7 +39,7 @@ class LevelStats:
         return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
 
     def merge(self, other: "LevelStats") -> None:
-        self.drafts += other.drafts
+        self.rounds += other.rounds
         self.draft_tokens += other.draft_tokens
         self.accepted_tokens += other.accepted_tokens
         for mine, theirs in ((self.accepted_per_position, other.accepted_per_position),
@@ -46,7 +50,8 @@ class LevelStats:
 
     def to_dict(self) -> dict:
         return {
-            "drafts": self.drafts,
+            "rounds": self.rounds,
+            "drafts": self.rounds,  # the same count, under the name it had before "rounds"
             "draft_tokens": self.draft_tokens,
             "accepted_tokens": self.accepted_tokens,
             "acceptance_rate": round(self.acceptance_rate, 4),

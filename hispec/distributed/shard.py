@@ -120,7 +120,7 @@ def _finish(model: nn.Module, state: dict[str, torch.Tensor], device, dtype) -> 
         model.lm_head.weight = model.embed_tokens.weight
     if model.full_cfg.family != "opt":
         from ..model.llama import rope_inv_freq
-        model.inv_freq = rope_inv_freq(model.full_cfg)[0]
+        model.inv_freq = rope_inv_freq(model.full_cfg)
     return model.to(device).eval().requires_grad_(False)
 
 

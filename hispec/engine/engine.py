@@ -227,14 +227,15 @@ class Engine:
             return []
         chunks, errors = self._rounds(running)
         outputs = []
-        for s in running:
-            if s not in errors and chunks.get(s) is None:
-                continue  # its prefill goes on next step
-            try:
-                outputs.append(self._fail(s, errors[s]) if s in errors else self._commit(s, chunks[s]))
-            except Exception as e:  # e.g. the tokenizer failed on this request's tokens
-                log.exception("request %s failed", s.request_id)
-                outputs.append(self._fail(s, e))
+        with phase_timer([s.ctx.stats for s in running], "other", self.model.device):
+            for s in running:
+                if s not in errors and chunks.get(s) is None:
+                    continue  # its prefill goes on next step
+                try:
+                    outputs.append(self._fail(s, errors[s]) if s in errors else self._commit(s, chunks[s]))
+                except Exception as e:  # e.g. the tokenizer failed on this request's tokens
+                    log.exception("request %s failed", s.request_id)
+                    outputs.append(self._fail(s, e))
         return outputs
 
     def _rounds(self, running: list[Sequence]) -> tuple[dict, dict]:

@@ -55,8 +55,8 @@ def make_norm(cfg: ModelConfig, dim: int) -> nn.Module:
     return RMSNorm(dim, cfg.norm_eps)
 
 
-def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies ``[head_dim / 2]`` and the cos/sin scale, for default, linear and llama3 RoPE."""
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies ``[head_dim / 2]`` for default, linear and llama3 RoPE (none of them scales cos/sin)."""
     dim = cfg.head_dim
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
     scaling = cfg.rope_scaling or {}
@@ -78,7 +78,7 @@ def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
         inv_freq = torch.where(medium, smoothed, scaled)
     else:
         raise ConfigError(f"unsupported RoPE scaling type {kind!r} (supported: default, linear, llama3)")
-    return inv_freq.float(), 1.0
+    return inv_freq.float()
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -230,7 +230,7 @@ class DecoderModel(nn.Module):
                 self.project_out = Linear(cfg.hidden_size, emb_dim, bias=False)
             inv_freq = None
         else:
-            inv_freq, _ = rope_inv_freq(cfg)
+            inv_freq = rope_inv_freq(cfg)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.exits: dict[int, nn.Module] = {}  # trained exits by layer; see model/exits/, exit_block.py
         self.weight_format = "none"  # or "native" / "int4" / "int8": see loader.apply_quantization

@@ -179,7 +179,7 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
     load_weights(model, _weight_files(path, allow_pickle), dtype)
     if cfg.family != "opt":  # the RoPE buffer was built on the meta device
         from .llama import rope_inv_freq
-        model.inv_freq = rope_inv_freq(cfg)[0]
+        model.inv_freq = rope_inv_freq(cfg)
     model = model.to(device).eval().requires_grad_(False)
     apply_quantization(model, quantize, gguf)
     return model

@@ -100,7 +100,7 @@ class VllmMetrics:
                 h["inter_token_latency_seconds"].observe(per_token)
         for name, lv in ((stats or {}).get("levels") or {}).items():
             if name.endswith("->final"):
-                self.drafts += lv["drafts"]
+                self.drafts += lv["rounds"]
                 self.draft_tokens += lv["draft_tokens"]
                 self.accepted_tokens += lv["accepted_tokens"]
                 per_pos = lv["accepted_per_position"]
