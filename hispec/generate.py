@@ -24,7 +24,7 @@ from .decode.stats import DecodeStats
 from .engine.adaptive import AdaptiveController
 from .engine.engine import Engine, PromptTooLongError  # noqa: F401 (PromptTooLongError re-exported)
 from .model.exits.attached import ExitSet
-from .model.llama import DecoderModel
+from .model.decoder import DecoderModel
 from .settings import STRATEGIES, default_spec, resolve_spec  # noqa: F401 (default_spec re-exported)
 
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from hispec.model.llama import SDPA_MIN_QUERIES, attend
+from hispec.model.decoder import SDPA_MIN_QUERIES, attend
 
 
 def reference(q, k, v, mask):

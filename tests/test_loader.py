@@ -324,7 +324,7 @@ def test_internal_name_covers_every_hf_tensor(family, kw):
     """Every tensor of a transformers model of each family maps onto a hispec parameter of the
     same (or, for fused q/k/v and gate/up, summed) shape."""
     from hispec.config import ModelConfig
-    from hispec.model.llama import DecoderModel
+    from hispec.model.decoder import DecoderModel
 
     hf = _tiny(family, **kw)
     cfg = ModelConfig.from_hf(hf.config.to_dict())

@@ -29,7 +29,7 @@ from hispec.cache.kv_cache import KVPool, slots_for  # noqa: E402
 from hispec.config import SamplingParams  # noqa: E402
 from hispec.decode.base import LayerRunner  # noqa: E402
 from hispec.generate import Generator  # noqa: E402
-from hispec.model.llama import DecoderModel  # noqa: E402
+from hispec.model.decoder import DecoderModel  # noqa: E402
 from hispec.model.loader import load_model  # noqa: E402
 
 ATOL = 1e-4

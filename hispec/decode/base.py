@@ -14,7 +14,7 @@ import torch
 from ..cache.block_manager import BlockManager
 from ..cache.kv_cache import AttentionBatch, KVPool, SeqChunk
 from ..config import SamplingParams
-from ..model.llama import DecoderModel
+from ..model.decoder import DecoderModel
 from ..sampling.processors import LogitsProcessor
 from .stats import DecodeStats
 

@@ -81,7 +81,7 @@ def _cut(t: torch.Tensor, how: tuple[int, int, int] | None) -> torch.Tensor:
 
 def sharded_skeleton(cfg: ModelConfig, comm: Comm) -> nn.Module:
     """This rank's model on the meta device: local head/MLP counts, parallel modules in place."""
-    from ..model.llama import DecoderModel
+    from ..model.decoder import DecoderModel
 
     layout = Layout.of(cfg, comm.rank, comm.world_size)
     local = layout.local_config(cfg)
@@ -119,7 +119,7 @@ def _finish(model: nn.Module, state: dict[str, torch.Tensor], device, dtype) -> 
     if model.full_cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     if model.full_cfg.family != "opt":
-        from ..model.llama import rope_inv_freq
+        from ..model.decoder import rope_inv_freq
         model.inv_freq = rope_inv_freq(model.full_cfg)
     return model.to(device).eval().requires_grad_(False)
 
@@ -148,7 +148,7 @@ def _assemble(cfg: ModelConfig, read: Callable[[str, str | None], torch.Tensor |
 def load_shard(path: str | Path, comm: Comm, *, device="cpu", dtype: torch.dtype = torch.float32) -> nn.Module:
     """This rank's model, reading only its slices of the safetensors files of a model folder."""
     from ..model.loader import _IGNORED, ModelLoadError, _expected_part_shapes, internal_name, read_config
-    from ..model.llama import DecoderModel
+    from ..model.decoder import DecoderModel
 
     path = Path(path)
     cfg = read_config(path)

@@ -20,7 +20,7 @@ from ..config import ConfigError, EngineConfig, SamplingParams
 from ..decode.autoregressive import Autoregressive
 from ..decode.base import DecodeContext, LayerRunner, Strategy
 from ..decode.stats import DecodeStats, phase_timer
-from ..model.llama import DecoderModel
+from ..model.decoder import DecoderModel
 from ..sampling.logprobs import TokenLogprob, token_logprobs
 from ..sampling.processors import LogitsProcessor
 from .adaptive import PLAIN, SPECULATE, AdaptiveController

@@ -27,7 +27,7 @@ from torch import nn
 
 from ..cache.kv_cache import AttentionBatch, KVPool
 from .exits.head import SharedOutput
-from .llama import DecoderLayer, RMSNorm
+from .decoder import DecoderLayer, RMSNorm
 from .quant import float_state_dict
 
 INITS = ("copy", "zero")

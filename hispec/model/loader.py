@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 
 from ..config import ConfigError, ModelConfig
-from .llama import DecoderModel
+from .decoder import DecoderModel
 
 
 class ModelLoadError(RuntimeError):
@@ -178,7 +178,7 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
         model = DecoderModel(cfg)
     load_weights(model, _weight_files(path, allow_pickle), dtype)
     if cfg.family != "opt":  # the RoPE buffer was built on the meta device
-        from .llama import rope_inv_freq
+        from .decoder import rope_inv_freq
         model.inv_freq = rope_inv_freq(cfg)
     model = model.to(device).eval().requires_grad_(False)
     apply_quantization(model, quantize, gguf)

@@ -28,7 +28,7 @@ from safetensors.torch import load_file, save_file
 from ..cache.block_manager import BlockManager
 from ..cache.kv_cache import KVPool, SeqChunk
 from ..decode.base import LayerRunner
-from ..model.llama import DecoderModel
+from ..model.decoder import DecoderModel
 
 SELF, TEACHER = 0, 1
 

@@ -32,7 +32,7 @@ import weakref
 import torch
 from torch import nn
 
-from ..llama import RMSNorm
+from ..decoder import RMSNorm
 from ..matmul import Linear, linear
 
 # base model -> {(subset hash, device, dtype): the subset's rows of its output head [K, H]}
