@@ -31,7 +31,7 @@ class HispecReplica:
     def __init__(self, args: argparse.Namespace) -> None:
         import torch
 
-        from ..cli import load_generator
+        from ..options import load_generator
         from ..server.app import create_app
         from ..server.commands import build_server_state
 
@@ -90,7 +90,7 @@ def _free_port(host: str) -> int:
 
 def run(args) -> int:
     """``hispec serve --ray``: a local Ray instance (or ``--ray-address``), the deployment, until SIGTERM/SIGINT."""
-    from ..cli import UsageError
+    from ..options import UsageError
 
     try:
         import ray

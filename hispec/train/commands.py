@@ -227,7 +227,7 @@ def cmd_probe(args) -> int:
 
 # ---- collect-exits --------------------------------------------------------------------------
 def cmd_collect_exits(args) -> int:
-    from ..cli import UsageError, load_generator
+    from ..options import UsageError, load_generator
     from ..model.exits import model_identity
     from .sources import load_sources
     from .teacher import TeacherConfig, collect, encode_records
@@ -252,7 +252,7 @@ def cmd_collect_exits(args) -> int:
 
 # ---- distill-exits --------------------------------------------------------------------------
 def cmd_distill_exits(args) -> int:
-    from ..cli import UsageError, load_generator
+    from ..options import UsageError, load_generator
     from ..model.exits import Manifest, model_identity, new_heads, save_heads
     from . import seqdistill as S
     from .teacher import read_meta
