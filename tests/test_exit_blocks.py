@@ -1,6 +1,8 @@
 """Exit blocks (design ``block``) and sequence distillation on tiny random models (no network)."""
 from __future__ import annotations
 
+import dataclasses
+import json
 import random
 
 import pytest
@@ -55,6 +57,81 @@ def test_teacher_shards_match_a_plain_forward_and_resume(tiny, shards, tmp_path)
     assert full["positions"] == meta["positions"] and full["records_done"] == 40
     again = S.load_sequences(tmp_path / "t", 3)
     assert torch.equal(again.top_ids, S.load_sequences(folder, 3).top_ids)
+
+
+def engine_path(model, seqs: list[list[int]], layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The state entering ``layer`` and the final logits ``[N, .]`` of a ragged prefill through the
+    engine's own layer runner and paged pool (what decoding computes)."""
+    from hispec.cache.block_manager import BlockManager
+    from hispec.cache.kv_cache import KVPool
+    from hispec.decode.base import LayerRunner
+
+    n = sum(map(len, seqs))
+    blocks = BlockManager(n // 8 + len(seqs) + 1, 8, model.num_layers)
+    pool = KVPool(model.num_layers, blocks.num_blocks, 8, model.cfg.num_kv_heads, model.cfg.head_dim, model.dtype,
+                  model.device)
+    for sid in range(len(seqs)):
+        blocks.add_sequence(sid)
+    capture = {layer: None}
+    final = torch.cat(LayerRunner(model, blocks, pool).forward_many(
+        [(sid, 0, torch.tensor(ids)) for sid, ids in enumerate(seqs)], 0, model.num_layers, capture))
+    return capture[layer], model.final_logits(final)
+
+
+def test_packed_teacher_pass_equals_the_engine_path(tiny):
+    """The teacher's packed prefill (no KV cache, one causal SDPA per sequence) computes what the
+    engine's paged path computes, so a drift from DecoderLayer.forward cannot go unnoticed."""
+    seqs = [ids for _, ids, _ in encoded(3, seed=4)]
+    h, logits = engine_path(tiny, seqs, 2)
+    out = T.TeacherPass(tiny, T.TeacherConfig((2,), topk=8, precision="model"))(seqs)
+    assert torch.allclose(out["h.2"].float(), h.half().float(), atol=2e-3)
+    want = torch.log_softmax(logits.float(), -1).topk(8, dim=-1)
+    assert torch.equal(out["top_ids"].long(), want.indices)
+    assert torch.allclose(out["top_logp"].float(), want.values, atol=2e-3)
+    assert torch.equal(out["tokens"].long(), torch.tensor([t for ids in seqs for t in ids]))
+
+
+def test_bfloat16_teacher_is_close_and_its_top_k_exact(tiny):
+    """The default CPU teacher runs dense bfloat16 matrices of the same weights: states within
+    bfloat16 rounding, and the top-k log-probs computed exactly (float32) for the candidates."""
+    seqs = [ids for _, ids, _ in encoded(3, seed=5)]
+    exact = T.TeacherPass(tiny, T.TeacherConfig((2,), topk=8, precision="model"))(seqs)
+    fast = T.TeacherPass(tiny, T.TeacherConfig((2,), topk=8, precision="bfloat16"))
+    assert isinstance(fast.model.layers[0].qkv_proj, T.DenseLinear) and fast.head is not None
+    assert not isinstance(tiny.layers[0].qkv_proj, T.DenseLinear)  # the served model is left alone
+    out = fast(seqs)
+    rel = (out["h.2"].float() - exact["h.2"].float()).norm(dim=-1) / exact["h.2"].float().norm(dim=-1)
+    assert rel.max() < 0.02
+    assert (out["top_ids"][:, 0] == exact["top_ids"][:, 0]).float().mean() > 0.9
+    # ExactTopK against float32 logits of the same (bfloat16 teacher) final states
+    with torch.no_grad():
+        _, final = T.packed_forward(fast.model, torch.tensor(seqs[0]), [len(seqs[0])], ())
+        want = torch.log_softmax(tiny.final_logits(final).float(), -1).topk(8, dim=-1)
+        logp, ids = fast.head(fast.model, final, 8)
+    assert torch.equal(ids, want.indices)
+    assert torch.allclose(logp, want.values, atol=1e-3)
+
+
+def test_collected_meta_has_no_machine_paths(tiny, tmp_path):
+    """meta.json records paths as hispec.paths.portable does, also when an older folder is resumed."""
+    data = tmp_path / "elsewhere" / "train.jsonl"
+    data.parent.mkdir()
+    data.write_text("{}\n")
+    meta = {"model": "tiny", "data": {"sources": {str(data): 3, "sharegpt": 2}, "held_out": [str(data)]},
+            "command": f"hispec collect-exits --data {data} sharegpt --out {tmp_path / 'out'}"}
+    cfg = T.TeacherConfig((2,), topk=8, max_tokens=48, batch_tokens=256)
+    T.collect(tiny, encoded(4), tmp_path / "out", cfg, meta)
+    text = (tmp_path / "out" / "meta.json").read_text()
+    assert str(tmp_path) not in text and "train.jsonl#sha256:" in text and "--out out" in text
+    # a folder written before the scrub (absolute paths) comes out clean when resumed
+    old = json.loads(text)
+    old["command"], old["data"]["held_out"] = meta["command"], [str(data)]
+    old["config"].pop("precision")  # folders from before it were collected on the model's own kernels
+    (tmp_path / "out" / "meta.json").write_text(json.dumps(old))
+    with pytest.raises(ValueError, match="another config"):
+        T.collect(tiny, encoded(8), tmp_path / "out", cfg, meta)
+    T.collect(tiny, encoded(8), tmp_path / "out", dataclasses.replace(cfg, precision="model"), meta)
+    assert str(tmp_path) not in (tmp_path / "out" / "meta.json").read_text()
 
 
 def test_dense_block_equals_the_paged_block(tiny):

@@ -82,6 +82,10 @@ def register(sub) -> None:
     p.add_argument("--max-tokens", type=int, default=512, help="positions per conversation (default 512)")
     p.add_argument("--max-positions", type=int, default=None, help="stop when the folder holds this many")
     p.add_argument("--batch-tokens", type=int, default=4096, help="positions per teacher pass (default 4096)")
+    p.add_argument("--teacher-precision", default="bfloat16", choices=["bfloat16", "model"],
+                   help="bfloat16 (default): on CPU the teacher's linear layers run as dense bfloat16 matrices of "
+                        "the model's own weights (quantized ones dequantized), ~2-3x faster than the int4 decode "
+                        "kernel at prefill; model: the model's own kernels")
     p.add_argument("--seed", type=int, default=0, help="record order")
     p.set_defaults(func=cmd_collect_exits)
     _PARSERS["collect-exits"] = p
@@ -240,7 +244,8 @@ def cmd_collect_exits(args) -> int:
     if not layers or any(not 1 <= L < n for L in layers):
         raise UsageError(f"--layers must be between 1 and {n - 1} for this {n}-layer model, got {args.layers}")
     records, summary = load_sources(args.data, args.holdout, shuffle_seed=args.seed)
-    cfg = TeacherConfig(tuple(layers), topk=args.topk, max_tokens=args.max_tokens, batch_tokens=args.batch_tokens)
+    cfg = TeacherConfig(tuple(layers), topk=args.topk, max_tokens=args.max_tokens, batch_tokens=args.batch_tokens,
+                        precision=args.teacher_precision)
     meta = {"model": model_identity(gen.model)["weights_sha256"], "data": summary, "command": command,
             "dtype": str(gen.model.dtype).removeprefix("torch.")}
     meta = collect(gen.model, encode_records(gen, records, args.max_tokens), Path(args.out), cfg, meta,
