@@ -334,3 +334,31 @@ def test_default_model_with_block_exits_equals_ar():
             strategy = "hispec" if spec.verify_layer < n else "selfspec"
             for p, w in zip(prompts, want):
                 assert gen.generate(p, params, strategy, spec=spec).token_ids == w, (strategy, policy, p)
+
+
+def test_collect_and_distill_cli(tiny_model_dir, tmp_path, capsys):
+    """collect-exits -> distill-exits end to end from the CLI; no machine path in what they write;
+    --max-positions cuts the training split and keeps the whole held-out set."""
+    from hispec.cli import main
+
+    data = tmp_path / "data.jsonl"
+    with data.open("w") as f:
+        for _, ids, first in encoded(60, seed=2):
+            f.write(json.dumps({"prompt_ids": ids[:first + 1], "response_ids": ids[first + 1:]}) + "\n")
+    model = str(tiny_model_dir("llama"))
+    teacher = tmp_path / "teacher"
+    assert main(["collect-exits", "--model", model, "--threads", "1", "--layers", "2", "--data", str(data),
+                 "--out", str(teacher), "--topk", "8", "--max-tokens", "48", "--batch-tokens", "256"]) == 0
+    meta = json.loads((teacher / "meta.json").read_text())
+    assert meta["config"]["precision"] == "bfloat16" and meta["positions"] > 1000
+    assert str(tmp_path) not in (teacher / "meta.json").read_text()
+    runs = {}
+    for n in (300, None):
+        out = tmp_path / f"block-{n}"
+        args = ["distill-exits", "--model", model, "--threads", "1", "--data", str(teacher), "--layers", "2",
+                "--vocab", "64", "--epochs", "1", "--batch-tokens", "256", "--heldout-every", "10", "--out", str(out)]
+        assert main(args + (["--max-positions", str(n)] if n else [])) == 0
+        runs[n] = json.loads((out / "manifest.json").read_text())
+        assert str(tmp_path) not in (out / "manifest.json").read_text()
+    assert runs[300]["data"]["positions"]["2"] <= 300 < runs[None]["data"]["positions"]["2"]
+    assert runs[300]["agreement"]["2"]["heldout_positions"] == runs[None]["agreement"]["2"]["heldout_positions"] > 0

@@ -105,7 +105,8 @@ def register(sub) -> None:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--batch-tokens", type=int, default=4096, help="padded positions per step")
     p.add_argument("--ce-weight", type=float, default=0.2)
-    p.add_argument("--max-positions", type=int, default=None, help="train on the first N positions of --data")
+    p.add_argument("--max-positions", type=int, default=None, help="train on the first N training positions of --data (the held-out records stay "
+                        "those of the whole folder, so runs on growing N compare on the same positions)")
     p.add_argument("--heldout-every", type=int, default=50, help="hold out every N-th record (default 50)")
     p.add_argument("--eval-every", type=int, default=0, help="held-out agreement every N steps (0: at the end)")
     p.add_argument("--max-steps", type=int, default=None, help="stop after this many steps (continue with --resume)")
@@ -275,8 +276,9 @@ def cmd_distill_exits(args) -> int:
                         seed=args.seed, eval_every=args.eval_every)
     exits, agreement, training, positions = {}, {}, {}, {}
     for L in layers or []:
-        data = S.load_sequences(Path(args.data), L, args.max_positions)
-        train, held = data.split(args.heldout_every)
+        train, held = S.load_sequences(Path(args.data), L).split(args.heldout_every)
+        if args.max_positions is not None:
+            train = train.leading(args.max_positions)
         vocab = {L: S.frequent_vocab(train, args.vocab, model.cfg.vocab_size)} if args.vocab else None
         exit_ = new_heads(model, [L], vocab, design=args.design, init=args.init)[L]
         before = S.agreement(exit_, held)

@@ -57,6 +57,11 @@ class SeqData:
                        torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]), self.first[seqs],
                        self.record[seqs])
 
+    def leading(self, positions: int) -> "SeqData":
+        """The leading sequences that fit in ``positions`` rows (at least one)."""
+        n = max(1, int((self.offsets[1:] <= positions).sum()))
+        return self.subset(torch.arange(min(n, self.num_sequences)))
+
     def split(self, every: int) -> tuple["SeqData", "SeqData"]:
         """(train, held out): records whose index is a multiple of ``every`` are held out."""
         held = (self.record % every) == 0
