@@ -148,6 +148,39 @@ def test_a_seeded_sampled_request_gives_the_same_output_in_any_batch(model, work
     assert outputs[0] == outputs[1] == outputs[2]
 
 
+MIXED = [SamplingParams(max_new_tokens=14, temperature=0.9, top_p=0.95, seed=11, ignore_eos=True),
+         SamplingParams(max_new_tokens=14, ignore_eos=True),
+         SamplingParams(max_new_tokens=14, temperature=0.7, top_k=5, seed=12, ignore_eos=True),
+         SamplingParams(max_new_tokens=14, temperature=1.3, top_k=20, top_p=0.8, seed=13, ignore_eos=True),
+         SamplingParams(max_new_tokens=14, temperature=1.0, seed=14, presence_penalty=0.5, ignore_eos=True),
+         SamplingParams(max_new_tokens=9, ignore_eos=True),
+         SamplingParams(max_new_tokens=14, temperature=0.5, seed=15, logit_bias=((3, 2.0),), ignore_eos=True)]
+
+
+@pytest.mark.parametrize("name", ["ar", "selfspec", "hispec", "hispec-svip"])
+@pytest.mark.parametrize("cpu_block", ["whole batch", "a few rows"])
+def test_a_batch_mixing_greedy_and_sampled_requests_gives_each_its_batch_of_one_output(model, workload, name,
+                                                                                      cpu_block, monkeypatch):
+    """The batched samplers and accept rules: per-row temperature, top-k, top-p and processors,
+    each request on its own random stream, token for token what it gives alone; with the CPU's
+    cache-sized blocks of rows taking the whole batch or a few rows at a time."""
+    import hispec.sampling.sampler as sampler
+
+    if cpu_block == "a few rows":
+        monkeypatch.setattr(sampler, "CPU_BLOCK_BYTES", 4 * model.cfg.vocab_size * 7)
+    prompts = workload[0]
+
+    def run(indices):
+        engine = Engine(model, make_strategy(name.split("-")[0], STRATEGIES[name], model.num_layers), kv_blocks=400,
+                        block_size=4, max_batch_size=8, adaptive=False)
+        ids = {i: engine.add_request(prompts[i], MIXED[i]) for i in indices}
+        final = engine.run_to_completion()
+        return {i: final[r].token_ids for i, r in ids.items()}
+
+    together = run(range(len(MIXED)))
+    assert together == {i: run([i])[i] for i in range(len(MIXED))}
+
+
 # ---- one request cannot hurt another ------------------------------------------------------------
 EXTREME = [SamplingParams(max_new_tokens=12, temperature=1e-40, seed=1),  # 1/T overflows float32
            SamplingParams(max_new_tokens=12, temperature=1e-46, seed=2),  # T itself underflows to 0

@@ -19,7 +19,8 @@ import hispec.decode.speculative as spec_mod
 from hispec.config import SamplingParams, SpecConfig
 from hispec.generate import Generator
 from hispec.model.loader import load_model
-from hispec.sampling.speculative import greedy_accept, sample_accept
+from hispec.sampling.sampler import choose, logits_to_probs, next_tokens
+from hispec.sampling.speculative import greedy_accept, greedy_accept_batch, sample_accept, sample_accept_batch
 
 ALPHA = 1e-3  # chi-square significance level; the wrong samplers score p-values far below it
 VOCAB = 8
@@ -372,3 +373,44 @@ def test_sample_accept_edge_cases():
 ])
 def test_greedy_accept(drafts, argmax, expected):
     assert greedy_accept(torch.tensor(drafts, dtype=torch.long), torch.tensor(argmax)) == expected
+
+
+# ---- the batched rules are the one-sequence rules, sequence by sequence ----------------------
+
+def test_batched_accept_rules_equal_the_one_sequence_rules():
+    """Ragged batches (0 to 4 drafts), p == q rows included: each sequence gets exactly the
+    tokens the one-sequence rule gives with the same generator state."""
+    r = torch.Generator().manual_seed(0)
+    for trial in range(200):
+        counts = torch.randint(0, 5, (int(torch.randint(1, 6, (1,), generator=r)),), generator=r).tolist()
+        q = [torch.softmax(2 * torch.randn(k, 12, generator=r), -1) for k in counts]
+        p = [torch.softmax(2 * torch.randn(k + 1, 12, generator=r), -1) for k in counts]
+        if trial % 3 == 0:
+            p = [torch.cat([qb, pb[-1:]]) for qb, pb in zip(q, p)]
+        drafts = [torch.multinomial(qb, 1, generator=r).squeeze(1) if k else torch.zeros(0, dtype=torch.long)
+                  for qb, k in zip(q, counts)]
+        seeds = torch.randint(0, 10**6, (len(counts),), generator=r).tolist()
+        one = [sample_accept(d, qb, pb, torch.Generator().manual_seed(s)) for d, qb, pb, s in zip(drafts, q, p, seeds)]
+        num, token = sample_accept_batch(drafts, torch.cat(q), torch.cat(p),
+                                         [torch.Generator().manual_seed(s) for s in seeds])
+        assert list(zip(num.tolist(), token.tolist())) == one
+        argmax = [torch.randint(0, 3, (k + 1,), generator=r) for k in counts]
+        guesses = [torch.randint(0, 3, (k,), generator=r) for k in counts]
+        num, token = greedy_accept_batch(guesses, torch.cat(argmax))
+        assert list(zip(num.tolist(), token.tolist())) == [greedy_accept(g, a) for g, a in zip(guesses, argmax)]
+
+
+def test_per_row_sampling_parameters_give_each_row_its_own_result():
+    rows = [SamplingParams(temperature=0.9, top_p=0.95), SamplingParams(temperature=0.7, top_k=5), SamplingParams(),
+            SamplingParams(temperature=1.3, top_k=3, top_p=0.5), SamplingParams(temperature=1.0, top_k=100),
+            SamplingParams(temperature=1e-40)]
+    logits = 3 * torch.randn(len(rows), 40, generator=torch.Generator().manual_seed(1))
+    together = logits_to_probs(logits, rows)
+    for r, params in enumerate(rows):
+        assert torch.equal(together[r], logits_to_probs(logits[r:r + 1], params)[0]), params
+    seeds = list(range(len(rows)))
+    tokens, probs = choose(logits, rows, [torch.Generator().manual_seed(s) for s in seeds])
+    assert tokens.tolist() == [int(next_tokens(logits[r:r + 1], p, torch.Generator().manual_seed(s)))
+                               for r, (p, s) in enumerate(zip(rows, seeds))]
+    sampled = [r for r, p in enumerate(rows) if not p.greedy]
+    assert torch.equal(probs, together[sampled])

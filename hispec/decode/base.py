@@ -16,6 +16,7 @@ from ..cache.kv_cache import AttentionBatch, KVPool, SeqChunk
 from ..config import SamplingParams
 from ..model.decoder import DecoderModel
 from ..sampling.processors import LogitsProcessor
+from ..sampling.sampler import choose
 from .stats import DecodeStats
 
 
@@ -166,11 +167,18 @@ def split_rows(t: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
     return list(t.split(sizes)) if len(sizes) > 1 else [t]
 
 
+def process_rows(batch: list[DecodeContext], logits: torch.Tensor, sizes: list[int],
+                 specs: list[list[int] | tuple]) -> torch.Tensor:
+    """``logits [sum n_b, V]`` (``batch[b]``'s ``n_b = sizes[b]`` rows consecutive) as each request
+    samples from them (``DecodeContext.process`` with ``specs[b]``). Only the requests with a
+    logits processor (penalties, biases, a grammar) are touched, one by one."""
+    if all(c.processor is None for c in batch):
+        return logits
+    return torch.cat([c.process(lg, spec) for c, lg, spec in zip(batch, split_rows(logits, sizes), specs)])
+
+
 def choose_tokens(batch: list[DecodeContext], logits: torch.Tensor) -> torch.Tensor:
     """One next token per sequence from ``logits [B, V]`` (row b belongs to ``batch[b]``) -> ``[B]``.
-    Greedy rows take the argmax; sampled rows use their own parameters and generator."""
-    from ..sampling.sampler import next_tokens
-
-    if all(c.params.greedy and c.processor is None for c in batch):
-        return logits.argmax(-1)
-    return torch.cat([next_tokens(c.process(logits[b:b + 1]), c.params, c.generator) for b, c in enumerate(batch)])
+    Greedy rows take the argmax; sampled rows use their own parameters and generator (one pass)."""
+    logits = process_rows(batch, logits, [1] * len(batch), [()] * len(batch))
+    return choose(logits, [c.params for c in batch], [c.generator for c in batch])[0]

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import SpecConfig
-from ..sampling.sampler import entropy, scale
+from ..sampling.sampler import entropy, per_row, scale
 
 
 @dataclass(frozen=True)
@@ -97,8 +97,8 @@ def make_policy(spec: SpecConfig) -> DraftPolicy:
     return POLICIES[spec.draft_policy](spec)
 
 
-def draft_confidence(logits: torch.Tensor, temperature: float) -> DraftConfidence:
-    """Entropy (nats) and top-1 probability of the draft distribution ``softmax(logits / T)`` for
-    ``logits [1, V]``; T=1 when greedy."""
-    p = torch.softmax(scale(logits, temperature or 1.0), dim=-1)
-    return DraftConfidence(float(entropy(p)[0]), float(p.max()))
+def draft_confidence(logits: torch.Tensor, temperatures: list[float]) -> list[DraftConfidence]:
+    """Entropy (nats) and top-1 probability of each row's draft distribution ``softmax(logits / T)``
+    for ``logits [R, V]``, row ``r`` at ``temperatures[r]`` (T=1 when greedy, i.e. 0); one host sync."""
+    p = torch.softmax(scale(logits, per_row([t or 1.0 for t in temperatures], logits.device)), dim=-1)  # [R, V]
+    return [DraftConfidence(e, top1) for e, top1 in torch.stack([entropy(p), p.max(-1).values], 1).tolist()]

@@ -1,12 +1,16 @@
 """Self-speculative decoding on one set of weights: single-exit (``selfspec``) and
 hierarchical (``hispec``), for a ragged batch of sequences (one request = a batch of one).
 
-Positions in a round (``base`` is the position of the pending committed token):
+Positions in a round (``base`` is the position of the pending committed token; phases and
+names as in docs/design.md):
 
-    draft     layers [0, L_d)  : u, d_1 .. d_k        positions q .. q + k   (q = base + m)
-    verify    layers [L_d, L_i): the same k + 1 positions, from the cached draft-exit states
-    window    accepted d_1..d_a plus one recovered/bonus token, tentatively (hispec only)
-    full      layers [L_i, L_f): base .. base + m, from the cached intermediate states
+    draft                layers [0, L_d)  : u, x_1 .. x_k    positions q .. q + k   (q = base + m)
+    intermediate_verify  layers [L_d, L_i): the same k + 1 positions, from the cached draft-exit states
+    window               accepted x_1..x_a plus one recovered/bonus token, tentatively (hispec only;
+                         at most N_i = ``spec.window`` tokens)
+    full_verify          layers [L_i, L_f): base .. base + m, from the cached intermediate-exit states
+
+(selfspec has no intermediate exit: its drafts go straight to ``full_verify``, layers [L_d, L_f).)
 
 Nothing is computed twice: each phase starts from the hidden states where the previous
 phase stopped, and the K/V of rejected tokens are cut by shortening lengths. Sequences of a
@@ -20,9 +24,9 @@ from dataclasses import dataclass, field
 import torch
 
 from ..config import ConfigError, SpecConfig
-from ..sampling.sampler import logits_to_probs, sample
-from ..sampling.speculative import greedy_accept, sample_accept
-from .base import DecodeContext, Strategy, split_rows
+from ..sampling.sampler import block_rows, choose, logits_to_probs
+from ..sampling.speculative import greedy_accept, greedy_accept_batch, sample_accept, sample_accept_batch
+from .base import DecodeContext, Strategy, process_rows, split_rows
 from .policies import DraftPolicy, draft_confidence, make_policy
 from .stats import phase_timer
 
@@ -38,10 +42,13 @@ class Proposal:
 
 @dataclass
 class Verdict:
-    num_accepted: int
-    next_token: int  # recovered or bonus token
+    tokens: list[int]  # the accepted proposals, then the recovered or bonus token
     hidden: torch.Tensor  # [k + 1, H] states at the verifying exit
     probs: torch.Tensor | None  # [k + 1, V] verifying distributions (None when greedy)
+
+    @property
+    def num_accepted(self) -> int:
+        return len(self.tokens) - 1
 
 
 def draft(batch: list[DecodeContext], starts: list[tuple[int, int]], layer: int, limits: list[int],
@@ -51,42 +58,61 @@ def draft(batch: list[DecodeContext], starts: list[tuple[int, int]], layer: int,
     ``prefixes[b]``: the speculative tokens (not yet committed) up to and including the start token.
 
     Each sequence's last drafted token is also run through layers ``[0, layer)`` (without the
-    exit head), so the verifier can score the position after it (the bonus position).
+    exit head), so the verifier can score the position after it (the bonus position). Each
+    draft position is one pass for the batch: greedy and sampled rows are chosen together and
+    the drafted tokens stay on the device (a host sync only for a confidence-based policy, once
+    per position, or for a request with a logits processor).
     """
-    model, runner = batch[0].model, batch[0].runner
+    runner = batch[0].runner
     k_max = [max(1, min(c.policy.max_drafts(), lim)) for c, lim in zip(batch, limits)]
-    x = [c.token_tensor([tok]) for c, (tok, _) in zip(batch, starts)]
+    x = list(batch[0].token_tensor([tok for tok, _ in starts]).split(1))  # B x [1]: each one's next input
     hidden, tokens, probs = [[] for _ in batch], [[] for _ in batch], [[] for _ in batch]
     active, j = list(range(len(batch))), 0
     while active:
         hs = runner.forward_many([(batch[b].seq_id, starts[b][1] + j, x[b]) for b in active], 0, layer)
         for b, h in zip(active, hs):
             hidden[b].append(h)
-        rows = [r for r, b in enumerate(active) if j < k_max[b]]
-        logits = runner.exit_logits([(batch[active[r]].seq_id, starts[active[r]][1] + j, hs[r]) for r in rows],
-                                    layer) if rows else None  # [len(rows), V]
-        still = []
-        for i, r in enumerate(rows):
-            b, c = active[r], batch[active[r]]
-            lg = logits[i:i + 1]
-            if c.processor is not None:
-                lg = c.process(lg, prefixes[b] + torch.cat(tokens[b]).tolist() if tokens[b] else prefixes[b])
-            if j > 0 and c.policy.wants_confidence() and c.policy.stop_before(
-                    draft_confidence(lg, 0.0 if c.params.greedy else c.params.temperature)):
-                continue
-            if c.params.greedy:
-                x[b] = lg.argmax(-1)
-            else:
-                q = logits_to_probs(lg, c.params)
-                x[b] = sample(q, c.generator)
-                probs[b].append(q)
+        rows = [(b, h) for b, h in zip(active, hs) if j < k_max[b]]
+        if not rows:
+            break
+        ctxs = [batch[b] for b, _ in rows]
+        logits = runner.exit_logits([(batch[b].seq_id, starts[b][1] + j, h) for b, h in rows], layer)  # [R, V]
+        logits = process_rows(ctxs, logits, [1] * len(rows),
+                              [prefixes[b] + (torch.cat(tokens[b]).tolist() if tokens[b] else [])
+                               if batch[b].processor is not None else () for b, _ in rows])
+        if j > 0:
+            keep = _keep_drafting(ctxs, logits)
+            if not all(keep):
+                rows, ctxs = [r for r, k in zip(rows, keep) if k], [c for c, k in zip(ctxs, keep) if k]
+                logits = logits[[r for r, k in enumerate(keep) if k]]
+                if not rows:
+                    break
+        chosen, q = choose(logits, [c.params for c in ctxs], [c.generator for c in ctxs])  # [R], [S, V]
+        s = 0
+        for i, (b, _) in enumerate(rows):
+            x[b] = chosen[i:i + 1]
             tokens[b].append(x[b])
-            still.append(b)
-        active, j = still, j + 1
+            if not batch[b].params.greedy:
+                probs[b].append(q[s:s + 1])
+                s += 1
+        active, j = [b for b, _ in rows], j + 1
     for c, h in zip(batch, hidden):
         c.stats.draft_forward_tokens += len(h)
     return [Proposal(torch.cat(t), torch.cat(p) if p else None, torch.cat(h))
             for t, p, h in zip(tokens, probs, hidden)]
+
+
+def _keep_drafting(batch: list[DecodeContext], logits: torch.Tensor) -> list[bool]:
+    """Whether each sequence's policy lets it draft from its (processed) draft logits ``[R, V]``."""
+    asks = [r for r, c in enumerate(batch) if c.policy.wants_confidence()]
+    if not asks:
+        return [True] * len(batch)
+    confidence = draft_confidence(logits[asks] if len(asks) < len(batch) else logits,
+                                  [0.0 if batch[r].params.greedy else batch[r].params.temperature for r in asks])
+    keep = [True] * len(batch)
+    for r, conf in zip(asks, confidence):
+        keep[r] = not batch[r].policy.stop_before(conf)
+    return keep
 
 
 def verify(batch: list[DecodeContext], props: list[Proposal], positions: list[int], from_layer: int,
@@ -101,30 +127,98 @@ def verify(batch: list[DecodeContext], props: list[Proposal], positions: list[in
     model, runner = batch[0].model, batch[0].runner
     hs = runner.forward_many([(c.seq_id, pos, p.hidden) for c, p, pos in zip(batch, props, positions)],
                              from_layer, to_layer)  # B x [k_b + 1, H]
-    logits = split_rows(runner.exit_logits([(c.seq_id, pos, h) for c, pos, h in zip(batch, positions, hs)], to_layer),
-                        [h.shape[0] for h in hs])
+    logits = runner.exit_logits([(c.seq_id, pos, h) for c, pos, h in zip(batch, positions, hs)], to_layer)
+    specs = [pre + p.tokens.tolist() if c.processor is not None else () for c, p, pre in zip(batch, props, prefixes)]
+    accepted, probs = accept(batch, [p.tokens for p in props], [p.probs for p in props], logits, specs)
     verdicts = []
-    for c, p, pos, h, lg, pre in zip(batch, props, positions, hs, logits, prefixes):
-        spec = pre + p.tokens.tolist() if c.processor is not None else ()
-        probs, (num, token) = accept(c, p.tokens, p.probs, lg, spec)
+    for c, p, pos, h, lg, toks, pr in zip(batch, props, positions, hs, split_rows(logits, [h.shape[0] for h in hs]),
+                                          accepted, probs):
+        num = len(toks) - 1
         if to_layer == model.num_layers:
             c.target_logits = lg[:num + 1]
         c.runner.truncate(c.seq_id, pos + num + 1)
         c.stats.level(level).record(p.tokens.shape[0], num)
-        verdicts.append(Verdict(num, token, h, probs))
+        verdicts.append(Verdict(toks, h, pr))
     return verdicts
 
 
-def accept(ctx: DecodeContext, proposed: torch.Tensor, proposed_probs: torch.Tensor | None,
-           target_logits: torch.Tensor, spec: list[int] | tuple = ()) -> tuple[torch.Tensor | None, tuple[int, int]]:
-    """Accept/reject ``proposed [k]`` against ``target_logits [k + 1, V]`` (last row: bonus),
-    after the request's logits processing (``spec``: the speculative tokens, ``proposed`` last).
-    Returns the target probabilities (None when greedy) and (number accepted, next token)."""
-    target_logits = ctx.process(target_logits, spec)
-    if ctx.params.greedy:
-        return None, greedy_accept(proposed, target_logits.argmax(-1))
-    probs = logits_to_probs(target_logits, ctx.params)
-    return probs, sample_accept(proposed, proposed_probs, probs, ctx.generator)
+def accept(batch: list[DecodeContext], proposed: list[torch.Tensor], proposed_probs: list[torch.Tensor | None],
+           target_logits: torch.Tensor, specs: list[list[int] | tuple]) -> tuple[list[list[int]], list]:
+    """Accept/reject each sequence's ``proposed[b] [k_b]`` against its rows of ``target_logits``
+    ``[sum (k_b + 1), V]`` (``k_b + 1`` consecutive rows per sequence, the bonus row last), after
+    the request's logits processing (``specs[b]``: its speculative tokens, ``proposed[b]`` last).
+
+    Returns, per sequence, the accepted proposals followed by the recovered or bonus token
+    (host ints: one host sync for the batch), and its target probabilities ``[k_b + 1, V]``
+    (None when greedy). One sequence goes through the one-sequence rules (``greedy_accept``,
+    ``sample_accept``); a batch goes through their batched forms, greedy and sampled sequences
+    side by side, each with its own parameters and generator: the greedy ones in one pass, the
+    sampled ones in one pass on a GPU and in cache-sized groups on a CPU.
+    """
+    sizes = [t.shape[0] + 1 for t in proposed]
+    target_logits = process_rows(batch, target_logits, sizes, specs)
+    if len(batch) == 1:
+        c, drafts = batch[0], proposed[0]
+        if c.params.greedy:
+            probs, (num, token) = None, greedy_accept(drafts, target_logits.argmax(-1))
+        else:
+            probs = logits_to_probs(target_logits, c.params)
+            q = proposed_probs[0] if proposed_probs[0] is not None else probs[:0]  # [k, V]
+            num, token = sample_accept(drafts, q, probs, c.generator)
+        return [drafts[:num].tolist() + [token]], [probs]
+    num = torch.empty(len(batch), dtype=torch.long, device=target_logits.device)  # [B]
+    token = torch.empty_like(num)  # [B]
+    greedy = [b for b, c in enumerate(batch) if c.params.greedy]
+    sampled = [b for b, c in enumerate(batch) if not c.params.greedy]
+    if greedy:
+        argmax = target_logits.argmax(-1)  # [sum (k_b + 1)]
+        rows = _rows_of(greedy, sizes, len(batch))
+        num[greedy], token[greedy] = greedy_accept_batch([proposed[b] for b in greedy],
+                                                         argmax if rows is None else argmax[rows])
+    probs = [None] * len(batch)
+    per_seq = split_rows(target_logits, sizes)
+    for group in _blocks(sampled, sizes, target_logits):
+        p = logits_to_probs(_cat([per_seq[b] for b in group]),
+                            [batch[b].params for b in group for _ in range(sizes[b])])  # [sum (k_b + 1), V]
+        q = _cat([proposed_probs[b] if proposed_probs[b] is not None else p[:0] for b in group])  # [sum k_b, V]
+        num[group], token[group] = sample_accept_batch([proposed[b] for b in group], q, p,
+                                                       [batch[b].generator for b in group])
+        for b, pb in zip(group, split_rows(p, [sizes[b] for b in group])):
+            probs[b] = pb
+    flat = torch.cat([num, token] + list(proposed)).tolist()  # the batch's one host sync
+    nums, tokens, drafts = flat[:len(batch)], flat[len(batch):2 * len(batch)], flat[2 * len(batch):]
+    accepted, start = [], 0
+    for n, t, k in zip(nums, tokens, sizes):
+        accepted.append(drafts[start:start + n] + [t])
+        start += k - 1
+    return accepted, probs
+
+
+def _blocks(seqs: list[int], sizes: list[int], like: torch.Tensor) -> list[list[int]]:
+    """``seqs`` in consecutive groups verified in one pass each: all of them on a GPU; on a CPU
+    groups whose vocabulary-wide rows fit in a core's cache (see ``sampler.block_rows``)."""
+    groups, rows, limit = [], 0, block_rows(like)
+    for b in seqs:
+        if not groups or rows + sizes[b] > limit:
+            groups.append([])
+            rows = 0
+        groups[-1].append(b)
+        rows += sizes[b]
+    return groups
+
+
+def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
+
+
+def _rows_of(seqs: list[int], sizes: list[int], num_seqs: int) -> list[int] | None:
+    """The flat rows of sequences ``seqs`` (each ``sizes[b]`` consecutive rows); None if that is every row."""
+    if len(seqs) == num_seqs:
+        return None
+    starts = [0]
+    for n in sizes:
+        starts.append(starts[-1] + n)
+    return [r for b in seqs for r in range(starts[b], starts[b + 1])]
 
 
 def _check_layers(spec: SpecConfig, num_layers: int, hierarchical: bool) -> None:
@@ -150,21 +244,22 @@ class SelfSpec(Strategy):
         self.lookahead = spec.lookahead
 
     def step(self, batch: list[DecodeContext]) -> list[list[int]]:
-        model, d = batch[0].model, self.spec.draft_layer
+        model, draft_layer = batch[0].model, self.spec.draft_layer
         _check_layers(self.spec, model.num_layers, hierarchical=False)
         _ensure_policies(batch, self.spec)
         stats = [c.stats for c in batch]
         positions = [len(c.tokens) - 1 for c in batch]
         with phase_timer(stats, "draft", model.device):
-            props = draft(batch, [(c.tokens[-1], p) for c, p in zip(batch, positions)], d,
+            props = draft(batch, [(c.tokens[-1], p) for c, p in zip(batch, positions)], draft_layer,
                           [c.remaining for c in batch], [[] for _ in batch])
         with phase_timer(stats, "full_verify", model.device):
-            verdicts = verify(batch, props, positions, d, model.num_layers, "draft->final", [[] for _ in batch])
+            verdicts = verify(batch, props, positions, draft_layer, model.num_layers, "draft->final",
+                              [[] for _ in batch])
         commits = []
         for c, p, v in zip(batch, props, verdicts):
             c.policy.update(p.tokens.shape[0], v.num_accepted)
             c.stats.full_passes += 1
-            commits.append(p.tokens[:v.num_accepted].tolist() + [v.next_token])
+            commits.append(v.tokens)
         return commits
 
 
@@ -181,9 +276,9 @@ class Window:
     def __len__(self) -> int:
         return len(self.tokens)
 
-    def add(self, prop: Proposal, verdict: Verdict) -> None:
+    def add(self, verdict: Verdict) -> None:
         a = verdict.num_accepted
-        self.tokens += prop.tokens[:a].tolist() + [verdict.next_token]
+        self.tokens += verdict.tokens
         self.hidden.append(verdict.hidden[:a + 1])
         if verdict.probs is not None:
             self.probs.append(verdict.probs[:a + 1])
@@ -218,7 +313,7 @@ class HiSpec(Strategy):
         return 0 if window.closed or len(window) >= self.spec.window else ctx.remaining - len(window) - 1
 
     def _fill_windows(self, batch: list[DecodeContext], windows: list[Window]) -> None:
-        d, i, device = self.spec.draft_layer, self.spec.verify_layer, batch[0].model.device
+        draft_layer, verify_layer, device = self.spec.draft_layer, self.spec.verify_layer, batch[0].model.device
         while True:
             open_ = [b for b, (c, w) in enumerate(zip(batch, windows)) if self._room(c, w) >= 1]
             if not open_:
@@ -227,18 +322,19 @@ class HiSpec(Strategy):
             positions = [w.base + len(w) for w in wins]
             starts = [(w.tokens[-1] if w.tokens else c.tokens[-1], p) for c, w, p in zip(ctxs, wins, positions)]
             with phase_timer([c.stats for c in ctxs], "draft", device):
-                props = draft(ctxs, starts, d, [self._room(c, w) for c, w in zip(ctxs, wins)],
+                props = draft(ctxs, starts, draft_layer, [self._room(c, w) for c, w in zip(ctxs, wins)],
                               [list(w.tokens) for w in wins])
             with phase_timer([c.stats for c in ctxs], "intermediate_verify", device):
-                verdicts = verify(ctxs, props, positions, d, i, "draft->intermediate", [list(w.tokens) for w in wins])
+                verdicts = verify(ctxs, props, positions, draft_layer, verify_layer, "draft->intermediate",
+                                  [list(w.tokens) for w in wins])
             for c, w, p, v in zip(ctxs, wins, props, verdicts):
                 c.policy.update(p.tokens.shape[0], v.num_accepted)
-                self._add_to_window(c, w, p, v)
+                self._add_to_window(c, w, v)
 
     @staticmethod
-    def _add_to_window(ctx: DecodeContext, window: Window, prop: Proposal, verdict: Verdict) -> None:
+    def _add_to_window(ctx: DecodeContext, window: Window, verdict: Verdict) -> None:
         start = len(window)
-        window.add(prop, verdict)
+        window.add(verdict)
         eos = next((j for j, t in enumerate(window.tokens[start:], start) if t in ctx.eos_ids), None)
         if eos is not None:
             window.cut_after(eos + 1)
@@ -247,22 +343,24 @@ class HiSpec(Strategy):
 
     def _verify_windows(self, batch: list[DecodeContext], windows: list[Window]) -> list[list[int]]:
         """Full verification of each ``w_1..w_m``: speculative sampling, draft ``p_i``, target ``p_f``."""
-        model, runner, i = batch[0].model, batch[0].runner, self.spec.verify_layer
+        model, runner, verify_layer = batch[0].model, batch[0].runner, self.spec.verify_layer
         last = [c.token_tensor([w.tokens[-1] if w.tokens else c.tokens[-1]]) for c, w in zip(batch, windows)]
-        h_last = runner.forward_many([(c.seq_id, w.base + len(w), x) for c, w, x in zip(batch, windows, last)], 0, i)
+        h_last = runner.forward_many([(c.seq_id, w.base + len(w), x) for c, w, x in zip(batch, windows, last)], 0,
+                                   verify_layer)
         h_in = [torch.cat(w.hidden + [h]) for w, h in zip(windows, h_last)]  # [m + 1, H] at base .. base + m
-        hs = runner.forward_many([(c.seq_id, w.base, h) for c, w, h in zip(batch, windows, h_in)], i,
+        hs = runner.forward_many([(c.seq_id, w.base, h) for c, w, h in zip(batch, windows, h_in)], verify_layer,
                                  model.num_layers)
-        logits = split_rows(model.exit_logits(torch.cat(hs) if len(hs) > 1 else hs[0], model.num_layers),
-                            [h.shape[0] for h in hs])
+        logits = model.exit_logits(torch.cat(hs) if len(hs) > 1 else hs[0], model.num_layers)  # [sum (m_b + 1), V]
+        drafts = [c.token_tensor(w.tokens) for c, w in zip(batch, windows)]
+        p_i = [torch.cat(w.probs) if w.probs else None for w in windows]  # [m, V]: the window's proposal distributions
+        accepted, _ = accept(batch, drafts, p_i, logits, [w.tokens for w in windows])
         commits = []
-        for c, w, lg in zip(batch, windows, logits):
-            p_i = torch.cat(w.probs) if w.probs else lg.new_zeros((0, lg.shape[-1]))
-            _, (num, token) = accept(c, c.token_tensor(w.tokens), p_i, lg, w.tokens)
+        for c, w, lg, toks in zip(batch, windows, split_rows(logits, [h.shape[0] for h in hs]), accepted):
+            num = len(toks) - 1
             c.target_logits = lg[:num + 1]
             c.runner.truncate(c.seq_id, w.base + num + 1)
             if len(w):
                 c.stats.level("intermediate->final").record(len(w), num)
             c.stats.full_passes += 1
-            commits.append(w.tokens[:num] + [token])
+            commits.append(toks)
         return commits
