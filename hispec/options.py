@@ -61,7 +61,7 @@ SPEC_OPTIONS = ("draft_layer", "verify_layer", "num_draft", "window", "draft_pol
 
 def add_spec_options(p: argparse.ArgumentParser, strategies_help: str = "ar, selfspec or hispec") -> None:
     g = p.add_argument_group("speculation")
-    g.add_argument("--draft-layer", type=int, default=None, help="L_d: the drafting exit (default: exit heads' or depth/8)")
+    g.add_argument("--draft-layer", type=int, default=None, help="L_d: the draft exit (default: exit heads' or depth/8)")
     g.add_argument("--verify-layer", type=int, default=None, help="L_i: the intermediate exit (default: exit heads' or depth/4)")
     g.add_argument("--num-draft", type=int, default=None, help="N_d: tokens per draft round")
     g.add_argument("--window", type=int, default=None, help="N_i: tentatively accepted tokens per full verification")

@@ -4,8 +4,8 @@ Syntax: a comma-separated list of ``NAME[:OPTION[:OPTION...]]``.
 
 - ``ar``: autoregressive decoding (the reference).
 - ``selfspec`` / ``hispec``: options are a draft policy (``fixed``, ``svip``, ``confidence``,
-  ``heuristic``) and ``KEY=VALUE`` overrides of the speculation settings: ``d`` (draft layer L_d),
-  ``i`` (verify layer L_i), ``k`` (tokens per draft round N_d), ``w`` (window N_i), ``t`` (svip
+  ``heuristic``) and ``KEY=VALUE`` overrides of the speculation settings: ``d`` (draft exit L_d),
+  ``i`` (intermediate exit L_i), ``k`` (tokens per draft round N_d), ``w`` (window N_i), ``t`` (svip
   threshold, nats), ``c`` (confidence threshold, top-1 probability).
   Unset values come from the command line's speculation options, then the exit heads'
   recommendation, then the depth-based defaults. Examples: ``hispec:svip``,
