@@ -94,6 +94,7 @@ class AttentionBatch:
         for c in chunks:
             self.offsets.append(self.offsets[-1] + c.num_tokens)
         tables = [blocks.block_table(c.seq_id) for c in chunks]
+        self._tables, self._block_size, self._kernel = tables, bs, {}
         # every slot a sequence attends to: its cached prefix plus the new tokens
         self.context_slots = [slots_for(t, 0, c.start + c.num_tokens, bs, device) for t, c in zip(tables, chunks)]
         self.write_slots = torch.cat([s[c.start:] for s, c in zip(self.context_slots, chunks)])  # [T]
@@ -101,6 +102,16 @@ class AttentionBatch:
         # the usual case for a lone sequence), so attention reads a view instead of a gather
         self.context_runs = [_run(t, c.start + c.num_tokens, bs) for t, c in zip(tables, chunks)]
         self.masks = [self._causal_mask(c, device) for c in chunks]
+
+    def kernel(self, i: int | None = None):
+        """The fused attention kernel's metadata (``model/fused.py``) for every chunk, or chunk ``i``."""
+        if i not in self._kernel:
+            from ..model.fused import KernelBatch
+
+            idx = range(len(self.chunks)) if i is None else [i]
+            self._kernel[i] = KernelBatch([self._tables[j] for j in idx], [self.chunks[j].start for j in idx],
+                                          [self.chunks[j].num_tokens for j in idx], self._block_size)
+        return self._kernel[i]
 
     @staticmethod
     def _causal_mask(c: SeqChunk, device) -> torch.Tensor | None:

@@ -21,6 +21,7 @@ from torch import nn
 
 from ..cache.kv_cache import AttentionBatch, KVPool
 from ..config import ConfigError, ModelConfig
+from . import fused
 from .matmul import Linear, linear
 
 
@@ -32,6 +33,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """``x [..., D]`` normalised in float32, scaled; returned in ``out_dtype`` (default: x's)."""
+        if (x.dim() == 2 and x.device.type == "cpu" and x.dtype == torch.float32 and self.weight.dtype == torch.float32
+                and (out_dtype in (None, torch.float32, torch.bfloat16)) and fused.available()
+                and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))):
+            return fused.rms_norm(x, self.weight, self.eps, out_dtype or x.dtype)  # the layers' own kernel
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
             y = torch.rms_norm(x, (x.shape[-1],), self.weight, self.eps)  # one fused op, same values
         else:
@@ -152,12 +157,60 @@ class DecoderLayer(nn.Module):
         # run on the quantized kernels (set by loader.apply_quantization), so the norms hand
         # them bfloat16 directly and their outputs stay bfloat16 into the next kernel
         self.act_dtype: torch.dtype | None = None
+        self._fusable: bool | None = None  # decided on first use (see _fused)
 
     def forward(self, h: torch.Tensor, layer: int, rope: tuple[torch.Tensor, torch.Tensor] | None,
                 batch: AttentionBatch, pool: KVPool) -> torch.Tensor:
         # h: [T, H] (the residual stream stays in the model's dtype)
+        if self._fused(h, rope, pool, layer):
+            return self._forward_fused(h, layer, rope, batch, pool)
         h = h + self._attention(self.input_norm(h, self.act_dtype), layer, rope, batch, pool)
         return h + self._mlp(self.post_norm(h, self.act_dtype))
+
+    # ---- the fused CPU path (model/fused.py) ------------------------------------------------
+    def _fused(self, h: torch.Tensor, rope, pool: KVPool, layer: int) -> bool:
+        """Whether this call runs on the fused CPU kernels: float32 residual stream and pool on the
+        CPU, a Llama-style layer (RMSNorm, RoPE, SiLU gate, no q/k norm), kernels built."""
+        if self._fusable is None:
+            cfg = self.cfg
+            self._fusable = (cfg.family != "opt" and self.q_norm is None and cfg.hidden_act == "silu"
+                             and isinstance(self.input_norm, RMSNorm) and fused.available())
+        return (self._fusable and rope is not None and h.dtype == torch.float32 and h.device.type == "cpu"
+                and pool.k[layer].dtype == torch.float32 and self.input_norm.weight.dtype == torch.float32
+                and not (torch.is_grad_enabled() and (h.requires_grad or self.input_norm.weight.requires_grad)))
+
+    def _forward_fused(self, h: torch.Tensor, layer: int, rope, batch: AttentionBatch, pool: KVPool) -> torch.Tensor:
+        # h: [T, H] float32; the matmul inputs are act_dtype (bfloat16 on the quantized kernels)
+        dt = self.act_dtype or h.dtype
+        x = fused.rms_norm(h, self.input_norm.weight, self.input_norm.eps, dt)
+        q = self._rope_write(self.qkv_proj(x), layer, rope, batch, pool)  # [T, Hq, D] float32
+        out = self._attend_fused(q, layer, batch, pool, dt)  # [T, Hq * D]
+        h, x = fused.add_rms_norm(h, self.o_proj(out), self.post_norm.weight, self.post_norm.eps, dt)
+        return h + self.down_proj(fused.silu_mul(self.gate_up_proj(x), dt))
+
+    def _rope_write(self, qkv: torch.Tensor, layer: int, rope, batch: AttentionBatch, pool: KVPool,
+                    queries: bool = True) -> torch.Tensor | None:
+        cos, ssin = (r.view(r.shape[0], r.shape[-1]) for r in rope)  # [T, D]
+        return fused.rope_write(qkv, cos, ssin, batch.write_slots, self.cfg.num_heads, self.cfg.num_kv_heads,
+                                pool.k[layer], pool.v[layer], queries)
+
+    def _attend_fused(self, q: torch.Tensor, layer: int, batch: AttentionBatch, pool: KVPool,
+                      dt: torch.dtype) -> torch.Tensor:
+        """Each query over exactly its own context (the paged kernel: no gather), except chunks of
+        at least SDPA_MIN_QUERIES tokens (prefill), which take the fused SDPA kernel."""
+        big = [i for i, c in enumerate(batch.chunks) if c.num_tokens >= SDPA_MIN_QUERIES]
+        kp, vp = pool.k[layer], pool.v[layer]
+        if not big:
+            return fused.paged_attention(q, kp, vp, batch.kernel(), dt)
+        out = torch.empty((q.shape[0], self.q_size), dtype=dt)
+        for i, c in enumerate(batch.chunks):
+            lo, hi = batch.offsets[i], batch.offsets[i + 1]
+            if i in big:
+                ck, cv = pool.context(layer, batch, i)
+                out[lo:hi] = attend(q[lo:hi], ck, cv, batch.masks[i]).reshape(hi - lo, self.q_size)
+            else:
+                out[lo:hi] = fused.paged_attention(q[lo:hi], kp, vp, batch.kernel(i), dt)
+        return out
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         if self.cfg.family == "opt":
@@ -183,6 +236,10 @@ class DecoderLayer(nn.Module):
 
     def write_kv(self, h: torch.Tensor, layer: int, rope, batch: AttentionBatch, pool: KVPool) -> None:
         """Only this layer's K/V for the input ``h [T, H]`` (e.g. positions whose output nobody reads)."""
+        if self._fused(h, rope, pool, layer):
+            x = fused.rms_norm(h, self.input_norm.weight, self.input_norm.eps, self.act_dtype or h.dtype)
+            self._rope_write(self.qkv_proj(x), layer, rope, batch, pool, queries=False)
+            return
         _, k, v = self.qkv(self.input_norm(h, self.act_dtype), rope)
         pool.write(layer, batch.write_slots, k, v)
 

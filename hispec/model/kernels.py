@@ -70,5 +70,9 @@ def describe(model) -> str:
     layers = ", ".join(f"{n} x {k}" for k, n in kinds.items())
     head = model.lm_head
     head_kind = head.describe() if isinstance(head, QuantLinear) else f"{str(head.weight.dtype)[6:]} dense"
+    from . import fused
+
+    between = ("fused CPU kernels (norms, RoPE + cache write, paged attention, SiLU gate)" if fused.available()
+               else "eager PyTorch (fused kernels unavailable: no C compiler, or HISPEC_FUSED=0)")
     return (f"weights {model.weight_format}: decoder linears {layers}; output head {head_kind}; "
-            f"CPU capability {cpu_capability()}")
+            f"between the matmuls: {between}; CPU capability {cpu_capability()}")

@@ -1,0 +1,198 @@
+"""Fused CPU kernels for the work between a decoder layer's matmuls (norms, RoPE, the cache
+write, paged attention, the gated activation).
+
+Eager PyTorch spends ~10 ms per token of the default model outside its matmuls: ~40 small ops
+per layer at a few microseconds each (dispatch, allocation, dtype casts), and attention that
+gathers each sequence's context out of the paged pool. ``fused_cpu.c`` does each run of that
+work in one call: ``rms_norm`` / ``add_rms_norm`` (residual add + norm + cast to the matmul
+input dtype), ``rope_write`` (rotate q and k, write K/V to their slots), ``paged_attention``
+(each query over its own context read through the block table, no gather), ``silu_mul``.
+
+The library is compiled on first use by the machine's C compiler for this CPU
+(``-O3 -march=native``: the instructions the CPU has, AVX2 or AVX-512, chosen by the compiler),
+cached under ``$HISPEC_HOME/kernels`` by a hash of the source, flags and CPU, and loaded with
+ctypes. Without a compiler (or with ``HISPEC_FUSED=0``) the model runs its eager PyTorch path,
+with the same results up to float rounding.
+
+Exactness: each function computes every row with the same code whatever the number of rows in
+the call (per query, attention reads exactly its own context), so a token's hidden states do
+not depend on how many tokens share a forward pass: one-token decoding, speculative
+verification and batches give bit-identical values, which is what keeps every strategy's output
+identical to ``ar``'s.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("fused_cpu.c")
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared"]
+PARALLEL_MIN_WORK = 1 << 21  # multiply-adds of an attention call from which both threads share it
+
+_f, _i64, _p, _i = ctypes.c_float, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+_SIGNATURES = {
+    "hs_rms_norm": [_p, _p, _i64, _i64, _f, _p, _i],
+    "hs_add_rms_norm": [_p, _p, _i, _p, _i64, _i64, _f, _p, _p, _i],
+    "hs_silu_mul": [_p, _i, _i64, _i64, _p, _i],
+    "hs_rope_write": [_p, _i, _p, _p, _p, _i64, _i64, _i64, _i64, _p, _p, _p],
+    "hs_paged_attention": [_p, _p, _p, _p, _i64, _p, _p, _i64, _i64, _i64, _i64, _i64, _f, _p, _i, _i],
+}
+
+
+def _cpu_key() -> str:
+    """What identifies this CPU's instruction set (a library built for another CPU is not reused)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _build_dir() -> Path:
+    from .registry import hispec_home
+
+    return hispec_home() / "kernels"
+
+
+def _compile(out: Path) -> None:
+    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if cc is None:
+        raise RuntimeError("no C compiler (gcc/cc) on PATH")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        tmp_out = Path(tmp) / out.name
+        proc = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(tmp_out), "-lm"], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[-2000:]}")
+        os.replace(tmp_out, out)  # atomic: concurrent builders leave one complete file
+
+
+@functools.lru_cache(maxsize=1)
+def library() -> ctypes.CDLL | None:
+    """The compiled kernels, or None (no compiler, a failed build, ``HISPEC_FUSED=0``)."""
+    if os.environ.get("HISPEC_FUSED", "1") == "0":
+        return None
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + _cpu_key().encode()).hexdigest()[:16]
+    path = _build_dir() / f"fused_cpu-{key}.so"
+    try:
+        if not path.exists():
+            _compile(path)
+        lib = ctypes.CDLL(str(path))
+    except (OSError, RuntimeError) as e:
+        log.warning("fused CPU kernels unavailable, using the eager PyTorch path: %s", e)
+        return None
+    for name, args in _SIGNATURES.items():
+        getattr(lib, name).argtypes = args
+        getattr(lib, name).restype = None
+    return lib
+
+
+def available() -> bool:
+    return library() is not None
+
+
+def _bf(t: torch.Tensor) -> int:
+    return int(t.dtype == torch.bfloat16)
+
+
+def _check(t: torch.Tensor, *dtypes: torch.dtype) -> torch.Tensor:
+    """``t`` as the kernels read it (contiguous, on the CPU, one of ``dtypes``): a wrong tensor
+    raises here instead of being read out of bounds."""
+    if t.device.type != "cpu" or t.dtype not in dtypes:
+        raise TypeError(f"fused kernel: expected a CPU tensor of {dtypes}, got {t.dtype} on {t.device}")
+    return t.contiguous()
+
+
+F32, BF16 = torch.float32, torch.bfloat16
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype) -> torch.Tensor:
+    """``x [T, D]`` float32 -> normalised and scaled ``[T, D]`` in ``out_dtype`` (float32/bfloat16)."""
+    x, weight = _check(x, F32), _check(weight, F32)
+    out = torch.empty(x.shape, dtype=out_dtype)
+    library().hs_rms_norm(x.data_ptr(), weight.data_ptr(), x.shape[0], x.shape[1], eps, out.data_ptr(),
+                          int(out_dtype == BF16))
+    return out
+
+
+def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
+                 out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``h + delta`` (float32 ``[T, D]``; ``delta`` float32 or bfloat16) and its norm in ``out_dtype``."""
+    h, delta, weight = _check(h, F32), _check(delta, F32, BF16), _check(weight, F32)
+    h_out = torch.empty_like(h)
+    out = torch.empty(h.shape, dtype=out_dtype)
+    library().hs_add_rms_norm(h.data_ptr(), delta.data_ptr(), _bf(delta), weight.data_ptr(), h.shape[0], h.shape[1],
+                              eps, h_out.data_ptr(), out.data_ptr(), int(out_dtype == BF16))
+    return h_out, out
+
+
+def silu_mul(gate_up: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """``silu(gate) * up`` for ``gate_up [T, 2I] = [gate | up]`` -> ``[T, I]``."""
+    gate_up = _check(gate_up, F32, BF16)
+    t, i = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty((t, i), dtype=out_dtype)
+    library().hs_silu_mul(gate_up.data_ptr(), _bf(gate_up), t, i, out.data_ptr(), int(out_dtype == BF16))
+    return out
+
+
+def rope_write(qkv: torch.Tensor, cos: torch.Tensor, ssin: torch.Tensor, slots: torch.Tensor, num_heads: int,
+               num_kv_heads: int, k_pool: torch.Tensor, v_pool: torch.Tensor, queries: bool = True) -> torch.Tensor | None:
+    """Rotate q and k of ``qkv [T, (Hq + 2 Hkv) D]`` (``cos, ssin [T, D]`` float32), write K/V at
+    ``slots [T]`` of the float32 pools ``[S, Hkv, D]``; return the rotated queries ``[T, Hq, D]``
+    float32 (None when ``queries`` is False)."""
+    qkv, cos, ssin, slots = _check(qkv, F32, BF16), _check(cos, F32), _check(ssin, F32), _check(slots, torch.int64)
+    if not (k_pool.is_contiguous() and v_pool.is_contiguous()):
+        raise TypeError("fused kernel: the pools must be contiguous (they are written in place)")
+    _check(k_pool, F32), _check(v_pool, F32)
+    t, d = qkv.shape[0], k_pool.shape[-1]
+    q = torch.empty((t, num_heads, d), dtype=F32) if queries else None
+    library().hs_rope_write(qkv.data_ptr(), _bf(qkv), cos.data_ptr(), ssin.data_ptr(), slots.data_ptr(), t, num_heads,
+                            num_kv_heads, d, k_pool.data_ptr(), v_pool.data_ptr(), q.data_ptr() if queries else None)
+    return q
+
+
+def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, meta: "KernelBatch",
+                    out_dtype: torch.dtype) -> torch.Tensor:
+    """Attention of ``q [T, Hq, D]`` (float32) over the float32 pools ``[S, Hkv, D]``: query ``t``
+    attends to the first ``meta.lengths[t]`` positions of its sequence, read through that
+    sequence's block table. Returns ``[T, Hq * D]`` in ``out_dtype``."""
+    q, k_pool, v_pool = _check(q, F32), _check(k_pool, F32), _check(v_pool, F32)
+    t, hq, d = q.shape
+    out = torch.empty((t, hq * d), dtype=out_dtype)
+    library().hs_paged_attention(q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), meta.tables.data_ptr(),
+                                 meta.tables.shape[1], meta.seq.data_ptr(), meta.lengths.data_ptr(), t, hq,
+                                 k_pool.shape[1], d, meta.block_size, d ** -0.5, out.data_ptr(),
+                                 int(out_dtype == BF16), int(meta.keys * hq * d >= PARALLEL_MIN_WORK))
+    return out
+
+
+class KernelBatch:
+    """A forward call's attention metadata in the kernels' form (built once, read by every layer):
+    ``tables [B, max_blocks]`` int32 block tables, and per query token ``seq [T]`` (its row in
+    ``tables``) and ``lengths [T]`` (how many positions it sees, itself included)."""
+
+    def __init__(self, tables: list[list[int]], starts: list[int], counts: list[int], block_size: int) -> None:
+        width = max(len(t) for t in tables)
+        self.tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+        seq, lengths = [], []
+        for i, (start, n) in enumerate(zip(starts, counts)):
+            seq += [i] * n
+            lengths += range(start + 1, start + n + 1)
+        self.seq = torch.tensor(seq, dtype=torch.int32)
+        self.lengths = torch.tensor(lengths, dtype=torch.int32)
+        self.keys = sum(lengths)  # query-key pairs of the call
+        self.block_size = block_size

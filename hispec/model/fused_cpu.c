@@ -1,0 +1,198 @@
+/* Fused CPU kernels for one decoder layer's work between its matmuls (hispec/model/fused.py).
+ *
+ * Built on first use with the machine's C compiler for the machine's own CPU (-march=native),
+ * loaded with ctypes. Every function computes each row (token) with the same code whatever the
+ * number of rows in the call, so one-token decoding and batched verification agree bit for bit.
+ * Sums use 16 independent lanes combined in a fixed order (vectorisable without reassociating
+ * float additions; built with -ffp-contract=off), so results do not depend on the vector width.
+ *
+ * Tensors are contiguous, row-major; "bf" flags say a buffer holds bfloat16 (uint16) instead of
+ * float32. Conversions to bfloat16 round to nearest even, as PyTorch does.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define LANES 16
+
+typedef uint16_t bf16;
+
+static inline float bf2f(bf16 b) {
+    uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline bf16 f2bf(float f) {
+    uint32_t u;
+    if (f != f) return 0x7FC0;
+    memcpy(&u, &f, 4);
+    return (bf16)((u + ((u >> 16) & 1u) + 0x7FFFu) >> 16);
+}
+
+static void load_row(const void *src, int bf, int64_t off, int64_t n, float *dst) {
+    if (bf) {
+        const bf16 *s = (const bf16 *)src + off;
+        for (int64_t i = 0; i < n; i++) dst[i] = bf2f(s[i]);
+    } else {
+        memcpy(dst, (const float *)src + off, (size_t)n * sizeof(float));
+    }
+}
+
+static void store_row(void *dst, int bf, int64_t off, int64_t n, const float *src) {
+    if (bf) {
+        bf16 *d = (bf16 *)dst + off;
+        for (int64_t i = 0; i < n; i++) d[i] = f2bf(src[i]);
+    } else {
+        memcpy((float *)dst + off, src, (size_t)n * sizeof(float));
+    }
+}
+
+static float dot(const float *a, const float *b, int64_t n) {
+    float acc[LANES] = {0};
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES)
+        for (int k = 0; k < LANES; k++) acc[k] += a[i + k] * b[i + k];
+    for (int w = LANES / 2; w >= 1; w /= 2)  /* pairwise, in a fixed order */
+        for (int k = 0; k < w; k++) acc[k] += acc[k + w];
+    float s = acc[0];
+    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+/* exp(x) to ~2 ulp by range reduction (x = n ln2 + r, |r| <= ln2 / 2) and a degree-6
+ * polynomial: branch-free, so loops over it vectorise (libm's expf does not). */
+static inline float fast_exp(float x) {
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  /* round to nearest (1.5 * 2^23) */
+    float r = x - n * 0.693145751953125f - n * 1.428606765330187e-06f;
+    float p = 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    union { int32_t i; float f; } scale = {((int32_t)n + 127) << 23};  /* 2^n */
+    return p * scale.f;
+}
+
+/* y = x * rsqrt(mean(x^2) + eps) * w for one row of n floats (y may alias x). */
+static void rms_row(const float *x, const float *w, int64_t n, float eps, float *y) {
+    float r = 1.0f / sqrtf(dot(x, x, n) / (float)n + eps);
+    for (int64_t i = 0; i < n; i++) y[i] = (x[i] * r) * w[i];
+}
+
+/* out[T, D] = rms_norm(x[T, D]) * w */
+void hs_rms_norm(const float *x, const float *w, int64_t T, int64_t D, float eps, void *out, int out_bf) {
+    float *y = malloc((size_t)D * sizeof(float));
+    for (int64_t t = 0; t < T; t++) {
+        rms_row(x + t * D, w, D, eps, y);
+        store_row(out, out_bf, t * D, D, y);
+    }
+    free(y);
+}
+
+/* h_out = h + delta (delta float32 or bfloat16); out = rms_norm(h_out) * w. All [T, D]. */
+void hs_add_rms_norm(const float *h, const void *delta, int delta_bf, const float *w, int64_t T, int64_t D,
+                     float eps, float *h_out, void *out, int out_bf) {
+    float *y = malloc((size_t)D * sizeof(float));
+    for (int64_t t = 0; t < T; t++) {
+        load_row(delta, delta_bf, t * D, D, y);
+        float *hr = h_out + t * D;
+        const float *hi = h + t * D;
+        for (int64_t i = 0; i < D; i++) hr[i] = hi[i] + y[i];
+        rms_row(hr, w, D, eps, y);
+        store_row(out, out_bf, t * D, D, y);
+    }
+    free(y);
+}
+
+/* out[T, I] = silu(gate) * up for gate_up[T, 2I] = [gate | up]. */
+void hs_silu_mul(const void *gu, int in_bf, int64_t T, int64_t I, void *out, int out_bf) {
+    float *g = malloc((size_t)(2 * I) * sizeof(float));
+    for (int64_t t = 0; t < T; t++) {
+        load_row(gu, in_bf, t * 2 * I, 2 * I, g);
+        for (int64_t i = 0; i < I; i++) g[i] = g[i] / (1.0f + fast_exp(-g[i])) * g[I + i];
+        store_row(out, out_bf, t * I, I, g);
+    }
+    free(g);
+}
+
+/* Rotate the query and key heads of qkv[T, (Hq + 2 Hkv) * D] (rotate-half RoPE with
+ * cos[T, D] and ssin[T, D] = [-sin, sin]: y = x * cos + swap_halves(x) * ssin), write keys
+ * and values to the pools [S, Hkv, D] at slots[T], and the rotated queries to q_out[T, Hq, D]
+ * (float32; q_out may be NULL to write K/V only). */
+void hs_rope_write(const void *qkv, int in_bf, const float *cos_, const float *ssin, const int64_t *slots,
+                   int64_t T, int64_t Hq, int64_t Hkv, int64_t D, float *kpool, float *vpool, float *q_out) {
+    int64_t width = (Hq + 2 * Hkv) * D, half = D / 2;
+    float *row = malloc((size_t)width * sizeof(float));
+    for (int64_t t = 0; t < T; t++) {
+        load_row(qkv, in_bf, t * width, width, row);
+        const float *c = cos_ + t * D, *s = ssin + t * D;
+        for (int64_t h = 0; h < Hq + Hkv; h++) {
+            const float *x = row + h * D;
+            float *dst = h < Hq ? (q_out ? q_out + (t * Hq + h) * D : NULL) : kpool + (slots[t] * Hkv + (h - Hq)) * D;
+            if (!dst) continue;
+            for (int64_t i = 0; i < half; i++) {
+                dst[i] = x[i] * c[i] + x[i + half] * s[i];
+                dst[i + half] = x[i + half] * c[i + half] + x[i] * s[i + half];
+            }
+        }
+        memcpy(vpool + slots[t] * Hkv * D, row + (Hq + Hkv) * D, (size_t)(Hkv * D) * sizeof(float));
+    }
+    free(row);
+}
+
+/* One query token's heads of one KV group over its own context, read through a block table:
+ * out = softmax(q k^T * scale) v for each of the G query heads sharing KV head kvh. */
+static void attend_group(const float *q, const float *kpool, const float *vpool, const int32_t *table,
+                         int64_t len, int64_t bs, int64_t Hkv, int64_t kvh, int64_t G, int64_t D, float scale,
+                         float *scores, float *acc) {
+    int64_t stride = Hkv * D;  /* between consecutive slots */
+    for (int64_t j0 = 0; j0 < len; j0 += bs) {  /* one block of the table at a time */
+        const float *k = kpool + ((int64_t)table[j0 / bs] * bs * Hkv + kvh) * D;
+        int64_t n = len - j0 < bs ? len - j0 : bs;
+        for (int64_t j = 0; j < n; j++, k += stride)
+            for (int64_t g = 0; g < G; g++) scores[g * len + j0 + j] = dot(q + g * D, k, D) * scale;
+    }
+    for (int64_t g = 0; g < G; g++) {
+        float *s = scores + g * len, m = -INFINITY, sum = 0.0f;
+        for (int64_t j = 0; j < len; j++) m = s[j] > m ? s[j] : m;
+        for (int64_t j = 0; j < len; j++) s[j] = fast_exp(s[j] - m);
+        for (int64_t j = 0; j < len; j++) sum += s[j];
+        for (int64_t j = 0; j < len; j++) s[j] /= sum;
+    }
+    memset(acc, 0, (size_t)(G * D) * sizeof(float));
+    for (int64_t j0 = 0; j0 < len; j0 += bs) {
+        const float *v = vpool + ((int64_t)table[j0 / bs] * bs * Hkv + kvh) * D;
+        int64_t n = len - j0 < bs ? len - j0 : bs;
+        for (int64_t j = 0; j < n; j++, v += stride)
+            for (int64_t g = 0; g < G; g++) {
+                float p = scores[g * len + j0 + j], *a = acc + g * D;
+                for (int64_t d = 0; d < D; d++) a[d] += p * v[d];
+            }
+    }
+}
+
+/* Paged attention of T query tokens q[T, Hq, D]: token t belongs to sequence seq[t] (a row of
+ * tables[B, max_blocks]) and sees that sequence's first len[t] positions (itself included).
+ * out[T, Hq, D] float32 or bfloat16. Work is split over (token, KV head) pairs. */
+void hs_paged_attention(const float *q, const float *kpool, const float *vpool, const int32_t *tables,
+                        int64_t max_blocks, const int32_t *seq, const int32_t *len, int64_t T, int64_t Hq,
+                        int64_t Hkv, int64_t D, int64_t bs, float scale, void *out, int out_bf, int parallel) {
+    int64_t G = Hq / Hkv;
+#pragma omp parallel for schedule(dynamic) if (parallel)
+    for (int64_t p = 0; p < T * Hkv; p++) {
+        int64_t t = p / Hkv, kvh = p % Hkv;
+        float *scores = malloc((size_t)(G * len[t]) * sizeof(float));
+        float *acc = malloc((size_t)(G * D) * sizeof(float));
+        attend_group(q + (t * Hq + kvh * G) * D, kpool, vpool, tables + (int64_t)seq[t] * max_blocks, len[t], bs,
+                     Hkv, kvh, G, D, scale, scores, acc);
+        store_row(out, out_bf, (t * Hq + kvh * G) * D, G * D, acc);
+        free(scores);
+        free(acc);
+    }
+}

@@ -1,0 +1,151 @@
+"""The fused CPU kernels (hispec/model/fused.py): each agrees with the eager PyTorch computation
+it replaces, computes every row independently of the others in its call (what keeps batched
+verification bit-identical to one-token decoding), rounds to bfloat16 exactly as PyTorch does,
+and the model really runs on them."""
+import pytest
+import torch
+
+from hispec.cache.block_manager import BlockManager
+from hispec.cache.kv_cache import AttentionBatch, KVPool, SeqChunk
+from hispec.model import fused
+from hispec.model.decoder import DecoderLayer, RMSNorm, apply_rope
+
+pytestmark = pytest.mark.skipif(not fused.available(), reason="no C compiler: the eager path runs instead")
+
+G = torch.Generator().manual_seed(0)
+
+
+def rand(*shape, dtype=torch.float32, scale=1.0):
+    return (torch.randn(*shape, generator=G) * scale).to(dtype)
+
+
+def rows_independent(f, x: torch.Tensor):
+    """``f`` on all rows at once equals ``f`` row by row, bit for bit."""
+    whole = f(x)
+    parts = torch.cat([f(x[i:i + 1]) for i in range(x.shape[0])])
+    assert torch.equal(whole, parts)
+    return whole
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm(dtype):
+    x, w = rand(7, 576, scale=3.0), rand(576)
+    out = rows_independent(lambda r: fused.rms_norm(r, w, 1e-5, dtype), x)
+    ref = RMSNorm(576, 1e-5)
+    ref.weight.data = w
+    torch.testing.assert_close(out.float(), ref(x).float(), rtol=1e-5 if dtype == torch.float32 else 8e-3, atol=1e-5)
+    # the bfloat16 output is the float32 output rounded by PyTorch's own rule (nearest even)
+    assert torch.equal(fused.rms_norm(x, w, 1e-5, torch.bfloat16), fused.rms_norm(x, w, 1e-5, torch.float32).bfloat16())
+
+
+def test_add_rms_norm():
+    h, d, w = rand(5, 64), rand(5, 64, dtype=torch.bfloat16), rand(64)
+    h_out, out = fused.add_rms_norm(h, d, w, 1e-6, torch.float32)
+    assert torch.equal(h_out, h + d)  # the residual add is exact float32 addition
+    torch.testing.assert_close(out, torch.rms_norm(h + d, (64,), w, 1e-6), rtol=1e-5, atol=1e-5)
+    parts = [fused.add_rms_norm(h[i:i + 1], d[i:i + 1], w, 1e-6, torch.float32)[1] for i in range(5)]
+    assert torch.equal(torch.cat(parts), out)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul(dtype):
+    gu = rand(6, 2 * 96, dtype=dtype, scale=4.0)
+    out = rows_independent(lambda r: fused.silu_mul(r, torch.float32), gu)
+    gate, up = gu.float().chunk(2, dim=-1)
+    torch.testing.assert_close(out, torch.nn.functional.silu(gate) * up, rtol=2e-6, atol=2e-6)
+
+
+def rope_tables(positions, d):
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    f = positions.float()[:, None] * inv[None, :]
+    return torch.cat([f.cos(), f.cos()], -1), torch.cat([-f.sin(), f.sin()], -1)  # [T, D]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_write_matches_eager_exactly(dtype):
+    t, hq, hkv, d = 4, 6, 2, 16
+    qkv = rand(t, (hq + 2 * hkv) * d, dtype=dtype)
+    cos, ssin = rope_tables(torch.tensor([3, 4, 9, 20]), d)
+    kp, vp = torch.zeros(64, hkv, d), torch.zeros(64, hkv, d)
+    slots = torch.tensor([5, 6, 40, 41])
+    q = fused.rope_write(qkv, cos, ssin, slots, hq, hkv, kp, vp)
+    x = qkv.view(t, hq + 2 * hkv, d)
+    qk = apply_rope(x[:, :hq + hkv], cos[:, None], ssin[:, None])  # the eager path: same float ops
+    assert torch.equal(q, qk[:, :hq]) and torch.equal(kp[slots], qk[:, hq:]) and torch.equal(vp[slots], x[:, hq + hkv:].float())
+    assert kp[[0, 7, 39]].abs().sum() == 0  # nothing else written
+
+
+def paged_case(starts, counts, hq=6, hkv=2, d=16, bs=4):
+    """A pool whose sequences' blocks interleave (blocks handed out round-robin), one chunk per
+    sequence: ``counts[i]`` new tokens after ``starts[i]`` cached ones."""
+    blocks = BlockManager(64, bs, 1)
+    chunks = [SeqChunk(i, s, n) for i, (s, n) in enumerate(zip(starts, counts))]
+    for c in chunks:
+        blocks.add_sequence(c.seq_id)
+    for upto in range(bs, max(starts) + max(counts) + bs, bs):
+        for c in chunks:
+            blocks.ensure_capacity(c.seq_id, min(upto, c.start + c.num_tokens))
+    pool = KVPool(1, 64, bs, hkv, d, torch.float32, "cpu")
+    pool.k[0].copy_(rand(64 * bs, hkv, d))
+    pool.v[0].copy_(rand(64 * bs, hkv, d))
+    return AttentionBatch(chunks, blocks, "cpu"), pool, rand(sum(counts), hq, d)
+
+
+def test_paged_attention_matches_eager_and_is_per_query():
+    from hispec.model.decoder import attend
+
+    batch, pool, q = paged_case([0, 13, 30], [5, 1, 3])
+    out = fused.paged_attention(q, pool.k[0], pool.v[0], batch.kernel(), torch.float32).view_as(q)
+    for i, c in enumerate(batch.chunks):
+        ck, cv = pool.context(0, batch, i)
+        for j in range(c.num_tokens):
+            row = batch.offsets[i] + j
+            n = c.start + j + 1  # each query sees exactly its own prefix
+            ref = attend(q[row:row + 1], ck[:n], cv[:n], None)
+            torch.testing.assert_close(out[row:row + 1], ref, rtol=1e-5, atol=1e-5)
+            # alone, the same query gives the same bits
+            alone, alone_pool, _ = paged_case([c.start + j], [1])
+            alone_pool.k[0].copy_(pool.k[0]), alone_pool.v[0].copy_(pool.v[0])
+            alone.kernel().tables.copy_(batch.kernel(i).tables[:, :alone.kernel().tables.shape[1]])
+            single = fused.paged_attention(q[row:row + 1], pool.k[0], pool.v[0], alone.kernel(), torch.float32)
+            assert torch.equal(single.view(1, *q.shape[1:]), out[row:row + 1])
+
+
+def test_parallel_attention_equals_serial(monkeypatch):
+    batch, pool, q = paged_case([40, 50, 60, 70], [8, 8, 8, 8], bs=16)
+    serial = fused.paged_attention(q, pool.k[0], pool.v[0], batch.kernel(), torch.float32)
+    monkeypatch.setattr(fused, "PARALLEL_MIN_WORK", 0)
+    with_threads = fused.paged_attention(q, pool.k[0], pool.v[0], batch.kernel(), torch.float32)
+    assert torch.equal(serial, with_threads)
+
+
+def test_wrong_tensors_raise_instead_of_reading_memory():
+    with pytest.raises(TypeError):
+        fused.rms_norm(rand(2, 8, dtype=torch.float16), rand(8), 1e-5, torch.float32)
+
+
+def test_model_runs_on_the_fused_kernels(tiny_model_dir, monkeypatch):
+    """A Llama model's decode goes through the kernels and agrees with the eager path."""
+    from hispec.config import SamplingParams
+    from hispec.generate import Generator
+
+    gen = Generator.from_pretrained(str(tiny_model_dir("llama")), exits=False, progress=False)
+    calls = []
+    real = fused.paged_attention
+    monkeypatch.setattr(fused, "paged_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    prompt = list(range(3, 20))
+    with_kernels = gen.generate(prompt, params, "ar")
+    assert calls, "the fused attention kernel was not used"
+    assert isinstance(gen.model.layers[0], DecoderLayer)
+    monkeypatch.setenv("HISPEC_FUSED", "0")
+    fused.library.cache_clear()
+    for layer in gen.model.layers:
+        layer._fusable = None
+    try:
+        eager = gen.generate(prompt, params, "ar")
+    finally:
+        fused.library.cache_clear()
+        for layer in gen.model.layers:
+            layer._fusable = None
+    assert with_kernels.token_ids == eager.token_ids  # a random tiny model has no near-ties in 12 tokens
