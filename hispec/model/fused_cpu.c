@@ -50,14 +50,28 @@ static void store_row(void *dst, int bf, int64_t off, int64_t n, const float *sr
     }
 }
 
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
+
+static inline v16 load16(const float *p) {
+    v16 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* Sum of the 16 lanes, pairwise in a fixed order (the same on any vector width). */
+static inline float hsum16(v16 a) {
+    v8 b = __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
+    v4 c = __builtin_shufflevector(b, b, 0, 1, 2, 3) + __builtin_shufflevector(b, b, 4, 5, 6, 7);
+    return (c[0] + c[2]) + (c[1] + c[3]);
+}
+
 static float dot(const float *a, const float *b, int64_t n) {
-    float acc[LANES] = {0};
+    v16 acc = {0};
     int64_t i = 0;
-    for (; i + LANES <= n; i += LANES)
-        for (int k = 0; k < LANES; k++) acc[k] += a[i + k] * b[i + k];
-    for (int w = LANES / 2; w >= 1; w /= 2)  /* pairwise, in a fixed order */
-        for (int k = 0; k < w; k++) acc[k] += acc[k + w];
-    float s = acc[0];
+    for (; i + LANES <= n; i += LANES) acc += load16(a + i) * load16(b + i);
+    float s = hsum16(acc);
     for (; i < n; i++) s += a[i] * b[i];
     return s;
 }
