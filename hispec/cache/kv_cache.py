@@ -88,20 +88,43 @@ class AttentionBatch:
 
     def __init__(self, chunks: list[SeqChunk], blocks: BlockManager, device) -> None:
         self.chunks = chunks
+        self.device = device
         bs = blocks.block_size
-        self.positions = torch.cat([torch.arange(c.start, c.start + c.num_tokens) for c in chunks]).to(device)  # [T]
         self.offsets = [0]
         for c in chunks:
             self.offsets.append(self.offsets[-1] + c.num_tokens)
         tables = [blocks.block_table(c.seq_id) for c in chunks]
         self._tables, self._block_size, self._kernel = tables, bs, {}
-        # every slot a sequence attends to: its cached prefix plus the new tokens
-        self.context_slots = [slots_for(t, 0, c.start + c.num_tokens, bs, device) for t, c in zip(tables, chunks)]
-        self.write_slots = torch.cat([s[c.start:] for s, c in zip(self.context_slots, chunks)])  # [T]
-        # (first slot, length) where a sequence's context is one run of slots (consecutive blocks:
-        # the usual case for a lone sequence), so attention reads a view instead of a gather
-        self.context_runs = [_run(t, c.start + c.num_tokens, bs) for t, c in zip(tables, chunks)]
-        self.masks = [self._causal_mask(c, device) for c in chunks]
+        positions = [p for c in chunks for p in range(c.start, c.start + c.num_tokens)]
+        self.positions = torch.tensor(positions, dtype=torch.long, device=device)  # [T]
+        # the new tokens' slots, straight from the block tables (no tensor ops per sequence)
+        self.write_slots = torch.tensor([t[p // bs] * bs + p % bs for t, c in zip(tables, chunks)
+                                         for p in range(c.start, c.start + c.num_tokens)], dtype=torch.long, device=device)  # [T]
+        self._context_slots = self._context_runs = self._masks = None
+
+    # What the eager attention path reads (the fused kernels read the block tables themselves), made
+    # on first use: every slot a sequence attends to, (first slot, length) where those slots are one
+    # run (consecutive blocks, the usual case for a lone sequence: attention reads a view instead of
+    # a gather), and the causal masks.
+    @property
+    def context_slots(self) -> list[torch.Tensor]:
+        if self._context_slots is None:
+            self._context_slots = [slots_for(t, 0, c.start + c.num_tokens, self._block_size, self.device)
+                                   for t, c in zip(self._tables, self.chunks)]
+        return self._context_slots
+
+    @property
+    def context_runs(self) -> list[tuple[int, int] | None]:
+        if self._context_runs is None:
+            self._context_runs = [_run(t, c.start + c.num_tokens, self._block_size)
+                                  for t, c in zip(self._tables, self.chunks)]
+        return self._context_runs
+
+    @property
+    def masks(self) -> list[torch.Tensor | None]:
+        if self._masks is None:
+            self._masks = [self._causal_mask(c, self.device) for c in self.chunks]
+        return self._masks
 
     def kernel(self, i: int | None = None):
         """The fused attention kernel's metadata (``model/fused.py``) for every chunk, or chunk ``i``."""
