@@ -91,10 +91,11 @@ def paged_case(starts, counts, hq=6, hkv=2, d=16, bs=4):
     return AttentionBatch(chunks, blocks, "cpu"), pool, rand(sum(counts), hq, d)
 
 
-def test_paged_attention_matches_eager_and_is_per_query():
+@pytest.mark.parametrize("head_dim", [16, 64, 128])  # 64 and 128: the register-resident path
+def test_paged_attention_matches_eager_and_is_per_query(head_dim):
     from hispec.model.decoder import attend
 
-    batch, pool, q = paged_case([0, 13, 30], [5, 1, 3])
+    batch, pool, q = paged_case([0, 13, 30], [5, 1, 3], d=head_dim)
     out = fused.paged_attention(q, pool.k[0], pool.v[0], batch.kernel(), torch.float32).view_as(q)
     for i, c in enumerate(batch.chunks):
         ck, cv = pool.context(0, batch, i)
@@ -104,7 +105,7 @@ def test_paged_attention_matches_eager_and_is_per_query():
             ref = attend(q[row:row + 1], ck[:n], cv[:n], None)
             torch.testing.assert_close(out[row:row + 1], ref, rtol=1e-5, atol=1e-5)
             # alone, the same query gives the same bits
-            alone, alone_pool, _ = paged_case([c.start + j], [1])
+            alone, alone_pool, _ = paged_case([c.start + j], [1], d=head_dim)
             alone_pool.k[0].copy_(pool.k[0]), alone_pool.v[0].copy_(pool.v[0])
             alone.kernel().tables.copy_(batch.kernel(i).tables[:, :alone.kernel().tables.shape[1]])
             single = fused.paged_attention(q[row:row + 1], pool.k[0], pool.v[0], alone.kernel(), torch.float32)

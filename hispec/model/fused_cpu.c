@@ -67,7 +67,7 @@ static inline float hsum16(v16 a) {
     return (c[0] + c[2]) + (c[1] + c[3]);
 }
 
-static float dot(const float *a, const float *b, int64_t n) {
+static inline __attribute__((always_inline)) float dot(const float *a, const float *b, int64_t n) {
     v16 acc = {0};
     int64_t i = 0;
     for (; i + LANES <= n; i += LANES) acc += load16(a + i) * load16(b + i);
@@ -160,6 +160,20 @@ void hs_rope_write(const void *qkv, int in_bf, const float *cos_, const float *s
     free(row);
 }
 
+/* acc[D] = sum_j p[j] v_j over the values of one KV head (D a constant after inlining). */
+static inline __attribute__((always_inline)) void accumulate_head(const float *p, const float *vpool, const int32_t *table,
+                                                                 int64_t len, int64_t bs, int64_t stride, int64_t kvh,
+                                                                 const int D, float *acc) {
+    v16 a[128 / LANES] = {{0}};
+    for (int64_t j0 = 0; j0 < len; j0 += bs) {
+        const float *v = vpool + ((int64_t)table[j0 / bs] * bs * (stride / D) + kvh) * D;
+        int64_t n = len - j0 < bs ? len - j0 : bs;
+        for (int64_t j = 0; j < n; j++, v += stride)
+            for (int i = 0; i < D / LANES; i++) a[i] += p[j0 + j] * load16(v + i * LANES);
+    }
+    memcpy(acc, a, (size_t)D * sizeof(float));
+}
+
 /* One query token's heads of one KV group over its own context, read through a block table:
  * out = softmax(q k^T * scale) v for each of the G query heads sharing KV head kvh. */
 static void attend_group(const float *q, const float *kpool, const float *vpool, const int32_t *table,
@@ -170,7 +184,9 @@ static void attend_group(const float *q, const float *kpool, const float *vpool,
         const float *k = kpool + ((int64_t)table[j0 / bs] * bs * Hkv + kvh) * D;
         int64_t n = len - j0 < bs ? len - j0 : bs;
         for (int64_t j = 0; j < n; j++, k += stride)
-            for (int64_t g = 0; g < G; g++) scores[g * len + j0 + j] = dot(q + g * D, k, D) * scale;
+            for (int64_t g = 0; g < G; g++)  /* constant sizes let the compiler unroll the usual head sizes */
+                scores[g * len + j0 + j] = (D == 64 ? dot(q + g * D, k, 64) : D == 128 ? dot(q + g * D, k, 128)
+                                                                                      : dot(q + g * D, k, D)) * scale;
     }
     for (int64_t g = 0; g < G; g++) {
         float *s = scores + g * len, m = -INFINITY, sum = 0.0f;
@@ -178,6 +194,13 @@ static void attend_group(const float *q, const float *kpool, const float *vpool,
         for (int64_t j = 0; j < len; j++) s[j] = fast_exp(s[j] - m);
         for (int64_t j = 0; j < len; j++) sum += s[j];
         for (int64_t j = 0; j < len; j++) s[j] /= sum;
+    }
+    if (D == 64 || D == 128) {  /* the usual head sizes: a head's output stays in registers */
+        for (int64_t g = 0; g < G; g++) {
+            if (D == 64) accumulate_head(scores + g * len, vpool, table, len, bs, stride, kvh, 64, acc + g * D);
+            else accumulate_head(scores + g * len, vpool, table, len, bs, stride, kvh, 128, acc + g * D);
+        }
+        return;
     }
     memset(acc, 0, (size_t)(G * D) * sizeof(float));
     for (int64_t j0 = 0; j0 < len; j0 += bs) {
