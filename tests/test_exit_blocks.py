@@ -362,3 +362,20 @@ def test_collect_and_distill_cli(tiny_model_dir, tmp_path, capsys):
         assert str(tmp_path) not in (out / "manifest.json").read_text()
     assert runs[300]["data"]["positions"]["2"] <= 300 < runs[None]["data"]["positions"]["2"]
     assert runs[300]["agreement"]["2"]["heldout_positions"] == runs[None]["agreement"]["2"]["heldout_positions"] > 0
+
+
+def test_epochs_with_different_batch_counts_train_to_the_end(tiny, shards):
+    """Each epoch's permutation cuts its own number of batches; the schedule follows them."""
+    folder, _ = shards
+    data = S.load_sequences(folder, 2)
+    data = data.subset(torch.arange(data.num_sequences).repeat(4))  # > 64 sequences: groups differ per epoch
+    for seed in range(50):
+        cfg = S.TrainConfig(epochs=2, batch_tokens=150, lr=1e-3, warmup=2, seed=seed)
+        counts = S.epoch_steps(data, cfg)
+        if counts[1] < counts[0]:
+            break
+    else:
+        pytest.skip("no seed gives a shorter second epoch on this data")
+    state = S.train(ExitBlock(tiny, init="zero"), data, cfg)
+    assert state.step == sum(counts)
+    assert S.epoch_steps(data, dataclasses.replace(cfg, epochs=1.5))[1] == -(-counts[1] // 2)

@@ -233,10 +233,23 @@ class TrainState:
     seconds: float = 0.0
 
 
-def total_steps(data: SeqData, cfg: TrainConfig) -> tuple[int, int]:
-    """(steps per epoch, total steps)."""
-    per_epoch = len(epoch_batches(data, cfg.batch_tokens, cfg.seed, 0))
-    return per_epoch, max(1, math.ceil(per_epoch * cfg.epochs))
+def epoch_steps(data: SeqData, cfg: TrainConfig) -> list[int]:
+    """Steps of each epoch the run touches: every epoch's permutation cuts its own number of
+    batches, and a fractional ``epochs`` cuts the last one short."""
+    counts = [len(epoch_batches(data, cfg.batch_tokens, cfg.seed, e)) for e in range(max(1, math.ceil(cfg.epochs)))]
+    frac = cfg.epochs - math.floor(cfg.epochs)
+    if frac:
+        counts[-1] = max(1, math.ceil(counts[-1] * frac))
+    return counts
+
+
+def step_position(step: int, counts: list[int]) -> tuple[int, int]:
+    """(epoch, batch index within it) of a global step."""
+    for epoch, n in enumerate(counts):
+        if step < n:
+            return epoch, step
+        step -= n
+    raise IndexError("step past the end of the schedule")
 
 
 def lr_at(step: int, steps: int, cfg: TrainConfig) -> float:
@@ -257,13 +270,14 @@ def train(head, data: SeqData, cfg: TrainConfig, checkpoint_dir: Path | None = N
     heads = {0: head}
     state = load_checkpoint(Path(checkpoint_dir), heads, opt, TrainState) if (resume and checkpoint_dir) else None
     state = state or TrainState()
-    per_epoch, steps = total_steps(data, cfg)
+    counts = epoch_steps(data, cfg)
+    steps = sum(counts)
     remap = subset_remap(head)
     device = head.base.device
     running, t0 = None, time.perf_counter()
     epoch_cache: dict[int, list[torch.Tensor]] = {}
     while state.step < steps and (max_steps is None or state.step < max_steps):
-        epoch, k = divmod(state.step, per_epoch)
+        epoch, k = step_position(state.step, counts)
         if epoch not in epoch_cache:
             epoch_cache = {epoch: epoch_batches(data, cfg.batch_tokens, cfg.seed, epoch)}
         batch = padded(data, epoch_cache[epoch][k], device)
