@@ -158,18 +158,10 @@ def accept(batch: list[DecodeContext], proposed: list[torch.Tensor], proposed_pr
     sizes = [t.shape[0] + 1 for t in proposed]
     target_logits = process_rows(batch, target_logits, sizes, specs)
     if len(batch) == 1:
-        c, drafts = batch[0], proposed[0]
-        if c.params.greedy:
-            probs, (num, token) = None, greedy_accept(drafts, target_logits.argmax(-1))
-        else:
-            probs = logits_to_probs(target_logits, c.params)
-            q = proposed_probs[0] if proposed_probs[0] is not None else probs[:0]  # [k, V]
-            num, token = sample_accept(drafts, q, probs, c.generator)
-        return [drafts[:num].tolist() + [token]], [probs]
+        return _accept_one(batch[0], proposed[0], proposed_probs[0], target_logits)
     num = torch.empty(len(batch), dtype=torch.long, device=target_logits.device)  # [B]
     token = torch.empty_like(num)  # [B]
     greedy = [b for b, c in enumerate(batch) if c.params.greedy]
-    sampled = [b for b, c in enumerate(batch) if not c.params.greedy]
     if greedy:
         argmax = target_logits.argmax(-1)  # [sum (k_b + 1)]
         rows = _rows_of(greedy, sizes, len(batch))
@@ -177,7 +169,7 @@ def accept(batch: list[DecodeContext], proposed: list[torch.Tensor], proposed_pr
                                                          argmax if rows is None else argmax[rows])
     probs = [None] * len(batch)
     per_seq = split_rows(target_logits, sizes)
-    for group in _blocks(sampled, sizes, target_logits):
+    for group in _blocks([b for b, c in enumerate(batch) if not c.params.greedy], sizes, target_logits):
         p = logits_to_probs(_cat([per_seq[b] for b in group]),
                             [batch[b].params for b in group for _ in range(sizes[b])])  # [sum (k_b + 1), V]
         q = _cat([proposed_probs[b] if proposed_probs[b] is not None else p[:0] for b in group])  # [sum k_b, V]
@@ -185,13 +177,30 @@ def accept(batch: list[DecodeContext], proposed: list[torch.Tensor], proposed_pr
                                                        [batch[b].generator for b in group])
         for b, pb in zip(group, split_rows(p, [sizes[b] for b in group])):
             probs[b] = pb
-    flat = torch.cat([num, token] + list(proposed)).tolist()  # the batch's one host sync
-    nums, tokens, drafts = flat[:len(batch)], flat[len(batch):2 * len(batch)], flat[2 * len(batch):]
-    accepted, start = [], 0
-    for n, t, k in zip(nums, tokens, sizes):
-        accepted.append(drafts[start:start + n] + [t])
-        start += k - 1
-    return accepted, probs
+    return _committed(num, token, proposed), probs
+
+
+def _accept_one(ctx: DecodeContext, drafts: torch.Tensor, draft_probs: torch.Tensor | None,
+                target_logits: torch.Tensor) -> tuple[list[list[int]], list]:
+    """``accept`` for a batch of one, with the one-sequence rules."""
+    if ctx.params.greedy:
+        probs, (num, token) = None, greedy_accept(drafts, target_logits.argmax(-1))
+    else:
+        probs = logits_to_probs(target_logits, ctx.params)
+        q = draft_probs if draft_probs is not None else probs[:0]  # [k, V]
+        num, token = sample_accept(drafts, q, probs, ctx.generator)
+    return [drafts[:num].tolist() + [token]], [probs]
+
+
+def _committed(num: torch.Tensor, token: torch.Tensor, proposed: list[torch.Tensor]) -> list[list[int]]:
+    """Each sequence's accepted proposals and next token as host ints, in one host sync."""
+    b = num.shape[0]
+    flat = torch.cat([num, token] + list(proposed)).tolist()
+    out, start = [], 2 * b
+    for n, t, drafts in zip(flat[:b], flat[b:2 * b], proposed):
+        out.append(flat[start:start + n] + [t])
+        start += drafts.shape[0]
+    return out
 
 
 def _blocks(seqs: list[int], sizes: list[int], like: torch.Tensor) -> list[list[int]]:
