@@ -23,6 +23,7 @@ from ..cache.kv_cache import AttentionBatch, KVPool
 from ..config import ConfigError, ModelConfig
 from . import fused
 from .matmul import Linear, linear
+from .quant import ACT_DTYPE, QuantLinear
 
 
 class RMSNorm(nn.Module):
@@ -182,11 +183,19 @@ class DecoderLayer(nn.Module):
     def _forward_fused(self, h: torch.Tensor, layer: int, rope, batch: AttentionBatch, pool: KVPool) -> torch.Tensor:
         # h: [T, H] float32; the matmul inputs are act_dtype (bfloat16 on the quantized kernels)
         dt = self.act_dtype or h.dtype
+        qkv_mm, o_mm, gate_up_mm, down_mm = self._matmuls()
         x = fused.rms_norm(h, self.input_norm.weight, self.input_norm.eps, dt)
-        q = self._rope_write(self.qkv_proj(x), layer, rope, batch, pool)  # [T, Hq, D] float32
+        q = self._rope_write(qkv_mm(x), layer, rope, batch, pool)  # [T, Hq, D] float32
         out = self._attend_fused(q, layer, batch, pool, dt)  # [T, Hq * D]
-        h, x = fused.add_rms_norm(h, self.o_proj(out), self.post_norm.weight, self.post_norm.eps, dt)
-        return h + self.down_proj(fused.silu_mul(self.gate_up_proj(x), dt))
+        h, x = fused.add_rms_norm(h, o_mm(out), self.post_norm.weight, self.post_norm.eps, dt)
+        return h + down_mm(fused.silu_mul(gate_up_mm(x), dt))
+
+    def _matmuls(self) -> tuple:
+        """The four projections as callables: a bias-free QuantLinear's kernel call directly (its
+        input is already the 2-D bfloat16 it wants, so ``forward``'s reshaping and casts are no-ops),
+        else the module. Looked up on each call (cheap), so replaced modules are always seen."""
+        return tuple(m._mm if type(m) is QuantLinear and m.bias is None and self.act_dtype == ACT_DTYPE else m
+                     for m in (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj))
 
     def _rope_write(self, qkv: torch.Tensor, layer: int, rope, batch: AttentionBatch, pool: KVPool,
                     queries: bool = True) -> torch.Tensor | None:
