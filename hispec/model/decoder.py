@@ -120,8 +120,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     group stacked, which avoids expanding K/V and is 2-3x faster for decode-sized queries.
     """
     if q.device.type != "cpu" or q.shape[0] >= SDPA_MIN_QUERIES:
-        return F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                              attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1]).transpose(0, 1)
+        # with a batch dimension: 3-D inputs take CPU SDPA's unfused path (1,400 x 1,400: 188 vs 71 ms)
+        return F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                              attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])[0].transpose(0, 1)
     T, hq, d = q.shape
     hkv, c = k.shape[1], k.shape[0]
     g = hq // hkv
