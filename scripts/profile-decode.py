@@ -3,7 +3,7 @@
     python scripts/profile-decode.py [--model default] [--quantize auto] [--strategies ar,selfspec,hispec]
                                      [--tokens 64] [--threads 2] [--repeats 3] [--no-fused]
 
-Times every linear layer's call (``Linear`` / ``QuantLinear`` forward) with a wall clock during
+Times every linear layer's call (``Linear.forward``, ``QuantLinear._mm``) with a wall clock during
 generation; the rest of the wall time (norms, RoPE, attention, cache writes, sampling, Python)
 is "outside the matmuls". Prints per strategy: tokens/s, ms per token in and outside the matmuls,
 and the engine's per-phase seconds per token. Medians over ``--repeats`` runs after one warm-up.
@@ -39,16 +39,17 @@ def main() -> None:
     gen = Generator.from_pretrained(args.model, quantize=args.quantize, progress=False)
     in_mm = [0.0]
 
-    def timed(forward):
+    def timed(method):
         def wrapper(self, x):
             t0 = time.perf_counter()
-            out = forward(self, x)
+            out = method(self, x)
             in_mm[0] += time.perf_counter() - t0
             return out
         return wrapper
 
-    for cls in (matmul.Linear, quant.QuantLinear):
-        cls.forward = timed(cls.forward)
+    # the kernel call itself: the fused layers call QuantLinear._mm directly
+    matmul.Linear.forward = timed(matmul.Linear.forward)
+    quant.QuantLinear._mm = timed(quant.QuantLinear._mm)
     ids = gen.encode_prompt(args.prompt)
     print(f"{args.model} ({gen.model.weight_format} weights, {'eager' if args.no_fused else 'fused'} path, "
           f"{args.threads} threads), {len(ids)} prompt tokens, {args.tokens} new tokens")
