@@ -111,13 +111,23 @@ def test_speculative_strategies_equal_ar_on_spec_bench(generator, ar_reference, 
     each one's tokens compared with its own batch-of-one ``ar`` output."""
     import dataclasses
 
+    prompts, expected = ar_reference
+    base = default_specs(generator, strategy)
+    spec = dataclasses.replace(base, draft_policy=policy, num_layers=generator.model.num_layers)
+    engine, outputs = run_batched(generator, strategy, spec, prompts)
+    for out, want in zip(outputs, expected):
+        assert out.token_ids == want
+    accepted = sum(lv.accepted_tokens for out in outputs for lv in out.stats.levels.values())
+    assert accepted > 0  # the drafts were really checked, not skipped
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+
+
+def run_batched(generator, strategy: str, spec: SpecConfig, prompts: list[list[int]]):
+    """All ``prompts`` decoded together in one engine, always speculating -> (engine, outputs in order)."""
     from hispec.engine import Engine
     from hispec.engine.engine import kv_blocks_for
     from hispec.generate import make_strategy
 
-    prompts, expected = ar_reference
-    base = default_specs(generator, strategy)
-    spec = dataclasses.replace(base, draft_policy=policy, num_layers=generator.model.num_layers)
     model = generator.model
     engine = Engine(model, make_strategy(strategy, spec, model.num_layers), tokenizer=generator.tokenizer,
                     eos_ids=generator.eos_ids, max_batch_size=len(prompts), adaptive=False,
@@ -125,11 +135,7 @@ def test_speculative_strategies_equal_ar_on_spec_bench(generator, ar_reference, 
     params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
     ids = [engine.add_request(p, params) for p in prompts]
     final = engine.run_to_completion()
-    for rid, want in zip(ids, expected):
-        assert final[rid].token_ids == want
-    accepted = sum(lv.accepted_tokens for rid in ids for lv in final[rid].stats.levels.values())
-    assert accepted > 0  # the drafts were really checked, not skipped
-    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+    return engine, [final[r] for r in ids]
 
 
 @pytest.mark.parametrize("strategy", ["selfspec", "hispec"])
@@ -163,18 +169,10 @@ def quantized_ar(quantized, two_threads):
 @pytest.mark.parametrize("strategy", ["selfspec", "hispec"])
 def test_quantized_default_strategies_equal_its_ar(quantized, quantized_ar, two_threads, strategy):
     """Same kernels, same tokens: batched in the engine (always speculating) and one at a time."""
-    from hispec.engine import Engine
-    from hispec.engine.engine import kv_blocks_for
-    from hispec.generate import make_strategy
-
     assert quantized.model.weight_format == "native"
     prompts, expected = quantized_ar
-    model, spec = quantized.model, default_specs(quantized, strategy)
-    engine = Engine(model, make_strategy(strategy, spec, model.num_layers), tokenizer=quantized.tokenizer,
-                    eos_ids=quantized.eos_ids, max_batch_size=len(prompts), adaptive=False,
-                    kv_blocks=len(prompts) * kv_blocks_for(model, 16, min_tokens=max(map(len, prompts)) + 96))
+    spec = default_specs(quantized, strategy)
+    _, outputs = run_batched(quantized, strategy, spec, prompts)
+    assert [out.token_ids for out in outputs] == expected
     params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
-    ids = [engine.add_request(p, params) for p in prompts]
-    final = engine.run_to_completion()
-    assert [final[r].token_ids for r in ids] == expected
     assert quantized.generate(prompts[0], params, strategy, spec=spec).token_ids == expected[0]
