@@ -150,3 +150,53 @@ def test_model_runs_on_the_fused_kernels(tiny_model_dir, monkeypatch):
         for layer in gen.model.layers:
             layer._fusable = None
     assert with_kernels.token_ids == eager.token_ids  # a random tiny model has no near-ties in 12 tokens
+
+
+@pytest.mark.parametrize("quantize", ["none", "int4", "int8"])
+def test_layer_op_equals_the_per_layer_path(tiny_model_dir, quantize):
+    """``decode_layers`` (a range of layers in one C++ call) gives the per-layer fused path's hidden
+    states and K/V bit for bit, for float32, int4 and int8 weights, on a ragged batch."""
+    from hispec.generate import Generator
+
+    if fused.layers_op() is None:
+        pytest.skip("no C++ compiler or torch headers: the layers run one by one")
+    gen = Generator.from_pretrained(str(tiny_model_dir("llama")), exits=False, quantize=quantize, progress=False)
+    model, cfg = gen.model, gen.model.cfg
+    n = model.num_layers
+    for starts, counts in (([0, 13, 30], [1, 1, 1]), ([0, 13, 30], [4, 1, 3]), ([7], [2])):
+        batch, base_pool, _ = paged_case(starts, counts, hq=cfg.num_heads, hkv=cfg.num_kv_heads, d=cfg.head_dim)
+        pool = KVPool(n, 64, 4, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu")
+        for i in range(n):
+            pool.k[i].copy_(rand(*pool.k[i].shape)), pool.v[i].copy_(rand(*pool.v[i].shape))
+        h = rand(sum(counts), cfg.hidden_size)
+        plans = model._layer_plans(h, 0, n, model._rope(batch.positions), batch, pool)
+        if quantize == "none" and sum(counts) > 4:
+            assert plans is None  # more rows than SMALL_ROWS take oneDNN, in Python
+            continue
+        assert plans is not None, "the layer op was not chosen"
+        per_layer = KVPool(n, 64, 4, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu")
+        for i in range(n):
+            per_layer.k[i].copy_(pool.k[i]), per_layer.v[i].copy_(pool.v[i])
+        with torch.no_grad():
+            one_call = model.run_layers(h, 1, n, batch, pool)
+            rope = model._rope(batch.positions)
+            ref = h
+            for i in range(1, n):
+                ref = model.layers[i](ref, i, rope, batch, per_layer)
+        assert torch.equal(one_call, ref)
+        for i in range(n):
+            assert torch.equal(pool.k[i], per_layer.k[i]) and torch.equal(pool.v[i], per_layer.v[i])
+
+
+def test_layer_plan_follows_replaced_projections(tiny_model_dir):
+    """A projection replaced after the plan was made (e.g. quantization) is planned anew."""
+    from hispec.generate import Generator
+    from hispec.model.quant import QuantLinear
+
+    if fused.layers_op() is None:
+        pytest.skip("no C++ compiler or torch headers")
+    gen = Generator.from_pretrained(str(tiny_model_dir("llama")), exits=False, quantize="none", progress=False)
+    layer = gen.model.layers[0]
+    assert layer.layer_plan()[2] == [fused.MM_FLOAT] * 4
+    layer.o_proj = QuantLinear.from_float(layer.o_proj.weight, "int4")
+    assert layer.layer_plan() is None  # int4 wants bfloat16 activations, this layer runs float32 ones

@@ -22,7 +22,7 @@ from torch import nn
 from ..cache.kv_cache import AttentionBatch, KVPool
 from ..config import ConfigError, ModelConfig
 from . import fused
-from .matmul import Linear, linear
+from .matmul import SMALL_ROWS, Linear, linear
 from .quant import ACT_DTYPE, QuantLinear
 
 
@@ -160,6 +160,53 @@ class DecoderLayer(nn.Module):
         # them bfloat16 directly and their outputs stay bfloat16 into the next kernel
         self.act_dtype: torch.dtype | None = None
         self._fusable: bool | None = None  # decided on first use (see _fused)
+        self._plan: tuple | None = None  # layer_plan's answer, cached; False: cannot
+
+    _PLANNED = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "input_norm", "post_norm", "act_dtype")
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in DecoderLayer._PLANNED:  # a replaced projection (quantization) or activation dtype
+            self.__dict__["_plan"] = None
+        super().__setattr__(name, value)
+
+    def _apply(self, fn, *args, **kwargs):  # .to() / .float() may replace buffers the plan holds
+        self.__dict__["_plan"] = None
+        return super()._apply(fn, *args, **kwargs)
+
+    def layer_plan(self) -> tuple | None:
+        """What ``fused.decode_layers`` needs of this layer, ``(norms, weights, kinds, groups)``,
+        or None when the layer cannot run there (not fusable; a bias; a matmul other than float32
+        ``Linear`` on float32 activations or int4/int8 ``QuantLinear`` on bfloat16 ones)."""
+        if self._plan is None:
+            self.__dict__["_plan"] = self._make_plan() or False
+        return self._plan or None
+
+    def _make_plan(self) -> tuple | None:
+        if not (self._fusable or (self._fusable is None and self._fused_kind())) or fused.layers_op() is None:
+            return None
+        norms = [self.input_norm.weight, self.post_norm.weight]
+        if any(w.dtype != torch.float32 or not w.is_contiguous() for w in norms):
+            return None
+        weights, kinds, groups = [], [], []
+        for m in (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj):
+            if type(m) is QuantLinear and m.bias is None and m.kernel in ("int4", "int8") and self.act_dtype == ACT_DTYPE:
+                weights += [m.qweight, m.qparams]
+                kinds.append(fused.MM_INT4 if m.kernel == "int4" else fused.MM_INT8)
+                groups.append(m.group if m.kernel == "int4" else 0)
+            elif (type(m) is Linear and m.bias is None and m.weight.dtype == torch.float32 and m.weight.is_contiguous()
+                  and self.act_dtype in (None, torch.float32)):
+                weights += [m.weight, m.weight]  # the second is a placeholder
+                kinds.append(fused.MM_FLOAT)
+                groups.append(0)
+            else:
+                return None
+        return norms, weights, kinds, groups
+
+    def _fused_kind(self) -> bool:
+        cfg = self.cfg
+        self._fusable = (cfg.family != "opt" and self.q_norm is None and cfg.hidden_act == "silu"
+                         and isinstance(self.input_norm, RMSNorm) and fused.available())
+        return self._fusable
 
     def forward(self, h: torch.Tensor, layer: int, rope: tuple[torch.Tensor, torch.Tensor] | None,
                 batch: AttentionBatch, pool: KVPool) -> torch.Tensor:
@@ -174,9 +221,7 @@ class DecoderLayer(nn.Module):
         """Whether this call runs on the fused CPU kernels: float32 residual stream and pool on the
         CPU, a Llama-style layer (RMSNorm, RoPE, SiLU gate, no q/k norm), kernels built."""
         if self._fusable is None:
-            cfg = self.cfg
-            self._fusable = (cfg.family != "opt" and self.q_norm is None and cfg.hidden_act == "silu"
-                             and isinstance(self.input_norm, RMSNorm) and fused.available())
+            self._fused_kind()
         return (self._fusable and rope is not None and h.dtype == torch.float32 and h.device.type == "cpu"
                 and pool.k[layer].dtype == torch.float32 and self.input_norm.weight.dtype == torch.float32
                 and not (torch.is_grad_enabled() and (h.requires_grad or self.input_norm.weight.requires_grad)))
@@ -348,9 +393,33 @@ class DecoderModel(nn.Module):
         """Run decoder layers ``[start, end)`` on ``h [T, H]`` (the input to layer ``start``)."""
         assert 0 <= start <= end <= self.cfg.num_layers, (start, end)
         rope = self._rope(batch.positions)
+        plans = self._layer_plans(h, start, end, rope, batch, pool)
+        if plans is not None:  # the whole range in one call (fused_layers.cpp), same values
+            bf16 = self.layers[start].act_dtype == ACT_DTYPE
+            return fused.decode_layers(h, plans, rope, batch, pool.k[start:end], pool.v[start:end], self.cfg, bf16)
         for layer in range(start, end):
             h = self.layers[layer](h, layer, rope, batch, pool)
         return h
+
+    def _layer_plans(self, h: torch.Tensor, start: int, end: int, rope, batch: AttentionBatch,
+                     pool: KVPool) -> list | None:
+        """The layers' plans when ``[start, end)`` can run in one ``fused.decode_layers`` call:
+        every layer planned with one activation dtype, decode-sized chunks (prefill chunks take
+        SDPA), at most SMALL_ROWS tokens on float32 weights (more take oneDNN, in Python), and
+        the per-layer fused path's own conditions (float32 residual stream and pool on the CPU)."""
+        if start == end or not self.layers[start]._fused(h, rope, pool, start) or not fused.layers_op():
+            return None
+        if any(c.num_tokens >= SDPA_MIN_QUERIES for c in batch.chunks):
+            return None
+        plans = [self.layers[i].layer_plan() for i in range(start, end)]
+        if any(p is None for p in plans):
+            return None
+        acts = {self.layers[i].act_dtype for i in range(start, end)}
+        if len(acts) != 1 or (fused.MM_FLOAT in plans[0][2] and h.shape[0] > SMALL_ROWS):
+            return None
+        if any(pool.k[i].dtype != torch.float32 for i in range(start, end)):
+            return None
+        return plans
 
     def final_logits(self, h: torch.Tensor) -> torch.Tensor:
         """The model's own output head on the last hidden state ``[T, H]`` -> ``[T, V]``."""

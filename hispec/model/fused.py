@@ -105,6 +105,70 @@ def available() -> bool:
     return library() is not None
 
 
+# ---- a range of layers in one call (fused_layers.cpp) ------------------------------------------
+LAYERS_SOURCE = Path(__file__).with_name("fused_layers.cpp")
+MM_FLOAT, MM_INT4, MM_INT8 = 0, 1, 2  # as in fused_layers.cpp
+_KERNEL_ORDER = ("hs_rms_norm", "hs_add_rms_norm", "hs_silu_mul", "hs_rope_write", "hs_paged_attention")
+
+
+def _cxx_command(out: Path) -> list[str]:
+    from torch.utils import cpp_extension
+
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        raise RuntimeError("no C++ compiler (g++/c++) on PATH")
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    return [cxx, "-O2", "-std=c++20", "-fPIC", "-shared", "-w", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+            *(f"-I{p}" for p in cpp_extension.include_paths()), str(LAYERS_SOURCE), "-o", str(out),
+            *(f"-L{p}" for p in cpp_extension.library_paths()), "-lc10", "-ltorch_cpu"]
+
+
+@functools.lru_cache(maxsize=1)
+def layers_op():
+    """``torch.ops.hispec_fused.decode_layers`` (a range of decoder layers in one call, on the
+    same kernels as the per-layer path), or None: no C kernels, no C++ compiler or torch headers,
+    or ``HISPEC_FUSED_LAYERS=0``. Built once per source, torch version and CPU (~15 s)."""
+    lib = library()
+    if lib is None or os.environ.get("HISPEC_FUSED_LAYERS", "1") == "0":
+        return None
+    key = hashlib.sha256(LAYERS_SOURCE.read_bytes() + torch.__version__.encode() + _cpu_key().encode()).hexdigest()[:16]
+    path = _build_dir() / f"fused_layers-{key}.so"
+    try:
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+                tmp_out = Path(tmp) / path.name
+                proc = subprocess.run(_cxx_command(tmp_out), capture_output=True, text=True)
+                if proc.returncode != 0:
+                    raise RuntimeError(f"C++ build failed: {proc.stderr.strip()[-2000:]}")
+                os.replace(tmp_out, path)
+        torch.ops.load_library(str(path))
+        ops = torch.ops.hispec_fused
+        ops.bind([ctypes.cast(getattr(lib, name), ctypes.c_void_p).value for name in _KERNEL_ORDER])
+    except (OSError, RuntimeError) as e:
+        log.warning("fused layer op unavailable, running the fused kernels layer by layer: %s", e)
+        return None
+    return ops.decode_layers
+
+
+def decode_layers(h: torch.Tensor, plans: list, rope, batch: "AttentionBatch", k_pools: list, v_pools: list,
+                  cfg, bf16_acts: bool) -> torch.Tensor:
+    """Run the layers whose ``plans`` (``DecoderLayer.layer_plan``) are given on ``h [T, H]``
+    float32, in one call; bit-identical to running them one by one on the fused kernels."""
+    meta = batch.kernel()
+    cos, ssin = (r.view(r.shape[0], r.shape[-1]) for r in rope)  # [T, D]
+    norms, weights, kinds, groups = [], [], [], []
+    for p in plans:
+        norms += p[0]
+        weights += p[1]
+        kinds += p[2]
+        groups += p[3]
+    parallel = meta.keys * cfg.num_heads * cfg.head_dim >= PARALLEL_MIN_WORK
+    return layers_op()(h.contiguous(), cos.contiguous(), ssin.contiguous(), batch.write_slots, meta.tables, meta.seq,
+                       meta.lengths, meta.block_size, parallel, k_pools, v_pools, norms, weights, kinds, groups,
+                       cfg.num_heads, cfg.num_kv_heads, cfg.norm_eps, bf16_acts)
+
+
 def _bf(t: torch.Tensor) -> int:
     return int(t.dtype == torch.bfloat16)
 

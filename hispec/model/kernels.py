@@ -74,5 +74,10 @@ def describe(model) -> str:
 
     between = ("fused CPU kernels (norms, RoPE + cache write, paged attention, SiLU gate)" if fused.available()
                else "eager PyTorch (fused kernels unavailable: no C compiler, or HISPEC_FUSED=0)")
+    if fused.available():
+        planned = all(layer.layer_plan() is not None for layer in model.layers)
+        between += ("; decode steps run all layers in one C++ call" if planned else
+                    "; layers called one by one" + ("" if fused.layers_op() else
+                                                     " (layer op unavailable: no C++ compiler, or HISPEC_FUSED_LAYERS=0)"))
     return (f"weights {model.weight_format}: decoder linears {layers}; output head {head_kind}; "
             f"between the matmuls: {between}; CPU capability {cpu_capability()}")

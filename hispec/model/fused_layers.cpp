@@ -1,0 +1,121 @@
+// A range of decoder layers in one call (hispec/model/fused.py, ``decode_layers``).
+//
+// The fused Python path (DecoderLayer._forward_fused) makes ~10 calls per layer: four matmuls
+// through the PyTorch dispatcher and six kernels of fused_cpu.c through ctypes, each with its
+// argument checks and tensor allocations; on a 135M-parameter model that Python work costs as
+// much as the matmuls themselves at batch 1. This op runs the same sequence of calls from C++:
+// the same ATen matmul kernels with the same inputs, and the very same compiled kernels of
+// fused_cpu.c (their addresses are handed over once by ``bind``), so its results are bit for
+// bit those of the Python path.
+//
+// Built on first use with the machine's C++ compiler against the installed torch's headers,
+// cached beside the C kernels, loaded with torch.ops.load_library.
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+using rms_norm_fn = void (*)(const float*, const float*, int64_t, int64_t, float, void*, int);
+using add_rms_norm_fn = void (*)(const float*, const void*, int, const float*, int64_t, int64_t, float, float*,
+                                 void*, int);
+using silu_mul_fn = void (*)(const void*, int, int64_t, int64_t, void*, int);
+using rope_write_fn = void (*)(const void*, int, const float*, const float*, const int64_t*, int64_t, int64_t,
+                               int64_t, int64_t, float*, float*, float*);
+using paged_attention_fn = void (*)(const float*, const float*, const float*, const int32_t*, int64_t,
+                                    const int32_t*, const int32_t*, int64_t, int64_t, int64_t, int64_t, int64_t,
+                                    float, void*, int, int);
+
+rms_norm_fn rms_norm = nullptr;
+add_rms_norm_fn add_rms_norm = nullptr;
+silu_mul_fn silu_mul = nullptr;
+rope_write_fn rope_write = nullptr;
+paged_attention_fn paged_attention = nullptr;
+
+// matmul kinds, as fused.py's MM_KINDS
+constexpr int64_t MM_FLOAT = 0;  // float32 weight [N, K]: (W @ x.T).T, one row padded to two (matmul.linear)
+constexpr int64_t MM_INT4 = 1;   // aten._weight_int4pack_mm_for_cpu(x, packed, group, scales_zeros)
+constexpr int64_t MM_INT8 = 2;   // aten._weight_int8pack_mm(x, q, scales)
+
+void bind(std::vector<int64_t> addresses) {
+    TORCH_CHECK(addresses.size() == 5, "bind: expected the addresses of the 5 kernels");
+    rms_norm = reinterpret_cast<rms_norm_fn>(addresses[0]);
+    add_rms_norm = reinterpret_cast<add_rms_norm_fn>(addresses[1]);
+    silu_mul = reinterpret_cast<silu_mul_fn>(addresses[2]);
+    rope_write = reinterpret_cast<rope_write_fn>(addresses[3]);
+    paged_attention = reinterpret_cast<paged_attention_fn>(addresses[4]);
+}
+
+at::Tensor matmul(int64_t kind, const at::Tensor& x, const at::Tensor& w, const at::Tensor& p, int64_t group) {
+    // x [T, K] -> [T, N]
+    if (kind == MM_INT4) return at::_weight_int4pack_mm_for_cpu(x, w, group, p);
+    if (kind == MM_INT8) return at::_weight_int8pack_mm(x, w, p);
+    const int64_t t = x.size(0);
+    const at::Tensor rows = t == 1 ? at::cat({x, x}) : x;  // [max(T, 2), K]
+    return at::mm(w, rows.t()).t().slice(0, 0, t).contiguous();
+}
+
+int is_bf(const at::Tensor& t) { return t.scalar_type() == at::kBFloat16 ? 1 : 0; }
+
+// h [T, H] float32 entering the first layer -> after the last. Per layer l (index i in the lists):
+// norms[2i], norms[2i+1]: input and post-attention RMSNorm weights; weights[8i + 2j], [8i + 2j + 1]:
+// matmul j's weight and its parameters (qkv, o, gate_up, down), kinds[4i + j], groups[4i + j].
+at::Tensor decode_layers(const at::Tensor& h_in, const at::Tensor& cos, const at::Tensor& ssin,
+                         const at::Tensor& slots, const at::Tensor& tables, const at::Tensor& seq,
+                         const at::Tensor& lengths, int64_t block_size, bool parallel, at::TensorList k_pools,
+                         at::TensorList v_pools, at::TensorList norms, at::TensorList weights,
+                         std::vector<int64_t> kinds, std::vector<int64_t> groups, int64_t num_heads,
+                         int64_t num_kv_heads, double eps, bool bf16_acts) {
+    TORCH_CHECK(rms_norm != nullptr, "decode_layers: kernels not bound");
+    const int64_t n = k_pools.size();
+    TORCH_CHECK(v_pools.size() == (size_t)n && norms.size() == (size_t)(2 * n) && weights.size() == (size_t)(8 * n) &&
+                kinds.size() == (size_t)(4 * n) && groups.size() == (size_t)(4 * n), "decode_layers: list lengths");
+    TORCH_CHECK(h_in.scalar_type() == at::kFloat && h_in.is_contiguous() && h_in.dim() == 2, "h: contiguous [T, H] float32");
+    const int64_t T = h_in.size(0), H = h_in.size(1), D = k_pools[0].size(-1);
+    const auto act = bf16_acts ? at::kBFloat16 : at::kFloat;
+    const int out_bf = bf16_acts ? 1 : 0;
+    const auto fopt = h_in.options();
+    const auto aopt = fopt.dtype(act);
+    const float e = static_cast<float>(eps), scale = 1.0f / std::sqrt(static_cast<float>(D));
+    at::Tensor h = h_in;
+    for (int64_t i = 0; i < n; i++) {
+        const at::Tensor& kp = k_pools[i];
+        const at::Tensor& vp = v_pools[i];
+        auto mm = [&](int64_t j, const at::Tensor& x) {
+            return matmul(kinds[4 * i + j], x, weights[8 * i + 2 * j], weights[8 * i + 2 * j + 1], groups[4 * i + j]);
+        };
+        at::Tensor x = at::empty({T, H}, aopt);
+        rms_norm(h.data_ptr<float>(), norms[2 * i].data_ptr<float>(), T, H, e, x.data_ptr(), out_bf);
+        const at::Tensor qkv = mm(0, x).contiguous();  // [T, (Hq + 2 Hkv) D]
+        at::Tensor q = at::empty({T, num_heads, D}, fopt);
+        rope_write(qkv.data_ptr(), is_bf(qkv), cos.data_ptr<float>(), ssin.data_ptr<float>(), slots.data_ptr<int64_t>(),
+                   T, num_heads, num_kv_heads, D, kp.data_ptr<float>(), vp.data_ptr<float>(), q.data_ptr<float>());
+        at::Tensor att = at::empty({T, num_heads * D}, aopt);
+        paged_attention(q.data_ptr<float>(), kp.data_ptr<float>(), vp.data_ptr<float>(), tables.data_ptr<int32_t>(),
+                        tables.size(1), seq.data_ptr<int32_t>(), lengths.data_ptr<int32_t>(), T, num_heads,
+                        kp.size(1), D, block_size, scale, att.data_ptr(), out_bf, parallel ? 1 : 0);
+        const at::Tensor o = mm(1, att).contiguous();  // [T, H]
+        at::Tensor h2 = at::empty({T, H}, fopt);
+        at::Tensor x2 = at::empty({T, H}, aopt);
+        add_rms_norm(h.data_ptr<float>(), o.data_ptr(), is_bf(o), norms[2 * i + 1].data_ptr<float>(), T, H, e,
+                     h2.data_ptr<float>(), x2.data_ptr(), out_bf);
+        const at::Tensor gu = mm(2, x2).contiguous();  // [T, 2 I]
+        const int64_t I = gu.size(1) / 2;
+        at::Tensor a = at::empty({T, I}, aopt);
+        silu_mul(gu.data_ptr(), is_bf(gu), T, I, a.data_ptr(), out_bf);
+        h = at::add(h2, mm(3, a));  // float32 + (bfloat16 or float32) -> float32, as ``h + down(...)``
+    }
+    return h;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(hispec_fused, m) {
+    m.def("bind(int[] addresses) -> ()", bind);
+    m.def("decode_layers(Tensor h, Tensor cos, Tensor ssin, Tensor slots, Tensor tables, Tensor seq, Tensor lengths, "
+          "int block_size, bool parallel, Tensor[] k_pools, Tensor[] v_pools, Tensor[] norms, Tensor[] weights, "
+          "int[] kinds, int[] groups, int num_heads, int num_kv_heads, float eps, bool bf16_acts) -> Tensor",
+          decode_layers);
+}
