@@ -291,6 +291,26 @@ def test_block_exits_save_and_load(tiny_model_dir, tmp_path):
         assert torch.allclose(a.float(), b.float(), atol=1e-3), k  # stored in float16
 
 
+def test_a_set_may_mix_designs(tiny_model_dir, tmp_path):
+    """A block at a shallow exit beside a linear head at a deep one: saved, loaded and run together."""
+    from hispec.model.exits import Manifest, load_heads, model_identity, new_heads, save_heads
+
+    model = load_model(tiny_model_dir("llama"))
+    exits = {**block_exits(model, [2], "copy", vocab=48, noise=0.05), **new_heads(model, [4])}
+    save_heads(tmp_path, exits, Manifest(model_identity(model), [2, 4], {}))
+    loaded, manifest = load_heads(tmp_path, model)
+    assert manifest.design["kind"] == "mixed" and manifest.design["kinds"] == {"2": "block", "4": "linear"}
+    assert (loaded[2].kind, loaded[4].kind) == ("block", "linear")
+    for k, v in exits[4].state_dict().items():  # linear heads are stored in float32: exact
+        assert v is None or torch.equal(v, loaded[4].state_dict()[k]), k
+    model.exits = loaded
+    gen = Generator(model)
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    spec = SpecConfig(draft_layer=2, verify_layer=4, num_draft=3, window=2)
+    ar = gen.generate(PROMPTS[0], params, "ar").token_ids
+    assert gen.generate(PROMPTS[0], params, "hispec", spec=spec).token_ids == ar
+
+
 # ---- the tuner simulates what runs -----------------------------------------------------------------
 @pytest.mark.parametrize("policy", ["fixed", "confidence"])
 def test_tuner_simulation_matches_the_engine_with_block_exits(tiny_model_dir, policy):

@@ -114,6 +114,9 @@ def register(sub) -> None:
     p.add_argument("--out", required=True, metavar="DIR", help="where heads.safetensors + manifest.json go")
     p.add_argument("--work", default=None, metavar="DIR", help="checkpoints (default: OUT/work)")
     p.add_argument("--resume", action="store_true", help="continue from the checkpoints in --work")
+    p.add_argument("--keep", default=None, metavar="DIR",
+                   help="exits to keep at the other layers (e.g. the shipped heads' deep linear head): the set "
+                        "written to --out holds them beside the new ones")
     p.set_defaults(func=cmd_distill_exits)
     _PARSERS["distill-exits"] = p
 
@@ -297,11 +300,30 @@ def cmd_distill_exits(args) -> int:
                               "heldout_every": args.heldout_every},
                         training={"command": command, "config": dataclasses.asdict(cfg), "per_layer": training},
                         agreement=agreement)
+    if args.keep:
+        _keep_exits(args.keep, model, exits, manifest)
     save_heads(args.out, exits, manifest)
     size = (Path(args.out) / "heads.safetensors").stat().st_size
     _say(f"wrote {args.out} ({size / 1e6:.1f} MB): " + ", ".join(
         f"layer {L} top-1 {a['top1_before']:.3f} -> {a['top1_after']:.3f}" for L, a in agreement.items()))
     return 0
+
+
+def _keep_exits(folder: str, model, exits: dict, manifest) -> None:
+    """Add the exits of ``folder`` at layers ``exits`` lacks, with their manifest entries (their
+    agreement was measured by their own recipe, named under ``kept``)."""
+    from ..model.exits import load_heads
+
+    kept, source = load_heads(folder, model)
+    added = sorted(L for L in kept if L not in exits)
+    for L in added:
+        exits[L] = kept[L]
+        if str(L) in source.agreement:
+            manifest.agreement[str(L)] = source.agreement[str(L)]
+    manifest.training["kept"] = {"folder": Path(folder).name, "layers": added,
+                                 "design": {str(L): source.kind_of(L) for L in added},
+                                 "command": source.training.get("command")}
+    _say(f"kept the exits of {folder} at layers {', '.join(map(str, added)) or 'none'}")
 
 
 # ---- train-exits ----------------------------------------------------------------------------

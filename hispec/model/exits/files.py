@@ -19,19 +19,22 @@ STORED_DTYPE = {"linear": torch.float32, "block": torch.float16}
 
 
 def new_heads(model: nn.Module, layers: list[int], vocab_ids: dict[int, torch.Tensor | None] | None = None,
-              design: str = "linear", init: str = "copy") -> dict[int, SharedOutput]:
-    """Untrained exits of ``design`` at ``layers`` (1 .. num_layers - 1), on the model's device and
-    dtype: identity-initialised ``linear`` heads, or ``block`` exits (``init`` as in ``ExitBlock``)."""
+              design: str | dict[int, str] = "linear", init: str = "copy") -> dict[int, SharedOutput]:
+    """Untrained exits of ``design`` (one for all, or one per layer) at ``layers`` (1 .. num_layers
+    - 1), on the model's device and dtype: identity-initialised ``linear`` heads, or ``block`` exits
+    (``init`` as in ``ExitBlock``)."""
     n = model.cfg.num_layers
     bad = [L for L in layers if not 1 <= L < n]
     if bad:
         raise ExitHeadError(f"exit layers must be between 1 and {n - 1} for this {n}-layer model, got {bad}")
-    if design not in STORED_DTYPE:
-        raise ExitHeadError(f"unknown exit design {design!r} (known: {', '.join(STORED_DTYPE)})")
+    designs = design if isinstance(design, dict) else {L: design for L in layers}
+    for d in set(designs.values()):
+        if d not in STORED_DTYPE:
+            raise ExitHeadError(f"unknown exit design {d!r} (known: {', '.join(STORED_DTYPE)})")
     vocab_ids = vocab_ids or {}
 
     def make(L: int) -> SharedOutput:
-        if design == "block":
+        if designs[L] == "block":
             from ..exit_block import ExitBlock
 
             return ExitBlock(model, vocab_ids.get(L), init=init)
@@ -41,21 +44,22 @@ def new_heads(model: nn.Module, layers: list[int], vocab_ids: dict[int, torch.Te
 
 
 def save_heads(folder: str | Path, heads: dict[int, SharedOutput], manifest: Manifest) -> Path:
-    """Write ``heads.safetensors`` (float32 adapters, float16 blocks) and ``manifest.json`` into ``folder``."""
+    """Write ``heads.safetensors`` (float32 adapters, float16 blocks) and ``manifest.json`` into
+    ``folder``. A set may mix designs (e.g. a block at a shallow exit, a linear head at a deep one):
+    the manifest's ``design.kind`` is then ``"mixed"`` and ``design.kinds`` names each layer's."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    kinds = {h.kind for h in heads.values()}
-    if len(kinds) != 1:
-        raise ExitHeadError(f"one design per set of exits, got {sorted(kinds)}")
-    kind = kinds.pop()
+    kinds = {L: h.kind for L, h in sorted(heads.items())}
     tensors = {}
     for L, head in sorted(heads.items()):
         for k, v in head.state_dict().items():
             if v is not None:
-                tensors[f"{L}.{k}"] = v.detach().to("cpu", STORED_DTYPE[kind] if v.is_floating_point() else v.dtype
+                tensors[f"{L}.{k}"] = v.detach().to("cpu", STORED_DTYPE[kinds[L]] if v.is_floating_point() else v.dtype
                                                    ).contiguous()
     manifest.layers = sorted(heads)
-    manifest.design = {**manifest.design, "kind": kind,
+    manifest.design = {**{k: v for k, v in manifest.design.items() if k != "kinds"},
+                       "kind": kinds[manifest.layers[0]] if len(set(kinds.values())) == 1 else "mixed",
+                       **({"kinds": {str(L): k for L, k in kinds.items()}} if len(set(kinds.values())) > 1 else {}),
                        "vocab": {str(L): (int(h.vocab_ids.numel()) if h.restricted else None)
                                  for L, h in sorted(heads.items())}}
     tmp = folder / (WEIGHTS_FILE + ".tmp")
@@ -84,7 +88,7 @@ def load_heads(folder: str | Path, model: nn.Module, check_identity: bool = True
     except Exception as e:  # safetensors raises its own error types
         raise ExitHeadError(f"cannot read {wfile}: {e}") from None
     vocab = {L: tensors.get(f"{L}.vocab_ids") for L in manifest.layers}
-    heads = new_heads(model, manifest.layers, vocab, design=manifest.design["kind"])
+    heads = new_heads(model, manifest.layers, vocab, design={L: manifest.kind_of(L) for L in manifest.layers})
     for L, head in heads.items():
         state = {k: tensors.get(f"{L}.{k}") for k in head.state_dict()}
         missing = [k for k, v in state.items() if v is None and k != "vocab_ids"]

@@ -25,7 +25,7 @@ class Manifest:
 
     base_model: dict[str, Any]  # model_identity()
     layers: list[int]
-    design: dict[str, Any]  # {"kind": "linear", "vocab": {layer: K or None}}
+    design: dict[str, Any]  # {"kind": "linear" | "block" | "mixed", "kinds": {layer: kind} (mixed), "vocab": {layer: K or None}}
     data: dict[str, Any] = dataclasses.field(default_factory=dict)
     training: dict[str, Any] = dataclasses.field(default_factory=dict)  # command, steps, seed, seconds
     agreement: dict[str, Any] = dataclasses.field(default_factory=dict)  # per layer: before/after top-1/top-5
@@ -50,10 +50,16 @@ class Manifest:
             m = cls(**{k: v for k, v in raw.items() if k in known})
         except TypeError as e:
             raise ExitHeadError(f"{where} is incomplete: {e}") from None
-        if m.design.get("kind") not in DESIGNS:
-            raise ExitHeadError(f"{where}: unknown head design {m.design.get('kind')!r} (known: {', '.join(DESIGNS)})")
         m.layers = [int(x) for x in m.layers]
+        for L in m.layers:
+            if m.kind_of(L) not in DESIGNS:
+                raise ExitHeadError(f"{where}: unknown head design {m.kind_of(L)!r} at layer {L} "
+                                    f"(known: {', '.join(DESIGNS)})")
         return m
+
+    def kind_of(self, layer: int) -> str:
+        """The design of the exit at ``layer`` (a mixed set names each layer's in ``design.kinds``)."""
+        return (self.design.get("kinds") or {}).get(str(layer), self.design.get("kind"))
 
     def vocab_size_of(self, layer: int) -> int | None:
         v = (self.design.get("vocab") or {}).get(str(layer))
