@@ -102,9 +102,9 @@ class Generator:
         """Exit through these heads (None: through the model's own final norm and head)."""
         self.exits = exits
         self.model.exits = dict(exits.heads) if exits is not None else {}
-        for head in self.model.exits.values():  # build restricted heads' output rows at load, not in
-            if getattr(head, "restricted", False):  # the first draft (a quantized head: ~1 s to dequantize)
-                head.sub_weight()
+        for head in self.model.exits.values():  # output rows and decode kernels now, not in the first draft
+            if hasattr(head, "prepare"):
+                head.prepare()
 
     def spec_for(self, strategy: str) -> SpecConfig | None:
         """The exit heads' recommended settings for ``strategy`` (None: no recommendation)."""

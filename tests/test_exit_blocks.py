@@ -291,6 +291,30 @@ def test_block_exits_save_and_load(tiny_model_dir, tmp_path):
         assert torch.allclose(a.float(), b.float(), atol=1e-3), k  # stored in float16
 
 
+def test_a_quantized_model_drafts_on_int4_exits(tiny_model_dir):
+    """On the quantized CPU kernels a block decodes with an int4 copy of its layer and a restricted
+    exit with int4 output rows (the stored weights unchanged); the output still equals ``ar``'s."""
+    from hispec.model.exits import ExitSet
+    from hispec.model.quant import QuantLinear
+
+    gen = Generator.from_pretrained(str(tiny_model_dir("llama")), exits=False, quantize="int4", progress=False)
+    model = gen.model
+    model.lm_head = QuantLinear.from_float(model.lm_head.weight.detach(), "int4")  # as a native GGUF head
+    exits = block_exits(model, [2], "copy", vocab=48, noise=0.05)
+    stored = {k: v.clone() for k, v in exits[2].state_dict().items() if v is not None}
+    gen.use_exits(ExitSet(exits))
+    e = exits[2]
+    assert e.decode_layer is not e.layer and isinstance(e.decode_layer.qkv_proj, QuantLinear)
+    assert isinstance(e.decode_rows(), QuantLinear)
+    assert all(torch.equal(v, e.state_dict()[k]) for k, v in stored.items())  # what is saved is unchanged
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    for prompt in PROMPTS[:2]:
+        ar = gen.generate(prompt, params, "ar").token_ids
+        for spec in (SpecConfig(draft_layer=2, verify_layer=4, num_draft=3, window=3),):
+            assert gen.generate(prompt, params, "hispec", spec=spec).token_ids == ar
+        assert gen.generate(prompt, params, "selfspec", spec=SpecConfig(draft_layer=2, verify_layer=6, num_draft=3)).token_ids == ar
+
+
 def test_a_set_may_mix_designs(tiny_model_dir, tmp_path):
     """A block at a shallow exit beside a linear head at a deep one: saved, loaded and run together."""
     from hispec.model.exits import Manifest, load_heads, model_identity, new_heads, save_heads

@@ -21,6 +21,8 @@ Training runs the same weights on dense ``[B, T, H]`` batches (``forward_dense``
 """
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -28,7 +30,7 @@ from torch import nn
 from ..cache.kv_cache import AttentionBatch, KVPool
 from .exits.head import SharedOutput
 from .decoder import DecoderLayer, RMSNorm
-from .quant import float_state_dict
+from .quant import ACT_DTYPE, float_state_dict, quantize_linears
 
 INITS = ("copy", "zero")
 
@@ -54,15 +56,34 @@ class ExitBlock(SharedOutput):
                 if lin.bias is not None:
                     nn.init.zeros_(lin.bias)
         self.kv_layer: int | None = None  # its index in the KV pool, set by the model (``attach_exits``)
+        self._decode: tuple[DecoderLayer] | None = None  # the layer decoding runs (see prepare), unregistered
+
+    def prepare(self) -> None:
+        """Ready for decoding. On a model whose decoder runs on the quantized CPU kernels, the
+        block decodes with an int4 copy of its layer too (group 32, bfloat16 activations): a
+        draft's cost is what speculation pays for, and its values only steer drafting
+        (verification keeps the output exact). The stored float weights are unchanged."""
+        super().prepare()
+        base = self.base
+        if (self._decode is None and getattr(base, "weight_format", "none") != "none"
+                and self.layer.qkv_proj.weight.device.type == "cpu"):
+            fast = copy.deepcopy(self.layer)
+            if quantize_linears(fast, "int4"):
+                fast.act_dtype = ACT_DTYPE
+                self._decode = (fast,)
+
+    @property
+    def decode_layer(self) -> DecoderLayer:
+        return self._decode[0] if self._decode is not None else self.layer
 
     # ---- inference: over the paged pool --------------------------------------------------------
     def write_kv(self, h: torch.Tensor, batch: AttentionBatch, pool: KVPool, rope) -> None:
         """Write B's K/V for the exit states ``h [T, H]`` of ``batch``'s new positions."""
-        self.layer.write_kv(self.norm(h), self.kv_layer, rope, batch, pool)
+        self.decode_layer.write_kv(self.norm(h), self.kv_layer, rope, batch, pool)
 
     def forward_paged(self, h: torch.Tensor, batch: AttentionBatch, pool: KVPool, rope) -> torch.Tensor:
         """Logits ``[T, V]`` at ``batch``'s new positions (their K/V written, the earlier ones read)."""
-        return self.logits(self.layer(self.norm(h), self.kv_layer, rope, batch, pool))
+        return self.logits(self.decode_layer(self.norm(h), self.kv_layer, rope, batch, pool))
 
     # ---- training: dense batches -----------------------------------------------------------------
     def forward_dense(self, h: torch.Tensor, rope) -> torch.Tensor:

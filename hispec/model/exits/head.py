@@ -84,6 +84,30 @@ class SharedOutput(nn.Module):
             self._sub_weight, self._sub_of = shared[key], id(head)
         return self._sub_weight
 
+    def prepare(self) -> None:
+        """Ready for decoding: a restricted exit builds its output rows now, not in the first draft
+        (a quantized head takes ~1 s to dequantize), and, where the model's own head runs on the
+        quantized CPU kernels, an int4 copy of those rows (``decode_rows``)."""
+        if self.restricted:
+            self.sub_weight()
+            self.decode_rows()
+
+    def decode_rows(self) -> nn.Module | None:
+        """The subset rows as an int4 ``QuantLinear`` (group 32) when the model's output head is
+        quantized and on the CPU, else None. A draft exit's logits only steer drafting (what is
+        kept is what the full model verifies), and this reads a quarter of the float32 rows."""
+        from ..quant import QuantLinear, quantizable
+
+        if not isinstance(self.base.lm_head, QuantLinear):
+            return None
+        w = self.sub_weight()
+        key = ("int4", id(w))
+        shared = _SUBSET_ROWS.setdefault(self.base, {})
+        if key not in shared:
+            probe = nn.Linear(w.shape[1], w.shape[0], bias=False, device="meta")
+            shared[key] = QuantLinear.from_float(w, "int4") if w.device.type == "cpu" and quantizable(probe) else None
+        return shared[key]
+
     def train_logits(self, z: torch.Tensor) -> torch.Tensor:
         """Differentiable logits of the state ``z [..., H]``: over the subset ``[..., K]`` for
         restricted exits (cheaper), else the full vocabulary ``[..., V]``."""
@@ -97,7 +121,8 @@ class SharedOutput(nn.Module):
         y = self.output_input(z)
         if self.vocab_ids is None:
             return self.base.lm_head(y)
-        sub = linear(y, self.sub_weight())  # [T, K]
+        rows = self.decode_rows() if not y.requires_grad else None
+        sub = rows(y) if rows is not None else linear(y, self.sub_weight())  # [T, K]
         out = sub.new_full((z.shape[0], self.vocab_size), float("-inf"))
         return out.index_copy_(1, self.vocab_ids, sub)
 
