@@ -200,3 +200,44 @@ def test_layer_plan_follows_replaced_projections(tiny_model_dir):
     assert layer.layer_plan()[2] == [fused.MM_FLOAT] * 4
     layer.o_proj = QuantLinear.from_float(layer.o_proj.weight, "int4")
     assert layer.layer_plan() is None  # int4 wants bfloat16 activations, this layer runs float32 ones
+
+
+def test_prefill_on_dense_weights_is_independent_of_chunking(tiny_model_dir):
+    """Prompt tokens run on the dense bfloat16 prefill weights (``QuantLinear.dense``), and a
+    prompt's hidden states and K/V are the same bits whether it is prefilled whole or in chunks
+    (what keeps batches, whose chunked prefill splits prompts differently, identical to batch 1)."""
+    from hispec.decode.base import LayerRunner
+    from hispec.generate import Generator
+
+    gen = Generator.from_pretrained(str(tiny_model_dir("llama")), exits=False, quantize="int4", progress=False)
+    model = gen.model
+    for layer in model.layers:
+        for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+            m = getattr(layer, name)
+            m.dense = m.dequantize().to(torch.bfloat16)
+            setattr(layer, name, m)  # a projection set again: its layer plans anew
+    cfg, n = model.cfg, model.num_layers
+    prompt = torch.tensor([(7 * i) % cfg.vocab_size for i in range(40)])
+
+    def prefill(chunks: list[int], dense: bool = True):
+        blocks = BlockManager(64, 4, n)
+        pool = KVPool(n, 64, 4, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu")
+        runner = LayerRunner(model, blocks, pool)
+        blocks.add_sequence(0)
+        out, start = [], 0
+        with torch.no_grad():
+            for c in chunks:
+                out += runner.forward_many([(0, start, prompt[start:start + c])], 0, n, prefill=dense)
+                start += c
+        return torch.cat(out), pool, blocks
+
+    whole, pool, blocks = prefill([40])
+    slots = torch.tensor([blocks.block_table(0)[p // 4] * 4 + p % 4 for p in range(40)])
+    for chunks in ([7] * 5 + [5], [1] * 3 + [37], [3, 30, 7]):
+        parts, pool2, blocks2 = prefill(chunks)
+        slots2 = torch.tensor([blocks2.block_table(0)[p // 4] * 4 + p % 4 for p in range(40)])
+        assert torch.equal(parts, whole)
+        for i in range(n):
+            assert torch.equal(pool.k[i][slots], pool2.k[i][slots2]) and torch.equal(pool.v[i][slots], pool2.v[i][slots2])
+    int4_prefill, _, _ = prefill([40], dense=False)
+    assert not torch.equal(int4_prefill, whole)  # the prompt really ran on the dense weights

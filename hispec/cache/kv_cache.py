@@ -86,9 +86,10 @@ class AttentionBatch:
     sequences are concatenated into flat tensors (no padding).
     """
 
-    def __init__(self, chunks: list[SeqChunk], blocks: BlockManager, device) -> None:
+    def __init__(self, chunks: list[SeqChunk], blocks: BlockManager, device, prefill: bool = False) -> None:
         self.chunks = chunks
         self.device = device
+        self.prefill = prefill  # prompt tokens: layers may take their prefill weights (QuantLinear.dense)
         bs = blocks.block_size
         self.offsets = [0]
         for c in chunks:

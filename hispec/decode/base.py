@@ -43,13 +43,14 @@ class LayerRunner:
         return self.forward_many([(seq_id, start_pos, x)], start_layer, end_layer)[0]
 
     def forward_many(self, items: list[tuple[int, int, torch.Tensor]], start_layer: int, end_layer: int,
-                     capture: dict[int, torch.Tensor | None] | None = None) -> list[torch.Tensor]:
+                     capture: dict[int, torch.Tensor | None] | None = None, prefill: bool = False) -> list[torch.Tensor]:
         """``forward`` for a ragged batch of ``(seq_id, start_pos, x)``: one pass, no padding;
         returns each sequence's hidden states ``[T_i, H]``.
 
         ``capture``: a hook for layer outputs; for each key ``L`` in ``(start_layer, end_layer)``
         it receives the flat hidden states ``[sum T_i, H]`` entering layer ``L`` (the exit after
-        ``L`` layers), e.g. to collect distillation data from the same pass that decodes."""
+        ``L`` layers), e.g. to collect distillation data from the same pass that decodes.
+        ``prefill``: the tokens are prompt tokens (the layers may run them on their prefill weights)."""
         chunks = []
         for seq_id, start_pos, x in items:
             for layer in (start_layer, end_layer - 1):
@@ -61,7 +62,7 @@ class LayerRunner:
             else:
                 self.blocks.ensure_capacity(seq_id, start_pos + x.shape[0])
             chunks.append(SeqChunk(seq_id, start_pos, x.shape[0]))
-        batch = AttentionBatch(chunks, self.blocks, self.model.device)
+        batch = AttentionBatch(chunks, self.blocks, self.model.device, prefill=prefill)
         x = torch.cat([x for _, _, x in items]) if len(items) > 1 else items[0][2]
         h = self.model.embed(x, batch.positions) if start_layer == 0 else x
         kv_exits = {L: e for L, e in self.model.kv_exits().items() if start_layer < L <= end_layer}

@@ -317,7 +317,7 @@ class Engine:
                 s.scheduled_time = s.scheduled_time or started  # first scheduled (vLLM's end of queue time)
             items = [(s.seq_id, a, s.ctx.token_tensor(s.ctx.tokens[a:b])) for s, a, b in parts]
             with phase_timer([s.ctx.stats for s, _, _ in parts], "prefill", self.model.device):
-                hidden = self.runner.forward_many(items, 0, self.model.num_layers)  # each [b - a, H]
+                hidden = self.runner.forward_many(items, 0, self.model.num_layers, prefill=True)  # each [b - a, H]
             for (s, a, b), h in zip(parts, hidden):
                 s.num_cached = b
                 self._chunk_logprobs(s, a, b, h)

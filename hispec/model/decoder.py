@@ -160,28 +160,29 @@ class DecoderLayer(nn.Module):
         # them bfloat16 directly and their outputs stay bfloat16 into the next kernel
         self.act_dtype: torch.dtype | None = None
         self._fusable: bool | None = None  # decided on first use (see _fused)
-        self._plan: tuple | None = None  # layer_plan's answer, cached; False: cannot
+        self._plan: dict[bool, tuple | bool] = {}  # layer_plan's answers (decode, prefill), cached; False: cannot
 
     _PLANNED = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "input_norm", "post_norm", "act_dtype")
 
     def __setattr__(self, name: str, value) -> None:
         if name in DecoderLayer._PLANNED:  # a replaced projection (quantization) or activation dtype
-            self.__dict__["_plan"] = None
+            self.__dict__["_plan"] = {}
         super().__setattr__(name, value)
 
     def _apply(self, fn, *args, **kwargs):  # .to() / .float() may replace buffers the plan holds
-        self.__dict__["_plan"] = None
+        self.__dict__["_plan"] = {}
         return super()._apply(fn, *args, **kwargs)
 
-    def layer_plan(self) -> tuple | None:
+    def layer_plan(self, prefill: bool = False) -> tuple | None:
         """What ``fused.decode_layers`` needs of this layer, ``(norms, weights, kinds, groups)``,
         or None when the layer cannot run there (not fusable; a bias; a matmul other than float32
-        ``Linear`` on float32 activations or int4/int8 ``QuantLinear`` on bfloat16 ones)."""
-        if self._plan is None:
-            self.__dict__["_plan"] = self._make_plan() or False
-        return self._plan or None
+        ``Linear`` on float32 activations or int4/int8 ``QuantLinear`` on bfloat16 ones).
+        ``prefill``: for prompt tokens (QuantLinear's dense prefill weights where it has them)."""
+        if prefill not in self._plan:
+            self._plan[prefill] = self._make_plan(prefill) or False
+        return self._plan[prefill] or None
 
-    def _make_plan(self) -> tuple | None:
+    def _make_plan(self, prefill: bool) -> tuple | None:
         if not (self._fusable or (self._fusable is None and self._fused_kind())) or fused.layers_op() is None:
             return None
         norms = [self.input_norm.weight, self.post_norm.weight]
@@ -189,7 +190,11 @@ class DecoderLayer(nn.Module):
             return None
         weights, kinds, groups = [], [], []
         for m in (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj):
-            if type(m) is QuantLinear and m.bias is None and m.kernel in ("int4", "int8") and self.act_dtype == ACT_DTYPE:
+            if type(m) is QuantLinear and m.bias is None and self.act_dtype == ACT_DTYPE and prefill and m.dense is not None:
+                weights += [m.dense, m.dense]  # the second is a placeholder
+                kinds.append(fused.MM_DENSE)
+                groups.append(0)
+            elif type(m) is QuantLinear and m.bias is None and m.kernel in ("int4", "int8") and self.act_dtype == ACT_DTYPE:
                 weights += [m.qweight, m.qparams]
                 kinds.append(fused.MM_INT4 if m.kernel == "int4" else fused.MM_INT8)
                 groups.append(m.group if m.kernel == "int4" else 0)
@@ -229,18 +234,20 @@ class DecoderLayer(nn.Module):
     def _forward_fused(self, h: torch.Tensor, layer: int, rope, batch: AttentionBatch, pool: KVPool) -> torch.Tensor:
         # h: [T, H] float32; the matmul inputs are act_dtype (bfloat16 on the quantized kernels)
         dt = self.act_dtype or h.dtype
-        qkv_mm, o_mm, gate_up_mm, down_mm = self._matmuls()
+        qkv_mm, o_mm, gate_up_mm, down_mm = self._matmuls(batch.prefill)
         x = fused.rms_norm(h, self.input_norm.weight, self.input_norm.eps, dt)
         q = self._rope_write(qkv_mm(x), layer, rope, batch, pool)  # [T, Hq, D] float32
         out = self._attend_fused(q, layer, batch, pool, dt)  # [T, Hq * D]
         h, x = fused.add_rms_norm(h, o_mm(out), self.post_norm.weight, self.post_norm.eps, dt)
         return h + down_mm(fused.silu_mul(gate_up_mm(x), dt))
 
-    def _matmuls(self) -> tuple:
+    def _matmuls(self, prefill: bool = False) -> tuple:
         """The four projections as callables: a bias-free QuantLinear's kernel call directly (its
-        input is already the 2-D bfloat16 it wants, so ``forward``'s reshaping and casts are no-ops),
-        else the module. Looked up on each call (cheap), so replaced modules are always seen."""
-        return tuple(m._mm if type(m) is QuantLinear and m.bias is None and self.act_dtype == ACT_DTYPE else m
+        input is already the 2-D bfloat16 it wants, so ``forward``'s reshaping and casts are no-ops;
+        for prompt tokens its dense prefill weights where it has them), else the module. Looked up
+        on each call (cheap), so replaced modules are always seen."""
+        return tuple((m.prefill_mm if prefill else m._mm)
+                     if type(m) is QuantLinear and m.bias is None and self.act_dtype == ACT_DTYPE else m
                      for m in (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj))
 
     def _rope_write(self, qkv: torch.Tensor, layer: int, rope, batch: AttentionBatch, pool: KVPool,
@@ -411,7 +418,7 @@ class DecoderModel(nn.Module):
             return None
         if any(c.num_tokens >= SDPA_MIN_QUERIES for c in batch.chunks):
             return None
-        plans = [self.layers[i].layer_plan() for i in range(start, end)]
+        plans = [self.layers[i].layer_plan(batch.prefill) for i in range(start, end)]
         if any(p is None for p in plans):
             return None
         acts = {self.layers[i].act_dtype for i in range(start, end)}

@@ -107,7 +107,7 @@ def available() -> bool:
 
 # ---- a range of layers in one call (fused_layers.cpp) ------------------------------------------
 LAYERS_SOURCE = Path(__file__).with_name("fused_layers.cpp")
-MM_FLOAT, MM_INT4, MM_INT8 = 0, 1, 2  # as in fused_layers.cpp
+MM_FLOAT, MM_INT4, MM_INT8, MM_DENSE = 0, 1, 2, 3  # as in fused_layers.cpp
 _KERNEL_ORDER = ("hs_rms_norm", "hs_add_rms_norm", "hs_silu_mul", "hs_rope_write", "hs_paged_attention")
 
 

@@ -68,6 +68,8 @@ def describe(model) -> str:
             key = f"{str(m.weight.dtype)[6:]} dense"
             kinds[key] = kinds.get(key, 0) + 1
     layers = ", ".join(f"{n} x {k}" for k, n in kinds.items())
+    if any(getattr(m, "dense", None) is not None for m in model.layers.modules() if isinstance(m, QuantLinear)):
+        layers += " (prompt prefill on dense bfloat16 copies of the same weights)"
     head = model.lm_head
     head_kind = head.describe() if isinstance(head, QuantLinear) else f"{str(head.weight.dtype)[6:]} dense"
     from . import fused

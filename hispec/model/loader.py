@@ -7,6 +7,7 @@ and even then they are read with ``torch.load(weights_only=True)``.
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -186,6 +187,9 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
 
 
 QUANTIZE = ("auto", "none", "native", "int4", "int8")
+# native GGUF weights also keep a dense bfloat16 copy for prompt prefill (QuantLinear.dense: +2 bytes
+# per decoder weight; HISPEC_PREFILL_DENSE=0 prefills on the int4 kernel instead)
+PREFILL_DENSE = os.environ.get("HISPEC_PREFILL_DENSE", "1") != "0"
 
 
 def apply_quantization(model: DecoderModel, quantize: str, gguf: str | Path | None = None) -> str:
@@ -213,6 +217,10 @@ def apply_quantization(model: DecoderModel, quantize: str, gguf: str | Path | No
             raise ConfigError(f"{Path(gguf).name} has no Q4_0/Q4_1 decoder tensors to run natively")
         for name, layer in linears.items():
             parent, child = name.rsplit(".", 1)
+            old = getattr(model.get_submodule(parent), child)  # the file's values, dequantized to float32
+            if PREFILL_DENSE and getattr(old, "weight", None) is not None and old.weight.shape == (layer.out_features,
+                                                                                                    layer.in_features):
+                layer.dense = old.weight.detach().to(torch.bfloat16).contiguous()
             setattr(model.get_submodule(parent), child, layer)
         from .gguf_weights import native_head
 

@@ -68,6 +68,11 @@ class QuantLinear(nn.Module):
         self.register_buffer("qparams", qparams)  # int4: [K/group, N, 2] bf16; int8: [N] bf16; int4x2: 2 x int4
         self.register_buffer("bias", bias)
         self._exact = exact or {}  # GGUF blocks: {"d", "m": [N, K / group] float16} with w = d * q + m
+        # prefill weights: the same values as one dense bfloat16 matrix [N, K] (set by the loader for
+        # GGUF files, see loader.apply_quantization), or None. Prompt chunks are compute-bound, and this
+        # CPU kernel for int4 is built for decode-sized inputs: at 512 rows the dense bfloat16 product is
+        # ~2.4x faster. Not a buffer: not saved, not moved.
+        self.dense: torch.Tensor | None = None
 
     # ---- construction ----------------------------------------------------------------------
     @classmethod
@@ -133,6 +138,12 @@ class QuantLinear(nn.Module):
         if self.bias is not None:
             out = out + self.bias.to(x.dtype)
         return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
+
+    def prefill_mm(self, rows: torch.Tensor) -> torch.Tensor:
+        """``rows [T, K]`` bfloat16 times the dense prefill weights (``_mm`` without them)."""
+        if self.dense is None:
+            return self._mm(rows)
+        return torch.nn.functional.linear(rows, self.dense)
 
     def _mm(self, rows: torch.Tensor) -> torch.Tensor:
         if self.kernel == "int4":
