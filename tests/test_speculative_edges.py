@@ -73,10 +73,10 @@ def max_position(monkeypatch):
     if hasattr(LayerRunner, "forward_many"):  # the batched runner: every pass goes through it
         real_many = LayerRunner.forward_many
 
-        def forward_many(self, items, start_layer, end_layer):
+        def forward_many(self, items, start_layer, end_layer, **kwargs):
             for _, start_pos, x in items:
                 seen["max"] = max(seen["max"], start_pos + x.shape[0] - 1)
-            return real_many(self, items, start_layer, end_layer)
+            return real_many(self, items, start_layer, end_layer, **kwargs)
 
         monkeypatch.setattr(LayerRunner, "forward_many", forward_many)
     else:
