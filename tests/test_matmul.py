@@ -1,8 +1,11 @@
 """hispec.model.matmul.linear: the CPU fast paths compute F.linear (up to float rounding)."""
+import copy
+
 import pytest
 import torch
 from torch.nn import functional as F
 
+from hispec.model import matmul
 from hispec.model.matmul import SMALL_ROWS, Linear, linear
 
 
@@ -39,3 +42,31 @@ def test_other_dtypes_fall_back():
     w = torch.randn(8, 4, dtype=torch.float64)
     x = torch.randn(3, 4, dtype=torch.float64)
     assert torch.equal(linear(x, w), F.linear(x, w))
+
+
+@pytest.mark.skipif(not matmul.PREPACK, reason="no oneDNN weight reordering in this torch")
+@pytest.mark.parametrize("rows", [SMALL_ROWS + 1, 16, 33, 300])
+def test_prepacked_linear_matches_and_follows_its_weight(rows):
+    m = Linear(40, 96)
+    x = torch.randn(rows, 40)
+    with torch.inference_mode():
+        torch.testing.assert_close(m(x), F.linear(x, m.weight, m.bias), rtol=1e-5, atol=1e-5)
+        assert m in matmul._packs  # the blocked copy was made ...
+        assert set(m.state_dict()) == {"weight", "bias"}  # ... outside the module's state
+        m.weight.mul_(2)  # changed in place: the copy is remade
+        torch.testing.assert_close(m(x), F.linear(x, m.weight, m.bias), rtol=1e-5, atol=1e-5)
+    m.weight = torch.nn.Parameter(torch.randn(96, 40))  # replaced
+    twin = copy.deepcopy(m)
+    with torch.inference_mode():
+        torch.testing.assert_close(m(x), F.linear(x, m.weight, m.bias), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(twin(x), m(x))
+
+
+@pytest.mark.skipif(not matmul.PREPACK, reason="no oneDNN weight reordering in this torch")
+def test_prepacking_respects_its_memory_budget(monkeypatch):
+    monkeypatch.setattr(matmul, "PREPACK_FRACTION", 0.0)
+    m = Linear(40, 96)
+    with torch.inference_mode():
+        x = torch.randn(20, 40)
+        torch.testing.assert_close(m(x), F.linear(x, m.weight, m.bias), rtol=1e-5, atol=1e-5)
+    assert m not in matmul._packs
