@@ -133,7 +133,8 @@ class TeacherPass:
         model, cfg = self.model, self.cfg
         lengths = [len(ids) for ids in seqs]
         tokens = torch.cat([torch.tensor(ids, dtype=torch.long) for ids in seqs])  # [N]
-        capture, final = packed_forward(model, tokens.to(model.device), lengths, cfg.layers)  # final: [N, H]
+        attn = torch.bfloat16 if self.head is not None else None  # the bfloat16 teacher attends in bfloat16 too
+        capture, final = packed_forward(model, tokens.to(model.device), lengths, cfg.layers, attn)  # final: [N, H]
         ids, logp = [], []
         for a in range(0, final.shape[0], cfg.logits_chunk):
             h = final[a:a + cfg.logits_chunk]
@@ -150,13 +151,16 @@ class TeacherPass:
         return out
 
 
-def packed_forward(model, tokens: torch.Tensor, lengths: list[int], layers: tuple[int, ...]
-                   ) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
+def packed_forward(model, tokens: torch.Tensor, lengths: list[int], layers: tuple[int, ...],
+                   attn_dtype: torch.dtype | None = None) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
     """Prefill of sequences packed end to end (``tokens [N]``, ``lengths`` summing to ``N``), each
     from position 0: the states entering each layer in ``layers`` and after the last layer,
     ``[N, H]``. The decoder layer's own norms, projections and MLP (as ``DecoderLayer.forward``),
     with no KV cache: each sequence's causal attention is one fused 4-D SDPA call (the paged
-    path's 3-D call runs the unfused kernel on CPU, ~2x slower at 450 positions)."""
+    path's 3-D call runs the unfused kernel on CPU, ~2x slower at 450 positions).
+    ``attn_dtype``: the dtype attention runs in (default: the residual's, as the KV pool holds it;
+    the bfloat16 teacher passes bfloat16: CPU SDPA is ~3x faster there, 0.73 vs 2.1 ms for 400
+    causal positions of the default model's 9 heads)."""
     positions = torch.cat([torch.arange(n) for n in lengths]).to(tokens.device)  # [N]
     h = model.embed(tokens, positions)  # [N, H]
     rope = model._rope(positions)
@@ -167,12 +171,12 @@ def packed_forward(model, tokens: torch.Tensor, lengths: list[int], layers: tupl
         if i in layers:
             capture[i] = h
         q, k, v = layer.qkv(layer.input_norm(h, layer.act_dtype), rope)  # [N, Hq | Hkv, D]
-        q, k, v = (t.to(h.dtype) for t in (q, k, v))  # attention in the residual's dtype, as the KV pool holds it
+        q, k, v = (t.to(attn_dtype or h.dtype) for t in (q, k, v))
         att = torch.cat([F.scaled_dot_product_attention(
             q[a:b].transpose(0, 1)[None], k[a:b].transpose(0, 1)[None], v[a:b].transpose(0, 1)[None],
             is_causal=True, enable_gqa=gqa)[0].transpose(0, 1) for a, b in zip(bounds, bounds[1:])])  # [N, Hq, D]
         att = att.reshape(h.shape[0], layer.q_size)
-        h = h + layer.o_proj(att if layer.act_dtype is None else att.to(layer.act_dtype))
+        h = h + layer.o_proj(att.to(layer.act_dtype or h.dtype))
         h = h + layer._mlp(layer.post_norm(h, layer.act_dtype))
     return capture, h
 
@@ -186,7 +190,7 @@ class ExactTopK:
     when the model's head is a quantized kernel), and the log-normaliser is
     ``log(sum_exact(candidates) + sum_bf16(rest))``."""
 
-    def __init__(self, model, margin: int = 8, rows: int = 128) -> None:
+    def __init__(self, model, margin: int = 8, rows: int = 16) -> None:
         from ..model.quant import QuantLinear
 
         head = model.lm_head
@@ -200,17 +204,39 @@ class ExactTopK:
         x = model.norm(h)
         if model.project_out is not None:
             x = model.project_out(x)
-        rough = model.lm_head(x.to(torch.bfloat16)).float()  # [n, V]
-        cand = rough.topk(min(k + self.margin, rough.shape[1]), dim=-1).indices  # [n, C]
+        rough = model.lm_head(x.to(torch.bfloat16))  # [n, V] bfloat16: one compute-bound product
         xin = x.to(torch.bfloat16).float() if self.quantized else x.float()
-        exact = torch.cat([torch.einsum("nh,nch->nc", xin[a:a + self.rows], self.weight[cand[a:a + self.rows]])
-                           for a in range(0, xin.shape[0], self.rows)])  # [n, C]: gathered rows, cache-sized
-        if self.bias is not None:
-            exact = exact + self.bias[cand]
-        rough.scatter_(1, cand, float("-inf"))  # the rest, bfloat16-rounded
-        lse = torch.logaddexp(torch.logsumexp(exact, -1), torch.logsumexp(rough, -1))  # [n]
-        top = exact.topk(k, dim=-1)
-        return top.values - lse[:, None], cand.gather(1, top.indices)
+        c = min(k + self.margin, rough.shape[1])
+        logp, ids = [], []
+        for a in range(0, xin.shape[0], self.rows):  # rows [r, V] in float32 that stay in the cache
+            r = rough[a:a + self.rows].float()
+            cand = top_columns(r, c)  # [r, C]
+            exact = torch.einsum("nh,nch->nc", xin[a:a + self.rows], self.weight[cand])  # [r, C]
+            if self.bias is not None:
+                exact = exact + self.bias[cand]
+            r.scatter_(1, cand, float("-inf"))  # the rest, bfloat16-rounded
+            m = r.amax(-1, keepdim=True)
+            rest = r.sub_(m).exp_().sum(-1).log_() + m[:, 0]  # logsumexp in place (3 passes, no copies)
+            lse = torch.logaddexp(torch.logsumexp(exact, -1), rest)  # [r]
+            top = exact.topk(k, dim=-1)
+            logp.append(top.values - lse[:, None])
+            ids.append(cand.gather(1, top.indices))
+        return torch.cat(logp), torch.cat(ids)
+
+
+def top_columns(x: torch.Tensor, k: int, group: int = 64) -> torch.Tensor:
+    """The columns of the ``k`` largest values of each row of ``x [n, V]`` -> ``[n, k]`` (unordered;
+    the same set as ``x.topk(k)``). Each of the ``k`` largest lies in one of the ``k`` column groups
+    with the largest maxima, so the full sort runs over ``k * group`` values instead of ``V``: on
+    the 49,152-token vocabulary ~7x faster than ``topk``."""
+    n, v = x.shape
+    if v <= k * group:
+        return x.topk(k, dim=-1, sorted=False).indices
+    pad = -v % group
+    xp = F.pad(x, (0, pad), value=float("-inf")) if pad else x
+    groups = xp.view(n, -1, group).amax(-1).topk(k, dim=-1, sorted=False).indices  # [n, k]
+    cols = (groups[..., None] * group + torch.arange(group, device=x.device)).view(n, -1)  # [n, k * group]
+    return cols.gather(1, xp.gather(1, cols).topk(k, dim=-1, sorted=False).indices)
 
 
 def encode_records(gen, records, max_tokens: int, max_prompt_tokens: int = 384
