@@ -155,12 +155,12 @@ def test_dense_block_equals_the_paged_block(tiny):
     assert torch.allclose(torch.cat(rows), dense, atol=1e-4)
 
 
-@pytest.mark.parametrize("init", ["copy", "zero"])
-def test_training_a_block_lowers_the_loss_and_raises_agreement(tiny, shards, init):
+@pytest.mark.parametrize("init,precision", [("copy", "float32"), ("zero", "float32"), ("zero", "bfloat16")])
+def test_training_a_block_lowers_the_loss_and_raises_agreement(tiny, shards, init, precision):
     folder, _ = shards
     data = S.load_sequences(folder, 2)
     block = ExitBlock(tiny, init=init)
-    cfg = S.TrainConfig(epochs=12, batch_tokens=256, lr=3e-3, warmup=5)
+    cfg = S.TrainConfig(epochs=12, batch_tokens=256, lr=3e-3, warmup=5, precision=precision)
     remap = None
 
     def measure():
@@ -183,11 +183,24 @@ def test_zero_init_block_starts_at_the_shared_head_exit(tiny):
     assert torch.allclose(block.logits(z), tiny.final_logits(h[0]), atol=1e-4)
 
 
-def test_checkpoint_resume_is_bit_identical(tiny, shards, tmp_path):
+def test_training_precision_follows_the_hardware(monkeypatch):
+    from hispec.model import kernels
+
+    cpu = torch.device("cpu")
+    for has, want in ((True, "bfloat16"), (False, "float32")):
+        monkeypatch.setattr(kernels, "cpu_has_bf16", lambda has=has: has)
+        assert S.resolve_precision("auto", cpu) == want
+    assert S.resolve_precision("float32", cpu) == "float32" and S.resolve_precision("bfloat16", cpu) == "bfloat16"
+    with pytest.raises(ValueError, match="precision"):
+        S.resolve_precision("fp8", cpu)
+
+
+@pytest.mark.parametrize("precision", ["float32", "bfloat16"])
+def test_checkpoint_resume_is_bit_identical(tiny, shards, tmp_path, precision):
     folder, _ = shards
     data = S.load_sequences(folder, 3)
     vocab = S.frequent_vocab(data, 64, tiny.cfg.vocab_size)
-    cfg = S.TrainConfig(epochs=2, batch_tokens=200, lr=2e-3, warmup=2, checkpoint_every=3)
+    cfg = S.TrainConfig(epochs=2, batch_tokens=200, lr=2e-3, warmup=2, checkpoint_every=3, precision=precision)
     straight = ExitBlock(tiny, vocab)
     S.train(straight, data, cfg)
     resumed = ExitBlock(tiny, vocab)

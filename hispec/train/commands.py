@@ -105,6 +105,10 @@ def register(sub) -> None:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--batch-tokens", type=int, default=4096, help="padded positions per step")
     p.add_argument("--ce-weight", type=float, default=0.2)
+    p.add_argument("--precision", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="training step precision: bfloat16 autocast (float32 weights and optimizer state) or "
+                        "float32; auto (default): bfloat16 where the hardware multiplies it (AVX512-BF16/AMX "
+                        "CPUs, CUDA), 2-3x faster there")
     p.add_argument("--max-positions", type=int, default=None, help="train on the first N training positions of --data (the held-out records stay "
                         "those of the whole folder, so runs on growing N compare on the same positions)")
     p.add_argument("--heldout-every", type=int, default=50, help="hold out every N-th record (default 50)")
@@ -276,7 +280,8 @@ def cmd_distill_exits(args) -> int:
         raise UsageError(f"{args.data} was collected with another model")
     work = Path(args.work) if args.work else Path(args.out) / "work"
     cfg = S.TrainConfig(epochs=args.epochs, batch_tokens=args.batch_tokens, lr=args.lr, ce_weight=args.ce_weight,
-                        seed=args.seed, eval_every=args.eval_every)
+                        seed=args.seed, eval_every=args.eval_every,
+                        precision=S.resolve_precision(args.precision, model.device))
     exits, agreement, training, positions = {}, {}, {}, {}
     for L in layers or []:
         train, held = S.load_sequences(Path(args.data), L).split(args.heldout_every)
