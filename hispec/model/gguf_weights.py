@@ -15,6 +15,8 @@ path (their float32 copy from the conversion).
 """
 from __future__ import annotations
 
+import functools
+
 from pathlib import Path
 
 import numpy as np
@@ -43,6 +45,22 @@ def _blocks(tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return torch.from_numpy(q), torch.from_numpy(np.ascontiguousarray(d)), torch.from_numpy(np.ascontiguousarray(m))
 
 
+def gguf_tensors(gguf_path: str | Path) -> list:
+    """The tensors of a GGUF file (``gguf.GGUFReader(...).tensors``: memory-mapped, nothing is
+    read yet), parsed once per process and file version: parsing a file's metadata (the default
+    model's 49k-token vocabulary) takes ~1.5 s, and loading a model asks three times."""
+    p = Path(gguf_path).resolve()
+    st = p.stat()
+    return _tensors(str(p), st.st_mtime_ns, st.st_size)
+
+
+@functools.lru_cache(maxsize=2)
+def _tensors(path: str, mtime_ns: int, size: int) -> list:
+    from gguf import GGUFReader
+
+    return GGUFReader(path).tensors
+
+
 def _unpermute_rows(t: torch.Tensor, n_head: int) -> torch.Tensor:
     """Undo llama.cpp's Q/K row order (see ``gguf_convert._reverse_permute``): rows only, so
     every block stays whole."""
@@ -54,10 +72,7 @@ def _unpermute_rows(t: torch.Tensor, n_head: int) -> torch.Tensor:
 def native_linears(gguf_path: str | Path, num_heads: int, num_kv_heads: int) -> tuple[dict[str, QuantLinear], str]:
     """QuantLinears for every decoder linear whose GGUF parts are all 4-bit, by module name
     (``layers.3.qkv_proj``), and the file's type of those tensors (e.g. ``Q4_1``)."""
-    from gguf import GGUFReader
-
-    reader = GGUFReader(str(gguf_path))
-    by_name = {t.name: t for t in reader.tensors}
+    by_name = {t.name: t for t in gguf_tensors(gguf_path)}
     layers = sorted({int(n.split(".")[1]) for n in by_name if n.startswith("blk.")})
     out, kinds = {}, set()
     for i in layers:
@@ -91,9 +106,7 @@ def _q8_blocks(tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def native_head(gguf_path: str | Path) -> QuantLinear | None:
     """The output head on the int4 kernel, when the file stores it (or the tied embedding) as
     Q4_0 / Q4_1 / Q8_0; None otherwise."""
-    from gguf import GGUFReader
-
-    by_name = {t.name: t for t in GGUFReader(str(gguf_path)).tensors}
+    by_name = {t.name: t for t in gguf_tensors(gguf_path)}
     t = by_name.get("output.weight") or by_name.get("token_embd.weight")
     kind = t.tensor_type.name if t is not None and t.data.shape[0] % 16 == 0 else None
     if kind in FOUR_BIT:

@@ -237,6 +237,6 @@ def apply_quantization(model: DecoderModel, quantize: str, gguf: str | Path | No
 
 
 def _has_four_bit(gguf: str | Path) -> bool:
-    from gguf import GGUFReader
+    from .gguf_weights import gguf_tensors
 
-    return any(t.tensor_type.name in ("Q4_0", "Q4_1") for t in GGUFReader(str(gguf)).tensors)
+    return any(t.tensor_type.name in ("Q4_0", "Q4_1") for t in gguf_tensors(gguf))
