@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from hispec.model import kernels
+from hispec.model import fused, kernels
 from hispec.model.gguf_weights import _blocks, _q8_blocks
 from hispec.model.quant import ACT_DTYPE, QuantLinear, quantize_linears
 
@@ -66,11 +66,40 @@ def test_four_bit_blocks_keep_the_files_values(kind):
 
 def test_q8_blocks_as_two_int4_halves():
     tensor, want = _gguf_blocks("Q8_0", n=48)
-    layer = QuantLinear.from_q8_blocks(*_q8_blocks(tensor))
+    layer = QuantLinear.from_q8_blocks(*_q8_blocks(tensor), kernel="int4x2")
     assert torch.equal(layer.source_weight(), torch.from_numpy(want))
     x = _x(4, 64)
     torch.testing.assert_close(layer(x), F.linear(x, torch.from_numpy(want)), rtol=2e-2, atol=2e-2)
     assert torch.equal(layer(x[1:2]), layer(x)[1:2])
+
+
+@pytest.mark.skipif(not fused.available(), reason="needs the fused CPU kernels (a C compiler)")
+def test_q8_kernel_multiplies_the_files_values_each_row_alone():
+    """The Q8_0 kernel: the file's exact values, float32 activations, and each output row computed
+    the same whatever the number of rows in the call (1..9 cover its 4-row groups and remainders)
+    or the number of threads: verification and batches stay bit-identical to one-token decoding."""
+    tensor, want = _gguf_blocks("Q8_0", n=80, k=96)
+    layer = QuantLinear.from_q8_blocks(*_q8_blocks(tensor))
+    assert layer.kernel == "q8" and layer.input_dtype == torch.float32
+    assert torch.equal(layer.source_weight(), torch.from_numpy(want)) and torch.equal(layer.dequantize(), layer.weight)
+    x = torch.randn(9, 96, generator=torch.Generator().manual_seed(3))
+    ref = F.linear(x.double(), torch.from_numpy(want).double()).float()
+    out = layer(x)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    for t in range(1, 10):
+        assert torch.equal(layer(x[:t]), out[:t]), t
+        assert torch.equal(layer(x[t - 1:t]), out[t - 1:t]), t
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        serial = layer(x)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(serial, out)
+    xb = x.bfloat16()
+    assert torch.equal(layer(xb), layer(xb.float()).bfloat16())  # bfloat16 in: read exactly, result rounded
+    assert "q8 group 32 (Q8_0 weights, float32 activations)" == layer.describe()
 
 
 def test_quantize_linears_replaces_every_linear_in_any_module():

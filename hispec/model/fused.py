@@ -48,6 +48,7 @@ _SIGNATURES = {
     "hs_silu_mul": [_p, _i, _i64, _i64, _p, _i],
     "hs_rope_write": [_p, _i, _p, _p, _p, _i64, _i64, _i64, _i64, _p, _p, _p],
     "hs_paged_attention": [_p, _p, _p, _p, _i64, _p, _p, _i64, _i64, _i64, _i64, _i64, _f, _p, _i, _i],
+    "hs_q8_matmul": [_p, _p, _p, _i, _i64, _i64, _i64, _p, _i],
 }
 
 
@@ -241,6 +242,17 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                                  meta.tables.shape[1], meta.seq.data_ptr(), meta.lengths.data_ptr(), t, hq,
                                  k_pool.shape[1], d, meta.block_size, d ** -0.5, out.data_ptr(),
                                  int(out_dtype == BF16), int(meta.keys * hq * d >= PARALLEL_MIN_WORK))
+    return out
+
+
+def q8_matmul(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """``x [T, K]`` (float32 or bfloat16) times the transpose of the GGUF Q8_0 weight
+    ``W = d * q`` (``q [N, K]`` int8, ``d [N, K / 32]`` float32) -> ``[T, N]`` float32, each
+    output computed alone (the same for any T); the threads share W's rows."""
+    x, q, d = _check(x, F32, BF16), _check(q, torch.int8), _check(d, F32)
+    t, k = x.shape
+    out = torch.empty((t, q.shape[0]), dtype=F32)
+    library().hs_q8_matmul(q.data_ptr(), d.data_ptr(), x.data_ptr(), _bf(x), t, q.shape[0], k, out.data_ptr(), 1)
     return out
 
 

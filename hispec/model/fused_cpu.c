@@ -13,6 +13,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #define LANES 16
 
@@ -232,4 +235,69 @@ void hs_paged_attention(const float *q, const float *kpool, const float *vpool, 
         free(scores);
         free(acc);
     }
+}
+
+/* 16 int8 values widened to float (GCC's generic vector conversion scalarises this one). */
+static inline v16 load16_i8(const int8_t *p) {
+#if defined(__AVX512F__)
+    __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+#elif defined(__AVX2__)
+    __m128i b = _mm_loadu_si128((const __m128i *)p);
+    __m256 f[2] = {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)))};
+#else
+    float f[16];
+    for (int j = 0; j < 16; j++) f[j] = (float)p[j];
+#endif
+    v16 v;
+    memcpy(&v, &f, sizeof v);
+    return v;
+}
+
+#define Q8_ROWS 4 /* rows of x sharing each converted block of W */
+
+/* m (a constant after inlining) rows of x times one row of a Q8_0 weight: y[i * ystride]. */
+static inline __attribute__((always_inline)) void q8_rows(const int8_t *qr, const float *dr, const float *x, int64_t K,
+                                                           int64_t nb, const int m, float *y, int64_t ystride) {
+    v16 acc[Q8_ROWS] = {{0}};
+    for (int64_t b = 0; b < nb; b++) {
+        v16 lo = load16_i8(qr + b * 32), hi = load16_i8(qr + b * 32 + 16);
+        float s = dr[b];
+        for (int i = 0; i < m; i++) {
+            const float *xr = x + i * K + b * 32;
+            acc[i] += (lo * load16(xr) + hi * load16(xr + 16)) * s;
+        }
+    }
+    for (int i = 0; i < m; i++) y[i * ystride] = hsum16(acc[i]);
+}
+
+/* y[T, N] float32 = x[T, K] (float32, or bfloat16 when x_bf) times the transpose of a GGUF
+ * Q8_0 weight W[n, k] = d[n, k / 32] * q[n, k] (q int8 [N, K], d float32 [N, K / 32]; K a
+ * multiple of 32): the file's own values, exactly. Per output, in 16 lanes: each block's
+ * q . x (its two halves added lane-wise), times its scale, added to the lanes in block order;
+ * then the lanes summed in a fixed order. An output depends on its own row of x alone, not
+ * on T, on the rows sharing a converted block, nor on how W's rows are split over threads. */
+void hs_q8_matmul(const int8_t *q, const float *d, const void *x, int x_bf, int64_t T, int64_t N, int64_t K,
+                  float *y, int parallel) {
+    int64_t nb = K / 32;
+    float *xf = (float *)x;
+    if (x_bf) {
+        xf = malloc((size_t)(T * K) * sizeof(float));
+        load_row(x, 1, 0, T * K, xf);
+    }
+#pragma omp parallel for schedule(static) if (parallel)
+    for (int64_t n = 0; n < N; n++) {
+        const int8_t *qr = q + n * K;
+        const float *dr = d + n * nb;
+        for (int64_t t0 = 0; t0 < T; t0 += Q8_ROWS) {
+            const float *xr = xf + t0 * K;
+            float *yr = y + t0 * N + n;
+            switch (T - t0 < Q8_ROWS ? T - t0 : Q8_ROWS) {  /* constant row counts keep acc in registers */
+                case 1: q8_rows(qr, dr, xr, K, nb, 1, yr, N); break;
+                case 2: q8_rows(qr, dr, xr, K, nb, 2, yr, N); break;
+                case 3: q8_rows(qr, dr, xr, K, nb, 3, yr, N); break;
+                default: q8_rows(qr, dr, xr, K, nb, 4, yr, N); break;
+            }
+        }
+    }
+    if (x_bf) free(xf);
 }

@@ -194,8 +194,9 @@ class ExactTopK:
         from ..model.quant import QuantLinear
 
         head = model.lm_head
-        self.quantized = isinstance(head, QuantLinear)
-        self.weight = (head.dequantize() if self.quantized else head.weight).float()  # [V, H']
+        quantized = isinstance(head, QuantLinear)
+        self.rounds_input = quantized and head.input_dtype == torch.bfloat16  # the kernel reads bfloat16
+        self.weight = (head.dequantize() if quantized else head.weight).float()  # [V, H']
         self.bias = None if getattr(head, "bias", None) is None else head.bias.float()
         self.margin, self.rows = margin, rows
 
@@ -205,7 +206,7 @@ class ExactTopK:
         if model.project_out is not None:
             x = model.project_out(x)
         rough = model.lm_head(x.to(torch.bfloat16))  # [n, V] bfloat16: one compute-bound product
-        xin = x.to(torch.bfloat16).float() if self.quantized else x.float()
+        xin = x.to(torch.bfloat16).float() if self.rounds_input else x.float()
         c = min(k + self.margin, rough.shape[1])
         logp, ids = [], []
         for a in range(0, xin.shape[0], self.rows):  # rows [r, V] in float32 that stay in the cache
