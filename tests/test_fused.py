@@ -197,7 +197,9 @@ def test_layer_plan_follows_replaced_projections(tiny_model_dir):
         pytest.skip("no C++ compiler or torch headers")
     gen = Generator.from_pretrained(str(tiny_model_dir("llama")), exits=False, quantize="none", progress=False)
     layer = gen.model.layers[0]
-    assert layer.layer_plan()[2] == [fused.MM_FLOAT] * 4
+    from hispec.model.matmul import small_route
+
+    assert layer.layer_plan()[2] == [fused.MM_FLOAT if small_route() == "wxt" else fused.MM_FLOAT_LINEAR] * 4
     layer.o_proj = QuantLinear.from_float(layer.o_proj.weight, "int4")
     assert layer.layer_plan() is None  # int4 wants bfloat16 activations, this layer runs float32 ones
 

@@ -9,9 +9,11 @@ from hispec.model import matmul
 from hispec.model.matmul import SMALL_ROWS, Linear, linear
 
 
+@pytest.mark.parametrize("route", matmul.ROUTES)
 @pytest.mark.parametrize("rows", [0, 1, 2, 3, SMALL_ROWS, SMALL_ROWS + 1, 16, 70])
 @pytest.mark.parametrize("bias", [False, True])
-def test_linear_matches_f_linear(rows, bias):
+def test_linear_matches_f_linear(rows, bias, route, monkeypatch):
+    monkeypatch.setattr(matmul, "small_route", lambda: route)
     g = torch.Generator().manual_seed(rows)
     w = torch.randn(96, 40, generator=g)
     b = torch.randn(96, generator=g) if bias else None
@@ -70,3 +72,17 @@ def test_prepacking_respects_its_memory_budget(monkeypatch):
         x = torch.randn(20, 40)
         torch.testing.assert_close(m(x), F.linear(x, m.weight, m.bias), rtol=1e-5, atol=1e-5)
     assert m not in matmul._packs
+
+
+def test_small_route_is_measured_or_forced(monkeypatch):
+    """Decode-sized products take whichever route this CPU runs faster (MKL's matrix-vector path is
+    slow on one AMD EPYC and fast on one Intel Xeon), unless HISPEC_SMALL_MATMUL names one."""
+    matmul.small_route.cache_clear()
+    try:
+        monkeypatch.setenv("HISPEC_SMALL_MATMUL", "wxt")
+        assert matmul.small_route() == "wxt"
+        matmul.small_route.cache_clear()
+        monkeypatch.delenv("HISPEC_SMALL_MATMUL")
+        assert matmul.small_route() in matmul.ROUTES
+    finally:
+        matmul.small_route.cache_clear()

@@ -22,7 +22,7 @@ from torch import nn
 from ..cache.kv_cache import AttentionBatch, KVPool
 from ..config import ConfigError, ModelConfig
 from . import fused
-from .matmul import SMALL_ROWS, Linear, linear
+from .matmul import SMALL_ROWS, Linear, linear, small_route
 from .quant import ACT_DTYPE, QuantLinear
 
 
@@ -201,7 +201,7 @@ class DecoderLayer(nn.Module):
             elif (type(m) is Linear and m.bias is None and m.weight.dtype == torch.float32 and m.weight.is_contiguous()
                   and self.act_dtype in (None, torch.float32)):
                 weights += [m.weight, m.weight]  # the second is a placeholder
-                kinds.append(fused.MM_FLOAT)
+                kinds.append(fused.MM_FLOAT if small_route() == "wxt" else fused.MM_FLOAT_LINEAR)
                 groups.append(0)
             else:
                 return None
@@ -422,7 +422,7 @@ class DecoderModel(nn.Module):
         if any(p is None for p in plans):
             return None
         acts = {self.layers[i].act_dtype for i in range(start, end)}
-        if len(acts) != 1 or (fused.MM_FLOAT in plans[0][2] and h.shape[0] > SMALL_ROWS):
+        if len(acts) != 1 or (set(fused.MM_FLOAT_KINDS) & set(plans[0][2]) and h.shape[0] > SMALL_ROWS):
             return None
         if any(pool.k[i].dtype != torch.float32 for i in range(start, end)):
             return None

@@ -108,7 +108,8 @@ def available() -> bool:
 
 # ---- a range of layers in one call (fused_layers.cpp) ------------------------------------------
 LAYERS_SOURCE = Path(__file__).with_name("fused_layers.cpp")
-MM_FLOAT, MM_INT4, MM_INT8, MM_DENSE = 0, 1, 2, 3  # as in fused_layers.cpp
+MM_FLOAT, MM_INT4, MM_INT8, MM_DENSE, MM_FLOAT_LINEAR = 0, 1, 2, 3, 4  # as in fused_layers.cpp
+MM_FLOAT_KINDS = (MM_FLOAT, MM_FLOAT_LINEAR)  # float32 weights: (W @ x.T).T or x @ W.T, as matmul.small_route()
 _KERNEL_ORDER = ("hs_rms_norm", "hs_add_rms_norm", "hs_silu_mul", "hs_rope_write", "hs_paged_attention")
 
 

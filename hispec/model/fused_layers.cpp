@@ -39,6 +39,7 @@ constexpr int64_t MM_FLOAT = 0;  // float32 weight [N, K]: (W @ x.T).T, one row 
 constexpr int64_t MM_INT4 = 1;   // aten._weight_int4pack_mm_for_cpu(x, packed, group, scales_zeros)
 constexpr int64_t MM_INT8 = 2;   // aten._weight_int8pack_mm(x, q, scales)
 constexpr int64_t MM_DENSE = 3;  // x @ W.T with a dense weight in x's dtype (QuantLinear.dense, prompt chunks)
+constexpr int64_t MM_FLOAT_LINEAR = 4;  // float32 weight [N, K]: x @ W.T (matmul.linear where that route wins)
 
 void bind(std::vector<int64_t> addresses) {
     TORCH_CHECK(addresses.size() == 5, "bind: expected the addresses of the 5 kernels");
@@ -53,7 +54,7 @@ at::Tensor matmul(int64_t kind, const at::Tensor& x, const at::Tensor& w, const 
     // x [T, K] -> [T, N]
     if (kind == MM_INT4) return at::_weight_int4pack_mm_for_cpu(x, w, group, p);
     if (kind == MM_INT8) return at::_weight_int8pack_mm(x, w, p);
-    if (kind == MM_DENSE) return at::linear(x, w);
+    if (kind == MM_DENSE || kind == MM_FLOAT_LINEAR) return at::linear(x, w);
     const int64_t t = x.size(0);
     const at::Tensor rows = t == 1 ? at::cat({x, x}) : x;  // [max(T, 2), K]
     return at::mm(w, rows.t()).t().slice(0, 0, t).contiguous();

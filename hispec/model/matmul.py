@@ -12,11 +12,20 @@ cache, float32, 2 threads, ms per pass, outputs made contiguous):
     (W @ x.T).T     15    15    22    31    34    55    43    79    98   420  1714   (1 row padded)
     oneDNN          21    23    26    28    29    33    37    71    86   275  1035
 
-So :func:`linear` uses ``(W @ x.T).T`` for up to ``SMALL_ROWS`` rows (decode steps, short
-verification windows) and oneDNN above (batched steps, prefill) on CPU in float32, and
-``F.linear`` otherwise (other devices and dtypes, autograd, or a torch without oneDNN). The
-values agree with ``F.linear`` up to float rounding (different summation order, |diff| ~ 1e-5 on
-unit-scale inputs).
+On a 2-core Intel Xeon (AVX512-BF16, AMX) the same MKL's matrix-vector path is fast and the
+other layout is not (same 120 matmuls, ms per pass; oneDNN on the prepacked weight, see below):
+
+    rows             1     2     4     8    16
+    F.linear        17    19    30    35    42
+    (W @ x.T).T     43    45    43    45    45   (1 row padded)
+    oneDNN          22    23    24    28    33
+
+So for up to ``SMALL_ROWS`` rows (decode steps, short verification windows) :func:`linear` takes
+the faster of ``F.linear`` and ``(W @ x.T).T`` on this CPU (:func:`small_route`: timed once per
+process on weights larger than the cache), and oneDNN above (batched steps, prefill), on CPU in
+float32; ``F.linear`` otherwise (other devices and dtypes, autograd, or a torch without oneDNN).
+The values agree with ``F.linear`` up to float rounding (different summation order, |diff| ~ 1e-5
+on unit-scale inputs).
 
 Above ``SMALL_ROWS`` a :class:`Linear` runs oneDNN on a copy of its weight reordered once into
 oneDNN's blocked layout for 16 rows (``mkldnn._reorder_linear_weight``): the same values, the same
@@ -33,7 +42,9 @@ weight is replaced or changed in place). ``HISPEC_PREPACK=0`` turns it off.
 """
 from __future__ import annotations
 
+import functools
 import os
+import time
 import weakref
 
 import torch
@@ -74,6 +85,33 @@ def _packed(module: nn.Module, weight: torch.Tensor) -> torch.Tensor | None:
     return packed
 
 
+ROUTES = ("wxt", "linear")  # decode-sized float32 products: (W @ x.T).T (one row padded to two), F.linear
+
+
+@functools.lru_cache(maxsize=1)
+def small_route() -> str:
+    """The faster route for decode-sized float32 products on this CPU, decided once per process:
+    ``HISPEC_SMALL_MATMUL=wxt|linear`` if set, else both timed (interleaved, medians of 5) on one
+    row against 8 weights of a SmolLM2 MLP's size (56 MB, more than a cache holds)."""
+    forced = os.environ.get("HISPEC_SMALL_MATMUL")
+    if forced in ROUTES:
+        return forced
+    g = torch.Generator().manual_seed(0)
+    weights = [torch.randn(3072, 576, generator=g) for _ in range(8)]
+    x = torch.randn(1, 576, generator=g)
+    routes = {"wxt": lambda w: (w @ torch.cat([x, x]).T).T[:1].contiguous(), "linear": lambda w: F.linear(x, w)}
+    times: dict[str, list[float]] = {r: [] for r in routes}
+    with torch.no_grad():
+        for _ in range(6):
+            for name, f in routes.items():
+                t0 = time.perf_counter()
+                for w in weights:
+                    f(w)
+                times[name].append(time.perf_counter() - t0)
+    med = {r: sorted(v[1:])[len(v) // 2 - 1] for r, v in times.items()}  # the first pass warms up
+    return min(med, key=med.get)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x [..., K] @ weight[N, K].T (+ bias[N])`` -> ``[..., N]``, contiguous."""
     if (x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32 or not weight.is_contiguous()
@@ -89,6 +127,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             return F.linear(x, weight, bias)
         out = torch.ops.mkldnn._linear_pointwise(rows.contiguous(), weight, bias, "none", [None], "")
         return out.reshape(*lead, weight.shape[0])
+    if small_route() == "linear":
+        return F.linear(rows, weight, bias).reshape(*lead, weight.shape[0])
     if t == 1:
         rows = torch.cat([rows, rows])  # [2, K]: keeps MKL off its slow matrix-vector path
     out = (weight @ rows.T).T[:t]  # [T, N], a column-major view

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import shlex
 import sys
@@ -300,6 +301,8 @@ def cmd_distill_exits(args) -> int:
                              "top5_after": round(after["top5"], 4), "heldout_positions": after["positions"]}
         training[str(L)] = {"steps": state.step, "positions_seen": state.positions_seen,
                             "seconds": round(state.seconds, 1), "curve": state.curve, "loss": state.losses[-5:]}
+        del train, held  # one layer's states at a time: 3.7M positions of one layer hold ~7 GB
+        gc.collect()
     manifest = Manifest(model_identity(model, args.model), layers, {"kind": args.design, "init": args.init},
                         data={"folder": Path(args.data).name, "positions": positions, "collect": meta.get("command"),
                               "heldout_every": args.heldout_every},
