@@ -22,11 +22,32 @@ venv() {  # venv DIR: a fresh venv with a current pip
     "$1/bin/python" -m pip install -q --upgrade pip
 }
 
+# llama.cpp's build flags: this CPU's instructions (-DGGML_NATIVE=ON), except on CPUs with AMX: there
+# -march=native also builds ggml's AMX backend, which segfaults on virtualised Sapphire/Granite Rapids
+# CPUs (ggml-org/llama.cpp#20824; seen here on Q4_1), so the same instructions are named one by one
+# with AMX off.
+llama_cpp_flags() {
+    local flags
+    flags=$(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null || true)
+    if ! grep -qw amx_int8 <<<"$flags"; then
+        echo "-DGGML_NATIVE=ON"
+        return
+    fi
+    local args="-DGGML_NATIVE=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
+    local f opt
+    for f in avx:AVX avx2:AVX2 fma:FMA f16c:F16C avx512f:AVX512 avx512vbmi:AVX512_VBMI avx512_vnni:AVX512_VNNI \
+             avx512_bf16:AVX512_BF16 avx_vnni:AVX_VNNI; do
+        opt=${f#*:}
+        if grep -qw "${f%%:*}" <<<"$flags"; then args="$args -DGGML_$opt=ON"; else args="$args -DGGML_$opt=OFF"; fi
+    done
+    echo "$args"
+}
+
 install_llama_cpp() {
     local dir=$PEERS/llamacpp
     venv "$dir"
     # an sdist: builds llama.cpp with this CPU's instructions (AVX2/AVX-512...), -j per core
-    CMAKE_ARGS=${CMAKE_ARGS:-"-DGGML_NATIVE=ON"} CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)} \
+    CMAKE_ARGS=${CMAKE_ARGS:-"$(llama_cpp_flags)"} CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)} \
         nice -n 10 "$dir/bin/python" -m pip install --no-cache-dir "llama-cpp-python==$LLAMA_CPP_VERSION"
     "$dir/bin/python" -c "import llama_cpp; print('llama.cpp peer:', llama_cpp.__version__)"
 }
