@@ -41,15 +41,22 @@ def time_matmuls(n: int = 1536, k: int = 576, reps: int = 9) -> tuple[float, flo
     w = torch.randn(n, k, generator=g) * 0.02
     q = QuantLinear.from_float(w, "int4")
     x = torch.randn(1, k, generator=g)
-    times = {"int4": [], "float32": []}
-    for _ in range(reps):  # interleaved, so a busy moment hits both
-        for name, f in (("int4", lambda: q(x)), ("float32", lambda: linear(x, w))):
-            t0 = time.perf_counter()
-            for _ in range(8):
-                f()
-            times[name].append(time.perf_counter() - t0)
-    med = {name: sorted(v)[len(v) // 2] for name, v in times.items()}
+    med = interleaved_medians({"int4": lambda: [q(x) for _ in range(8)],
+                               "float32": lambda: [linear(x, w) for _ in range(8)]}, reps)
     return med["int4"], med["float32"]
+
+
+def interleaved_medians(fns: dict, reps: int, warmup: int = 0) -> dict:
+    """Median seconds of each call in ``fns`` (name -> function), the calls interleaved so a busy
+    moment of the machine hits every one alike; the first ``warmup`` rounds are not counted."""
+    times: dict = {name: [] for name in fns}
+    for r in range(warmup + reps):
+        for name, f in fns.items():
+            t0 = time.perf_counter()
+            f()
+            if r >= warmup:
+                times[name].append(time.perf_counter() - t0)
+    return {name: sorted(v)[len(v) // 2] for name, v in times.items()}
 
 
 @functools.lru_cache(maxsize=1)

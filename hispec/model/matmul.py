@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import functools
 import os
-import time
 import weakref
 
 import torch
@@ -96,19 +95,14 @@ def small_route() -> str:
     forced = os.environ.get("HISPEC_SMALL_MATMUL")
     if forced in ROUTES:
         return forced
+    from .kernels import interleaved_medians
+
     g = torch.Generator().manual_seed(0)
     weights = [torch.randn(3072, 576, generator=g) for _ in range(8)]
     x = torch.randn(1, 576, generator=g)
-    routes = {"wxt": lambda w: (w @ torch.cat([x, x]).T).T[:1].contiguous(), "linear": lambda w: F.linear(x, w)}
-    times: dict[str, list[float]] = {r: [] for r in routes}
     with torch.no_grad():
-        for _ in range(6):
-            for name, f in routes.items():
-                t0 = time.perf_counter()
-                for w in weights:
-                    f(w)
-                times[name].append(time.perf_counter() - t0)
-    med = {r: sorted(v[1:])[len(v) // 2 - 1] for r, v in times.items()}  # the first pass warms up
+        med = interleaved_medians({"wxt": lambda: [(w @ torch.cat([x, x]).T).T[:1].contiguous() for w in weights],
+                                   "linear": lambda: [F.linear(x, w) for w in weights]}, reps=5, warmup=1)
     return min(med, key=med.get)
 
 

@@ -39,6 +39,8 @@ import os
 import torch
 from torch import nn
 
+from . import fused
+
 ACT_DTYPE = torch.bfloat16
 GROUP = 32  # GGUF's block size, and the default group of --quantize int4
 INNER_K_TILES = 2
@@ -112,8 +114,6 @@ class QuantLinear(nn.Module):
         n, k = q.shape
         group = k // d.shape[1]
         if kernel == "auto":
-            from . import fused
-
             kernel = "q8" if fused.available() and os.environ.get("HISPEC_Q8", "1") != "0" else "int4x2"
         if kernel == "q8":
             layer = cls("q8", k, n, q.to(torch.int8).contiguous(), d.float().contiguous(), group, source=source)
@@ -178,9 +178,7 @@ class QuantLinear(nn.Module):
         if self.kernel == "int8":
             return torch.ops.aten._weight_int8pack_mm(rows, self.qweight, self.qparams)
         if self.kernel == "q8":
-            from .fused import q8_matmul
-
-            return q8_matmul(rows.contiguous(), self.qweight, self.qparams)
+            return fused.q8_matmul(rows.contiguous(), self.qweight, self.qparams)
         mm = torch.ops.aten._weight_int4pack_mm_for_cpu  # int4x2: the two halves summed in float32
         out = mm(rows, self.qweight[0], self.group, self.qparams[0]).float()
         return out.add_(mm(rows, self.qweight[1], self.group, self.qparams[1]))
