@@ -8,6 +8,7 @@ is the same either way).
 """
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -90,6 +91,10 @@ class Generator:
         gguf = gguf_source(name_or_path) if quantize in ("auto", "native") else None
         model = load_model(folder, device=device, dtype=dtype, allow_pickle=allow_pickle, quantize=quantize,
                            gguf=gguf)
+        if model.device.type == "cpu":
+            from .model import fused
+
+            fused.prebuild(say=(lambda msg: print(msg, file=sys.stderr, flush=True)) if progress else None)
         gen = cls(model, load_tokenizer(folder))
         gen.model_path = folder
         if exits is not False:

@@ -243,3 +243,18 @@ def test_prefill_on_dense_weights_is_independent_of_chunking(tiny_model_dir):
             assert torch.equal(pool.k[i][slots], pool2.k[i][slots2]) and torch.equal(pool.v[i][slots], pool2.v[i][slots2])
     int4_prefill, _, _ = prefill([40], dense=False)
     assert not torch.equal(int4_prefill, whole)  # the prompt really ran on the dense weights
+
+
+def test_kernels_are_built_at_load_not_in_the_first_decode_step(tiny_model_dir, monkeypatch, tmp_path, capsys):
+    """A first run builds the C++ layer op while the model loads (and says so), so the first
+    generation's prefill time is not a compiler's; a later load finds it built and says nothing."""
+    from hispec.generate import Generator
+
+    built = []
+    monkeypatch.setattr(fused, "layers_op", lambda: built.append(1))
+    monkeypatch.setattr(fused, "_build_dir", lambda: tmp_path)
+    Generator.from_pretrained(str(tiny_model_dir("llama")), exits=False, progress=True)
+    assert built and "building hispec's CPU kernels" in capsys.readouterr().err
+    (tmp_path / "fused_layers-0123.so").touch()
+    Generator.from_pretrained(str(tiny_model_dir("llama")), exits=False, progress=True)
+    assert len(built) == 2 and "building" not in capsys.readouterr().err

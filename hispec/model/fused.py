@@ -153,6 +153,16 @@ def layers_op():
     return ops.decode_layers
 
 
+def prebuild(say=None) -> None:
+    """Build (or load) the kernels now rather than in the first decode step, so the first
+    generation's time is not a compiler's. ``say(msg)`` is told when a build is about to run."""
+    if os.environ.get("HISPEC_FUSED", "1") == "0":
+        return
+    if say is not None and not any(_build_dir().glob("fused_layers-*.so")):
+        say("building hispec's CPU kernels for this CPU (once, ~15 s)")
+    layers_op()
+
+
 def decode_layers(h: torch.Tensor, plans: list, rope, batch: "AttentionBatch", k_pools: list, v_pools: list,
                   cfg, bf16_acts: bool) -> torch.Tensor:
     """Run the layers whose ``plans`` (``DecoderLayer.layer_plan``) are given on ``h [T, H]``
