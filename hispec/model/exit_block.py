@@ -9,6 +9,15 @@ Balcony, EAGLE). Per exit layer ``L``::
                                                   # positions <= t, then MLP (both residual)
     logits = lm_head(final_norm(z))               # the model's own, frozen and shared
 
+Design ``block-final`` also reads the final state the full model computed for the *previous*
+position (EAGLE's feature input, at no extra model compute: in a speculative round the
+verifier has computed it for every verified position)::
+
+    v = RMSNorm_g(h_t) + D RMSNorm_f(d_{t-1})    # D [H, H] starts at zero; d_{-1} = 0
+
+For the first draft of a round ``d_{t-1}`` is exact; later drafts feed back the block's own
+``z`` as EAGLE does.
+
 ``B`` starts as a copy of the model's last decoder layer (``init="copy"``, Balcony), or as
 that copy with its two output projections zeroed (``init="zero"``): then ``z = v`` and the
 exit starts exactly at the shared-head exit.
@@ -33,17 +42,23 @@ from .decoder import DecoderLayer, RMSNorm
 from .quant import ACT_DTYPE, float_state_dict, quantize_linears
 
 INITS = ("copy", "zero")
+KINDS = ("block", "block-final")
 
 
 class ExitBlock(SharedOutput):
     """RMSNorm -> one decoder layer with its own K/V -> the shared final norm + output head."""
 
-    kind = "block"
     has_kv = True
 
-    def __init__(self, model: nn.Module, vocab_ids: torch.Tensor | None = None, init: str = "copy") -> None:
+    def __init__(self, model: nn.Module, vocab_ids: torch.Tensor | None = None, init: str = "copy",
+                 reads_final: bool = False) -> None:
         super().__init__(model, vocab_ids)
         cfg = model.cfg
+        self.reads_final = reads_final
+        if reads_final:
+            self.final_in_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+            self.final_in = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=False)
+            nn.init.zeros_(self.final_in.weight)
         if init not in INITS:
             raise ValueError(f"block init must be one of {INITS}, got {init!r}")
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
@@ -73,6 +88,18 @@ class ExitBlock(SharedOutput):
                 self._decode = (fast,)
 
     @property
+    def kind(self) -> str:
+        return "block-final" if self.reads_final else "block"
+
+    def block_input(self, h: torch.Tensor, d: torch.Tensor | None = None) -> torch.Tensor:
+        """``v`` for exit states ``h [..., H]`` and (``block-final``) the previous positions'
+        final states ``d [..., H]`` (None: as if zero)."""
+        v = self.norm(h)
+        if self.reads_final and d is not None:
+            v = v + self.final_in(self.final_in_norm(d))
+        return v
+
+    @property
     def decode_layer(self) -> DecoderLayer:
         return self._decode[0] if self._decode is not None else self.layer
 
@@ -86,12 +113,13 @@ class ExitBlock(SharedOutput):
         return self.logits(self.decode_layer(self.norm(h), self.kv_layer, rope, batch, pool))
 
     # ---- training: dense batches -----------------------------------------------------------------
-    def forward_dense(self, h: torch.Tensor, rope) -> torch.Tensor:
+    def forward_dense(self, h: torch.Tensor, rope, d: torch.Tensor | None = None) -> torch.Tensor:
         """The state ``z [B, T, H]`` entering the final norm, for right-padded sequences
-        ``h [B, T, H]`` that start at position 0 (causal attention; padding never attends back)."""
+        ``h [B, T, H]`` that start at position 0 (causal attention; padding never attends back);
+        ``d [B, T, H]``: the final state of the position before each (``block-final``)."""
         layer, cfg = self.layer, self.layer.cfg
         B, T, _ = h.shape
-        x = self.norm(h)
+        x = self.block_input(h, d)
         q, k, v = layer.qkv(layer.input_norm(x), rope)  # [B, T, heads, D]
         a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
                                            enable_gqa=cfg.num_kv_heads != cfg.num_heads)  # [B, Hq, T, D]

@@ -74,7 +74,7 @@ def register(sub) -> None:
                                    "states entering the exit layers and the final layer's top-k log-probs at every "
                                    "position, in resumable shards (run again with the same --out to continue).")
     add_model_options(p)
-    p.add_argument("--layers", required=True, help="exit layers whose input states are kept, e.g. 2,4,8")
+    p.add_argument("--layers", required=True, help="layers whose input states are kept, e.g. 2,4,8 (0: the embeddings; the layer count: the final state, for exits that read it)")
     p.add_argument("--data", required=True, nargs="+", metavar="FILE",
                    help="JSONL files or named sources with replies (sharegpt[:N[:OFFSET]], humaneval)")
     p.add_argument("--holdout", nargs="*", default=[], metavar="FILE", help="prompts never to train on")
@@ -98,7 +98,9 @@ def register(sub) -> None:
     add_model_options(p)
     p.add_argument("--data", required=True, metavar="DIR", help="a collect-exits folder")
     p.add_argument("--layers", required=True, help="exit layers, e.g. 4 or 2,4 (their states must be in --data)")
-    p.add_argument("--design", default="block", choices=["block", "linear"])
+    p.add_argument("--design", default="block", choices=["block", "block-final", "linear"],
+                   help="block: one decoder layer over the exit states; block-final: that block also reads the "
+                        "previous position's final state (needs the final states in --data); linear: a per-token head")
     p.add_argument("--init", default="copy", choices=["copy", "zero"],
                    help="block start: a copy of the last decoder layer, or that copy with zeroed output projections")
     p.add_argument("--vocab", type=int, default=8192, help="restricted output vocabulary (0 = full)")
@@ -250,8 +252,9 @@ def cmd_collect_exits(args) -> int:
     args.no_exits, args.exits = True, None
     gen = load_generator(args, progress=False)
     n = gen.model.num_layers
-    if not layers or any(not 1 <= L < n for L in layers):
-        raise UsageError(f"--layers must be between 1 and {n - 1} for this {n}-layer model, got {args.layers}")
+    if not layers or any(not 0 <= L <= n for L in layers):
+        raise UsageError(f"--layers must be between 0 (the embeddings) and {n} (the final state) for this "
+                         f"{n}-layer model, got {args.layers}")
     records, summary = load_sources(args.data, args.holdout, shuffle_seed=args.seed)
     cfg = TeacherConfig(tuple(layers), topk=args.topk, max_tokens=args.max_tokens, batch_tokens=args.batch_tokens,
                         precision=args.teacher_precision)
@@ -285,7 +288,13 @@ def cmd_distill_exits(args) -> int:
                         precision=S.resolve_precision(args.precision, model.device))
     exits, agreement, training, positions = {}, {}, {}, {}
     for L in layers or []:
-        train, held = S.load_sequences(Path(args.data), L).split(args.heldout_every)
+        final = model.num_layers if args.design == "block-final" else None
+        try:
+            data = S.load_sequences(Path(args.data), L, final_layer=final)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        train, held = data.split(args.heldout_every)
+        del data
         if args.max_positions is not None:
             train = train.leading(args.max_positions)
         vocab = {L: S.frequent_vocab(train, args.vocab, model.cfg.vocab_size)} if args.vocab else None
@@ -295,10 +304,16 @@ def cmd_distill_exits(args) -> int:
              f"held-out top-1 before {before['top1']:.4f}")
         state = S.train(exit_, train, cfg, work / f"layer-{L}", args.resume, held, args.max_steps, log=_say)
         after = S.agreement(exit_, held)
+        if args.design == "block-final":
+            after.update(S.feedback_agreement(exit_, held))
+            _say(f"layer {L}: held-out top-1 with the exact final state {after['top1']:.4f}; feeding back its own "
+                 f"state (a round's later drafts) {after['top1_fed_back']:.4f}, "
+                 f"{after['top1_fed_back_given_previous']:.4f} where the draft before was right")
         exits[L] = exit_
         positions[str(L)] = train.num_positions
         agreement[str(L)] = {"top1_before": round(before["top1"], 4), "top1_after": round(after["top1"], 4),
-                             "top5_after": round(after["top5"], 4), "heldout_positions": after["positions"]}
+                             "top5_after": round(after["top5"], 4), "heldout_positions": after["positions"],
+                             **{k: round(v, 4) for k, v in after.items() if k.startswith("top1_fed")}}
         training[str(L)] = {"steps": state.step, "positions_seen": state.positions_seen,
                             "seconds": round(state.seconds, 1), "curve": state.curve, "loss": state.losses[-5:]}
         del train, held  # one layer's states at a time: 3.7M positions of one layer hold ~7 GB
@@ -350,8 +365,9 @@ def cmd_train_exits(args) -> int:
     gen = load_generator(args, progress=not args.no_progress)
     model = gen.model
     n = model.num_layers
-    if not layers or any(not 1 <= L < n for L in layers):
-        raise UsageError(f"--layers must be between 1 and {n - 1} for this {n}-layer model, got {args.layers}")
+    if not layers or any(not 0 <= L <= n for L in layers):
+        raise UsageError(f"--layers must be between 0 (the embeddings) and {n} (the final state) for this "
+                         f"{n}-layer model, got {args.layers}")
     out = Path(args.out)
     work = Path(args.work) if args.work else out / "work"
     cache_dir = Path(args.cache) if args.cache else work / "cache"

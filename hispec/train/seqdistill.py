@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from . import teacher as T
 from .distill import load_checkpoint, save_checkpoint
@@ -37,6 +38,7 @@ class SeqData:
     offsets: torch.Tensor  # [S + 1] int64
     first: torch.Tensor  # [S] int64: first reply row of each sequence
     record: torch.Tensor  # [S] int64
+    final: torch.Tensor | None = None  # [N, H] float16: the final state at each row (for block-final exits)
 
     @property
     def num_sequences(self) -> int:
@@ -55,7 +57,7 @@ class SeqData:
         lengths = self.lengths()[seqs]
         return SeqData(self.hidden[rows], self.top_ids[rows], self.top_logp[rows],
                        torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]), self.first[seqs],
-                       self.record[seqs])
+                       self.record[seqs], None if self.final is None else self.final[rows])
 
     def leading(self, positions: int) -> "SeqData":
         """The leading sequences that fit in ``positions`` rows (at least one)."""
@@ -68,23 +70,29 @@ class SeqData:
         return self.subset((~held).nonzero().squeeze(1)), self.subset(held.nonzero().squeeze(1))
 
 
-def load_sequences(folder: Path, layer: int, max_positions: int | None = None) -> SeqData:
-    """One layer's states from the shards of ``folder`` (in order, up to ``max_positions``)."""
+def load_sequences(folder: Path, layer: int, max_positions: int | None = None, final_layer: int | None = None
+                   ) -> SeqData:
+    """One layer's states from the shards of ``folder`` (in order, up to ``max_positions``), and
+    with ``final_layer`` (the model's layer count) the final states too."""
     meta = T.read_meta(folder)
-    if layer not in meta["config"]["layers"]:
-        raise ValueError(f"{folder} holds the states of layers {meta['config']['layers']}, not {layer}")
+    for L in (layer, final_layer):
+        if L is not None and L not in meta["config"]["layers"]:
+            what = "the final states" if L == final_layer else f"the states of layer {L}"
+            raise ValueError(f"{folder} holds the states of layers {meta['config']['layers']}, not {what}; "
+                             f"collect them with collect-exits --layers ...,{L}")
+    keys = [f"h.{layer}", "top_ids", "top_logp"] + ([f"h.{final_layer}"] if final_layer is not None else [])
     parts: dict[str, list[torch.Tensor]] = {}
     total = 0
     for path in T.shard_paths(folder):
         if max_positions is not None and total >= max_positions:
             break
-        s = T.read_shard(path, [f"h.{layer}", "top_ids", "top_logp", "offsets", "first", "record"])
+        s = T.read_shard(path, keys + ["offsets", "first", "record"])
         offsets = s.pop("offsets")
         n_seq = s["first"].shape[0]
         if max_positions is not None and total + int(offsets[-1]) > max_positions:
             n_seq = max(1, int((offsets[1:] <= max_positions - total).sum()))
         rows = int(offsets[n_seq])
-        for k in (f"h.{layer}", "top_ids", "top_logp"):
+        for k in keys:
             parts.setdefault(k, []).append(s[k][:rows])
         for k in ("first", "record"):
             parts.setdefault(k, []).append(s[k][:n_seq].long())
@@ -95,7 +103,8 @@ def load_sequences(folder: Path, layer: int, max_positions: int | None = None) -
     lengths = torch.cat(parts["lengths"])
     return SeqData(torch.cat(parts[f"h.{layer}"]), torch.cat(parts["top_ids"]).long(),
                    torch.cat(parts["top_logp"]).float(), torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]),
-                   torch.cat(parts["first"]), torch.cat(parts["record"]))
+                   torch.cat(parts["first"]), torch.cat(parts["record"]),
+                   torch.cat(parts[f"h.{final_layer}"]) if final_layer is not None else None)
 
 
 def frequent_vocab(data: SeqData, size: int, vocab_size: int) -> torch.Tensor:
@@ -139,22 +148,35 @@ def padded(data: SeqData, seqs: torch.Tensor, device) -> dict[str, torch.Tensor]
     logp = torch.full((B, Tm, K), -1e4, dtype=torch.float32)
     mask = torch.zeros(B, Tm, dtype=torch.bool)
     reply = torch.zeros(B, Tm, dtype=torch.bool)
+    d = None if data.final is None else torch.zeros(B, Tm, data.final.shape[1], dtype=torch.float32)
     for b, s in enumerate(seqs.tolist()):
         a, n = int(data.offsets[s]), int(lengths[b])
         h[b, :n] = data.hidden[a:a + n].float()
+        if d is not None:  # the final state of the position before (none before position 0)
+            d[b, 1:n] = data.final[a:a + n - 1].float()
         ids[b, :n] = data.top_ids[a:a + n]
         logp[b, :n] = data.top_logp[a:a + n]
         mask[b, :n] = True
         reply[b, int(data.first[s]):n] = True
-    return {k: v.to(device) for k, v in dict(h=h, ids=ids, logp=logp, mask=mask, reply=reply).items()}
+    out = dict(h=h, ids=ids, logp=logp, mask=mask, reply=reply) | ({} if d is None else {"d": d})
+    return {k: v.to(device) for k, v in out.items()}
 
 
 # ---- the exit's output on dense batches ---------------------------------------------------------
-def exit_state(head, h: torch.Tensor, rope) -> torch.Tensor:
-    """The state ``[B, T, H]`` entering the shared final norm, for either design."""
+def exit_state(head, h: torch.Tensor, rope, d: torch.Tensor | None = None) -> torch.Tensor:
+    """The state ``[B, T, H]`` entering the shared final norm, for any design (``d``: the
+    previous positions' final states, read by ``block-final`` exits)."""
     if head.has_kv:
-        return head.forward_dense(h, rope)
+        return head.forward_dense(h, rope, d if getattr(head, "reads_final", False) else None)
     return head.adapt(h)
+
+
+def _d(head, batch: dict[str, torch.Tensor], dtype) -> torch.Tensor | None:
+    if not getattr(head, "reads_final", False):
+        return None
+    if "d" not in batch:
+        raise ValueError("a block-final exit needs the final states (load_sequences(..., final_layer=...))")
+    return batch["d"].to(dtype)
 
 
 def dense_rope(model, length: int, device):
@@ -174,7 +196,7 @@ def loss_terms(head, batch: dict[str, torch.Tensor], remap: torch.Tensor | None,
     """(loss, number of rows, top-1 hits) over the real rows of a padded batch."""
     model = head.base
     rope = dense_rope(model, batch["h"].shape[1], batch["h"].device)
-    z = exit_state(head, batch["h"].to(model.dtype), rope)[batch["mask"]]  # [R, H]
+    z = exit_state(head, batch["h"].to(model.dtype), rope, _d(head, batch, model.dtype))[batch["mask"]]  # [R, H]
     logq = torch.log_softmax(head.train_logits(z).float(), dim=-1)  # [R, K or V]
     ids, logp = batch["ids"][batch["mask"]], batch["logp"][batch["mask"]]  # [R, K]
     p = torch.softmax(logp, dim=-1)
@@ -199,7 +221,7 @@ def agreement(head, data: SeqData, batch_tokens: int = 4096, reply_only: bool = 
         b = padded(data, seqs, model.device)
         rope = dense_rope(model, b["h"].shape[1], model.device)
         rows = b["reply"] if reply_only else b["mask"]
-        z = exit_state(head, b["h"].to(model.dtype), rope)[rows]
+        z = exit_state(head, b["h"].to(model.dtype), rope, _d(head, b, model.dtype))[rows]
         logits = head.logits(z)  # [R, V]
         want = b["ids"][rows][:, 0]
         top5 = logits.topk(5, dim=-1).indices
@@ -207,6 +229,58 @@ def agreement(head, data: SeqData, batch_tokens: int = 4096, reply_only: bool = 
         hits5 += int((top5 == want[:, None]).any(-1).sum())
         n += int(want.shape[0])
     return {"top1": hits1 / max(1, n), "top5": hits5 / max(1, n), "positions": n}
+
+
+def fed_back_layer(layer, x_exact: torch.Tensor, x_fed: torch.Tensor, rope) -> torch.Tensor:
+    """The decoder layer's output ``[B, T, H]`` at every position ``t`` for the input ``x_fed[:, t]``,
+    attending over the keys/values of ``x_exact`` at positions ``< t`` and of ``x_fed`` at ``t``
+    (with ``x_fed == x_exact`` it is the layer's ordinary causal output)."""
+    cfg = layer.cfg
+    B, T, _ = x_fed.shape
+    _, k1, v1 = layer.qkv(layer.input_norm(x_exact), rope)  # [B, T, heads, D]
+    q2, k2, v2 = layer.qkv(layer.input_norm(x_fed), rope)
+    rep = cfg.num_heads // cfg.num_kv_heads
+    k1, v1, k2, v2 = (t.repeat_interleave(rep, dim=2).transpose(1, 2) for t in (k1, v1, k2, v2))  # [B, Hq, T, D]
+    q2 = q2.transpose(1, 2) / math.sqrt(q2.shape[-1])
+    s = q2 @ k1.transpose(-1, -2)  # [B, Hq, T, T]: t reads the exact keys of j < t
+    s = s.masked_fill(~torch.ones(T, T, dtype=torch.bool, device=s.device).tril(-1), float("-inf"))
+    own = (q2 * k2).sum(-1, keepdim=True)  # [B, Hq, T, 1]: and its own key
+    m = torch.maximum(s.amax(-1, keepdim=True), own)
+    p, po = (s - m).exp(), (own - m).exp()
+    a = (p @ v1 + po * v2) / (p.sum(-1, keepdim=True) + po)  # [B, Hq, T, D]
+    x = x_fed + layer.o_proj(a.transpose(1, 2).reshape(B, T, layer.q_size))
+    return x + layer._mlp(layer.post_norm(x))
+
+
+@torch.no_grad()
+def feedback_agreement(head, data: SeqData, batch_tokens: int = 2048) -> dict[str, float]:
+    """Agreement of a ``block-final`` exit when it reads its *own* output of the position
+    before instead of the model's final state, as a round's second and later drafts do.
+
+    Query position ``t`` reads ``z_{t-1}`` (the exit's output there, itself computed from the
+    exact final state); the keys and values of positions ``< t`` are the exact ones (those
+    positions were verified), only position ``t``'s own come from the fed-back input. Returns the
+    top-1 agreement over reply positions, and the same where the exit was right at ``t - 1``
+    (acceptance is sequential: a later draft counts only after the earlier ones)."""
+    model, layer = head.base, head.layer
+    hits = n = hits_c = n_c = 0
+    for seqs in epoch_batches(data, batch_tokens, 0, 0):
+        b = padded(data, seqs, model.device)
+        h, d = b["h"].to(model.dtype), _d(head, b, model.dtype)
+        B, T, _ = h.shape
+        rope = dense_rope(model, T, model.device)
+        z1 = head.forward_dense(h, rope, d)  # [B, T, H]
+        right1 = head.logits(z1[b["mask"]]).argmax(-1) == b["ids"][b["mask"]][:, 0]
+        prev_right = torch.zeros(B, T, dtype=torch.bool, device=h.device)
+        prev_right[:, 1:] = torch.zeros(B, T, dtype=torch.bool, device=h.device).masked_scatter(b["mask"], right1)[:, :-1]
+        x1, x2 = head.block_input(h, d), head.block_input(h, F.pad(z1[:, :-1], (0, 0, 1, 0)))
+        z2 = fed_back_layer(layer, x1, x2, rope)
+        rows = b["reply"]
+        right2 = head.logits(z2[rows]).argmax(-1) == b["ids"][rows][:, 0]
+        cond = prev_right[rows]
+        hits, n = hits + int(right2.sum()), n + int(right2.numel())
+        hits_c, n_c = hits_c + int((right2 & cond).sum()), n_c + int(cond.sum())
+    return {"top1_fed_back": hits / max(1, n), "top1_fed_back_given_previous": hits_c / max(1, n_c)}
 
 
 # ---- training --------------------------------------------------------------------------------------

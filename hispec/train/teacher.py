@@ -155,7 +155,7 @@ def packed_forward(model, tokens: torch.Tensor, lengths: list[int], layers: tupl
                    attn_dtype: torch.dtype | None = None) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
     """Prefill of sequences packed end to end (``tokens [N]``, ``lengths`` summing to ``N``), each
     from position 0: the states entering each layer in ``layers`` and after the last layer,
-    ``[N, H]``. The decoder layer's own norms, projections and MLP (as ``DecoderLayer.forward``),
+    ``[N, H]`` (layer 0: the embeddings; ``num_layers``: the final state). The decoder layer's own norms, projections and MLP (as ``DecoderLayer.forward``),
     with no KV cache: each sequence's causal attention is one fused 4-D SDPA call (the paged
     path's 3-D call runs the unfused kernel on CPU, ~2x slower at 450 positions).
     ``attn_dtype``: the dtype attention runs in (default: the residual's, as the KV pool holds it;
@@ -178,6 +178,8 @@ def packed_forward(model, tokens: torch.Tensor, lengths: list[int], layers: tupl
         att = att.reshape(h.shape[0], layer.q_size)
         h = h + layer.o_proj(att.to(layer.act_dtype or h.dtype))
         h = h + layer._mlp(layer.post_norm(h, layer.act_dtype))
+    if len(model.layers) in layers:  # the final state (entering the final norm)
+        capture[len(model.layers)] = h
     return capture, h
 
 

@@ -15,7 +15,7 @@ from .manifest import FORMAT, Manifest, read_manifest, write_manifest
 
 WEIGHTS_FILE = "heads.safetensors"
 # stored precision per design: a block is a whole decoder layer (14 MB in float32 for SmolLM2)
-STORED_DTYPE = {"linear": torch.float32, "block": torch.float16}
+STORED_DTYPE = {"linear": torch.float32, "block": torch.float16, "block-final": torch.float16}
 
 
 def new_heads(model: nn.Module, layers: list[int], vocab_ids: dict[int, torch.Tensor | None] | None = None,
@@ -34,10 +34,10 @@ def new_heads(model: nn.Module, layers: list[int], vocab_ids: dict[int, torch.Te
     vocab_ids = vocab_ids or {}
 
     def make(L: int) -> SharedOutput:
-        if designs[L] == "block":
+        if designs[L] in ("block", "block-final"):
             from ..exit_block import ExitBlock
 
-            return ExitBlock(model, vocab_ids.get(L), init=init)
+            return ExitBlock(model, vocab_ids.get(L), init=init, reads_final=designs[L] == "block-final")
         return ExitHead(model, vocab_ids.get(L))
 
     return {L: make(L).to(device=model.device, dtype=model.dtype).eval().requires_grad_(False) for L in layers}

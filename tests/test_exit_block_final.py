@@ -1,0 +1,96 @@
+"""Design ``block-final``: an exit block that also reads the previous position's final state
+(EAGLE's feature input), on tiny random models (no network)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hispec.model.exit_block import ExitBlock
+from hispec.model.loader import load_model
+from hispec.train import seqdistill as S
+from hispec.train import teacher as T
+
+from test_exit_blocks import encoded
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir):
+    return load_model(tiny_model_dir("llama"))
+
+
+@pytest.fixture(scope="module")
+def shards(tiny, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("teacher-final")
+    n = tiny.num_layers
+    cfg = T.TeacherConfig((0, 2, n), topk=8, max_tokens=48, batch_tokens=256, shard_positions=300)
+    T.collect(tiny, encoded(40), folder, cfg, {"model": "tiny"})
+    return folder
+
+
+def test_teacher_keeps_the_embeddings_and_the_final_states(tiny, shards):
+    n = tiny.num_layers
+    data = S.load_sequences(shards, 2, final_layer=n)
+    _, ids, _ = encoded(40)[0]
+    ids = torch.tensor(ids[:48])
+    capture, final = T.packed_forward(tiny, ids, [len(ids)], (0, 2, n))
+    assert torch.allclose(capture[0], tiny.embed(ids, torch.arange(len(ids))), atol=1e-6)
+    assert torch.equal(capture[n], final)
+    assert torch.allclose(data.final[:len(ids)].float(), final.float(), atol=2e-3)
+    # the final state gives the teacher's own argmax
+    assert torch.equal(tiny.final_logits(final).argmax(-1), data.top_ids[:len(ids), 0])
+    with pytest.raises(ValueError, match="final states"):
+        S.load_sequences(shards, 2, final_layer=n + 1)
+
+
+def test_untrained_block_final_is_the_block_and_the_fed_back_pass_is_exact(tiny):
+    torch.manual_seed(0)
+    plain, final = ExitBlock(tiny, init="copy").eval(), ExitBlock(tiny, init="copy", reads_final=True).eval()
+    final.load_state_dict(plain.state_dict(), strict=False)
+    h, d = torch.randn(2, 11, tiny.cfg.hidden_size), torch.randn(2, 11, tiny.cfg.hidden_size)
+    rope = S.dense_rope(tiny, 11, tiny.device)
+    assert final.kind == "block-final" and plain.kind == "block"
+    assert torch.allclose(final.forward_dense(h, rope, d), plain.forward_dense(h, rope), atol=1e-5)
+    torch.nn.init.normal_(final.final_in.weight, std=0.1)
+    z = final.forward_dense(h, rope, d)
+    assert not torch.allclose(z, plain.forward_dense(h, rope), atol=1e-3)
+    x = final.block_input(h, d)
+    assert torch.allclose(S.fed_back_layer(final.layer, x, x, rope), z, atol=1e-5)
+    # position t of the fed-back pass depends on its own input, and on the others' only through their exact K/V
+    x2 = x.clone()
+    x2[:, 5] += 1.0
+    z2 = S.fed_back_layer(final.layer, x, x2, rope)
+    assert torch.allclose(z2[:, :5], z[:, :5], atol=1e-5) and torch.allclose(z2[:, 6:], z[:, 6:], atol=1e-5)
+    assert not torch.allclose(z2[:, 5], z[:, 5], atol=1e-3)
+
+
+def test_training_block_final_lowers_the_loss_and_raises_agreement(tiny, shards):
+    data = S.load_sequences(shards, 2, final_layer=tiny.num_layers)
+    block = ExitBlock(tiny, init="zero", reads_final=True)
+    cfg = S.TrainConfig(epochs=12, batch_tokens=256, lr=3e-3, warmup=5)
+
+    def measure():
+        with torch.no_grad():
+            b = S.padded(data, torch.arange(data.num_sequences), tiny.device)
+            loss, _, _ = S.loss_terms(block, b, None, cfg.ce_weight)
+        return float(loss), S.agreement(block, data, reply_only=False)["top1"]
+
+    before = measure()
+    S.train(block, data, cfg)
+    after = measure()
+    assert after[0] < before[0] - 0.1 and after[1] > before[1], (before, after)
+    assert block.final_in.weight.abs().sum() > 0  # it learnt to read the final state
+    fed = S.feedback_agreement(block, data)
+    assert 0.0 <= fed["top1_fed_back"] <= 1.0 and 0.0 <= fed["top1_fed_back_given_previous"] <= 1.0
+    with pytest.raises(ValueError, match="final states"):
+        S.agreement(block, S.load_sequences(shards, 2))
+
+
+def test_block_final_exits_save_and_load(tiny, tmp_path):
+    from hispec.model.exits import Manifest, load_heads, model_identity, new_heads, save_heads
+
+    exits = new_heads(tiny, [2], design="block-final", init="zero")
+    torch.nn.init.normal_(exits[2].final_in.weight, std=0.05)
+    save_heads(tmp_path, exits, Manifest(model_identity(tiny), [2], {}))
+    loaded, manifest = load_heads(tmp_path, tiny)
+    assert manifest.design["kind"] == "block-final" and loaded[2].reads_final
+    assert torch.allclose(loaded[2].final_in.weight.float(), exits[2].final_in.weight.float(), atol=1e-3)
