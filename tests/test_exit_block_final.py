@@ -94,3 +94,14 @@ def test_block_final_exits_save_and_load(tiny, tmp_path):
     loaded, manifest = load_heads(tmp_path, tiny)
     assert manifest.design["kind"] == "block-final" and loaded[2].reads_final
     assert torch.allclose(loaded[2].final_in.weight.float(), exits[2].final_in.weight.float(), atol=1e-3)
+
+
+def test_the_engine_refuses_block_final_exits(tiny_model_dir, tmp_path):
+    from hispec.generate import Generator
+    from hispec.model.exits import ExitHeadError, Manifest, attach_exits, model_identity, new_heads, save_heads
+
+    gen = Generator.from_pretrained(str(tiny_model_dir("llama")), exits=False, progress=False)
+    save_heads(tmp_path, new_heads(gen.model, [2], design="block-final", init="zero"),
+               Manifest(model_identity(gen.model), [2], {}))
+    with pytest.raises(ExitHeadError, match="block-final"):
+        attach_exits(gen, tmp_path)

@@ -52,6 +52,11 @@ def find_heads(model: nn.Module, model_path: Path | None = None) -> Path | None:
 
 def attach(gen, heads: dict[int, ExitHead], manifest: Manifest | None, path: Path | None = None) -> ExitSet:
     """Give ``gen`` (a ``Generator``) these heads and the manifest's recommended settings."""
+    offline = sorted(L for L, h in heads.items() if getattr(h, "reads_final", False))
+    if offline:
+        raise ExitHeadError(f"the exits at layer(s) {', '.join(map(str, offline))} are of design block-final, which "
+                            "the decoding engine does not run yet (it would have to feed them the final states); "
+                            "they are measured offline by `hispec distill-exits`")
     exits = ExitSet.from_manifest(heads, manifest, path, gen.model.num_layers)
     gen.use_exits(exits)
     return exits
