@@ -98,7 +98,8 @@ def test_protocol_round_trip_and_errors(fake_vllm_python, tmp_path):
     p = PeerProcess(fake_vllm_python, ["--engine", "vllm", "--model", "folder", "--max-batch", "4"], dict(os.environ),
                     tmp_path / "peer.log")
     try:
-        assert p.info == {"engine": "vllm", "version": "0.0-fake", "dtype": "float32", "batching": True}
+        assert p.info == {"engine": "vllm", "version": "0.0-fake", "dtype": "float32", "batching": True,
+                          "prefix_caching": False}
         prompts = [[5, 6, 7], [9, 2, 8, 3], [4]]
         reply = p.request(op="generate", prompts=prompts, max_new_tokens=3, eos=[2], ignore_eos=False, batch_size=2)
         assert reply["outputs"] == [expected(x, 3) for x in prompts] and reply["seconds"] >= 0
@@ -112,6 +113,7 @@ def test_protocol_round_trip_and_errors(fake_vllm_python, tmp_path):
     calls = [json.loads(l) for l in Path(os.environ["FAKE_PEER_LOG"]).read_text().splitlines()]
     assert [c["batch"] for c in calls] == [2, 1, 3, 1]  # batch 2 < max 4: static batches; 4: all at once
     assert calls[0]["init"]["max_num_seqs"] == 4 and calls[0]["sampling"]["temperature"] == 0.0
+    assert calls[0]["init"]["enable_prefix_caching"] is False  # every prompt prefilled every time, as hispec does
     assert calls[0]["sampling"]["stop_token_ids"] == [2]
 
 

@@ -63,9 +63,13 @@ class VLLM:
 
         self.vllm = vllm
         self.max_batch = args.max_batch
+        # Prefix caching off: the bench runs the same prompts at every batch size (and warms up on
+        # them), so vLLM's cache would hold their K/V from the earlier pass and skip their prefill,
+        # while hispec (which has no prefix cache) prefills every prompt every time.
         self.llm = vllm.LLM(model=args.model, dtype=args.dtype, max_model_len=args.context,
-                            max_num_seqs=args.max_batch, seed=0)
-        self.info = {"engine": "vllm", "version": vllm.__version__, "dtype": args.dtype, "batching": True}
+                            max_num_seqs=args.max_batch, seed=0, enable_prefix_caching=False)
+        self.info = {"engine": "vllm", "version": vllm.__version__, "dtype": args.dtype, "batching": True,
+                     "prefix_caching": False}
 
     def close(self) -> None:
         """Stop vLLM's engine-core process with this one (it would outlive it otherwise)."""
