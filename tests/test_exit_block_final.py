@@ -105,3 +105,35 @@ def test_the_engine_refuses_block_final_exits(tiny_model_dir, tmp_path):
                Manifest(model_identity(gen.model), [2], {}))
     with pytest.raises(ExitHeadError, match="block-final"):
         attach_exits(gen, tmp_path)
+
+
+def test_collect_and_distill_block_final_from_two_folders_cli(tiny_model_dir, tmp_path):
+    """collect-exits keeps the final states (--layers ...,N), distill-exits --design block-final trains
+    on two folders together (e.g. teacher-forced replies + the model's own continuations) and records
+    the fed-back agreement; a folder without the final states is a clear usage error."""
+    import json
+
+    from hispec.cli import main
+
+    model = str(tiny_model_dir("llama"))
+    n = load_model(tiny_model_dir("llama")).num_layers
+    folders = []
+    for seed in (2, 3):
+        data = tmp_path / f"data-{seed}.jsonl"
+        with data.open("w") as f:
+            for _, ids, first in encoded(30, seed=seed):
+                f.write(json.dumps({"prompt_ids": ids[:first + 1], "response_ids": ids[first + 1:]}) + "\n")
+        folders.append(tmp_path / f"teacher-{seed}")
+        assert main(["collect-exits", "--model", model, "--threads", "1", "--layers", f"2,{n}", "--data", str(data),
+                     "--out", str(folders[-1]), "--topk", "8", "--max-tokens", "48", "--batch-tokens", "256"]) == 0
+    base = ["distill-exits", "--model", model, "--threads", "1", "--layers", "2", "--design", "block-final",
+            "--init", "zero", "--vocab", "64", "--epochs", "1", "--batch-tokens", "256", "--heldout-every", "10"]
+    assert main(base + ["--data", *map(str, folders), "--out", str(tmp_path / "both")]) == 0
+    assert main(base + ["--data", str(folders[0]), "--out", str(tmp_path / "one")]) == 0
+    both = json.loads((tmp_path / "both" / "manifest.json").read_text())
+    one = json.loads((tmp_path / "one" / "manifest.json").read_text())
+    assert both["design"]["kind"] == "block-final" and both["data"]["folder"] == ["teacher-2", "teacher-3"]
+    assert both["data"]["positions"]["2"] > one["data"]["positions"]["2"]
+    assert 0 <= both["agreement"]["2"]["top1_fed_back"] <= 1
+    assert main(["collect-exits", "--model", model, "--layers", f"2,{n + 1}", "--data", str(tmp_path / "data-2.jsonl"),
+                 "--out", str(tmp_path / "bad")]) != 0

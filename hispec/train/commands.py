@@ -96,7 +96,9 @@ def register(sub) -> None:
                                    "layer's top-k + a small cross-entropy on its argmax), base model frozen; "
                                    "checkpoints let a stopped run continue bit-identically (--resume).")
     add_model_options(p)
-    p.add_argument("--data", required=True, metavar="DIR", help="a collect-exits folder")
+    p.add_argument("--data", required=True, nargs="+", metavar="DIR",
+                   help="collect-exits folders (several: their sequences together, e.g. teacher-forced replies "
+                        "and the model's own continuations)")
     p.add_argument("--layers", required=True, help="exit layers, e.g. 4 or 2,4 (their states must be in --data)")
     p.add_argument("--design", default="block", choices=["block", "block-final", "linear"],
                    help="block: one decoder layer over the exit states; block-final: that block also reads the "
@@ -279,9 +281,11 @@ def cmd_distill_exits(args) -> int:
     args.no_exits, args.exits = True, None
     gen = load_generator(args, progress=False)
     model = gen.model
-    meta = read_meta(Path(args.data))
-    if meta.get("model") != model_identity(model)["weights_sha256"]:
-        raise UsageError(f"{args.data} was collected with another model")
+    folders = [Path(d) for d in args.data]
+    metas = [read_meta(f) for f in folders]
+    for f, meta in zip(folders, metas):
+        if meta.get("model") != model_identity(model)["weights_sha256"]:
+            raise UsageError(f"{f} was collected with another model")
     work = Path(args.work) if args.work else Path(args.out) / "work"
     cfg = S.TrainConfig(epochs=args.epochs, batch_tokens=args.batch_tokens, lr=args.lr, ce_weight=args.ce_weight,
                         seed=args.seed, eval_every=args.eval_every,
@@ -290,7 +294,7 @@ def cmd_distill_exits(args) -> int:
     for L in layers or []:
         final = model.num_layers if args.design == "block-final" else None
         try:
-            data = S.load_sequences(Path(args.data), L, final_layer=final)
+            data = S.load_folders(folders, L, final_layer=final)
         except ValueError as e:
             raise UsageError(str(e)) from None
         train, held = data.split(args.heldout_every)
@@ -319,7 +323,9 @@ def cmd_distill_exits(args) -> int:
         del train, held  # one layer's states at a time: 3.7M positions of one layer hold ~7 GB
         gc.collect()
     manifest = Manifest(model_identity(model, args.model), layers, {"kind": args.design, "init": args.init},
-                        data={"folder": Path(args.data).name, "positions": positions, "collect": meta.get("command"),
+                        data={"folder": folders[0].name if len(folders) == 1 else [f.name for f in folders],
+                              "positions": positions,
+                              "collect": metas[0].get("command") if len(folders) == 1 else [m.get("command") for m in metas],
                               "heldout_every": args.heldout_every},
                         training={"command": command, "config": dataclasses.asdict(cfg), "per_layer": training},
                         agreement=agreement)

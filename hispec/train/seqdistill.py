@@ -107,6 +107,19 @@ def load_sequences(folder: Path, layer: int, max_positions: int | None = None, f
                    torch.cat(parts[f"h.{final_layer}"]) if final_layer is not None else None)
 
 
+def load_folders(folders: list[Path], layer: int, final_layer: int | None = None) -> SeqData:
+    """``load_sequences`` of each folder, their sequences one after the other (a record index
+    is kept as its folder numbered it, so a held-out split by record takes from every folder)."""
+    parts = [load_sequences(Path(f), layer, final_layer=final_layer) for f in folders]
+    if len(parts) == 1:
+        return parts[0]
+    lengths = torch.cat([p.lengths() for p in parts])
+    return SeqData(torch.cat([p.hidden for p in parts]), torch.cat([p.top_ids for p in parts]),
+                   torch.cat([p.top_logp for p in parts]), torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]),
+                   torch.cat([p.first for p in parts]), torch.cat([p.record for p in parts]),
+                   None if final_layer is None else torch.cat([p.final for p in parts]))
+
+
 def frequent_vocab(data: SeqData, size: int, vocab_size: int) -> torch.Tensor:
     """The ``size`` tokens the final layer chooses most often on ``data``, sorted by id -> ``[size]``."""
     counts = torch.bincount(data.top_ids[:, 0], minlength=vocab_size).double()
