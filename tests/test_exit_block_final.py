@@ -10,7 +10,7 @@ from hispec.model.loader import load_model
 from hispec.train import seqdistill as S
 from hispec.train import teacher as T
 
-from test_exit_blocks import encoded
+from test_exit_blocks import encoded, train_and_measure
 
 
 @pytest.fixture(scope="module")
@@ -66,17 +66,7 @@ def test_untrained_block_final_is_the_block_and_the_fed_back_pass_is_exact(tiny)
 def test_training_block_final_lowers_the_loss_and_raises_agreement(tiny, shards):
     data = S.load_sequences(shards, 2, final_layer=tiny.num_layers)
     block = ExitBlock(tiny, init="zero", reads_final=True)
-    cfg = S.TrainConfig(epochs=12, batch_tokens=256, lr=3e-3, warmup=5)
-
-    def measure():
-        with torch.no_grad():
-            b = S.padded(data, torch.arange(data.num_sequences), tiny.device)
-            loss, _, _ = S.loss_terms(block, b, None, cfg.ce_weight)
-        return float(loss), S.agreement(block, data, reply_only=False)["top1"]
-
-    before = measure()
-    S.train(block, data, cfg)
-    after = measure()
+    before, after = train_and_measure(block, data)
     assert after[0] < before[0] - 0.1 and after[1] > before[1], (before, after)
     assert block.final_in.weight.abs().sum() > 0  # it learnt to read the final state
     fed = S.feedback_agreement(block, data)
