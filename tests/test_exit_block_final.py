@@ -10,12 +10,7 @@ from hispec.model.loader import load_model
 from hispec.train import seqdistill as S
 from hispec.train import teacher as T
 
-from test_exit_blocks import encoded, train_and_measure
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_model_dir):
-    return load_model(tiny_model_dir("llama"))
+from test_exit_blocks import encoded, tiny, train_and_measure  # noqa: F401 (tiny: a fixture)
 
 
 @pytest.fixture(scope="module")

@@ -42,7 +42,6 @@ from .decoder import DecoderLayer, RMSNorm
 from .quant import ACT_DTYPE, float_state_dict, quantize_linears
 
 INITS = ("copy", "zero")
-KINDS = ("block", "block-final")
 
 
 class ExitBlock(SharedOutput):

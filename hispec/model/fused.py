@@ -125,6 +125,12 @@ def _cxx_command(out: Path) -> list[str]:
             *(f"-L{p}" for p in cpp_extension.library_paths()), "-lc10", "-ltorch_cpu"]
 
 
+def _layers_path() -> Path:
+    """Where the layer op for this source, torch version and CPU is built."""
+    key = hashlib.sha256(LAYERS_SOURCE.read_bytes() + torch.__version__.encode() + _cpu_key().encode()).hexdigest()[:16]
+    return _build_dir() / f"fused_layers-{key}.so"
+
+
 @functools.lru_cache(maxsize=1)
 def layers_op():
     """``torch.ops.hispec_fused.decode_layers`` (a range of decoder layers in one call, on the
@@ -133,8 +139,7 @@ def layers_op():
     lib = library()
     if lib is None or os.environ.get("HISPEC_FUSED_LAYERS", "1") == "0":
         return None
-    key = hashlib.sha256(LAYERS_SOURCE.read_bytes() + torch.__version__.encode() + _cpu_key().encode()).hexdigest()[:16]
-    path = _build_dir() / f"fused_layers-{key}.so"
+    path = _layers_path()
     try:
         if not path.exists():
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -158,7 +163,7 @@ def prebuild(say=None) -> None:
     generation's time is not a compiler's. ``say(msg)`` is told when a build is about to run."""
     if os.environ.get("HISPEC_FUSED", "1") == "0":
         return
-    if say is not None and not any(_build_dir().glob("fused_layers-*.so")):
+    if say is not None and library() is not None and not _layers_path().exists():
         say("building hispec's CPU kernels for this CPU (once, ~15 s)")
     layers_op()
 

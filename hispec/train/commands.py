@@ -371,9 +371,8 @@ def cmd_train_exits(args) -> int:
     gen = load_generator(args, progress=not args.no_progress)
     model = gen.model
     n = model.num_layers
-    if not layers or any(not 0 <= L <= n for L in layers):
-        raise UsageError(f"--layers must be between 0 (the embeddings) and {n} (the final state) for this "
-                         f"{n}-layer model, got {args.layers}")
+    if not layers or any(not 1 <= L < n for L in layers):
+        raise UsageError(f"--layers must be between 1 and {n - 1} for this {n}-layer model, got {args.layers}")
     out = Path(args.out)
     work = Path(args.work) if args.work else out / "work"
     cache_dir = Path(args.cache) if args.cache else work / "cache"
