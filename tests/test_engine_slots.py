@@ -83,8 +83,13 @@ def test_pool_sizing_follows_the_config(model):
     strategy = make_strategy("ar")
     e = Engine(model, strategy, EngineConfig(block_size=4, max_batch_size=3))
     assert e.blocks.num_blocks == 3 * (-(-(min(256, 1024) + 2) // 4) + 1)  # a full batch of context-long sequences
+    pool = e.pool
     e.fit_pool(10, 2)
-    assert e.blocks.num_blocks == 2 * (-(-12 // 4) + 1)
+    assert e.pool is pool  # big enough: kept, not re-allocated
+    small = Engine(model, strategy, EngineConfig(block_size=4, max_batch_size=3), seq_tokens=1, num_seqs=1)
+    assert small.blocks.num_blocks == -(-(1 + 2) // 4) + 1
+    small.fit_pool(10, 2)
+    assert small.blocks.num_blocks == 2 * (-(-12 // 4) + 1)  # grown to what the requests need
     fixed = Engine(model, strategy, EngineConfig(block_size=4, kv_blocks=7))
     fixed.fit_pool(100, 3)
     assert fixed.blocks.num_blocks == 7

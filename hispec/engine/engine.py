@@ -150,11 +150,13 @@ class Engine:
                              min_tokens=seq_tokens + self.lookahead, num_seqs=num_seqs)
 
     def fit_pool(self, seq_tokens: int, num_seqs: int) -> None:
-        """Size the pool for the requests about to be added (only while none is in flight)."""
+        """Make the pool big enough for the requests about to be added (only while none is in
+        flight). A pool that is big enough is kept, as the ``Generator`` keeps its own: a new one
+        is allocated and zeroed (~1 s per GB), which calls of varying sizes would pay each time."""
         if self.config.fixed_pool:  # sized once, from the options
             return
         need = self.pool_blocks(seq_tokens, num_seqs)
-        if need != self.blocks.num_blocks:
+        if need > self.blocks.num_blocks:
             assert not self._requests, "cannot resize the KV pool with requests in flight"
             self._use_cache(PagedCache.for_model(self.model, need, self.config.block_size))
 
