@@ -211,7 +211,7 @@ def test_bench_with_peers(tiny_text_model_dir, prompt_file, fake_vllm_python, tm
 def test_batch_sizes_with_peers(tiny_text_model_dir, prompt_file, fake_vllm_python, tmp_path, capsys):
     out = tmp_path / "out"
     rc = bench(tiny_text_model_dir, prompt_file, out, "--strategies", "ar", "--batch-sizes", "1,2", "--peers", "vllm",
-               "--peer-python", f"vllm={fake_vllm_python}")
+               "--peer-python", f"vllm={fake_vllm_python}", "--rounds", "1")
     assert rc == 0
     r = json.loads((out / "batch_results.json").read_text())
     assert set(r["batch_sizes"]["2"]) == {"ar", "vllm:float32"} and r["peers"]["vllm:float32"]["available"]

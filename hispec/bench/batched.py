@@ -1,9 +1,10 @@
 """``hispec bench --batch-sizes 1,2,4,8,16``: throughput of the batched engine per strategy.
 
 For each batch size the same prompts run through the continuous-batching engine once per
-strategy (orders rotated between batch sizes, after one warm-up run), and the result is the
-generated tokens of the whole run over its wall time. Greedy outputs are checked against
-the first batch size's ``ar`` outputs prompt by prompt. Peers (``--peers``) run in the same
+strategy and round (``--rounds``, default 3; the order rotates from round to round and between
+batch sizes, after one warm-up run). A run's rate is the generated tokens of the whole run over
+its wall time; the result is the median run (the per-round seconds are kept). Greedy outputs
+are checked against the first batch size's ``ar`` outputs prompt by prompt, in every round. Peers (``--peers``) run in the same
 rotation: vLLM as one continuous-batching call of up to the largest batch size (static batches
 of ``b`` below it), llama.cpp at batch size 1 only (llama-cpp-python has no batched generation).
 """
@@ -18,7 +19,8 @@ from ..config import SamplingParams
 
 
 def run_batch_sizes(gen, strategies: dict, prompt_ids: list[list[int]], params: SamplingParams,
-                    batch_sizes: list[int], adaptive: bool = True, peers: list = (), agree_first: int = 32) -> dict:
+                    batch_sizes: list[int], adaptive: bool = True, peers: list = (), agree_first: int = 32,
+                    rounds: int = 3) -> dict:
     """``strategies``: label -> (strategy name, SpecConfig or None); ``peers``: PeerRunners (those
     without batching, llama.cpp's, run at batch size 1 only). Returns results per batch size."""
     from ..llm import LLM
@@ -35,32 +37,44 @@ def run_batch_sizes(gen, strategies: dict, prompt_ids: list[list[int]], params: 
     for round_, b in enumerate(batch_sizes):
         runs = {label: _own(llms[label], b) for label in llms}
         runs.update({p.label: _peer(p, b) for p in peers if p.batching or b == 1})
-        labels = list(runs)
-        labels = labels[round_ % len(labels):] + labels[:round_ % len(labels)]
-        row = {}
-        for label in labels:
-            ids, seconds = runs[label](prompt_ids, params)
-            tokens = sum(len(x) for x in ids)
-            row[label] = {"tokens": tokens, "seconds": round(seconds, 4),
-                          "tokens_per_second": round(tokens / seconds, 3) if seconds else 0.0, "token_ids": ids,
-                          "adaptive": llms[label].engine.adaptive.to_dict()
-                          if label in llms and llms[label].engine.adaptive else None}
-            print(f"  batch {b:>2} {label:<16} {tokens} tokens in {seconds:.1f} s = {tokens / seconds:.1f} tokens/s",
-                  file=sys.stderr)
+        timed: dict[str, list] = {label: [] for label in runs}  # label -> [(seconds, token ids)] per round
+        for r in range(rounds):
+            labels = list(runs)
+            shift = (round_ + r) % len(labels)
+            for label in labels[shift:] + labels[:shift]:
+                ids, seconds = runs[label](prompt_ids, params)
+                timed[label].append((seconds, ids))
+                tokens = sum(len(x) for x in ids)
+                print(f"  batch {b:>2} round {r + 1}/{rounds} {label:<16} {tokens} tokens in {seconds:.1f} s"
+                      f" = {tokens / seconds:.1f} tokens/s", file=sys.stderr)
+        row = {label: _median_run(timed[label]) | {
+                   "adaptive": llms[label].engine.adaptive.to_dict()
+                   if label in llms and llms[label].engine.adaptive else None} for label in runs}
         if reference is None and "ar" in row:
-            reference = row["ar"]["token_ids"]
+            reference = row["ar"]["token_ids"][0]  # its first round
         ar_rate = row.get("ar", {}).get("tokens_per_second")
         for label, r in row.items():
             r["speedup_vs_ar"] = round(r["tokens_per_second"] / ar_rate, 3) if ar_rate else None
-            ids = r.pop("token_ids")
-            r["identical_to_ar"] = (ids == reference) if params.greedy and reference else None
-            r["agreement_with_ar"] = _agreement(ids, reference, agree_first) if params.greedy and reference else None
+            every = r.pop("token_ids")  # one list per round
+            r["identical_to_ar"] = all(ids == reference for ids in every) if params.greedy and reference else None
+            r["agreement_with_ar"] = (_agreement(every[-1], reference, agree_first)
+                                      if params.greedy and reference else None)
         results[str(b)] = {label: row[label] for label in runs}  # rows in a fixed order
     if "ar" in strategies and str(batch_sizes[0]) in results and len(batch_sizes) > 1:
         base = results[str(batch_sizes[0])]["ar"]["tokens_per_second"]
         for b in batch_sizes:
             results[str(b)]["ar"]["ar_scaling_vs_first"] = round(results[str(b)]["ar"]["tokens_per_second"] / base, 3)
     return results
+
+
+def _median_run(runs: list[tuple[float, list[list[int]]]]) -> dict:
+    """The median of a label's runs (by seconds; the upper one of an even count), with every
+    round's seconds and token ids."""
+    seconds = [s for s, _ in runs]
+    mid = sorted(seconds)[len(seconds) // 2]
+    tokens = sum(len(x) for x in runs[seconds.index(mid)][1])
+    return {"tokens": tokens, "seconds": round(mid, 4), "tokens_per_second": round(tokens / mid, 3) if mid else 0.0,
+            "round_seconds": [round(s, 4) for s in seconds], "token_ids": [ids for _, ids in runs]}
 
 
 def _own(llm, b: int):

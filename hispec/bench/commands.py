@@ -60,6 +60,8 @@ def register(subparsers) -> None:
     g.add_argument("--no-chat", dest="chat", action="store_false")
     g.add_argument("--batch-sizes", default=None, metavar="B,B",
                    help="instead: throughput of ar/selfspec/hispec in the batched engine at these batch sizes")
+    g.add_argument("--rounds", type=int, default=3, metavar="N",
+                   help="with --batch-sizes: runs per engine and batch size, interleaved; the median is reported (default 3)")
     g.add_argument("--no-adaptive", action="store_true", help="with --batch-sizes: always speculate")
     g.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     peers = p.add_argument_group("peer engines (each in its own process and venv; greedy; see PEERS below)")
@@ -180,6 +182,8 @@ def _bench_batch_sizes(args, gen, strategies, prompts, params, batch_sizes, out:
 
     if min(batch_sizes) < 1:
         raise UsageError("--batch-sizes must be >= 1")
+    if args.rounds < 1:
+        raise UsageError("--rounds must be >= 1")
     own = {s.label: (s.kind, spec_for(s, args, gen)) for s in strategies if s.kind in ("ar", "selfspec", "hispec")}
     if not own:
         raise UsageError("--batch-sizes measures ar, selfspec and hispec: name at least one in --strategies")
@@ -188,14 +192,16 @@ def _bench_batch_sizes(args, gen, strategies, prompts, params, batch_sizes, out:
     print(f"hispec bench: {len(prompts)} prompts, batch sizes {batch_sizes}, strategies {', '.join(own)}",
           file=sys.stderr)
     results = run_batch_sizes(gen, own, prompt_ids, params, batch_sizes, adaptive=not args.no_adaptive,
-                              peers=[p for p in peers if p.unavailable is None], agree_first=args.agree_first)
+                              peers=[p for p in peers if p.unavailable is None], agree_first=args.agree_first,
+                              rounds=args.rounds)
     for p in peers:
         if p.unavailable:
             print(f"hispec bench: note: peer {p.label} did not run: {p.unavailable}", file=sys.stderr)
     meta = {"machine": machine_info(gen.model.device), "model": args.model, "num_prompts": len(prompts),
             "peers": {p.label: p.describe() | {"available": p.unavailable is None, "reason": p.unavailable}
                       for p in peers},
-            "max_new_tokens": params.max_new_tokens, "adaptive": not args.no_adaptive, "commit": git_commit(),
+            "max_new_tokens": params.max_new_tokens, "adaptive": not args.no_adaptive, "rounds": args.rounds,
+            "commit": git_commit(),
             "command": "hispec " + portable_command(sys.argv[1:])}
     return write_batch_outputs(results, meta, out, plots=not args.no_plots)
 
