@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from hispec.model import matmul
+from hispec.model import fused, matmul
 from hispec.model.matmul import SMALL_ROWS, Linear, linear
 
 
@@ -48,7 +48,8 @@ def test_other_dtypes_fall_back():
 
 @pytest.mark.skipif(not matmul.PREPACK, reason="no oneDNN weight reordering in this torch")
 @pytest.mark.parametrize("rows", [SMALL_ROWS + 1, 16, 33, 300])
-def test_prepacked_linear_matches_and_follows_its_weight(rows):
+def test_prepacked_linear_matches_and_follows_its_weight(rows, monkeypatch):
+    monkeypatch.setattr(matmul, "batched_route", lambda: "onednn")
     m = Linear(40, 96)
     x = torch.randn(rows, 40)
     with torch.inference_mode():
@@ -65,13 +66,63 @@ def test_prepacked_linear_matches_and_follows_its_weight(rows):
 
 
 @pytest.mark.skipif(not matmul.PREPACK, reason="no oneDNN weight reordering in this torch")
-def test_prepacking_respects_its_memory_budget(monkeypatch):
+@pytest.mark.parametrize("route", ["onednn", "panel"])
+def test_prepacking_respects_its_memory_budget(route, monkeypatch):
     monkeypatch.setattr(matmul, "PREPACK_FRACTION", 0.0)
+    monkeypatch.setattr(matmul, "batched_route", lambda: route)
     m = Linear(40, 96)
     with torch.inference_mode():
         x = torch.randn(20, 40)
         torch.testing.assert_close(m(x), F.linear(x, m.weight, m.bias), rtol=1e-5, atol=1e-5)
-    assert m not in matmul._packs
+    assert m not in matmul._packs and m not in matmul._panels
+
+
+needs_kernels = pytest.mark.skipif(not fused.available(), reason="no C compiler for the fused kernels")
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [SMALL_ROWS + 1, 16, 33, matmul.PANEL_ROWS])
+def test_panel_linear_matches_and_follows_its_weight(rows, monkeypatch):
+    monkeypatch.setattr(matmul, "batched_route", lambda: "panel")
+    m = Linear(40, 100)  # 100 outputs: two full panels of 48 and a padded one
+    x = torch.randn(rows, 40)
+    with torch.inference_mode():
+        y = m(x)
+        torch.testing.assert_close(y, F.linear(x, m.weight, m.bias), rtol=1e-5, atol=1e-5)
+        assert m in matmul._panels and m not in matmul._packs
+        assert torch.equal(m(torch.cat([x[1:], x[:1]]))[:-1], y[1:])  # a row's values: not where it sits in the call
+        if rows > 2 * SMALL_ROWS:
+            assert torch.equal(m(x[:SMALL_ROWS + 1]), y[:SMALL_ROWS + 1])  # nor the call's row count
+        m.weight.mul_(2)  # changed in place: the copy is remade
+        torch.testing.assert_close(m(x), F.linear(x, m.weight, m.bias), rtol=1e-5, atol=1e-5)
+        big = torch.randn(matmul.PANEL_ROWS + 1, 40)  # above the panel range: oneDNN (where prepacking is)
+        torch.testing.assert_close(m(big), F.linear(big, m.weight, m.bias), rtol=1e-5, atol=1e-5)
+
+
+@needs_kernels
+@pytest.mark.parametrize("n,k", [(48, 16), (100, 40), (7, 33)])
+def test_panel_matmul_rows_are_independent_of_the_call(n, k):
+    """Each output is one multiply-add chain over K: the same bits for any number of rows."""
+    g = torch.Generator().manual_seed(n)
+    w, x = torch.randn(n, k, generator=g), torch.randn(19, k, generator=g)
+    packed = fused.panel_pack(w)
+    assert packed.shape == (-(-n // 48), k, 48)
+    y = fused.panel_matmul(x, packed, n)
+    torch.testing.assert_close(y.double(), x.double() @ w.double().T, rtol=1e-5, atol=1e-5)
+    for t in (1, 3, 8, 9):
+        assert torch.equal(fused.panel_matmul(x[-t:].clone(), packed, n), y[-t:])
+
+
+def test_batched_route_is_measured_or_forced(monkeypatch):
+    matmul.batched_route.cache_clear()
+    try:
+        monkeypatch.setenv("HISPEC_BATCH_MATMUL", "onednn")
+        assert matmul.batched_route() == "onednn"
+        matmul.batched_route.cache_clear()
+        monkeypatch.delenv("HISPEC_BATCH_MATMUL")
+        assert matmul.batched_route() in matmul.BATCHED_ROUTES
+    finally:
+        matmul.batched_route.cache_clear()
 
 
 def test_small_route_is_measured_or_forced(monkeypatch):

@@ -6,7 +6,9 @@ per layer at a few microseconds each (dispatch, allocation, dtype casts), and at
 gathers each sequence's context out of the paged pool. ``fused_cpu.c`` does each run of that
 work in one call: ``rms_norm`` / ``add_rms_norm`` (residual add + norm + cast to the matmul
 input dtype), ``rope_write`` (rotate q and k, write K/V to their slots), ``paged_attention``
-(each query over its own context read through the block table, no gather), ``silu_mul``.
+(each query over its own context read through the block table, no gather), ``silu_mul``; and
+one matmul, ``panel_matmul`` (float32 products of a few rows on weights packed in panels, which
+``matmul.Linear`` takes for batched decode steps where it is faster than oneDNN).
 
 The library is compiled on first use by the machine's C compiler for this CPU
 (``-O3 -march=native``: the instructions the CPU has, AVX2 or AVX-512, chosen by the compiler),
@@ -49,6 +51,8 @@ _SIGNATURES = {
     "hs_rope_write": [_p, _i, _p, _p, _p, _i64, _i64, _i64, _i64, _p, _p, _p],
     "hs_paged_attention": [_p, _p, _p, _p, _i64, _p, _p, _i64, _i64, _i64, _i64, _i64, _f, _p, _i, _i],
     "hs_q8_matmul": [_p, _p, _p, _i, _i64, _i64, _i64, _p, _i],
+    "hs_panel_pack": [_p, _i64, _i64, _p],
+    "hs_panel_matmul": [_p, _i64, _i64, _p, _i64, _p, _i],
 }
 
 
@@ -269,6 +273,29 @@ def q8_matmul(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor) -> torch.Tensor
     t, k = x.shape
     out = torch.empty((t, q.shape[0]), dtype=F32)
     library().hs_q8_matmul(q.data_ptr(), d.data_ptr(), x.data_ptr(), _bf(x), t, q.shape[0], k, out.data_ptr(), 1)
+    return out
+
+
+PANEL_N = 48  # output columns per panel, as in fused_cpu.c
+
+
+def panel_pack(weight: torch.Tensor) -> torch.Tensor:
+    """``weight [N, K]`` float32 in ``panel_matmul``'s layout: ``[ceil(N / 48), K, 48]``, zero-padded."""
+    w = _check(weight, F32)
+    n, k = w.shape
+    out = torch.empty((-(-n // PANEL_N), k, PANEL_N), dtype=F32)
+    library().hs_panel_pack(w.data_ptr(), n, k, out.data_ptr())
+    return out
+
+
+def panel_matmul(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+    """``x [T, K] @ W.T`` -> ``[T, N]`` float32 for ``packed = panel_pack(W)``: each output one
+    fused multiply-add chain over K in order, so a row's values do not depend on T (the threads
+    share the panels)."""
+    x = _check(x, F32)
+    t, k = x.shape
+    out = torch.empty((t, n), dtype=F32)
+    library().hs_panel_matmul(x.data_ptr(), t, k, packed.data_ptr(), n, out.data_ptr(), 1)
     return out
 
 

@@ -301,3 +301,77 @@ void hs_q8_matmul(const int8_t *q, const float *d, const void *x, int x_bf, int6
     }
     if (x_bf) free(xf);
 }
+
+/* ---- float32 matmuls for a few rows (5 .. ~64: batched decode steps, verification windows) ----
+ * y[M, N] = x[M, K] W[N, K]^T with W packed once into panels of PANEL_N output columns,
+ * [ceil(N / PANEL_N)][K][PANEL_N] (the tail zero-padded): a panel is read front to back while
+ * PANEL_M rows of x accumulate PANEL_M x PANEL_N outputs in registers. Every output is one
+ * fused multiply-add chain over k = 0 .. K-1 in order, so it depends on its own row of x alone
+ * (not on M, nor on which rows share a tile, nor on the vector width: fma rounds once). */
+#define PANEL_N 48
+#define PANEL_M 8
+
+void hs_panel_pack(const float *w, int64_t N, int64_t K, float *out) {
+    int64_t P = (N + PANEL_N - 1) / PANEL_N;
+    for (int64_t p = 0; p < P; p++)
+        for (int64_t k = 0; k < K; k++)
+            for (int64_t j = 0; j < PANEL_N; j++) {
+                int64_t n = p * PANEL_N + j;
+                out[(p * K + k) * PANEL_N + j] = n < N ? w[n * K + k] : 0.0f;
+            }
+}
+
+/* m (a constant after inlining) rows of x times one panel: y[r, n0 .. n0 + nvalid - 1]. */
+static inline __attribute__((always_inline)) void panel_tile(const float *x, int64_t K, const float *panel, float *y,
+                                                            int64_t N, int64_t n0, int64_t nvalid, const int m) {
+    float out[PANEL_M][PANEL_N];
+#if defined(__AVX512F__)
+    __m512 acc[PANEL_M][3];
+    for (int r = 0; r < m; r++)
+        for (int c = 0; c < 3; c++) acc[r][c] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k++) {
+        const float *wk = panel + k * PANEL_N;
+        __m512 w0 = _mm512_loadu_ps(wk), w1 = _mm512_loadu_ps(wk + 16), w2 = _mm512_loadu_ps(wk + 32);
+        for (int r = 0; r < m; r++) {
+            __m512 xv = _mm512_set1_ps(x[r * K + k]);
+            acc[r][0] = _mm512_fmadd_ps(xv, w0, acc[r][0]);
+            acc[r][1] = _mm512_fmadd_ps(xv, w1, acc[r][1]);
+            acc[r][2] = _mm512_fmadd_ps(xv, w2, acc[r][2]);
+        }
+    }
+    for (int r = 0; r < m; r++)
+        for (int c = 0; c < 3; c++) _mm512_storeu_ps(out[r] + c * 16, acc[r][c]);
+#else
+    for (int r = 0; r < m; r++)
+        for (int j = 0; j < PANEL_N; j++) out[r][j] = 0.0f;
+    for (int64_t k = 0; k < K; k++)
+        for (int r = 0; r < m; r++) {
+            float xv = x[r * K + k];
+            for (int j = 0; j < PANEL_N; j++) out[r][j] = fmaf(xv, panel[k * PANEL_N + j], out[r][j]);
+        }
+#endif
+    for (int r = 0; r < m; r++) memcpy(y + r * N + n0, out[r], (size_t)nvalid * sizeof(float));
+}
+
+void hs_panel_matmul(const float *x, int64_t M, int64_t K, const float *packed, int64_t N, float *y, int parallel) {
+    int64_t P = (N + PANEL_N - 1) / PANEL_N;
+#pragma omp parallel for schedule(static) if (parallel)
+    for (int64_t p = 0; p < P; p++) {
+        const float *panel = packed + p * K * PANEL_N;
+        int64_t n0 = p * PANEL_N, nvalid = N - n0 < PANEL_N ? N - n0 : PANEL_N;
+        for (int64_t m0 = 0; m0 < M; m0 += PANEL_M) {
+            const float *xr = x + m0 * K;
+            float *yr = y + m0 * N;
+            switch (M - m0 < PANEL_M ? M - m0 : PANEL_M) {  /* constant row counts keep acc in registers */
+                case 1: panel_tile(xr, K, panel, yr, N, n0, nvalid, 1); break;
+                case 2: panel_tile(xr, K, panel, yr, N, n0, nvalid, 2); break;
+                case 3: panel_tile(xr, K, panel, yr, N, n0, nvalid, 3); break;
+                case 4: panel_tile(xr, K, panel, yr, N, n0, nvalid, 4); break;
+                case 5: panel_tile(xr, K, panel, yr, N, n0, nvalid, 5); break;
+                case 6: panel_tile(xr, K, panel, yr, N, n0, nvalid, 6); break;
+                case 7: panel_tile(xr, K, panel, yr, N, n0, nvalid, 7); break;
+                default: panel_tile(xr, K, panel, yr, N, n0, nvalid, 8); break;
+            }
+        }
+    }
+}

@@ -39,6 +39,20 @@ That is batched decode steps ~1.7x faster and prefill ~5%. The copy costs the we
 more, so it is made on first use only while all copies together stay under ``PREPACK_FRACTION`` of
 the machine's memory (float32 SmolLM2-135M: ~540 MB), and follows the weight (remade when the
 weight is replaced or changed in place). ``HISPEC_PREPACK=0`` turns it off.
+
+From ``SMALL_ROWS + 1`` to ``PANEL_ROWS`` rows (batched decode steps, verification windows) a
+third kernel may serve instead: ``fused.panel_matmul``, hispec's own, on a copy of the weight in
+panels of 48 output columns (same budget as above). Every output is one fused multiply-add chain
+over K, so a row's values do not depend on how many rows share the call. On the 2-core AMD EPYC
+(Zen 4) test machine, over the 120 decoder matmuls' shapes (GFLOP/s, medians, 2 threads):
+
+    rows                  8    16    32    64
+    oneDNN, prepacked    67    99   134   126
+    panel kernel        103   133   168   148
+
+Which of the two runs is decided once per process by timing both on 16 rows
+(:func:`batched_route`; ``HISPEC_BATCH_MATMUL=panel|onednn`` forces it), since CPUs differ (the
+panel kernel uses AVX-512 where the CPU has it, and a plain vectorised loop elsewhere).
 """
 from __future__ import annotations
 
@@ -50,6 +64,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from . import fused
+
 
 SMALL_ROWS = 4
 _ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
@@ -57,7 +73,9 @@ PREPACK = (_ONEDNN and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
            and os.environ.get("HISPEC_PREPACK", "1") != "0")
 PREPACK_FRACTION = 0.25
 PACK_ROWS = 16  # the row count oneDNN's blocked layout is chosen for; it serves 5-512 rows well (table above)
+PANEL_ROWS = 64  # up to here batched products may take the panel kernel (see batched_route)
 _packs: "weakref.WeakKeyDictionary[nn.Module, tuple[tuple, torch.Tensor]]" = weakref.WeakKeyDictionary()
+_panels: "weakref.WeakKeyDictionary[nn.Module, tuple[tuple, torch.Tensor]]" = weakref.WeakKeyDictionary()
 
 
 def _memory_bytes() -> int:
@@ -67,21 +85,55 @@ def _memory_bytes() -> int:
         return 0
 
 
-def _packed(module: nn.Module, weight: torch.Tensor) -> torch.Tensor | None:
-    """The oneDNN-blocked copy of ``weight [N, K]`` kept for ``module``, made now if the budget
-    allows; None when it does not. Kept outside the module (no state-dict key, not deep-copied)."""
+def _packed(module: nn.Module, weight: torch.Tensor, copies=_packs) -> torch.Tensor | None:
+    """The oneDNN-blocked copy of ``weight [N, K]`` kept for ``module`` (or, with ``copies=_panels``,
+    its panel-kernel copy), made now if the budget allows; None when it does not. Kept outside the
+    module (no state-dict key, not deep-copied)."""
     key = (weight.data_ptr(), weight._version, tuple(weight.shape))
-    entry = _packs.get(module)
+    entry = copies.get(module)
     if entry is not None and entry[0] == key:
         return entry[1]
-    _packs.pop(module, None)
-    held = sum(p.numel() * p.element_size() for _, p in _packs.values())
+    copies.pop(module, None)
+    held = sum(p.numel() * p.element_size() for d in (_packs, _panels) for _, p in d.values())
     if held + weight.numel() * weight.element_size() > PREPACK_FRACTION * _memory_bytes():
         return None
     with torch.no_grad():
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS)
-    _packs[module] = (key, packed)
+        if copies is _panels:
+            packed = fused.panel_pack(weight.detach())
+        else:
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS)
+    copies[module] = (key, packed)
     return packed
+
+
+BATCHED_ROUTES = ("panel", "onednn")
+
+
+@functools.lru_cache(maxsize=1)
+def batched_route() -> str:
+    """The faster kernel for float32 products of ``SMALL_ROWS + 1 .. PANEL_ROWS`` rows on this CPU,
+    decided once per process: ``HISPEC_BATCH_MATMUL=panel|onednn`` if set; oneDNN when the panel
+    kernel cannot run (no compiled kernels) or there is nothing to compare it with; else both
+    timed on 16 rows (interleaved, medians of 5) against 8 weights of a SmolLM2 MLP's size."""
+    forced = os.environ.get("HISPEC_BATCH_MATMUL")
+    if forced in BATCHED_ROUTES:
+        return forced
+    if not fused.available():
+        return "onednn"
+    if not PREPACK:
+        return "panel"
+    from .kernels import interleaved_medians
+
+    g = torch.Generator().manual_seed(0)
+    weights = [torch.randn(3072, 576, generator=g) for _ in range(8)]
+    x = torch.randn(16, 576, generator=g)
+    with torch.no_grad():
+        dnn = [torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS) for w in weights]
+        panels = [fused.panel_pack(w) for w in weights]
+        med = interleaved_medians({
+            "onednn": lambda: [torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [None], "") for w in dnn],
+            "panel": lambda: [fused.panel_matmul(x, p, 3072) for p in panels]}, reps=5, warmup=1)
+    return min(med, key=med.get)
 
 
 ROUTES = ("wxt", "linear")  # decode-sized float32 products: (W @ x.T).T (one row padded to two), F.linear
@@ -137,9 +189,15 @@ class Linear(nn.Linear):
         w = self.weight
         if (PREPACK and x.device.type == "cpu" and x.dtype == w.dtype == torch.float32 and w.is_contiguous()
                 and x.numel() > SMALL_ROWS * x.shape[-1] and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
+            rows = x.reshape(-1, x.shape[-1]).contiguous()  # [T, K]
+            if rows.shape[0] <= PANEL_ROWS and batched_route() == "panel" and fused.available():
+                panel = _packed(self, w, _panels)
+                if panel is not None:
+                    out = fused.panel_matmul(rows, panel, w.shape[0])
+                    out = out if self.bias is None else out + self.bias
+                    return out.reshape(*x.shape[:-1], w.shape[0])
             packed = _packed(self, w)
             if packed is not None:
-                rows = x.reshape(-1, x.shape[-1]).contiguous()  # [T, K]
                 out = torch.ops.mkldnn._linear_pointwise(rows, packed, self.bias, "none", [None], "")
                 return out.reshape(*x.shape[:-1], w.shape[0])
         return linear(x, w, self.bias)
