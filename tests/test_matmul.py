@@ -49,7 +49,7 @@ def test_other_dtypes_fall_back():
 @pytest.mark.skipif(not matmul.PREPACK, reason="no oneDNN weight reordering in this torch")
 @pytest.mark.parametrize("rows", [SMALL_ROWS + 1, 16, 33, 300])
 def test_prepacked_linear_matches_and_follows_its_weight(rows, monkeypatch):
-    monkeypatch.setattr(matmul, "batched_route", lambda: "onednn")
+    monkeypatch.setattr(matmul, "panel_rows", lambda: 0)
     m = Linear(40, 96)
     x = torch.randn(rows, 40)
     with torch.inference_mode():
@@ -69,7 +69,7 @@ def test_prepacked_linear_matches_and_follows_its_weight(rows, monkeypatch):
 @pytest.mark.parametrize("route", ["onednn", "panel"])
 def test_prepacking_respects_its_memory_budget(route, monkeypatch):
     monkeypatch.setattr(matmul, "PREPACK_FRACTION", 0.0)
-    monkeypatch.setattr(matmul, "batched_route", lambda: route)
+    monkeypatch.setattr(matmul, "panel_rows", lambda: matmul.PANEL_ROWS if route == "panel" else 0)
     m = Linear(40, 96)
     with torch.inference_mode():
         x = torch.randn(20, 40)
@@ -81,9 +81,9 @@ needs_kernels = pytest.mark.skipif(not fused.available(), reason="no C compiler 
 
 
 @needs_kernels
-@pytest.mark.parametrize("rows", [SMALL_ROWS + 1, 16, 33, matmul.PANEL_ROWS])
+@pytest.mark.parametrize("rows", [SMALL_ROWS + 1, 16, 33, matmul.PANEL_DECODE_ROWS])
 def test_panel_linear_matches_and_follows_its_weight(rows, monkeypatch):
-    monkeypatch.setattr(matmul, "batched_route", lambda: "panel")
+    monkeypatch.setattr(matmul, "panel_rows", lambda: matmul.PANEL_DECODE_ROWS)
     m = Linear(40, 100)  # 100 outputs: two full panels of 48 and a padded one
     x = torch.randn(rows, 40)
     with torch.inference_mode():
@@ -95,7 +95,7 @@ def test_panel_linear_matches_and_follows_its_weight(rows, monkeypatch):
             assert torch.equal(m(x[:SMALL_ROWS + 1]), y[:SMALL_ROWS + 1])  # nor the call's row count
         m.weight.mul_(2)  # changed in place: the copy is remade
         torch.testing.assert_close(m(x), F.linear(x, m.weight, m.bias), rtol=1e-5, atol=1e-5)
-        big = torch.randn(matmul.PANEL_ROWS + 1, 40)  # above the panel range: oneDNN (where prepacking is)
+        big = torch.randn(matmul.PANEL_DECODE_ROWS + 1, 40)  # above the panel range: oneDNN (where prepacking is)
         torch.testing.assert_close(m(big), F.linear(big, m.weight, m.bias), rtol=1e-5, atol=1e-5)
 
 
@@ -113,16 +113,19 @@ def test_panel_matmul_rows_are_independent_of_the_call(n, k):
         assert torch.equal(fused.panel_matmul(x[-t:].clone(), packed, n), y[-t:])
 
 
-def test_batched_route_is_measured_or_forced(monkeypatch):
-    matmul.batched_route.cache_clear()
+def test_panel_rows_are_measured_or_forced(monkeypatch):
+    matmul.panel_rows.cache_clear()
     try:
         monkeypatch.setenv("HISPEC_BATCH_MATMUL", "onednn")
-        assert matmul.batched_route() == "onednn"
-        matmul.batched_route.cache_clear()
+        assert matmul.panel_rows() == 0
+        matmul.panel_rows.cache_clear()
+        monkeypatch.setenv("HISPEC_BATCH_MATMUL", "panel")
+        assert matmul.panel_rows() == matmul.PANEL_ROWS
+        matmul.panel_rows.cache_clear()
         monkeypatch.delenv("HISPEC_BATCH_MATMUL")
-        assert matmul.batched_route() in matmul.BATCHED_ROUTES
+        assert matmul.panel_rows() in (0, matmul.PANEL_DECODE_ROWS, matmul.PANEL_ROWS)
     finally:
-        matmul.batched_route.cache_clear()
+        matmul.panel_rows.cache_clear()
 
 
 def test_small_route_is_measured_or_forced(monkeypatch):

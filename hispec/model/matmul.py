@@ -40,19 +40,20 @@ more, so it is made on first use only while all copies together stay under ``PRE
 the machine's memory (float32 SmolLM2-135M: ~540 MB), and follows the weight (remade when the
 weight is replaced or changed in place). ``HISPEC_PREPACK=0`` turns it off.
 
-From ``SMALL_ROWS + 1`` to ``PANEL_ROWS`` rows (batched decode steps, verification windows) a
-third kernel may serve instead: ``fused.panel_matmul``, hispec's own, on a copy of the weight in
-panels of 48 output columns (same budget as above). Every output is one fused multiply-add chain
-over K, so a row's values do not depend on how many rows share the call. On the 2-core AMD EPYC
-(Zen 4) test machine, over the 120 decoder matmuls' shapes (GFLOP/s, medians, 2 threads):
+Above ``SMALL_ROWS`` rows a third kernel may serve instead: ``fused.panel_matmul``, hispec's own,
+on a copy of the weight in panels of 48 output columns (same budget as above). Every output is one
+fused multiply-add chain over K, so a row's values do not depend on how many rows share the call.
+On the 2-core AMD EPYC (Zen 4) test machine, over the decoder matmuls' shapes (GFLOP/s, medians,
+2 threads, interleaved):
 
-    rows                  8    16    32    64
-    oneDNN, prepacked    67    99   134   126
-    panel kernel        103   133   168   148
+    rows                  8    16    64   128   256  1024
+    oneDNN, prepacked    67   100   161   169   198   208
+    panel kernel        103   126   185   194   211   211
 
-Which of the two runs is decided once per process by timing both on 16 rows
-(:func:`batched_route`; ``HISPEC_BATCH_MATMUL=panel|onednn`` forces it), since CPUs differ (the
-panel kernel uses AVX-512 where the CPU has it, and a plain vectorised loop elsewhere).
+How far it serves is decided once per process by timing both on 16 and on 256 rows
+(:func:`panel_rows`: up to ``PANEL_ROWS`` rows if it wins both, up to ``PANEL_DECODE_ROWS`` if it
+wins on 16 only, else never; ``HISPEC_BATCH_MATMUL=panel|onednn`` forces it), since CPUs differ
+(the kernel uses AVX-512 where the CPU has it, and a plain vectorised loop elsewhere).
 """
 from __future__ import annotations
 
@@ -73,7 +74,8 @@ PREPACK = (_ONEDNN and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
            and os.environ.get("HISPEC_PREPACK", "1") != "0")
 PREPACK_FRACTION = 0.25
 PACK_ROWS = 16  # the row count oneDNN's blocked layout is chosen for; it serves 5-512 rows well (table above)
-PANEL_ROWS = 64  # up to here batched products may take the panel kernel (see batched_route)
+PANEL_DECODE_ROWS = 64  # batched decode steps and verification windows
+PANEL_ROWS = 512  # and prefill chunks (the engine's default chunk: 256): see panel_rows
 _packs: "weakref.WeakKeyDictionary[nn.Module, tuple[tuple, torch.Tensor]]" = weakref.WeakKeyDictionary()
 _panels: "weakref.WeakKeyDictionary[nn.Module, tuple[tuple, torch.Tensor]]" = weakref.WeakKeyDictionary()
 
@@ -110,30 +112,33 @@ BATCHED_ROUTES = ("panel", "onednn")
 
 
 @functools.lru_cache(maxsize=1)
-def batched_route() -> str:
-    """The faster kernel for float32 products of ``SMALL_ROWS + 1 .. PANEL_ROWS`` rows on this CPU,
-    decided once per process: ``HISPEC_BATCH_MATMUL=panel|onednn`` if set; oneDNN when the panel
-    kernel cannot run (no compiled kernels) or there is nothing to compare it with; else both
-    timed on 16 rows (interleaved, medians of 5) against 8 weights of a SmolLM2 MLP's size."""
+def panel_rows() -> int:
+    """Up to how many rows float32 products above ``SMALL_ROWS`` take the panel kernel on this CPU
+    (0: never), decided once per process: ``HISPEC_BATCH_MATMUL=panel|onednn`` if set; 0 when the
+    kernel cannot run (no compiled kernels); else both kernels timed (interleaved, medians of 5)
+    on 16 and on 256 rows against 8 weights of a SmolLM2 MLP's size."""
     forced = os.environ.get("HISPEC_BATCH_MATMUL")
     if forced in BATCHED_ROUTES:
-        return forced
+        return PANEL_ROWS if forced == "panel" else 0
     if not fused.available():
-        return "onednn"
+        return 0
     if not PREPACK:
-        return "panel"
+        return PANEL_ROWS
     from .kernels import interleaved_medians
 
     g = torch.Generator().manual_seed(0)
     weights = [torch.randn(3072, 576, generator=g) for _ in range(8)]
-    x = torch.randn(16, 576, generator=g)
     with torch.no_grad():
         dnn = [torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS) for w in weights]
         panels = [fused.panel_pack(w) for w in weights]
-        med = interleaved_medians({
-            "onednn": lambda: [torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [None], "") for w in dnn],
-            "panel": lambda: [fused.panel_matmul(x, p, 3072) for p in panels]}, reps=5, warmup=1)
-    return min(med, key=med.get)
+        wins = []
+        for rows in (16, 256):
+            x = torch.randn(rows, 576, generator=g)
+            med = interleaved_medians({
+                "onednn": lambda: [torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [None], "") for w in dnn],
+                "panel": lambda: [fused.panel_matmul(x, p, 3072) for p in panels]}, reps=5, warmup=1)
+            wins.append(med["panel"] < med["onednn"])
+    return PANEL_ROWS if all(wins) else PANEL_DECODE_ROWS if wins[0] else 0
 
 
 ROUTES = ("wxt", "linear")  # decode-sized float32 products: (W @ x.T).T (one row padded to two), F.linear
@@ -190,7 +195,7 @@ class Linear(nn.Linear):
         if (PREPACK and x.device.type == "cpu" and x.dtype == w.dtype == torch.float32 and w.is_contiguous()
                 and x.numel() > SMALL_ROWS * x.shape[-1] and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
             rows = x.reshape(-1, x.shape[-1]).contiguous()  # [T, K]
-            if rows.shape[0] <= PANEL_ROWS and batched_route() == "panel" and fused.available():
+            if rows.shape[0] <= panel_rows() and fused.available():
                 panel = _packed(self, w, _panels)
                 if panel is not None:
                     out = fused.panel_matmul(rows, panel, w.shape[0])
