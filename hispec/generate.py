@@ -100,6 +100,10 @@ class Generator:
         if exits is not False:
             from .model.exits import attach_exits
             attach_exits(gen, None if exits is True else exits)
+        if model.device.type == "cpu":
+            from .model import matmul
+
+            matmul.choose_routes(gen.model)  # timed at load, not in the first prefill
         return gen
 
     # ---- exit heads ----------------------------------------------------------------------

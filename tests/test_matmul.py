@@ -140,3 +140,13 @@ def test_small_route_is_measured_or_forced(monkeypatch):
         assert matmul.small_route() in matmul.ROUTES
     finally:
         matmul.small_route.cache_clear()
+
+
+def test_choose_routes_times_only_for_float32_linears(monkeypatch):
+    calls = []
+    monkeypatch.setattr(matmul, "small_route", lambda: calls.append("small"))
+    monkeypatch.setattr(matmul, "panel_rows", lambda: calls.append("panel"))
+    matmul.choose_routes(torch.nn.Sequential(torch.nn.Linear(4, 4)))  # not hispec's Linear: nothing to choose
+    assert calls == []
+    matmul.choose_routes(torch.nn.Sequential(Linear(4, 4)))
+    assert calls == ["small", "panel"]

@@ -163,6 +163,15 @@ def small_route() -> str:
     return min(med, key=med.get)
 
 
+def choose_routes(model: nn.Module) -> None:
+    """Time this CPU's kernel choices now (~1 s, once per process) if ``model`` has float32
+    ``Linear`` layers on the CPU, so the first prefill or batched step does not pay for it."""
+    if any(type(m) is Linear and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"
+           for m in model.modules()):
+        small_route()
+        panel_rows()
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x [..., K] @ weight[N, K].T (+ bias[N])`` -> ``[..., N]``, contiguous."""
     if (x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32 or not weight.is_contiguous()
