@@ -4,8 +4,8 @@ For each batch size the same prompts run through the continuous-batching engine 
 strategy and round (``--rounds``, default 3; the order rotates from round to round and between
 batch sizes, after one warm-up run). A run's rate is the generated tokens of the whole run over
 its wall time; the result is the median run (the per-round seconds are kept). Greedy outputs
-are checked against the first batch size's ``ar`` outputs prompt by prompt, in every round. Peers (``--peers``) run in the same
-rotation: vLLM as one continuous-batching call of up to the largest batch size (static batches
+are checked against the first batch size's ``ar`` outputs prompt by prompt, in every round.
+Peers (``--peers``) run in the same rotation: vLLM as one continuous-batching call of up to the largest batch size (static batches
 of ``b`` below it), llama.cpp at batch size 1 only (llama-cpp-python has no batched generation).
 """
 from __future__ import annotations

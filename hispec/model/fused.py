@@ -7,8 +7,8 @@ gathers each sequence's context out of the paged pool. ``fused_cpu.c`` does each
 work in one call: ``rms_norm`` / ``add_rms_norm`` (residual add + norm + cast to the matmul
 input dtype), ``rope_write`` (rotate q and k, write K/V to their slots), ``paged_attention``
 (each query over its own context read through the block table, no gather), ``silu_mul``; and
-one matmul, ``panel_matmul`` (float32 products of a few rows on weights packed in panels, which
-``matmul.Linear`` takes for batched decode steps where it is faster than oneDNN).
+one matmul, ``panel_matmul`` (float32 products on weights packed in panels, which ``matmul.Linear``
+takes for batched decode steps and prefill chunks where it is faster than oneDNN).
 
 The library is compiled on first use by the machine's C compiler for this CPU
 (``-O3 -march=native``: the instructions the CPU has, AVX2 or AVX-512, chosen by the compiler),

@@ -302,7 +302,7 @@ void hs_q8_matmul(const int8_t *q, const float *d, const void *x, int x_bf, int6
     if (x_bf) free(xf);
 }
 
-/* ---- float32 matmuls for a few rows (5 .. ~64: batched decode steps, verification windows) ----
+/* ---- float32 matmuls of 5 .. 512 rows (batched decode steps, verification windows, prefill chunks) ----
  * y[M, N] = x[M, K] W[N, K]^T with W packed once into panels of PANEL_N output columns,
  * [ceil(N / PANEL_N)][K][PANEL_N] (the tail zero-padded): a panel is read front to back while
  * PANEL_M rows of x accumulate PANEL_M x PANEL_N outputs in registers. Every output is one

@@ -115,15 +115,14 @@ BATCHED_ROUTES = ("panel", "onednn")
 def panel_rows() -> int:
     """Up to how many rows float32 products above ``SMALL_ROWS`` take the panel kernel on this CPU
     (0: never), decided once per process: ``HISPEC_BATCH_MATMUL=panel|onednn`` if set; 0 when the
-    kernel cannot run (no compiled kernels); else both kernels timed (interleaved, medians of 5)
-    on 16 and on 256 rows against 8 weights of a SmolLM2 MLP's size."""
+    kernel cannot run (no compiled kernels) or weight copies are off (``HISPEC_PREPACK=0``: the panel
+    layout is a copy too); else both kernels timed (interleaved, medians of 5) on 16 and on 256 rows
+    against 8 weights of a SmolLM2 MLP's size."""
     forced = os.environ.get("HISPEC_BATCH_MATMUL")
     if forced in BATCHED_ROUTES:
         return PANEL_ROWS if forced == "panel" else 0
-    if not fused.available():
+    if not (PREPACK and fused.available()):
         return 0
-    if not PREPACK:
-        return PANEL_ROWS
     from .kernels import interleaved_medians
 
     g = torch.Generator().manual_seed(0)
