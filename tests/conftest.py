@@ -84,3 +84,21 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(old)
+
+
+@pytest.fixture
+def four_bit_kernel(monkeypatch):
+    """``four_bit_kernel(kind)``: 4-bit weights built from now on use ``kind`` (``q4`` or ``int4``)
+    instead of the one timed faster on this CPU."""
+    from hispec.model import kernels
+
+    def use(kind: str) -> None:
+        if kind == "q4":
+            from hispec.model import fused
+            if not fused.available():
+                pytest.skip("the q4 kernel needs the fused CPU kernels (a C compiler)")
+        monkeypatch.setenv("HISPEC_Q4_KERNEL", kind)
+        kernels.four_bit_kernel.cache_clear()
+
+    yield use
+    kernels.four_bit_kernel.cache_clear()

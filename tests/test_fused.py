@@ -152,14 +152,18 @@ def test_model_runs_on_the_fused_kernels(tiny_model_dir, monkeypatch):
     assert with_kernels.token_ids == eager.token_ids  # a random tiny model has no near-ties in 12 tokens
 
 
-@pytest.mark.parametrize("quantize", ["none", "int4", "int8"])
-def test_layer_op_equals_the_per_layer_path(tiny_model_dir, quantize):
+@pytest.mark.parametrize("quantize", ["none", "int4", "q4", "int8"])
+def test_layer_op_equals_the_per_layer_path(tiny_model_dir, four_bit_kernel, quantize):
     """``decode_layers`` (a range of layers in one C++ call) gives the per-layer fused path's hidden
-    states and K/V bit for bit, for float32, int4 and int8 weights, on a ragged batch."""
+    states and K/V bit for bit, for float32, int4 (on PyTorch's int4 kernel or hispec's q4) and
+    int8 weights, on a ragged batch."""
     from hispec.generate import Generator
 
     if fused.layers_op() is None:
         pytest.skip("no C++ compiler or torch headers: the layers run one by one")
+    if quantize in ("int4", "q4"):
+        four_bit_kernel(quantize)
+        quantize = "int4"
     gen = Generator.from_pretrained(str(tiny_model_dir("llama")), exits=False, quantize=quantize, progress=False)
     model, cfg = gen.model, gen.model.cfg
     n = model.num_layers
@@ -200,17 +204,21 @@ def test_layer_plan_follows_replaced_projections(tiny_model_dir):
     from hispec.model.matmul import small_route
 
     assert layer.layer_plan()[2] == [fused.MM_FLOAT if small_route() == "wxt" else fused.MM_FLOAT_LINEAR] * 4
-    layer.o_proj = QuantLinear.from_float(layer.o_proj.weight, "int4")
+    weight = layer.o_proj.weight
+    layer.o_proj = QuantLinear.from_float(weight, "int4", kernel="int4")
     assert layer.layer_plan() is None  # int4 wants bfloat16 activations, this layer runs float32 ones
+    layer.o_proj = QuantLinear.from_float(weight, "int4", kernel="q4")  # q4 reads float32 ones
+    assert layer.layer_plan()[2][1] == fused.MM_Q4
 
 
-def test_prefill_on_dense_weights_is_independent_of_chunking(tiny_model_dir):
+def test_prefill_on_dense_weights_is_independent_of_chunking(tiny_model_dir, four_bit_kernel):
     """Prompt tokens run on the dense bfloat16 prefill weights (``QuantLinear.dense``), and a
     prompt's hidden states and K/V are the same bits whether it is prefilled whole or in chunks
     (what keeps batches, whose chunked prefill splits prompts differently, identical to batch 1)."""
     from hispec.decode.base import LayerRunner
     from hispec.generate import Generator
 
+    four_bit_kernel("int4")  # the dense copies serve the int4 kernel's layers (bfloat16 activations)
     gen = Generator.from_pretrained(str(tiny_model_dir("llama")), exits=False, quantize="int4", progress=False)
     model = gen.model
     for layer in model.layers:

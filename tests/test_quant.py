@@ -16,24 +16,30 @@ def _x(rows: int, k: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(rows, k, generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("scheme", ["int4", "int8"])
-def test_from_float_computes_its_dequantized_weight(scheme):
+needs_fused = pytest.mark.skipif(not fused.available(), reason="needs the fused CPU kernels (a C compiler)")
+SCHEMES = [("int4", "int4"), ("int8", None), pytest.param("int4", "q4", marks=needs_fused)]
+
+
+@pytest.mark.parametrize("scheme,kernel", SCHEMES)
+def test_from_float_computes_its_dequantized_weight(scheme, kernel):
     w = torch.randn(48, 64, generator=torch.Generator().manual_seed(1)) * 0.05
-    layer = QuantLinear.from_float(w, scheme)
+    layer = QuantLinear.from_float(w, scheme, kernel=kernel)
     deq = layer.dequantize()
     assert deq.shape == w.shape
     assert (deq - w).abs().max() <= (0.05 if scheme == "int4" else 0.005)  # quantization error
     x = _x(5, 64)
-    want = F.linear(x.to(ACT_DTYPE).float(), deq)
     out = layer(x)
     assert out.dtype == torch.float32 and out.shape == (5, 48)
-    torch.testing.assert_close(out, want, rtol=2e-2, atol=2e-2)  # bfloat16 output rounding
+    if kernel == "q4":  # float32 activations, put in 16 bits per block: close to the float product
+        torch.testing.assert_close(out, F.linear(x, deq), rtol=1e-4, atol=1e-4)
+    else:
+        torch.testing.assert_close(out, F.linear(x.to(ACT_DTYPE).float(), deq), rtol=2e-2, atol=2e-2)  # bfloat16 output
 
 
-@pytest.mark.parametrize("scheme", ["int4", "int8"])
-def test_rows_do_not_depend_on_the_batch(scheme):
+@pytest.mark.parametrize("scheme,kernel", SCHEMES)
+def test_rows_do_not_depend_on_the_batch(scheme, kernel):
     """One-token decoding and batched verification must see bit-identical rows."""
-    layer = QuantLinear.from_float(torch.randn(64, 96), scheme)
+    layer = QuantLinear.from_float(torch.randn(64, 96), scheme, kernel=kernel)
     x = _x(9, 96, seed=2)
     full = layer(x)
     for lo, hi in [(0, 1), (3, 4), (2, 6), (1, 9)]:
@@ -55,13 +61,66 @@ def _gguf_blocks(kind: str, n: int = 32, k: int = 64):
 def test_four_bit_blocks_keep_the_files_values(kind):
     tensor, want = _gguf_blocks(kind)
     q, d, m = _blocks(tensor)
-    layer = QuantLinear.from_blocks(q, d, m, kind)
+    layer = QuantLinear.from_blocks(q, d, m, kind, kernel="int4")
     assert torch.equal(layer.source_weight(), torch.from_numpy(want))  # exact: d * q + m
     # the kernel's copy differs only by the rounding of scale and zero to bfloat16
     rel = (layer.dequantize() - layer.source_weight()).abs().max() / layer.source_weight().abs().max()
     assert 0 < rel < 2 ** -7
     x = _x(3, 64)
     torch.testing.assert_close(layer(x), F.linear(x, torch.from_numpy(want)), rtol=3e-2, atol=3e-2)
+
+
+@needs_fused
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
+def test_q4_kernel_multiplies_the_files_values_each_row_alone(kind):
+    """hispec's q4 kernel: the file's nibbles and exact d, m (its weights are the float32 model's),
+    float32 activations within 16-bit rounding per block, and each output row the same whatever
+    the number of rows in the call (1..19 cover the 4-weight-row tiles of one row and the 8-row
+    tiles of more, with remainders) or of threads."""
+    tensor, want = _gguf_blocks(kind, n=86, k=96)
+    layer = QuantLinear.from_blocks(*_blocks(tensor), kind, kernel="q4")
+    assert layer.kernel == "q4" and layer.input_dtype == torch.float32
+    w = torch.from_numpy(want)
+    assert torch.equal(layer.dequantize(), w) and torch.equal(layer.source_weight(), w)
+    x = torch.randn(19, 96, generator=torch.Generator().manual_seed(3))
+    x[2, :32] = 0  # an all-zero block
+    x[4, 40] = 1e4  # one large value: its block's others keep 1.5e-5 of it
+    out = layer(x)
+    assert out.dtype == torch.float32
+    ref = F.linear(x.double(), w.double())
+    scale = x.abs().view(19, 3, 32).amax(-1).repeat_interleave(32, 1).double()  # each input's block max
+    bound = (w.double().abs() @ scale.T).T * (0.5 / 32767) + 1e-5  # half a 16-bit step per input, + float sums
+    assert ((out.double() - ref).abs() <= bound).all()
+    for t in range(1, 20):
+        assert torch.equal(layer(x[:t]), out[:t]), t
+        assert torch.equal(layer(x[t - 1:t]), out[t - 1:t]), t
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        serial = layer(x)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(serial, out)
+    assert layer.describe() == f"q4 group 32 ({kind} weights, float32 activations)"
+
+
+@needs_fused
+def test_four_bit_kernel_choice(monkeypatch):
+    """HISPEC_Q4_KERNEL forces the 4-bit kernel; otherwise both are timed once per process and
+    layers built without a kernel named take the choice."""
+    kernels.four_bit_kernel.cache_clear()
+    try:
+        for forced in ("q4", "int4"):
+            monkeypatch.setenv("HISPEC_Q4_KERNEL", forced)
+            kernels.four_bit_kernel.cache_clear()
+            assert kernels.four_bit_kernel()[0] == forced
+            assert QuantLinear.from_float(torch.randn(32, 64), "int4").kernel == forced
+        monkeypatch.delenv("HISPEC_Q4_KERNEL")
+        kernels.four_bit_kernel.cache_clear()
+        kind, why = kernels.four_bit_kernel()
+        assert kind in ("q4", "int4") and "us" in why
+    finally:
+        kernels.four_bit_kernel.cache_clear()
 
 
 def test_q8_blocks_as_two_int4_halves():

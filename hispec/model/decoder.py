@@ -198,6 +198,10 @@ class DecoderLayer(nn.Module):
                 weights += [m.qweight, m.qparams]
                 kinds.append(fused.MM_INT4 if m.kernel == "int4" else fused.MM_INT8)
                 groups.append(m.group if m.kernel == "int4" else 0)
+            elif type(m) is QuantLinear and m.bias is None and m.kernel == "q4" and self.act_dtype in (None, torch.float32):
+                weights += [m.qweight, m.qparams]
+                kinds.append(fused.MM_Q4)
+                groups.append(m.group)
             elif (type(m) is Linear and m.bias is None and m.weight.dtype == torch.float32 and m.weight.is_contiguous()
                   and self.act_dtype in (None, torch.float32)):
                 weights += [m.weight, m.weight]  # the second is a placeholder
@@ -243,11 +247,12 @@ class DecoderLayer(nn.Module):
 
     def _matmuls(self, prefill: bool = False) -> tuple:
         """The four projections as callables: a bias-free QuantLinear's kernel call directly (its
-        input is already the 2-D bfloat16 it wants, so ``forward``'s reshaping and casts are no-ops;
+        input is already the 2-D tensor in the dtype it reads, so ``forward``'s reshaping and casts are no-ops;
         for prompt tokens its dense prefill weights where it has them), else the module. Looked up
         on each call (cheap), so replaced modules are always seen."""
+        act = self.act_dtype or torch.float32
         return tuple((m.prefill_mm if prefill else m._mm)
-                     if type(m) is QuantLinear and m.bias is None and self.act_dtype == ACT_DTYPE else m
+                     if type(m) is QuantLinear and m.bias is None and m.input_dtype == act else m
                      for m in (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj))
 
     def _rope_write(self, qkv: torch.Tensor, layer: int, rope, batch: AttentionBatch, pool: KVPool,

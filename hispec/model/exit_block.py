@@ -39,7 +39,7 @@ from torch import nn
 from ..cache.kv_cache import AttentionBatch, KVPool
 from .exits.head import SharedOutput
 from .decoder import DecoderLayer, RMSNorm
-from .quant import ACT_DTYPE, float_state_dict, quantize_linears
+from .quant import act_dtype_of, float_state_dict, quantize_linears
 
 INITS = ("copy", "zero")
 
@@ -74,7 +74,7 @@ class ExitBlock(SharedOutput):
 
     def prepare(self) -> None:
         """Ready for decoding. On a model whose decoder runs on the quantized CPU kernels, the
-        block decodes with an int4 copy of its layer too (group 32, bfloat16 activations): a
+        block decodes with a 4-bit copy of its layer too (group 32, on the model's 4-bit kernel): a
         draft's cost is what speculation pays for, and its values only steer drafting
         (verification keeps the output exact). The stored float weights are unchanged."""
         super().prepare()
@@ -83,7 +83,7 @@ class ExitBlock(SharedOutput):
                 and self.layer.qkv_proj.weight.device.type == "cpu"):
             fast = copy.deepcopy(self.layer)
             if quantize_linears(fast, "int4"):
-                fast.act_dtype = ACT_DTYPE
+                fast.act_dtype = act_dtype_of(fast)
                 self._decode = (fast,)
 
     @property

@@ -53,6 +53,7 @@ _SIGNATURES = {
     "hs_q8_matmul": [_p, _p, _p, _i, _i64, _i64, _i64, _p, _i],
     "hs_panel_pack": [_p, _i64, _i64, _p],
     "hs_panel_matmul": [_p, _i64, _i64, _p, _i64, _p, _i],
+    "hs_q4_matmul": [_p, _p, _p, _p, _i64, _i64, _i64, _p, _i],
 }
 
 
@@ -112,9 +113,9 @@ def available() -> bool:
 
 # ---- a range of layers in one call (fused_layers.cpp) ------------------------------------------
 LAYERS_SOURCE = Path(__file__).with_name("fused_layers.cpp")
-MM_FLOAT, MM_INT4, MM_INT8, MM_DENSE, MM_FLOAT_LINEAR = 0, 1, 2, 3, 4  # as in fused_layers.cpp
+MM_FLOAT, MM_INT4, MM_INT8, MM_DENSE, MM_FLOAT_LINEAR, MM_Q4 = 0, 1, 2, 3, 4, 5  # as in fused_layers.cpp
 MM_FLOAT_KINDS = (MM_FLOAT, MM_FLOAT_LINEAR)  # float32 weights: (W @ x.T).T or x @ W.T, as matmul.small_route()
-_KERNEL_ORDER = ("hs_rms_norm", "hs_add_rms_norm", "hs_silu_mul", "hs_rope_write", "hs_paged_attention")
+_KERNEL_ORDER = ("hs_rms_norm", "hs_add_rms_norm", "hs_silu_mul", "hs_rope_write", "hs_paged_attention", "hs_q4_matmul")
 
 
 def _cxx_command(out: Path) -> list[str]:
@@ -273,6 +274,19 @@ def q8_matmul(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor) -> torch.Tensor
     t, k = x.shape
     out = torch.empty((t, q.shape[0]), dtype=F32)
     library().hs_q8_matmul(q.data_ptr(), d.data_ptr(), x.data_ptr(), _bf(x), t, q.shape[0], k, out.data_ptr(), 1)
+    return out
+
+
+def q4_matmul(x: torch.Tensor, qs: torch.Tensor, dm: torch.Tensor) -> torch.Tensor:
+    """``x [T, K]`` float32 times the transpose of a GGUF 4-bit weight ``W = d * q + m`` given as
+    the file's nibbles ``qs [N, K / 2]`` uint8 (each block's 16 bytes as stored) and
+    ``dm [2, N, K / 32]`` float32 (``d``, ``m``) -> ``[T, N]`` float32; each output computed alone
+    (the same for any T); the threads share W's rows."""
+    x, qs, dm = _check(x, F32), _check(qs, torch.uint8), _check(dm, F32)
+    t, k = x.shape
+    n = qs.shape[0]
+    out = torch.empty((t, n), dtype=F32)
+    library().hs_q4_matmul(qs.data_ptr(), dm[0].data_ptr(), dm[1].data_ptr(), x.data_ptr(), t, n, k, out.data_ptr(), 1)
     return out
 
 

@@ -375,3 +375,177 @@ void hs_panel_matmul(const float *x, int64_t M, int64_t K, const float *packed, 
         }
     }
 }
+
+/* ---- GGUF 4-bit weights (Q4_0 / Q4_1) times float32 activations ----
+ * W[n, k] = d[n, b] * q[n, k] + m[n, b] for block b = k / 32, q in 0..15 stored as in the file:
+ * qs[n, b, j] holds q[32 b + j] in its low nibble and q[32 b + 16 + j] in its high one (j < 16);
+ * d, m float32 [N, K / 32] (the file's float16 values; Q4_0: m = -8 d).
+ *
+ * Each row of x is first put in 16-bit form per block (as llama.cpp does with 8 bits): x[k] ~
+ * s[b] * x16[k], x16 = round(x / s) in -32767..32767, s = max|x| / 32767 over the block (error at
+ * most half a step: 1.5e-5 of the block's largest |x|, finer than a bfloat16's 2^-9 of each).
+ * Then, per output and block, the 32 products q * x16 are summed exactly in integers (8 lanes of
+ * 4), and y[t, n] = sum_b (d s)[b] * lanes_b (8 float lanes, one fused multiply-add per block, in
+ * block order; lanes summed in a fixed order) + sum_b m[b] * (s sum x16)[b] (in block order).
+ * An output depends on its own row of x alone: not on T, the tiling, the thread split or the
+ * vector width; the plain-C fallback computes the same bits. */
+typedef struct { float *scale, *msum; int16_t *x16; } q4x;  /* [T, nb], [T, nb], [T, K] */
+
+static q4x q4_prepare(const float *x, int64_t T, int64_t K) {
+    int64_t nb = K / 32;
+    q4x p = {malloc((size_t)(T * nb) * sizeof(float)), malloc((size_t)(T * nb) * sizeof(float)),
+             malloc((size_t)(T * K) * sizeof(int16_t))};
+    for (int64_t i = 0; i < T * nb; i++) {
+        const float *xb = x + i * 32;
+        int16_t *qb = p.x16 + i * 32;
+        float amax = 0.0f;
+        for (int j = 0; j < 32; j++) amax = fabsf(xb[j]) > amax ? fabsf(xb[j]) : amax;
+        float inv = amax > 0.0f ? 32767.0f / amax : 0.0f;
+        int32_t sum = 0;
+        for (int j = 0; j < 32; j++) {
+            float v = nearbyintf(xb[j] * inv);
+            qb[j] = (int16_t)(v > 32767.0f ? 32767.0f : v < -32767.0f ? -32767.0f : v);
+            sum += qb[j];
+        }
+        p.scale[i] = amax / 32767.0f;
+        p.msum[i] = p.scale[i] * (float)sum;  /* |sum| < 2^20: exact in float */
+    }
+    return p;
+}
+
+static void q4_release(q4x p) {
+    free(p.scale);
+    free(p.msum);
+    free(p.x16);
+}
+
+static inline float hsum8(v8 a) {
+    v4 c = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+    return (c[0] + c[2]) + (c[1] + c[3]);
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+/* A block's 32 codes as int16: lo = q[0 .. 15], hi = q[16 .. 31]. */
+static inline __attribute__((always_inline)) void q4_codes(const uint8_t *qs, __m256i *lo, __m256i *hi) {
+    __m128i b = _mm_loadu_si128((const __m128i *)qs), mask = _mm_set1_epi8(15);
+    *lo = _mm256_cvtepu8_epi16(_mm_and_si128(b, mask));
+    *hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(b, 4), mask));
+}
+
+/* acc += float(lane sums of q . x16) * c: lane L sums k = 2L, 2L + 1, 16 + 2L, 17 + 2L (exact) */
+static inline __attribute__((always_inline)) __m256 q4_dot(__m256i lo, __m256i hi, const int16_t *x16, float c,
+                                                            __m256 acc) {
+    __m256i s = _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)x16)),
+                                 _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(x16 + 16))));
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(c), acc);
+}
+
+static inline float q4_out(__m256 acc, float macc) {
+    v8 a;
+    memcpy(&a, &acc, sizeof a);
+    return hsum8(a) + macc;
+}
+
+/* R (a constant after inlining) weight rows times one row of x (t): y[r]. */
+static inline __attribute__((always_inline)) void q4_rows_x1(const uint8_t *qs, const float *d, const float *m,
+                                                              q4x p, int64_t t, int64_t nb, const int R, float *y) {
+    __m256 acc[4];
+    float macc[4] = {0};
+    const float *xs = p.scale + t * nb, *ms = p.msum + t * nb;
+    const int16_t *x16 = p.x16 + t * nb * 32;
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++)
+        for (int r = 0; r < R; r++) {
+            __m256i lo, hi;
+            q4_codes(qs + (r * nb + b) * 16, &lo, &hi);
+            acc[r] = q4_dot(lo, hi, x16 + b * 32, d[r * nb + b] * xs[b], acc[r]);
+            macc[r] = fmaf(m[r * nb + b], ms[b], macc[r]);
+        }
+    for (int r = 0; r < R; r++) y[r] = q4_out(acc[r], macc[r]);
+}
+
+/* One weight row times M (a constant after inlining) rows of x (t0 ..): y[i * ystride]. */
+static inline __attribute__((always_inline)) void q4_row_xm(const uint8_t *qs, const float *d, const float *m,
+                                                             q4x p, int64_t t0, int64_t nb, const int M, float *y,
+                                                             int64_t ystride) {
+    __m256 acc[8];
+    float macc[8] = {0};
+    for (int i = 0; i < M; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        __m256i lo, hi;
+        q4_codes(qs + b * 16, &lo, &hi);
+        for (int i = 0; i < M; i++) {
+            int64_t tb = (t0 + i) * nb + b;
+            acc[i] = q4_dot(lo, hi, p.x16 + tb * 32, d[b] * p.scale[tb], acc[i]);
+            macc[i] = fmaf(m[b], p.msum[tb], macc[i]);
+        }
+    }
+    for (int i = 0; i < M; i++) y[i * ystride] = q4_out(acc[i], macc[i]);
+}
+#define Q4_XM 8 /* rows of x sharing each block's codes */
+#else
+/* the same arithmetic one lane at a time (integer sums are exact; fmaf rounds once, as the vector FMA) */
+static void q4_row_ref(const uint8_t *qs, const float *d, const float *m, q4x p, int64_t t, int64_t nb, float *y) {
+    float acc[8] = {0}, macc = 0.0f;
+    for (int64_t b = 0; b < nb; b++) {
+        const int16_t *x = p.x16 + (t * nb + b) * 32;
+        float c = d[b] * p.scale[t * nb + b];
+        for (int L = 0; L < 8; L++) {
+            int32_t s = 0;
+            for (int j = 2 * L; j < 2 * L + 2; j++) s += (qs[b * 16 + j] & 15) * x[j] + (qs[b * 16 + j] >> 4) * x[16 + j];
+            acc[L] = fmaf((float)s, c, acc[L]);
+        }
+        macc = fmaf(m[b], p.msum[t * nb + b], macc);
+    }
+    v8 a;
+    memcpy(&a, acc, sizeof a);
+    *y = hsum8(a) + macc;
+}
+#endif
+
+/* y[T, N] float32 = x[T, K] float32 times W^T for the Q4 weight above (qs uint8 [N, K / 2],
+ * d, m float32 [N, K / 32]; K a multiple of 32). The threads share W's rows. */
+void hs_q4_matmul(const uint8_t *qs, const float *d, const float *m, const float *x, int64_t T, int64_t N,
+                  int64_t K, float *y, int parallel) {
+    int64_t nb = K / 32;
+    q4x p = q4_prepare(x, T, K);
+#if defined(__AVX2__) && defined(__FMA__)
+    if (T == 1) {  /* four weight rows at a time: independent chains hide the FMA latency */
+#pragma omp parallel for schedule(static) if (parallel)
+        for (int64_t n = 0; n < N; n += 4) {
+            const uint8_t *q = qs + n * nb * 16;
+            const float *dn = d + n * nb, *mn = m + n * nb;
+            switch (N - n < 4 ? N - n : 4) {
+                case 1: q4_rows_x1(q, dn, mn, p, 0, nb, 1, y + n); break;
+                case 2: q4_rows_x1(q, dn, mn, p, 0, nb, 2, y + n); break;
+                case 3: q4_rows_x1(q, dn, mn, p, 0, nb, 3, y + n); break;
+                default: q4_rows_x1(q, dn, mn, p, 0, nb, 4, y + n); break;
+            }
+        }
+    } else {
+#pragma omp parallel for schedule(static) if (parallel)
+        for (int64_t n = 0; n < N; n++) {
+            const uint8_t *q = qs + n * nb * 16;
+            const float *dn = d + n * nb, *mn = m + n * nb;
+            for (int64_t t0 = 0; t0 < T; t0 += Q4_XM) {
+                float *yr = y + t0 * N + n;
+                switch (T - t0 < Q4_XM ? T - t0 : Q4_XM) {  /* constant row counts keep acc in registers */
+                    case 1: q4_row_xm(q, dn, mn, p, t0, nb, 1, yr, N); break;
+                    case 2: q4_row_xm(q, dn, mn, p, t0, nb, 2, yr, N); break;
+                    case 3: q4_row_xm(q, dn, mn, p, t0, nb, 3, yr, N); break;
+                    case 4: q4_row_xm(q, dn, mn, p, t0, nb, 4, yr, N); break;
+                    case 5: q4_row_xm(q, dn, mn, p, t0, nb, 5, yr, N); break;
+                    case 6: q4_row_xm(q, dn, mn, p, t0, nb, 6, yr, N); break;
+                    case 7: q4_row_xm(q, dn, mn, p, t0, nb, 7, yr, N); break;
+                    default: q4_row_xm(q, dn, mn, p, t0, nb, 8, yr, N); break;
+                }
+            }
+        }
+    }
+#else
+#pragma omp parallel for schedule(static) if (parallel)
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t t = 0; t < T; t++) q4_row_ref(qs + n * nb * 16, d + n * nb, m + n * nb, p, t, nb, y + t * N + n);
+#endif
+    q4_release(p);
+}

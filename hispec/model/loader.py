@@ -196,7 +196,7 @@ def apply_quantization(model: DecoderModel, quantize: str, gguf: str | Path | No
     """Put the decoder's linear layers on the quantized kernels as ``quantize`` asks; returns the
     format chosen (``model.weight_format``)."""
     from .kernels import quantized_kernels_pay
-    from .quant import ACT_DTYPE, QuantLinear, quantize_linears
+    from .quant import ACT_DTYPE, act_dtype_of, quantize_linears
 
     if quantize not in QUANTIZE:
         raise ConfigError(f"unknown quantization {quantize!r}; choose from {', '.join(QUANTIZE)}")
@@ -218,8 +218,8 @@ def apply_quantization(model: DecoderModel, quantize: str, gguf: str | Path | No
         for name, layer in linears.items():
             parent, child = name.rsplit(".", 1)
             old = getattr(model.get_submodule(parent), child)  # the file's values, dequantized to float32
-            if PREFILL_DENSE and getattr(old, "weight", None) is not None and old.weight.shape == (layer.out_features,
-                                                                                                    layer.in_features):
+            if PREFILL_DENSE and layer.input_dtype == ACT_DTYPE and getattr(old, "weight", None) is not None \
+                    and old.weight.shape == (layer.out_features, layer.in_features):
                 layer.dense = old.weight.detach().to(torch.bfloat16).contiguous()
             setattr(model.get_submodule(parent), child, layer)
         from .gguf_weights import native_head
@@ -229,9 +229,9 @@ def apply_quantization(model: DecoderModel, quantize: str, gguf: str | Path | No
             model.lm_head = head
     elif quantize in ("int4", "int8"):
         quantize_linears(model.layers, quantize)
-    for layer in model.layers:  # quantized layers take (and give) bfloat16 between their kernels
-        if any(isinstance(m, QuantLinear) for m in layer.modules()):
-            layer.act_dtype = ACT_DTYPE
+    for layer in model.layers:  # layers on the int4/int8 kernels take (and give) bfloat16 between them
+        if act_dtype_of(layer) is not None:
+            layer.act_dtype = act_dtype_of(layer)
     model.weight_format = quantize
     return quantize
 

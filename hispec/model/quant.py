@@ -8,18 +8,27 @@ Two kernels ship with PyTorch (no extra package):
 - ``int8``: ``aten._weight_int8pack_mm(x, q, s)`` with ``W[n, k] = q[n, k] * s[n]`` (``q`` int8,
   one scale per output row).
 
-A third, ``q8``, is hispec's own (``fused_cpu.c``, compiled for the machine's CPU like the other
-fused kernels): a GGUF Q8_0 weight ``W[n, k] = d[n, k / 32] * q[n, k]`` as stored in the file,
-multiplied by float32 activations. It runs the default model's output head (49,152 x 576) in
-~1.7 ms per token instead of ~2.8 ms for the same values as two int4 halves (``int4x2``, used
-where no C compiler is found), and uses the file's exact scales and unrounded activations.
+Two more are hispec's own (``fused_cpu.c``, compiled for the machine's CPU like the other fused
+kernels), both on a GGUF file's blocks as stored, with float32 activations:
+
+- ``q4``: ``W[n, k] = d[n, b] * q[n, k] + m[n, b]`` (Q4_0 / Q4_1, or ``--quantize int4`` of a float
+  model): the file's nibbles and its exact ``d``, ``m``. Each activation row is put in 16-bit
+  integers per block of 32 (error <= 1.5e-5 of the block's largest value, where bfloat16 keeps
+  2^-9 of each value), block sums exact in integers. Which of ``q4`` and ``int4`` runs the 4-bit
+  weights is decided by timing both at load (``kernels.four_bit_kernel``): on CPUs without
+  bfloat16 hardware (AVX2) ``q4`` is the faster.
+- ``q8``: a GGUF Q8_0 weight ``W[n, k] = d[n, k / 32] * q[n, k]`` as stored in the file, times
+  float32 activations. It runs the default model's output head (49,152 x 576) in ~1.7 ms per
+  token instead of ~2.8 ms for the same values as two int4 halves (``int4x2``, used where no C
+  compiler is found), and uses the file's exact scales and unrounded activations.
+
+Per row, the results of every kernel here do not depend on how many rows share the call (checked
+in the tests), which keeps batched verification and one-token decoding bit-identical.
 
 The int4 and int8 kernels want bfloat16 activations (``ACT_DTYPE``): with float32 or float16 activations they are
-7-30x slower on the 2-core test machine. Scales, zeros and outputs are bfloat16 too. Per row,
-their results do not depend on how many rows share the call (checked in the tests), which
-keeps batched verification and one-token decoding bit-identical.
+7-30x slower on the 2-core test machine. Scales, zeros and outputs are bfloat16 too.
 
-GGUF blocks map onto the int4 form exactly in ``q``; where rounding happens:
+GGUF blocks map onto the int4 form exactly in ``q``; where rounding happens (``q4`` has none of this):
 
 - Q4_0 (``w = d * (q - 8)``): ``s = d``, ``z = 0``.
 - Q4_1 (``w = d * q + m``):   ``s = d``, ``z = m + 8 d`` (computed exactly in float32).
@@ -45,13 +54,29 @@ ACT_DTYPE = torch.bfloat16
 GROUP = 32  # GGUF's block size, and the default group of --quantize int4
 INNER_K_TILES = 2
 SCHEMES = ("int4", "int8")
-KERNELS = ("int4", "int8", "int4x2", "q8")
+KERNELS = ("int4", "int8", "int4x2", "q8", "q4")
+FLOAT_INPUT = ("q8", "q4")  # kernels that read float32 activations (the others: ACT_DTYPE)
 
 
 def scales_zeros(scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
     """The int4 kernel's ``[K / group, N, 2]`` table from per-block ``scale, zero [N, K / group]``
     (float32): the one place where they are rounded to the activation dtype."""
     return torch.stack([scale.float().T, zero.float().T], dim=-1).to(ACT_DTYPE).contiguous()
+
+
+def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """``q [N, K]`` integers in 0..15 -> ``[N, K / 2]`` uint8 in GGUF's block layout (per block of
+    32: byte j holds q[j] in its low nibble and q[j + 16] in its high one), as the q4 kernel reads."""
+    n, k = q.shape
+    b = q.to(torch.uint8).view(n, k // 32, 2, 16)
+    return (b[:, :, 0] | (b[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+
+
+def unpack_nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`pack_nibbles`: ``[N, K / 2]`` uint8 -> ``q [N, K]`` uint8."""
+    n = qs.shape[0]
+    b = qs.view(n, -1, 16)
+    return torch.stack([b & 15, b >> 4], dim=2).reshape(n, -1)
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
@@ -87,18 +112,27 @@ class QuantLinear(nn.Module):
 
     # ---- construction ----------------------------------------------------------------------
     @classmethod
-    def from_int4(cls, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int,
-                  bias: torch.Tensor | None = None, source: str = "") -> "QuantLinear":
-        """``W = (q - 8) * scale + zero`` with ``q [N, K]`` in 0..15, ``scale, zero [N, K / group]``."""
+    def from_int4(cls, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, group: int,
+                  bias: torch.Tensor | None = None, source: str = "", kernel: str | None = None) -> "QuantLinear":
+        """``W = d * q + m`` with ``q [N, K]`` in 0..15 and ``d, m [N, K / group]`` float32, on the
+        ``kernel`` given (``q4``, ``int4``) or else the faster of the two on this CPU
+        (:func:`~hispec.model.kernels.four_bit_kernel`). ``int4`` gets ``scale = d``,
+        ``zero = m + 8 d`` rounded to bfloat16; ``q4`` (groups of 32) keeps ``d`` and ``m`` in float32."""
         n, k = q.shape
-        return cls("int4", k, n, pack_int4(q), scales_zeros(scale, zero), group, bias, source)
+        if kernel is None:
+            from .kernels import four_bit_kernel
+            kernel = four_bit_kernel()[0] if group == 32 else "int4"
+        if kernel == "q4":
+            return cls("q4", k, n, pack_nibbles(q), torch.stack([d.float(), m.float()]).contiguous(), group, bias, source)
+        return cls("int4", k, n, pack_int4(q), scales_zeros(d, m.float() + 8 * d.float()), group, bias, source)
 
     @classmethod
-    def from_blocks(cls, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, source: str) -> "QuantLinear":
+    def from_blocks(cls, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, source: str,
+                    kernel: str | None = None) -> "QuantLinear":
         """GGUF 4-bit blocks ``w = d * q + m`` (``q [N, K]`` in 0..15, ``d, m [N, K / 32]`` float16;
-        Q4_0 is ``m = -8 d``). The kernel gets ``scale = d``, ``zero = m + 8 d``; ``d, m`` are kept."""
+        Q4_0 is ``m = -8 d``) on ``kernel`` (see :meth:`from_int4`); ``d, m`` are kept as given."""
         group = q.shape[1] // d.shape[1]
-        layer = cls.from_int4(q, d.float(), m.float() + 8 * d.float(), group, source=source)
+        layer = cls.from_int4(q, d.float(), m.float(), group, source=source, kernel=kernel)
         layer._exact = {"d": d.half(), "m": m.half()}
         return layer
 
@@ -130,9 +164,10 @@ class QuantLinear(nn.Module):
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, scheme: str, group: int = GROUP,
-                   bias: torch.Tensor | None = None) -> "QuantLinear":
+                   bias: torch.Tensor | None = None, kernel: str | None = None) -> "QuantLinear":
         """Quantize a float weight ``[N, K]``: int4 asymmetric per group of ``group`` inputs
-        (min/max, as gpt-fast and torchao do), or int8 symmetric per output row."""
+        (min/max, as gpt-fast and torchao do; on ``kernel``, see :meth:`from_int4`), or int8
+        symmetric per output row."""
         w = weight.detach().float()
         b = None if bias is None else bias.detach().float()
         if scheme == "int8":
@@ -146,13 +181,13 @@ class QuantLinear(nn.Module):
         lo, hi = blocks.amin(-1), blocks.amax(-1)  # [N, K/group]
         scale = ((hi - lo) / 15).clamp(min=1e-12)
         q = torch.round((blocks - lo[..., None]) / scale[..., None]).clamp(0, 15).view(n, k)
-        return cls.from_int4(q, scale, lo + 8 * scale, group, b, str(weight.dtype)[6:])
+        return cls.from_int4(q, scale, lo, group, b, str(weight.dtype)[6:], kernel)
 
     # ---- use -----------------------------------------------------------------------------------
     @property
     def input_dtype(self) -> torch.dtype:
         """The dtype the kernel reads its input in (others are converted first)."""
-        return torch.float32 if self.kernel == "q8" else ACT_DTYPE
+        return torch.float32 if self.kernel in FLOAT_INPUT else ACT_DTYPE
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., K] -> [..., N] in x's dtype (int4x2, q8: float32 for float32 input)
@@ -179,6 +214,8 @@ class QuantLinear(nn.Module):
             return torch.ops.aten._weight_int8pack_mm(rows, self.qweight, self.qparams)
         if self.kernel == "q8":
             return fused.q8_matmul(rows.contiguous(), self.qweight, self.qparams)
+        if self.kernel == "q4":
+            return fused.q4_matmul(rows.float() if rows.dtype != torch.float32 else rows, self.qweight, self.qparams)
         mm = torch.ops.aten._weight_int4pack_mm_for_cpu  # int4x2: the two halves summed in float32
         out = mm(rows, self.qweight[0], self.group, self.qparams[0]).float()
         return out.add_(mm(rows, self.qweight[1], self.group, self.qparams[1]))
@@ -189,6 +226,8 @@ class QuantLinear(nn.Module):
         the signed ``16 hi + lo`` (or one half, ``part`` 0 / 1)."""
         if self.kernel == "int4x2" and part is None:
             return 16 * (self._int4_codes(0) - 8) + self._int4_codes(1)
+        if self.kernel == "q4":
+            return unpack_nibbles(self.qweight).float()
         packed, params = (self.qweight, self.qparams) if part is None else (self.qweight[part], self.qparams[part])
         eye = torch.eye(self.in_features, dtype=ACT_DTYPE)
         s = params[..., 0]
@@ -204,12 +243,15 @@ class QuantLinear(nn.Module):
         if self.kernel == "int4x2":
             d = self.qparams[1][..., 0].float().T.repeat_interleave(self.group, dim=1)
             return self._int4_codes() * d
+        if self.kernel == "q4":  # exact: d * q is exact in float32, + m rounded once
+            d, m = (p.repeat_interleave(self.group, dim=1) for p in self.qparams)
+            return self._int4_codes() * d + m
         s, z = (self.qparams[..., i].float().T.repeat_interleave(self.group, dim=1) for i in (0, 1))
         return (self._int4_codes() - 8) * s + z
 
     def source_weight(self) -> torch.Tensor:
         """The weight as given (a GGUF file's exact ``d * q + m``), else :meth:`dequantize`."""
-        if "d" not in self._exact or self.kernel == "q8":
+        if "d" not in self._exact or self.kernel in FLOAT_INPUT:
             return self.dequantize()
         d, m = (self._exact[k].float().repeat_interleave(self.group, dim=1) for k in ("d", "m"))
         return self._int4_codes() * d + m
@@ -226,6 +268,13 @@ class QuantLinear(nn.Module):
     def describe(self) -> str:
         what = f"{self.kernel} per row" if self.kernel == "int8" else f"{self.kernel} group {self.group}"
         return f"{what} ({self.source} weights, {str(self.input_dtype)[6:]} activations)"
+
+
+def act_dtype_of(module: nn.Module) -> torch.dtype | None:
+    """The dtype a layer passes between its kernels: ``ACT_DTYPE`` when any of its quantized
+    linears reads bfloat16 (int4, int8), else None (the model's own dtype; q4 and q8 read float32)."""
+    return ACT_DTYPE if any(isinstance(m, QuantLinear) and m.input_dtype == ACT_DTYPE
+                            for m in module.modules()) else None
 
 
 def quantizable(module: nn.Module) -> bool:
