@@ -2,6 +2,9 @@
 it replaces, computes every row independently of the others in its call (what keeps batched
 verification bit-identical to one-token decoding), rounds to bfloat16 exactly as PyTorch does,
 and the model really runs on them."""
+import platform
+import shutil
+
 import pytest
 import torch
 
@@ -266,3 +269,53 @@ def test_kernels_are_built_at_load_not_in_the_first_decode_step(tiny_model_dir, 
     fused._layers_path().touch()
     Generator.from_pretrained(str(tiny_model_dir("llama")), exits=False, progress=True)
     assert len(built) == 2 and "building" not in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not fused.available(), reason="needs the fused CPU kernels (a C compiler)")
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="builds an x86-64 baseline library")
+def test_plain_c_fallback_gives_the_same_bits(tmp_path):
+    """The row-independent matmul kernels' plain-C code (CPUs without AVX2 and FMA: q4 in both
+    forms, q8, the panel kernel with its own panel width) computes the same bits as the vector
+    code this machine runs: a model's tokens do not depend on which of these CPUs runs it."""
+    import ctypes
+    import subprocess
+
+    cc = shutil.which("gcc") or shutil.which("cc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    lib_path = tmp_path / "baseline.so"
+    flags = [f if f != "-march=native" else "-march=x86-64" for f in fused.FLAGS]
+    subprocess.run([cc, *flags, str(fused.SOURCE), "-o", str(lib_path), "-lm"], check=True, capture_output=True)
+    base = ctypes.CDLL(str(lib_path))
+    from hispec.model.gguf_weights import _blocks, _q8_blocks
+    from hispec.model.quant import QuantLinear
+    from test_quant import _gguf_blocks
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(6, 96, generator=g)
+    x[1, 32:64] = 0
+    p = ctypes.c_void_p
+    for t in (1, 6):
+        q4 = QuantLinear.from_blocks(*_blocks(_gguf_blocks("Q4_1", n=20, k=96)[0]), "Q4_1", kernel="q4")
+        y = torch.empty(t, 20)
+        base.hs_q4_matmul(ctypes.c_void_p(q4.qweight.data_ptr()), ctypes.c_void_p(q4.qparams[0].data_ptr()),
+                          ctypes.c_void_p(q4.qparams[1].data_ptr()), ctypes.c_void_p(x.data_ptr()), ctypes.c_int64(t),
+                          ctypes.c_int64(20), ctypes.c_int64(96), ctypes.c_void_p(y.data_ptr()), ctypes.c_int(0))
+        assert torch.equal(y, q4(x[:t])), t
+        q8 = QuantLinear.from_q8_blocks(*_q8_blocks(_gguf_blocks("Q8_0", n=20, k=96)[0]))
+        base.hs_q8_matmul(ctypes.c_void_p(q8.qweight.data_ptr()), ctypes.c_void_p(q8.qparams.data_ptr()),
+                          ctypes.c_void_p(x.data_ptr()), ctypes.c_int(0), ctypes.c_int64(t), ctypes.c_int64(20),
+                          ctypes.c_int64(96), ctypes.c_void_p(y.data_ptr()), ctypes.c_int(0))
+        assert torch.equal(y, q8(x[:t])), t
+        for panels in (0, 1):  # prompt chunks: float32 panels of the same weights
+            fn = base.hs_q4_panel_matmul if panels else base.hs_q4_matmul
+            fn(p(q4.qweight.data_ptr()), p(q4.qparams[0].data_ptr()), p(q4.qparams[1].data_ptr()), p(x.data_ptr()),
+               ctypes.c_int64(t), ctypes.c_int64(20), ctypes.c_int64(96), p(y.data_ptr()), ctypes.c_int(0))
+            assert torch.equal(y, fused.q4_matmul(x[:t], q4.qweight, q4.qparams, panels=bool(panels))), (t, panels)
+        w = torch.randn(20, 96, generator=g)
+        base.hs_panel_width.restype = ctypes.c_int64
+        packed = torch.empty(-(-20 // base.hs_panel_width()), 96, base.hs_panel_width())
+        base.hs_panel_pack(p(w.data_ptr()), ctypes.c_int64(20), ctypes.c_int64(96), p(packed.data_ptr()))
+        base.hs_panel_matmul(p(x.data_ptr()), ctypes.c_int64(t), ctypes.c_int64(96), p(packed.data_ptr()),
+                             ctypes.c_int64(20), p(y.data_ptr()), ctypes.c_int(0))
+        assert torch.equal(y, fused.panel_matmul(x[:t], fused.panel_pack(w), 20)), t

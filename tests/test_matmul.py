@@ -84,7 +84,7 @@ needs_kernels = pytest.mark.skipif(not fused.available(), reason="no C compiler 
 @pytest.mark.parametrize("rows", [SMALL_ROWS + 1, 16, 33, matmul.PANEL_DECODE_ROWS])
 def test_panel_linear_matches_and_follows_its_weight(rows, monkeypatch):
     monkeypatch.setattr(matmul, "panel_rows", lambda: matmul.PANEL_DECODE_ROWS)
-    m = Linear(40, 100)  # 100 outputs: two full panels of 48 and a padded one
+    m = Linear(40, 100)  # 100 outputs: full panels (of 48, or 16 on AVX2) and a padded one
     x = torch.randn(rows, 40)
     with torch.inference_mode():
         y = m(x)
@@ -106,10 +106,11 @@ def test_panel_matmul_rows_are_independent_of_the_call(n, k):
     g = torch.Generator().manual_seed(n)
     w, x = torch.randn(n, k, generator=g), torch.randn(19, k, generator=g)
     packed = fused.panel_pack(w)
-    assert packed.shape == (-(-n // 48), k, 48)
+    p = fused.panel_width()
+    assert p in (16, 48) and packed.shape == (-(-n // p), k, p)
     y = fused.panel_matmul(x, packed, n)
     torch.testing.assert_close(y.double(), x.double() @ w.double().T, rtol=1e-5, atol=1e-5)
-    for t in (1, 3, 8, 9):
+    for t in (1, 3, 5, 6, 7, 8, 9, 13):
         assert torch.equal(fused.panel_matmul(x[-t:].clone(), packed, n), y[-t:])
 
 

@@ -200,7 +200,7 @@ class DecoderLayer(nn.Module):
                 groups.append(m.group if m.kernel == "int4" else 0)
             elif type(m) is QuantLinear and m.bias is None and m.kernel == "q4" and self.act_dtype in (None, torch.float32):
                 weights += [m.qweight, m.qparams]
-                kinds.append(fused.MM_Q4)
+                kinds.append(fused.MM_Q4_PANELS if prefill else fused.MM_Q4)
                 groups.append(m.group)
             elif (type(m) is Linear and m.bias is None and m.weight.dtype == torch.float32 and m.weight.is_contiguous()
                   and self.act_dtype in (None, torch.float32)):

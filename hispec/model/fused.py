@@ -54,6 +54,7 @@ _SIGNATURES = {
     "hs_panel_pack": [_p, _i64, _i64, _p],
     "hs_panel_matmul": [_p, _i64, _i64, _p, _i64, _p, _i],
     "hs_q4_matmul": [_p, _p, _p, _p, _i64, _i64, _i64, _p, _i],
+    "hs_q4_panel_matmul": [_p, _p, _p, _p, _i64, _i64, _i64, _p, _i],
 }
 
 
@@ -113,9 +114,10 @@ def available() -> bool:
 
 # ---- a range of layers in one call (fused_layers.cpp) ------------------------------------------
 LAYERS_SOURCE = Path(__file__).with_name("fused_layers.cpp")
-MM_FLOAT, MM_INT4, MM_INT8, MM_DENSE, MM_FLOAT_LINEAR, MM_Q4 = 0, 1, 2, 3, 4, 5  # as in fused_layers.cpp
+MM_FLOAT, MM_INT4, MM_INT8, MM_DENSE, MM_FLOAT_LINEAR, MM_Q4, MM_Q4_PANELS = 0, 1, 2, 3, 4, 5, 6  # as in fused_layers.cpp
 MM_FLOAT_KINDS = (MM_FLOAT, MM_FLOAT_LINEAR)  # float32 weights: (W @ x.T).T or x @ W.T, as matmul.small_route()
-_KERNEL_ORDER = ("hs_rms_norm", "hs_add_rms_norm", "hs_silu_mul", "hs_rope_write", "hs_paged_attention", "hs_q4_matmul")
+_KERNEL_ORDER = ("hs_rms_norm", "hs_add_rms_norm", "hs_silu_mul", "hs_rope_write", "hs_paged_attention", "hs_q4_matmul",
+                 "hs_q4_panel_matmul")
 
 
 def _cxx_command(out: Path) -> list[str]:
@@ -277,27 +279,36 @@ def q8_matmul(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor) -> torch.Tensor
     return out
 
 
-def q4_matmul(x: torch.Tensor, qs: torch.Tensor, dm: torch.Tensor) -> torch.Tensor:
+def q4_matmul(x: torch.Tensor, qs: torch.Tensor, dm: torch.Tensor, panels: bool = False) -> torch.Tensor:
     """``x [T, K]`` float32 times the transpose of a GGUF 4-bit weight ``W = d * q + m`` given as
     the file's nibbles ``qs [N, K / 2]`` uint8 (each block's 16 bytes as stored) and
     ``dm [2, N, K / 32]`` float32 (``d``, ``m``) -> ``[T, N]`` float32; each output computed alone
-    (the same for any T); the threads share W's rows."""
+    (the same for any T); the threads share W's rows. ``panels``: on the panel kernel (W rebuilt
+    in float32 panels, float32 products: prompt chunks), else 16-bit activations (decode steps)."""
     x, qs, dm = _check(x, F32), _check(qs, torch.uint8), _check(dm, F32)
     t, k = x.shape
     n = qs.shape[0]
     out = torch.empty((t, n), dtype=F32)
-    library().hs_q4_matmul(qs.data_ptr(), dm[0].data_ptr(), dm[1].data_ptr(), x.data_ptr(), t, n, k, out.data_ptr(), 1)
+    fn = library().hs_q4_panel_matmul if panels else library().hs_q4_matmul
+    fn(qs.data_ptr(), dm[0].data_ptr(), dm[1].data_ptr(), x.data_ptr(), t, n, k, out.data_ptr(), 1)
     return out
 
 
-PANEL_N = 48  # output columns per panel, as in fused_cpu.c
+def panel_width() -> int:
+    """Output columns per panel of ``panel_pack``'s layout on this build: 48 with AVX-512, 16 with
+    AVX2 (a tile of 6 rows x 16 columns fills its 16 registers)."""
+    lib = library()
+    lib.hs_panel_width.restype = ctypes.c_int64
+    return lib.hs_panel_width()
 
 
 def panel_pack(weight: torch.Tensor) -> torch.Tensor:
-    """``weight [N, K]`` float32 in ``panel_matmul``'s layout: ``[ceil(N / 48), K, 48]``, zero-padded."""
+    """``weight [N, K]`` float32 in ``panel_matmul``'s layout: ``[ceil(N / P), K, P]`` for the panel
+    width ``P = panel_width()``, zero-padded."""
     w = _check(weight, F32)
     n, k = w.shape
-    out = torch.empty((-(-n // PANEL_N), k, PANEL_N), dtype=F32)
+    p = panel_width()
+    out = torch.empty((-(-n // p), k, p), dtype=F32)
     library().hs_panel_pack(w.data_ptr(), n, k, out.data_ptr())
     return out
 

@@ -237,79 +237,22 @@ void hs_paged_attention(const float *q, const float *kpool, const float *vpool, 
     }
 }
 
-/* 16 int8 values widened to float (GCC's generic vector conversion scalarises this one). */
-static inline v16 load16_i8(const int8_t *p) {
-#if defined(__AVX512F__)
-    __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
-#elif defined(__AVX2__)
-    __m128i b = _mm_loadu_si128((const __m128i *)p);
-    __m256 f[2] = {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)))};
-#else
-    float f[16];
-    for (int j = 0; j < 16; j++) f[j] = (float)p[j];
-#endif
-    v16 v;
-    memcpy(&v, &f, sizeof v);
-    return v;
-}
-
-#define Q8_ROWS 4 /* rows of x sharing each converted block of W */
-
-/* m (a constant after inlining) rows of x times one row of a Q8_0 weight: y[i * ystride]. */
-static inline __attribute__((always_inline)) void q8_rows(const int8_t *qr, const float *dr, const float *x, int64_t K,
-                                                           int64_t nb, const int m, float *y, int64_t ystride) {
-    v16 acc[Q8_ROWS] = {{0}};
-    for (int64_t b = 0; b < nb; b++) {
-        v16 lo = load16_i8(qr + b * 32), hi = load16_i8(qr + b * 32 + 16);
-        float s = dr[b];
-        for (int i = 0; i < m; i++) {
-            const float *xr = x + i * K + b * 32;
-            acc[i] += (lo * load16(xr) + hi * load16(xr + 16)) * s;
-        }
-    }
-    for (int i = 0; i < m; i++) y[i * ystride] = hsum16(acc[i]);
-}
-
-/* y[T, N] float32 = x[T, K] (float32, or bfloat16 when x_bf) times the transpose of a GGUF
- * Q8_0 weight W[n, k] = d[n, k / 32] * q[n, k] (q int8 [N, K], d float32 [N, K / 32]; K a
- * multiple of 32): the file's own values, exactly. Per output, in 16 lanes: each block's
- * q . x (its two halves added lane-wise), times its scale, added to the lanes in block order;
- * then the lanes summed in a fixed order. An output depends on its own row of x alone, not
- * on T, on the rows sharing a converted block, nor on how W's rows are split over threads. */
-void hs_q8_matmul(const int8_t *q, const float *d, const void *x, int x_bf, int64_t T, int64_t N, int64_t K,
-                  float *y, int parallel) {
-    int64_t nb = K / 32;
-    float *xf = (float *)x;
-    if (x_bf) {
-        xf = malloc((size_t)(T * K) * sizeof(float));
-        load_row(x, 1, 0, T * K, xf);
-    }
-#pragma omp parallel for schedule(static) if (parallel)
-    for (int64_t n = 0; n < N; n++) {
-        const int8_t *qr = q + n * K;
-        const float *dr = d + n * nb;
-        for (int64_t t0 = 0; t0 < T; t0 += Q8_ROWS) {
-            const float *xr = xf + t0 * K;
-            float *yr = y + t0 * N + n;
-            switch (T - t0 < Q8_ROWS ? T - t0 : Q8_ROWS) {  /* constant row counts keep acc in registers */
-                case 1: q8_rows(qr, dr, xr, K, nb, 1, yr, N); break;
-                case 2: q8_rows(qr, dr, xr, K, nb, 2, yr, N); break;
-                case 3: q8_rows(qr, dr, xr, K, nb, 3, yr, N); break;
-                default: q8_rows(qr, dr, xr, K, nb, 4, yr, N); break;
-            }
-        }
-    }
-    if (x_bf) free(xf);
-}
-
 /* ---- float32 matmuls of 5 .. 512 rows (batched decode steps, verification windows, prefill chunks) ----
  * y[M, N] = x[M, K] W[N, K]^T with W packed once into panels of PANEL_N output columns,
  * [ceil(N / PANEL_N)][K][PANEL_N] (the tail zero-padded): a panel is read front to back while
  * PANEL_M rows of x accumulate PANEL_M x PANEL_N outputs in registers. Every output is one
  * fused multiply-add chain over k = 0 .. K-1 in order, so it depends on its own row of x alone
- * (not on M, nor on which rows share a tile, nor on the vector width: fma rounds once). */
+ * (not on M, nor on which rows share a tile, nor on the vector width: fma rounds once). Tiles:
+ * 8 rows x 48 columns in AVX-512 registers, 6 x 16 in AVX2 ones (there the panels are 16 wide), a plain fmaf loop elsewhere. */
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+#define PANEL_N 16 /* AVX2's 16 registers: 6 rows x 16 columns of accumulators */
+#define PANEL_M 6
+#else
 #define PANEL_N 48
 #define PANEL_M 8
+#endif
+
+int64_t hs_panel_width(void) { return PANEL_N; }  /* the packed layout's panel width on this build */
 
 void hs_panel_pack(const float *w, int64_t N, int64_t K, float *out) {
     int64_t P = (N + PANEL_N - 1) / PANEL_N;
@@ -320,6 +263,29 @@ void hs_panel_pack(const float *w, int64_t N, int64_t K, float *out) {
                 out[(p * K + k) * PANEL_N + j] = n < N ? w[n * K + k] : 0.0f;
             }
 }
+
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+/* AVX2 (16 registers): R <= 6 rows (a constant after inlining) of x times a 16-column panel,
+ * from column c0, into out[r0 + r][c0 ..]: 12 accumulators, the columns kept in registers. */
+static inline __attribute__((always_inline)) void panel_strip(const float *x, int64_t K, const float *panel,
+                                                             float out[][PANEL_N], int r0, int c0, const int R) {
+    __m256 acc[6][2];
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k++) {
+        const float *wk = panel + k * PANEL_N + c0;
+        __m256 w0 = _mm256_loadu_ps(wk), w1 = _mm256_loadu_ps(wk + 8);
+        for (int r = 0; r < R; r++) {
+            __m256 xv = _mm256_broadcast_ss(x + (r0 + r) * K + k);
+            acc[r][0] = _mm256_fmadd_ps(xv, w0, acc[r][0]);
+            acc[r][1] = _mm256_fmadd_ps(xv, w1, acc[r][1]);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        _mm256_storeu_ps(out[r0 + r] + c0, acc[r][0]);
+        _mm256_storeu_ps(out[r0 + r] + c0 + 8, acc[r][1]);
+    }
+}
+#endif
 
 /* m (a constant after inlining) rows of x times one panel: y[r, n0 .. n0 + nvalid - 1]. */
 static inline __attribute__((always_inline)) void panel_tile(const float *x, int64_t K, const float *panel, float *y,
@@ -341,6 +307,8 @@ static inline __attribute__((always_inline)) void panel_tile(const float *x, int
     }
     for (int r = 0; r < m; r++)
         for (int c = 0; c < 3; c++) _mm512_storeu_ps(out[r] + c * 16, acc[r][c]);
+#elif defined(__AVX2__) && defined(__FMA__)
+    panel_strip(x, K, panel, out, 0, 0, m);
 #else
     for (int r = 0; r < m; r++)
         for (int j = 0; j < PANEL_N; j++) out[r][j] = 0.0f;
@@ -353,47 +321,52 @@ static inline __attribute__((always_inline)) void panel_tile(const float *x, int
     for (int r = 0; r < m; r++) memcpy(y + r * N + n0, out[r], (size_t)nvalid * sizeof(float));
 }
 
+/* All M rows of x times one panel (output columns n0 .. n0 + nvalid - 1), PANEL_M rows at a time. */
+static void panel_rows(const float *x, int64_t M, int64_t K, const float *panel, float *y, int64_t N, int64_t n0,
+                       int64_t nvalid) {
+    for (int64_t m0 = 0; m0 < M; m0 += PANEL_M) {
+        const float *xr = x + m0 * K;
+        float *yr = y + m0 * N;
+        switch (M - m0 < PANEL_M ? M - m0 : PANEL_M) {  /* constant row counts keep acc in registers */
+            case 1: panel_tile(xr, K, panel, yr, N, n0, nvalid, 1); break;
+            case 2: panel_tile(xr, K, panel, yr, N, n0, nvalid, 2); break;
+            case 3: panel_tile(xr, K, panel, yr, N, n0, nvalid, 3); break;
+            case 4: panel_tile(xr, K, panel, yr, N, n0, nvalid, 4); break;
+            case 5: panel_tile(xr, K, panel, yr, N, n0, nvalid, 5); break;
+            case 6: panel_tile(xr, K, panel, yr, N, n0, nvalid, 6); break;
+#if PANEL_M == 8
+            case 7: panel_tile(xr, K, panel, yr, N, n0, nvalid, 7); break;
+#endif
+            default: panel_tile(xr, K, panel, yr, N, n0, nvalid, PANEL_M); break;
+        }
+    }
+}
+
 void hs_panel_matmul(const float *x, int64_t M, int64_t K, const float *packed, int64_t N, float *y, int parallel) {
     int64_t P = (N + PANEL_N - 1) / PANEL_N;
 #pragma omp parallel for schedule(static) if (parallel)
     for (int64_t p = 0; p < P; p++) {
         const float *panel = packed + p * K * PANEL_N;
         int64_t n0 = p * PANEL_N, nvalid = N - n0 < PANEL_N ? N - n0 : PANEL_N;
-        for (int64_t m0 = 0; m0 < M; m0 += PANEL_M) {
-            const float *xr = x + m0 * K;
-            float *yr = y + m0 * N;
-            switch (M - m0 < PANEL_M ? M - m0 : PANEL_M) {  /* constant row counts keep acc in registers */
-                case 1: panel_tile(xr, K, panel, yr, N, n0, nvalid, 1); break;
-                case 2: panel_tile(xr, K, panel, yr, N, n0, nvalid, 2); break;
-                case 3: panel_tile(xr, K, panel, yr, N, n0, nvalid, 3); break;
-                case 4: panel_tile(xr, K, panel, yr, N, n0, nvalid, 4); break;
-                case 5: panel_tile(xr, K, panel, yr, N, n0, nvalid, 5); break;
-                case 6: panel_tile(xr, K, panel, yr, N, n0, nvalid, 6); break;
-                case 7: panel_tile(xr, K, panel, yr, N, n0, nvalid, 7); break;
-                default: panel_tile(xr, K, panel, yr, N, n0, nvalid, 8); break;
-            }
-        }
+        panel_rows(x, M, K, panel, y, N, n0, nvalid);
     }
 }
 
-/* ---- GGUF 4-bit weights (Q4_0 / Q4_1) times float32 activations ----
- * W[n, k] = d[n, b] * q[n, k] + m[n, b] for block b = k / 32, q in 0..15 stored as in the file:
- * qs[n, b, j] holds q[32 b + j] in its low nibble and q[32 b + 16 + j] in its high one (j < 16);
- * d, m float32 [N, K / 32] (the file's float16 values; Q4_0: m = -8 d).
- *
- * Each row of x is first put in 16-bit form per block (as llama.cpp does with 8 bits): x[k] ~
- * s[b] * x16[k], x16 = round(x / s) in -32767..32767, s = max|x| / 32767 over the block (error at
- * most half a step: 1.5e-5 of the block's largest |x|, finer than a bfloat16's 2^-9 of each).
- * Then, per output and block, the 32 products q * x16 are summed exactly in integers (8 lanes of
- * 4), and y[t, n] = sum_b (d s)[b] * lanes_b (8 float lanes, one fused multiply-add per block, in
- * block order; lanes summed in a fixed order) + sum_b m[b] * (s sum x16)[b] (in block order).
- * An output depends on its own row of x alone: not on T, the tiling, the thread split or the
- * vector width; the plain-C fallback computes the same bits. */
-typedef struct { float *scale, *msum; int16_t *x16; } q4x;  /* [T, nb], [T, nb], [T, K] */
+/* ---- GGUF block weights (Q8_0, Q4_0, Q4_1) times float32 activations ----
+ * Each row of x is first put in 16-bit form per block of 32 inputs (as llama.cpp does with 8
+ * bits): x[k] ~ s[b] * x16[k], x16 = round(x / s) in -32767..32767, s = max|x| / 32767 over the
+ * block (error at most half a step: 1.5e-5 of the block's largest |x|, finer than a bfloat16's
+ * 2^-9 of each). Per output and block, the 32 products of the weight's integer codes with x16
+ * are summed exactly in integers (8 lanes of 4 products), converted to float (exact: below
+ * 2^24) and added to 8 float lanes with one fused multiply-add by the block's scale times s[b],
+ * blocks in order; the lanes are summed in a fixed order. An output depends on its own row of x
+ * alone: not on T, the tiling, the thread split or the vector width; the plain-C fallback
+ * computes the same bits. Lane L of a block takes inputs 2L, 2L + 1, 16 + 2L and 17 + 2L. */
+typedef struct { float *scale, *msum; int16_t *x16; } xq;  /* s [T, nb], s * sum(x16) [T, nb], x16 [T, K] */
 
-static q4x q4_prepare(const float *x, int64_t T, int64_t K) {
+static xq x16_prepare(const float *x, int64_t T, int64_t K) {
     int64_t nb = K / 32;
-    q4x p = {malloc((size_t)(T * nb) * sizeof(float)), malloc((size_t)(T * nb) * sizeof(float)),
+    xq p = {malloc((size_t)(T * nb) * sizeof(float)), malloc((size_t)(T * nb) * sizeof(float)),
              malloc((size_t)(T * K) * sizeof(int16_t))};
     for (int64_t i = 0; i < T * nb; i++) {
         const float *xb = x + i * 32;
@@ -413,7 +386,7 @@ static q4x q4_prepare(const float *x, int64_t T, int64_t K) {
     return p;
 }
 
-static void q4_release(q4x p) {
+static void x16_release(xq p) {
     free(p.scale);
     free(p.msum);
     free(p.x16);
@@ -424,128 +397,210 @@ static inline float hsum8(v8 a) {
     return (c[0] + c[2]) + (c[1] + c[3]);
 }
 
+/* The weight formats: a block's 32 integer codes and per-block scale d (and offset m). */
+enum { Q8 = 0, Q4 = 1 };
+#define BLOCK_BYTES(kind) ((kind) == Q8 ? 32 : 16)
+
+/* sum over blocks of m[b] * (s * sum x16)[b], in block order (Q4's offsets; Q8 has none) */
+static inline float offset_sum(const float *m, const float *msum, int64_t nb) {
+    float acc = 0.0f;
+    for (int64_t b = 0; b < nb; b++) acc = fmaf(m[b], msum[b], acc);
+    return acc;
+}
+
 #if defined(__AVX2__) && defined(__FMA__)
-/* A block's 32 codes as int16: lo = q[0 .. 15], hi = q[16 .. 31]. */
-static inline __attribute__((always_inline)) void q4_codes(const uint8_t *qs, __m256i *lo, __m256i *hi) {
-    __m128i b = _mm_loadu_si128((const __m128i *)qs), mask = _mm_set1_epi8(15);
+/* A block's codes as int16: lo = codes 0 .. 15, hi = codes 16 .. 31 (Q4: the file's nibbles,
+ * low ones first; Q8: the signed bytes). */
+static inline __attribute__((always_inline)) void block_codes(const void *w, const int kind, __m256i *lo, __m256i *hi) {
+    if (kind == Q8) {
+        *lo = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)w));
+        *hi = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)w + 1));
+        return;
+    }
+    __m128i b = _mm_loadu_si128((const __m128i *)w), mask = _mm_set1_epi8(15);
     *lo = _mm256_cvtepu8_epi16(_mm_and_si128(b, mask));
     *hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(b, 4), mask));
 }
 
-/* acc += float(lane sums of q . x16) * c: lane L sums k = 2L, 2L + 1, 16 + 2L, 17 + 2L (exact) */
-static inline __attribute__((always_inline)) __m256 q4_dot(__m256i lo, __m256i hi, const int16_t *x16, float c,
-                                                            __m256 acc) {
+/* acc + float(the block's 8 exact lane sums of codes * x16) * c */
+static inline __attribute__((always_inline)) __m256 block_dot(__m256i lo, __m256i hi, const int16_t *x16, float c,
+                                                               __m256 acc) {
     __m256i s = _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)x16)),
                                  _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(x16 + 16))));
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(c), acc);
 }
 
-static inline float q4_out(__m256 acc, float macc) {
+static inline float lanes_sum(__m256 acc) {
     v8 a;
     memcpy(&a, &acc, sizeof a);
-    return hsum8(a) + macc;
+    return hsum8(a);
 }
 
 /* R (a constant after inlining) weight rows times one row of x (t): y[r]. */
-static inline __attribute__((always_inline)) void q4_rows_x1(const uint8_t *qs, const float *d, const float *m,
-                                                              q4x p, int64_t t, int64_t nb, const int R, float *y) {
+static inline __attribute__((always_inline)) void rows_x1(const uint8_t *w, const float *d, const float *m, xq p,
+                                                          int64_t t, int64_t nb, const int kind, const int R, float *y) {
     __m256 acc[4];
-    float macc[4] = {0};
+    float macc[4] = {0};  /* offset_sum, kept beside the lanes (its chain overlaps theirs) */
     const float *xs = p.scale + t * nb, *ms = p.msum + t * nb;
     const int16_t *x16 = p.x16 + t * nb * 32;
+    const int64_t bytes = BLOCK_BYTES(kind);
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++)
         for (int r = 0; r < R; r++) {
             __m256i lo, hi;
-            q4_codes(qs + (r * nb + b) * 16, &lo, &hi);
-            acc[r] = q4_dot(lo, hi, x16 + b * 32, d[r * nb + b] * xs[b], acc[r]);
-            macc[r] = fmaf(m[r * nb + b], ms[b], macc[r]);
+            block_codes(w + (r * nb + b) * bytes, kind, &lo, &hi);
+            acc[r] = block_dot(lo, hi, x16 + b * 32, d[r * nb + b] * xs[b], acc[r]);
+            if (kind == Q4) macc[r] = fmaf(m[r * nb + b], ms[b], macc[r]);
         }
-    for (int r = 0; r < R; r++) y[r] = q4_out(acc[r], macc[r]);
+    for (int r = 0; r < R; r++) y[r] = lanes_sum(acc[r]) + macc[r];
 }
 
 /* One weight row times M (a constant after inlining) rows of x (t0 ..): y[i * ystride]. */
-static inline __attribute__((always_inline)) void q4_row_xm(const uint8_t *qs, const float *d, const float *m,
-                                                             q4x p, int64_t t0, int64_t nb, const int M, float *y,
-                                                             int64_t ystride) {
+static inline __attribute__((always_inline)) void row_xm(const uint8_t *w, const float *d, const float *m, xq p,
+                                                         int64_t t0, int64_t nb, const int kind, const int M, float *y,
+                                                         int64_t ystride) {
     __m256 acc[8];
-    float macc[8] = {0};
+    float macc[8] = {0};  /* offset_sum, kept beside the lanes */
     for (int i = 0; i < M; i++) acc[i] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         __m256i lo, hi;
-        q4_codes(qs + b * 16, &lo, &hi);
+        block_codes(w + b * BLOCK_BYTES(kind), kind, &lo, &hi);
         for (int i = 0; i < M; i++) {
             int64_t tb = (t0 + i) * nb + b;
-            acc[i] = q4_dot(lo, hi, p.x16 + tb * 32, d[b] * p.scale[tb], acc[i]);
-            macc[i] = fmaf(m[b], p.msum[tb], macc[i]);
+            acc[i] = block_dot(lo, hi, p.x16 + tb * 32, d[b] * p.scale[tb], acc[i]);
+            if (kind == Q4) macc[i] = fmaf(m[b], p.msum[tb], macc[i]);
         }
     }
-    for (int i = 0; i < M; i++) y[i * ystride] = q4_out(acc[i], macc[i]);
+    for (int i = 0; i < M; i++) y[i * ystride] = lanes_sum(acc[i]) + macc[i];
 }
-#define Q4_XM 8 /* rows of x sharing each block's codes */
-#else
-/* the same arithmetic one lane at a time (integer sums are exact; fmaf rounds once, as the vector FMA) */
-static void q4_row_ref(const uint8_t *qs, const float *d, const float *m, q4x p, int64_t t, int64_t nb, float *y) {
-    float acc[8] = {0}, macc = 0.0f;
-    for (int64_t b = 0; b < nb; b++) {
-        const int16_t *x = p.x16 + (t * nb + b) * 32;
-        float c = d[b] * p.scale[t * nb + b];
-        for (int L = 0; L < 8; L++) {
-            int32_t s = 0;
-            for (int j = 2 * L; j < 2 * L + 2; j++) s += (qs[b * 16 + j] & 15) * x[j] + (qs[b * 16 + j] >> 4) * x[16 + j];
-            acc[L] = fmaf((float)s, c, acc[L]);
-        }
-        macc = fmaf(m[b], p.msum[t * nb + b], macc);
-    }
-    v8 a;
-    memcpy(&a, acc, sizeof a);
-    *y = hsum8(a) + macc;
-}
-#endif
+#define XM 8 /* rows of x sharing each block's codes */
 
-/* y[T, N] float32 = x[T, K] float32 times W^T for the Q4 weight above (qs uint8 [N, K / 2],
- * d, m float32 [N, K / 32]; K a multiple of 32). The threads share W's rows. */
-void hs_q4_matmul(const uint8_t *qs, const float *d, const float *m, const float *x, int64_t T, int64_t N,
-                  int64_t K, float *y, int parallel) {
-    int64_t nb = K / 32;
-    q4x p = q4_prepare(x, T, K);
-#if defined(__AVX2__) && defined(__FMA__)
+static void blocks_matmul(const uint8_t *w, const float *d, const float *m, xq p, int64_t T, int64_t N, int64_t nb,
+                          const int kind, float *y, int parallel) {
+    const int64_t row_bytes = nb * BLOCK_BYTES(kind);
     if (T == 1) {  /* four weight rows at a time: independent chains hide the FMA latency */
 #pragma omp parallel for schedule(static) if (parallel)
         for (int64_t n = 0; n < N; n += 4) {
-            const uint8_t *q = qs + n * nb * 16;
-            const float *dn = d + n * nb, *mn = m + n * nb;
+            const uint8_t *wn = w + n * row_bytes;
+            const float *dn = d + n * nb, *mn = m ? m + n * nb : NULL;
             switch (N - n < 4 ? N - n : 4) {
-                case 1: q4_rows_x1(q, dn, mn, p, 0, nb, 1, y + n); break;
-                case 2: q4_rows_x1(q, dn, mn, p, 0, nb, 2, y + n); break;
-                case 3: q4_rows_x1(q, dn, mn, p, 0, nb, 3, y + n); break;
-                default: q4_rows_x1(q, dn, mn, p, 0, nb, 4, y + n); break;
+                case 1: rows_x1(wn, dn, mn, p, 0, nb, kind, 1, y + n); break;
+                case 2: rows_x1(wn, dn, mn, p, 0, nb, kind, 2, y + n); break;
+                case 3: rows_x1(wn, dn, mn, p, 0, nb, kind, 3, y + n); break;
+                default: rows_x1(wn, dn, mn, p, 0, nb, kind, 4, y + n); break;
             }
         }
-    } else {
+        return;
+    }
 #pragma omp parallel for schedule(static) if (parallel)
-        for (int64_t n = 0; n < N; n++) {
-            const uint8_t *q = qs + n * nb * 16;
-            const float *dn = d + n * nb, *mn = m + n * nb;
-            for (int64_t t0 = 0; t0 < T; t0 += Q4_XM) {
-                float *yr = y + t0 * N + n;
-                switch (T - t0 < Q4_XM ? T - t0 : Q4_XM) {  /* constant row counts keep acc in registers */
-                    case 1: q4_row_xm(q, dn, mn, p, t0, nb, 1, yr, N); break;
-                    case 2: q4_row_xm(q, dn, mn, p, t0, nb, 2, yr, N); break;
-                    case 3: q4_row_xm(q, dn, mn, p, t0, nb, 3, yr, N); break;
-                    case 4: q4_row_xm(q, dn, mn, p, t0, nb, 4, yr, N); break;
-                    case 5: q4_row_xm(q, dn, mn, p, t0, nb, 5, yr, N); break;
-                    case 6: q4_row_xm(q, dn, mn, p, t0, nb, 6, yr, N); break;
-                    case 7: q4_row_xm(q, dn, mn, p, t0, nb, 7, yr, N); break;
-                    default: q4_row_xm(q, dn, mn, p, t0, nb, 8, yr, N); break;
-                }
+    for (int64_t n = 0; n < N; n++) {
+        const uint8_t *wn = w + n * row_bytes;
+        const float *dn = d + n * nb, *mn = m ? m + n * nb : NULL;
+        for (int64_t t0 = 0; t0 < T; t0 += XM) {
+            float *yr = y + t0 * N + n;
+            switch (T - t0 < XM ? T - t0 : XM) {  /* constant row counts keep acc in registers */
+                case 1: row_xm(wn, dn, mn, p, t0, nb, kind, 1, yr, N); break;
+                case 2: row_xm(wn, dn, mn, p, t0, nb, kind, 2, yr, N); break;
+                case 3: row_xm(wn, dn, mn, p, t0, nb, kind, 3, yr, N); break;
+                case 4: row_xm(wn, dn, mn, p, t0, nb, kind, 4, yr, N); break;
+                case 5: row_xm(wn, dn, mn, p, t0, nb, kind, 5, yr, N); break;
+                case 6: row_xm(wn, dn, mn, p, t0, nb, kind, 6, yr, N); break;
+                case 7: row_xm(wn, dn, mn, p, t0, nb, kind, 7, yr, N); break;
+                default: row_xm(wn, dn, mn, p, t0, nb, kind, 8, yr, N); break;
             }
         }
     }
+}
 #else
+/* the same arithmetic one lane at a time (integer sums are exact; fmaf rounds once, as the vector FMA) */
+static inline int32_t code(const uint8_t *w, int kind, int j) {  /* code j (0 .. 31) of a block */
+    if (kind == Q8) return ((const int8_t *)w)[j];
+    return j < 16 ? (w[j] & 15) : (w[j - 16] >> 4);
+}
+
+static void blocks_matmul(const uint8_t *w, const float *d, const float *m, xq p, int64_t T, int64_t N, int64_t nb,
+                          const int kind, float *y, int parallel) {
 #pragma omp parallel for schedule(static) if (parallel)
     for (int64_t n = 0; n < N; n++)
-        for (int64_t t = 0; t < T; t++) q4_row_ref(qs + n * nb * 16, d + n * nb, m + n * nb, p, t, nb, y + t * N + n);
+        for (int64_t t = 0; t < T; t++) {
+            float acc[8] = {0};
+            for (int64_t b = 0; b < nb; b++) {
+                const uint8_t *wb = w + (n * nb + b) * BLOCK_BYTES(kind);
+                const int16_t *x = p.x16 + (t * nb + b) * 32;
+                float c = d[n * nb + b] * p.scale[t * nb + b];
+                for (int L = 0; L < 8; L++) {
+                    int32_t s = 0;
+                    for (int j = 2 * L; j < 2 * L + 2; j++) s += code(wb, kind, j) * x[j] + code(wb, kind, 16 + j) * x[16 + j];
+                    acc[L] = fmaf((float)s, c, acc[L]);
+                }
+            }
+            v8 a;
+            memcpy(&a, acc, sizeof a);
+            y[t * N + n] = hsum8(a) + (kind == Q4 ? offset_sum(m + n * nb, p.msum + t * nb, nb) : 0.0f);
+        }
+}
 #endif
-    q4_release(p);
+
+/* y[T, N] float32 = x[T, K] (float32, or bfloat16 when x_bf) times the transpose of a GGUF
+ * Q8_0 weight W[n, k] = d[n, k / 32] * q[n, k] (q int8 [N, K], d float32 [N, K / 32]; K a
+ * multiple of 32). The threads share W's rows. */
+void hs_q8_matmul(const int8_t *q, const float *d, const void *x, int x_bf, int64_t T, int64_t N, int64_t K,
+                  float *y, int parallel) {
+    const float *xf = (const float *)x;
+    float *conv = NULL;
+    if (x_bf) {
+        conv = malloc((size_t)(T * K) * sizeof(float));
+        load_row(x, 1, 0, T * K, conv);
+        xf = conv;
+    }
+    xq p = x16_prepare(xf, T, K);
+    blocks_matmul((const uint8_t *)q, d, NULL, p, T, N, K / 32, Q8, y, parallel);
+    x16_release(p);
+    free(conv);
+}
+
+/* y[T, N] float32 = x[T, K] float32 times the transpose of a GGUF Q4_0 / Q4_1 weight
+ * W[n, k] = d[n, b] * q[n, k] + m[n, b], b = k / 32, q in 0..15 as stored in the file: qs[n, b, j]
+ * holds q[32 b + j] in its low nibble and q[32 b + 16 + j] in its high one (qs uint8 [N, K / 2]);
+ * d, m float32 [N, K / 32] (the file's float16 values; Q4_0: m = -8 d). The offsets add
+ * sum_b m[b] * s[b] sum(x16 of block b), in block order, after the lanes. */
+void hs_q4_matmul(const uint8_t *qs, const float *d, const float *m, const float *x, int64_t T, int64_t N,
+                  int64_t K, float *y, int parallel) {
+    xq p = x16_prepare(x, T, K);
+    blocks_matmul(qs, d, m, p, T, N, K / 32, Q4, y, parallel);
+    x16_release(p);
+}
+
+/* The same product for prompt chunks, on the panel kernel: each group of PANEL_N weight rows is
+ * rebuilt as float32, w = fma(q, d, m) (the file's value rounded once: q * d is exact), into a
+ * panel, and every row of x runs one fused multiply-add chain over k per output, as
+ * hs_panel_matmul on the float32 weights (same bits). Rebuilding costs one pass over W per call:
+ * cheap against T rows of products, and float32 products are faster than 16-bit ones here. */
+void hs_q4_panel_matmul(const uint8_t *qs, const float *d, const float *m, const float *x, int64_t T, int64_t N,
+                        int64_t K, float *y, int parallel) {
+    int64_t nb = K / 32, P = (N + PANEL_N - 1) / PANEL_N;
+#pragma omp parallel if (parallel)
+    {
+        float *panel = malloc((size_t)(K * PANEL_N) * sizeof(float));
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < P; p++) {
+            int64_t n0 = p * PANEL_N, nvalid = N - n0 < PANEL_N ? N - n0 : PANEL_N;
+            for (int64_t j = 0; j < PANEL_N; j++) {
+                if (j >= nvalid) {
+                    for (int64_t k = 0; k < K; k++) panel[k * PANEL_N + j] = 0.0f;
+                    continue;
+                }
+                const uint8_t *q = qs + (n0 + j) * nb * 16;
+                for (int64_t b = 0; b < nb; b++) {
+                    float db = d[(n0 + j) * nb + b], mb = m[(n0 + j) * nb + b];
+                    for (int i = 0; i < 16; i++) {
+                        panel[(b * 32 + i) * PANEL_N + j] = fmaf((float)(q[b * 16 + i] & 15), db, mb);
+                        panel[(b * 32 + 16 + i) * PANEL_N + j] = fmaf((float)(q[b * 16 + i] >> 4), db, mb);
+                    }
+                }
+            }
+            panel_rows(x, T, K, panel, y, N, n0, nvalid);
+        }
+        free(panel);
+    }
 }

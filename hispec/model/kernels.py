@@ -130,6 +130,8 @@ def describe(model) -> str:
     layers = ", ".join(f"{n} x {k}" for k, n in kinds.items())
     if any(getattr(m, "dense", None) is not None for m in model.layers.modules() if isinstance(m, QuantLinear)):
         layers += " (prompt prefill on dense bfloat16 copies of the same weights)"
+    elif any(isinstance(m, QuantLinear) and m.kernel == "q4" for m in model.layers.modules()):
+        layers += " (prompt prefill on float32 panels of the same weights)"
     head = model.lm_head
     head_kind = head.describe() if isinstance(head, QuantLinear) else f"{str(head.weight.dtype)[6:]} dense"
     from . import fused
