@@ -155,11 +155,24 @@ def test_model_runs_on_the_fused_kernels(tiny_model_dir, monkeypatch):
     assert with_kernels.token_ids == eager.token_ids  # a random tiny model has no near-ties in 12 tokens
 
 
-@pytest.mark.parametrize("quantize", ["none", "int4", "q4", "int8"])
-def test_layer_op_equals_the_per_layer_path(tiny_model_dir, four_bit_kernel, quantize):
+@pytest.fixture
+def small_route(monkeypatch):
+    """``small_route(name)``: float32 products of up to SMALL_ROWS rows take route ``name``."""
+    from hispec.model import matmul
+
+    def use(name: str) -> None:
+        monkeypatch.setenv("HISPEC_SMALL_MATMUL", name)
+        matmul.small_route.cache_clear()
+
+    yield use
+    matmul.small_route.cache_clear()
+
+
+@pytest.mark.parametrize("quantize", ["none:wxt", "none:linear", "none:panel", "int4", "q4", "int8"])
+def test_layer_op_equals_the_per_layer_path(tiny_model_dir, four_bit_kernel, small_route, quantize):
     """``decode_layers`` (a range of layers in one C++ call) gives the per-layer fused path's hidden
-    states and K/V bit for bit, for float32, int4 (on PyTorch's int4 kernel or hispec's q4) and
-    int8 weights, on a ragged batch."""
+    states and K/V bit for bit, for float32 (on each decode-sized route), int4 (on PyTorch's int4
+    kernel or hispec's q4) and int8 weights, on a ragged batch."""
     from hispec.generate import Generator
 
     if fused.layers_op() is None:
@@ -167,6 +180,9 @@ def test_layer_op_equals_the_per_layer_path(tiny_model_dir, four_bit_kernel, qua
     if quantize in ("int4", "q4"):
         four_bit_kernel(quantize)
         quantize = "int4"
+    if quantize.startswith("none:"):
+        small_route(quantize[5:])
+        quantize = "none"
     gen = Generator.from_pretrained(str(tiny_model_dir("llama")), exits=False, quantize=quantize, progress=False)
     model, cfg = gen.model, gen.model.cfg
     n = model.num_layers
@@ -206,8 +222,14 @@ def test_layer_plan_follows_replaced_projections(tiny_model_dir):
     layer = gen.model.layers[0]
     from hispec.model.matmul import small_route
 
-    assert layer.layer_plan()[2] == [fused.MM_FLOAT if small_route() == "wxt" else fused.MM_FLOAT_LINEAR] * 4
+    kind = {"wxt": fused.MM_FLOAT, "linear": fused.MM_FLOAT_LINEAR, "panel": fused.MM_PANEL}[small_route()]
+    assert layer.layer_plan()[2] == [kind] * 4
     weight = layer.o_proj.weight
+    if small_route() == "panel":  # a float32 weight changed in place: the plan's panel copy is remade
+        before = layer.layer_plan()[1][2].clone()
+        with torch.no_grad():
+            weight.mul_(2)
+        assert torch.equal(layer.layer_plan()[1][2], 2 * before)
     layer.o_proj = QuantLinear.from_float(weight, "int4", kernel="int4")
     assert layer.layer_plan() is None  # int4 wants bfloat16 activations, this layer runs float32 ones
     layer.o_proj = QuantLinear.from_float(weight, "int4", kernel="q4")  # q4 reads float32 ones

@@ -160,7 +160,7 @@ class DecoderLayer(nn.Module):
         # them bfloat16 directly and their outputs stay bfloat16 into the next kernel
         self.act_dtype: torch.dtype | None = None
         self._fusable: bool | None = None  # decided on first use (see _fused)
-        self._plan: dict[bool, tuple | bool] = {}  # layer_plan's answers (decode, prefill), cached; False: cannot
+        self._plan: dict[bool, tuple] = {}  # layer_plan per prefill flag: (float32 weight versions, plan or False)
 
     _PLANNED = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "input_norm", "post_norm", "act_dtype")
 
@@ -176,11 +176,14 @@ class DecoderLayer(nn.Module):
     def layer_plan(self, prefill: bool = False) -> tuple | None:
         """What ``fused.decode_layers`` needs of this layer, ``(norms, weights, kinds, groups)``,
         or None when the layer cannot run there (not fusable; a bias; a matmul other than float32
-        ``Linear`` on float32 activations or int4/int8 ``QuantLinear`` on bfloat16 ones).
+        ``Linear`` or q4 ``QuantLinear`` on float32 activations or int4/int8 ``QuantLinear`` on
+        bfloat16 ones).
         ``prefill``: for prompt tokens (QuantLinear's dense prefill weights where it has them)."""
-        if prefill not in self._plan:
-            self._plan[prefill] = self._make_plan(prefill) or False
-        return self._plan[prefill] or None
+        versions = tuple(m.weight._version for m in (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj)
+                         if type(m) is Linear)  # a float32 weight changed in place: its panel copy is remade
+        if self._plan.get(prefill, (None,))[0] != versions:
+            self._plan[prefill] = (versions, self._make_plan(prefill) or False)
+        return self._plan[prefill][1] or None
 
     def _make_plan(self, prefill: bool) -> tuple | None:
         if not (self._fusable or (self._fusable is None and self._fused_kind())) or fused.layers_op() is None:
@@ -204,9 +207,11 @@ class DecoderLayer(nn.Module):
                 groups.append(m.group)
             elif (type(m) is Linear and m.bias is None and m.weight.dtype == torch.float32 and m.weight.is_contiguous()
                   and self.act_dtype in (None, torch.float32)):
-                weights += [m.weight, m.weight]  # the second is a placeholder
-                kinds.append(fused.MM_FLOAT if small_route() == "wxt" else fused.MM_FLOAT_LINEAR)
-                groups.append(0)
+                panel = m.panel() if small_route() == "panel" else None  # as Linear.forward on <= SMALL_ROWS rows
+                weights += [m.weight if panel is None else panel, m.weight]  # the second is a placeholder
+                kinds.append(fused.MM_PANEL if panel is not None else
+                             fused.MM_FLOAT_LINEAR if small_route() == "linear" else fused.MM_FLOAT)
+                groups.append(m.out_features if panel is not None else 0)
             else:
                 return None
         return norms, weights, kinds, groups

@@ -7,8 +7,9 @@ gathers each sequence's context out of the paged pool. ``fused_cpu.c`` does each
 work in one call: ``rms_norm`` / ``add_rms_norm`` (residual add + norm + cast to the matmul
 input dtype), ``rope_write`` (rotate q and k, write K/V to their slots), ``paged_attention``
 (each query over its own context read through the block table, no gather), ``silu_mul``; and
-one matmul, ``panel_matmul`` (float32 products on weights packed in panels, which ``matmul.Linear``
-takes for batched decode steps and prefill chunks where it is faster than oneDNN).
+matmuls whose every output row is computed alone: ``panel_matmul`` (float32 products on weights
+packed in panels, which ``matmul.Linear`` takes where it times faster than MKL / oneDNN), and
+``q4_matmul`` / ``q8_matmul`` on GGUF blocks as stored (``quant.py``).
 
 The library is compiled on first use by the machine's C compiler for this CPU
 (``-O3 -march=native``: the instructions the CPU has, AVX2 or AVX-512, chosen by the compiler),
@@ -114,10 +115,10 @@ def available() -> bool:
 
 # ---- a range of layers in one call (fused_layers.cpp) ------------------------------------------
 LAYERS_SOURCE = Path(__file__).with_name("fused_layers.cpp")
-MM_FLOAT, MM_INT4, MM_INT8, MM_DENSE, MM_FLOAT_LINEAR, MM_Q4, MM_Q4_PANELS = 0, 1, 2, 3, 4, 5, 6  # as in fused_layers.cpp
-MM_FLOAT_KINDS = (MM_FLOAT, MM_FLOAT_LINEAR)  # float32 weights: (W @ x.T).T or x @ W.T, as matmul.small_route()
+MM_FLOAT, MM_INT4, MM_INT8, MM_DENSE, MM_FLOAT_LINEAR, MM_Q4, MM_Q4_PANELS, MM_PANEL = range(8)  # as in fused_layers.cpp
+MM_FLOAT_KINDS = (MM_FLOAT, MM_FLOAT_LINEAR, MM_PANEL)  # float32 weights: as matmul.small_route()
 _KERNEL_ORDER = ("hs_rms_norm", "hs_add_rms_norm", "hs_silu_mul", "hs_rope_write", "hs_paged_attention", "hs_q4_matmul",
-                 "hs_q4_panel_matmul")
+                 "hs_q4_panel_matmul", "hs_panel_matmul")
 
 
 def _cxx_command(out: Path) -> list[str]:

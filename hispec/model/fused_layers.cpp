@@ -37,6 +37,8 @@ rope_write_fn rope_write = nullptr;
 paged_attention_fn paged_attention = nullptr;
 q4_matmul_fn q4_matmul = nullptr;
 q4_matmul_fn q4_panel_matmul = nullptr;
+using panel_matmul_fn = void (*)(const float*, int64_t, int64_t, const float*, int64_t, float*, int);
+panel_matmul_fn panel_matmul = nullptr;
 
 // matmul kinds, as fused.py's MM_KINDS
 constexpr int64_t MM_FLOAT = 0;  // float32 weight [N, K]: (W @ x.T).T, one row padded to two (matmul.linear)
@@ -46,9 +48,10 @@ constexpr int64_t MM_DENSE = 3;  // x @ W.T with a dense weight in x's dtype (Qu
 constexpr int64_t MM_FLOAT_LINEAR = 4;  // float32 weight [N, K]: x @ W.T (matmul.linear where that route wins)
 constexpr int64_t MM_Q4 = 5;  // GGUF 4-bit nibbles [N, K / 2] and d, m [2, N, K / 32] on fused_cpu.c's q4 kernel
 constexpr int64_t MM_Q4_PANELS = 6;  // the same weights rebuilt in float32 panels (prompt chunks)
+constexpr int64_t MM_PANEL = 7;  // float32 weight packed in panels (matmul.Linear.panel); group = N
 
 void bind(std::vector<int64_t> addresses) {
-    TORCH_CHECK(addresses.size() == 7, "bind: expected the addresses of the 7 kernels");
+    TORCH_CHECK(addresses.size() == 8, "bind: expected the addresses of the 8 kernels");
     rms_norm = reinterpret_cast<rms_norm_fn>(addresses[0]);
     add_rms_norm = reinterpret_cast<add_rms_norm_fn>(addresses[1]);
     silu_mul = reinterpret_cast<silu_mul_fn>(addresses[2]);
@@ -56,6 +59,7 @@ void bind(std::vector<int64_t> addresses) {
     paged_attention = reinterpret_cast<paged_attention_fn>(addresses[4]);
     q4_matmul = reinterpret_cast<q4_matmul_fn>(addresses[5]);
     q4_panel_matmul = reinterpret_cast<q4_matmul_fn>(addresses[6]);
+    panel_matmul = reinterpret_cast<panel_matmul_fn>(addresses[7]);
 }
 
 at::Tensor matmul(int64_t kind, const at::Tensor& x, const at::Tensor& w, const at::Tensor& p, int64_t group) {
@@ -63,6 +67,12 @@ at::Tensor matmul(int64_t kind, const at::Tensor& x, const at::Tensor& w, const 
     if (kind == MM_INT4) return at::_weight_int4pack_mm_for_cpu(x, w, group, p);
     if (kind == MM_INT8) return at::_weight_int8pack_mm(x, w, p);
     if (kind == MM_DENSE || kind == MM_FLOAT_LINEAR) return at::linear(x, w);
+    if (kind == MM_PANEL) {
+        const at::Tensor xc = x.contiguous();
+        at::Tensor y = at::empty({x.size(0), group}, x.options());
+        panel_matmul(xc.data_ptr<float>(), x.size(0), x.size(1), w.data_ptr<float>(), group, y.data_ptr<float>(), 1);
+        return y;
+    }
     if (kind == MM_Q4 || kind == MM_Q4_PANELS) {
         const at::Tensor xc = x.contiguous();
         at::Tensor y = at::empty({x.size(0), w.size(0)}, x.options());

@@ -22,7 +22,9 @@ other layout is not (same 120 matmuls, ms per pass; oneDNN on the prepacked weig
 
 So for up to ``SMALL_ROWS`` rows (decode steps, short verification windows) :func:`linear` takes
 the faster of ``F.linear`` and ``(W @ x.T).T`` on this CPU (:func:`small_route`: timed once per
-process on weights larger than the cache), and oneDNN above (batched steps, prefill), on CPU in
+process on weights larger than the cache; a :class:`Linear` may also take the panel kernel below,
+which streams the weight at memory bandwidth where MKL does not: on a 2-core AMD EPYC Zen 3, 120
+decoder matmuls at 1 row, ``(W @ x.T).T`` 41.7 ms, ``F.linear`` 46.6, panel 25.2), and oneDNN above (batched steps, prefill), on CPU in
 float32; ``F.linear`` otherwise (other devices and dtypes, autograd, or a torch without oneDNN).
 The values agree with ``F.linear`` up to float rounding (different summation order, |diff| ~ 1e-5
 on unit-scale inputs).
@@ -145,14 +147,17 @@ def panel_rows() -> int:
     return PANEL_ROWS if all(wins) else PANEL_DECODE_ROWS if wins[0] else 0
 
 
-ROUTES = ("wxt", "linear")  # decode-sized float32 products: (W @ x.T).T (one row padded to two), F.linear
+ROUTES = ("wxt", "linear", "panel")  # decode-sized float32 products: (W @ x.T).T (one row padded to two),
+#                                     F.linear, or the panel kernel on the weight's panel copy (Linear only)
 
 
 @functools.lru_cache(maxsize=1)
 def small_route() -> str:
     """The faster route for decode-sized float32 products on this CPU, decided once per process:
-    ``HISPEC_SMALL_MATMUL=wxt|linear`` if set, else both timed (interleaved, medians of 5) on one
-    row against 8 weights of a SmolLM2 MLP's size (56 MB, more than a cache holds)."""
+    ``HISPEC_SMALL_MATMUL=wxt|linear|panel`` if set, else the routes timed (interleaved, medians of
+    5) on one row against 8 weights of a SmolLM2 MLP's size (56 MB, more than a cache holds);
+    ``panel`` only where the kernels are built and weight copies allowed. Where a ``Linear`` gets no
+    panel copy (over the memory budget) and for :func:`linear`, ``panel`` computes as ``wxt``."""
     forced = os.environ.get("HISPEC_SMALL_MATMUL")
     if forced in ROUTES:
         return forced
@@ -162,8 +167,12 @@ def small_route() -> str:
     weights = [torch.randn(3072, 576, generator=g) for _ in range(8)]
     x = torch.randn(1, 576, generator=g)
     with torch.no_grad():
-        med = interleaved_medians({"wxt": lambda: [(w @ torch.cat([x, x]).T).T[:1].contiguous() for w in weights],
-                                   "linear": lambda: [F.linear(x, w) for w in weights]}, reps=5, warmup=1)
+        routes = {"wxt": lambda: [(w @ torch.cat([x, x]).T).T[:1].contiguous() for w in weights],
+                  "linear": lambda: [F.linear(x, w) for w in weights]}
+        if PREPACK and fused.available():
+            panels = [fused.panel_pack(w) for w in weights]
+            routes["panel"] = lambda: [fused.panel_matmul(x, p, 3072) for p in panels]
+        med = interleaved_medians(routes, reps=5, warmup=1)
     return min(med, key=med.get)
 
 
@@ -193,6 +202,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return out.reshape(*lead, weight.shape[0])
     if small_route() == "linear":
         return F.linear(rows, weight, bias).reshape(*lead, weight.shape[0])
+    # wxt (also for "panel", which needs a Linear's panel copy)
     if t == 1:
         rows = torch.cat([rows, rows])  # [2, K]: keeps MKL off its slow matrix-vector path
     out = (weight @ rows.T).T[:t]  # [T, N], a column-major view
@@ -206,16 +216,22 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
         if (PREPACK and x.device.type == "cpu" and x.dtype == w.dtype == torch.float32 and w.is_contiguous()
-                and x.numel() > SMALL_ROWS * x.shape[-1] and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
+                and x.numel() > 0 and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
             rows = x.reshape(-1, x.shape[-1]).contiguous()  # [T, K]
-            if rows.shape[0] <= panel_rows() and fused.available():
-                panel = _packed(self, w, _panels)
+            t = rows.shape[0]
+            if fused.available() and (t <= panel_rows() if t > SMALL_ROWS else small_route() == "panel"):
+                panel = self.panel()
                 if panel is not None:
                     out = fused.panel_matmul(rows, panel, w.shape[0])
                     out = out if self.bias is None else out + self.bias
                     return out.reshape(*x.shape[:-1], w.shape[0])
-            packed = _packed(self, w)
-            if packed is not None:
-                out = torch.ops.mkldnn._linear_pointwise(rows, packed, self.bias, "none", [None], "")
-                return out.reshape(*x.shape[:-1], w.shape[0])
+            if t > SMALL_ROWS:
+                packed = _packed(self, w)
+                if packed is not None:
+                    out = torch.ops.mkldnn._linear_pointwise(rows, packed, self.bias, "none", [None], "")
+                    return out.reshape(*x.shape[:-1], w.shape[0])
         return linear(x, w, self.bias)
+
+    def panel(self) -> torch.Tensor | None:
+        """The weight's panel copy for ``fused.panel_matmul`` (made now if the budget allows), or None."""
+        return _packed(self, self.weight, _panels)
