@@ -106,6 +106,7 @@ def library() -> ctypes.CDLL | None:
     for name, args in _SIGNATURES.items():
         getattr(lib, name).argtypes = args
         getattr(lib, name).restype = None
+    lib.hs_panel_width.argtypes, lib.hs_panel_width.restype = [], ctypes.c_int64
     return lib
 
 
@@ -298,9 +299,7 @@ def q4_matmul(x: torch.Tensor, qs: torch.Tensor, dm: torch.Tensor, panels: bool 
 def panel_width() -> int:
     """Output columns per panel of ``panel_pack``'s layout on this build: 48 with AVX-512, 16 with
     AVX2 (a tile of 6 rows x 16 columns fills its 16 registers)."""
-    lib = library()
-    lib.hs_panel_width.restype = ctypes.c_int64
-    return lib.hs_panel_width()
+    return library().hs_panel_width()
 
 
 def panel_pack(weight: torch.Tensor) -> torch.Tensor:

@@ -76,8 +76,9 @@ at::Tensor matmul(int64_t kind, const at::Tensor& x, const at::Tensor& w, const 
     if (kind == MM_Q4 || kind == MM_Q4_PANELS) {
         const at::Tensor xc = x.contiguous();
         at::Tensor y = at::empty({x.size(0), w.size(0)}, x.options());
-        (kind == MM_Q4 ? q4_matmul : q4_panel_matmul)(w.data_ptr<uint8_t>(), p[0].data_ptr<float>(), p[1].data_ptr<float>(), xc.data_ptr<float>(), x.size(0),
-                  w.size(0), x.size(1), y.data_ptr<float>(), 1);
+        const auto fn = kind == MM_Q4 ? q4_matmul : q4_panel_matmul;
+        fn(w.data_ptr<uint8_t>(), p[0].data_ptr<float>(), p[1].data_ptr<float>(), xc.data_ptr<float>(), x.size(0),
+           w.size(0), x.size(1), y.data_ptr<float>(), 1);
         return y;
     }
     const int64_t t = x.size(0);

@@ -35,26 +35,39 @@ def cpu_has_bf16() -> bool:
     return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
 
 
-def _weights(count: int = 12, n: int = 3072, k: int = 576) -> list[torch.Tensor]:
-    """``count`` float32 weights of a SmolLM2 MLP's size: 85 MB, more than a cache holds, so timings
-    read them from memory as a model's decode step does."""
-    g = torch.Generator().manual_seed(0)
-    return [torch.randn(n, k, generator=g) * 0.02 for _ in range(count)]
-
-
-def time_matmuls(reps: int = 5) -> tuple[float, float]:
-    """Median seconds of one row times 12 MLP-sized weights: (the 4-bit kernel that
-    :func:`four_bit_kernel` chose, the float32 path)."""
+@functools.lru_cache(maxsize=1)
+def format_timings(reps: int = 5) -> dict[str, float]:
+    """Median seconds of one row times 12 weights of a SmolLM2 MLP's size (85 MB, more than a cache
+    holds, so they are read from memory as in a decode step) for each weight format this machine
+    runs, timed once per process, interleaved: ``float32``, ``q4`` (where hispec's kernels are
+    built) and ``int4`` (where PyTorch has its kernel). Both choices below read these."""
+    from . import fused
     from .matmul import linear
     from .quant import QuantLinear
 
-    weights = _weights()
-    quant = [QuantLinear.from_float(w, "int4") for w in weights]
-    x = torch.randn(1, weights[0].shape[1], generator=torch.Generator().manual_seed(1))
+    g = torch.Generator().manual_seed(0)
+    weights = [torch.randn(3072, 576, generator=g) * 0.02 for _ in range(12)]
+    x = torch.randn(1, 576, generator=g)
+    xb = x.to(torch.bfloat16)
+    fns = {"float32": lambda: [linear(x, w) for w in weights]}
+    if fused.available():
+        q4 = [QuantLinear.from_float(w, "int4", kernel="q4") for w in weights]
+        fns["q4"] = lambda: [q(x) for q in q4]
+    try:
+        int4 = [QuantLinear.from_float(w, "int4", kernel="int4") for w in weights]
+        fns["int4"] = lambda: [q(xb) for q in int4]
+    except RuntimeError:  # PyTorch's int4 kernel is missing on this build / CPU
+        pass
     with torch.no_grad():
-        med = interleaved_medians({"quant": lambda: [q(x) for q in quant],
-                                   "float32": lambda: [linear(x, w) for w in weights]}, reps, warmup=1)
-    return med["quant"], med["float32"]
+        return interleaved_medians(fns, reps, warmup=1)
+
+
+def time_matmuls() -> tuple[float, float]:
+    """:func:`format_timings` of (the 4-bit kernel :func:`four_bit_kernel` chose, float32)."""
+    med, kind = format_timings(), four_bit_kernel()[0]
+    if kind not in med:
+        raise RuntimeError(f"no {kind} kernel on this build")
+    return med[kind], med["float32"]
 
 
 FOUR_BIT = ("q4", "int4")
@@ -63,30 +76,21 @@ FOUR_BIT = ("q4", "int4")
 @functools.lru_cache(maxsize=1)
 def four_bit_kernel() -> tuple[str, str]:
     """(the kernel 4-bit weights run on, why), decided once per process: ``HISPEC_Q4_KERNEL=q4|int4``
-    if set; ``int4`` (PyTorch's) when hispec's compiled kernels are unavailable; else both timed on
-    one row against 12 MLP-sized weights (interleaved, medians of 5) and the faster taken. ``q4``
-    reads float32 activations, ``int4`` bfloat16 ones: on CPUs without bfloat16 hardware (AVX2)
-    ``q4`` wins; with it (AVX-512 BF16) it depends on the CPU."""
+    if set; ``int4`` (PyTorch's) when hispec's compiled kernels are unavailable; else the faster
+    in :func:`format_timings`. ``q4`` reads float32 activations, ``int4`` bfloat16 ones: on CPUs
+    without bfloat16 hardware (AVX2) ``q4`` wins; with it (AVX-512 BF16) it depends on the CPU."""
     from . import fused
-    from .quant import QuantLinear
 
     forced = os.environ.get("HISPEC_Q4_KERNEL")
     if forced in FOUR_BIT:
         return forced, f"HISPEC_Q4_KERNEL={forced}"
     if not fused.available():
         return "int4", "hispec's compiled kernels unavailable"
-    weights = _weights()
-    try:
-        layers = {kind: [QuantLinear.from_float(w, "int4", kernel=kind) for w in weights] for kind in FOUR_BIT}
-    except RuntimeError as e:  # PyTorch's int4 kernel is missing on this build / CPU
-        return "q4", f"int4 kernel unavailable ({e})"
-    x = torch.randn(1, weights[0].shape[1], generator=torch.Generator().manual_seed(1))
-    xb = x.to(torch.bfloat16)
-    with torch.no_grad():
-        med = interleaved_medians({"q4": lambda: [q(x) for q in layers["q4"]],
-                                   "int4": lambda: [q(xb) for q in layers["int4"]]}, reps=5, warmup=1)
-    best = min(med, key=med.get)
-    return best, f"q4 {med['q4'] * 1e6 / len(weights):.0f} us vs int4 {med['int4'] * 1e6 / len(weights):.0f} us per matmul"
+    med = format_timings()
+    if "int4" not in med:
+        return "q4", "PyTorch's int4 kernel unavailable"
+    best = min(FOUR_BIT, key=med.get)
+    return best, f"q4 {med['q4'] * 1e6 / 12:.0f} us vs int4 {med['int4'] * 1e6 / 12:.0f} us per matmul"
 
 
 def interleaved_medians(fns: dict, reps: int, warmup: int = 0) -> dict:

@@ -230,8 +230,8 @@ def apply_quantization(model: DecoderModel, quantize: str, gguf: str | Path | No
     elif quantize in ("int4", "int8"):
         quantize_linears(model.layers, quantize)
     for layer in model.layers:  # layers on the int4/int8 kernels take (and give) bfloat16 between them
-        if act_dtype_of(layer) is not None:
-            layer.act_dtype = act_dtype_of(layer)
+        if (act := act_dtype_of(layer)) is not None:
+            layer.act_dtype = act
     model.weight_format = quantize
     return quantize
 
