@@ -53,28 +53,33 @@ static void store_row(void *dst, int bf, int64_t off, int64_t n, const float *sr
     }
 }
 
-typedef float v16 __attribute__((vector_size(64)));
 typedef float v8 __attribute__((vector_size(32)));
 typedef float v4 __attribute__((vector_size(16)));
 
-static inline v16 load16(const float *p) {
-    v16 v;
+/* Sums run in LANES = 16 lanes, held as two 8-lane halves: 64-byte generic vectors are split
+ * into 16-byte pieces and spilled to the stack on AVX2 builds, 32-byte ones stay in registers
+ * (and AVX-512 builds handle either). The halves' element-wise operations are those of 16 lanes. */
+static inline v8 load8(const float *p) {
+    v8 v;
     memcpy(&v, p, sizeof v);
     return v;
 }
 
-/* Sum of the 16 lanes, pairwise in a fixed order (the same on any vector width). */
-static inline float hsum16(v16 a) {
-    v8 b = __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
+/* Sum of the 16 lanes (lo: 0-7, hi: 8-15), pairwise in a fixed order (the same on any vector width). */
+static inline float hsum16(v8 lo, v8 hi) {
+    v8 b = lo + hi;
     v4 c = __builtin_shufflevector(b, b, 0, 1, 2, 3) + __builtin_shufflevector(b, b, 4, 5, 6, 7);
     return (c[0] + c[2]) + (c[1] + c[3]);
 }
 
 static inline __attribute__((always_inline)) float dot(const float *a, const float *b, int64_t n) {
-    v16 acc = {0};
+    v8 lo = {0}, hi = {0};
     int64_t i = 0;
-    for (; i + LANES <= n; i += LANES) acc += load16(a + i) * load16(b + i);
-    float s = hsum16(acc);
+    for (; i + LANES <= n; i += LANES) {
+        lo += load8(a + i) * load8(b + i);
+        hi += load8(a + i + 8) * load8(b + i + 8);
+    }
+    float s = hsum16(lo, hi);
     for (; i < n; i++) s += a[i] * b[i];
     return s;
 }
@@ -94,6 +99,48 @@ static inline float fast_exp(float x) {
     p = p * r + 1.0f;
     union { int32_t i; float f; } scale = {((int32_t)n + 127) << 23};  /* 2^n */
     return p * scale.f;
+}
+
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+/* mask ? a : b lane by lane (mask: a comparison's all-ones / zero lanes). */
+static inline v8 pick(v8i mask, v8 a, v8 b) {
+    v8i ai, bi;
+    memcpy(&ai, &a, sizeof ai);
+    memcpy(&bi, &b, sizeof bi);
+    ai = (mask & ai) | (~mask & bi);
+    memcpy(&a, &ai, sizeof a);
+    return a;
+}
+
+/* fast_exp of 8 values: the same operations lane by lane (the same bits), in registers. */
+static inline v8 fast_exp8(v8 x) {
+    const v8 lo = {0}, c0 = lo - 87.0f, c1 = lo + 88.0f;
+    x = pick(x > c1, c1, x);
+    x = pick(x < c0, c0, x);  /* as x < -87 ? -87 : (x > 88 ? 88 : x) */
+    v8 n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+    v8 r = x - n * 0.693145751953125f - n * 1.428606765330187e-06f;
+    v8 p = lo + 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    v8i e = (__builtin_convertvector(n, v8i) + 127) << 23;  /* 2^n */
+    v8 scale;
+    memcpy(&scale, &e, sizeof scale);
+    return p * scale;
+}
+
+/* s[j] = fast_exp(s[j] - m) for j < n. */
+static void exp_shifted(float *s, int64_t n, float m) {
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+        v8 x = fast_exp8(load8(s + j) - m);
+        memcpy(s + j, &x, sizeof x);
+    }
+    for (; j < n; j++) s[j] = fast_exp(s[j] - m);
 }
 
 /* y = x * rsqrt(mean(x^2) + eps) * w for one row of n floats (y may alias x). */
@@ -127,15 +174,26 @@ void hs_add_rms_norm(const float *h, const void *delta, int delta_bf, const floa
     free(y);
 }
 
-/* out[T, I] = silu(gate) * up for gate_up[T, 2I] = [gate | up]. */
+/* out[T, I] = silu(gate) * up for gate_up[T, 2I] = [gate | up]; rows shared by the threads from
+ * SILU_PARALLEL_MIN outputs (a prompt chunk; one token's are too few to pay for the hand-over). */
+#define SILU_PARALLEL_MIN (1 << 16)
 void hs_silu_mul(const void *gu, int in_bf, int64_t T, int64_t I, void *out, int out_bf) {
-    float *g = malloc((size_t)(2 * I) * sizeof(float));
-    for (int64_t t = 0; t < T; t++) {
-        load_row(gu, in_bf, t * 2 * I, 2 * I, g);
-        for (int64_t i = 0; i < I; i++) g[i] = g[i] / (1.0f + fast_exp(-g[i])) * g[I + i];
-        store_row(out, out_bf, t * I, I, g);
+#pragma omp parallel if (T * I >= SILU_PARALLEL_MIN)
+    {
+        float *g = malloc((size_t)(2 * I) * sizeof(float));
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < T; t++) {
+            load_row(gu, in_bf, t * 2 * I, 2 * I, g);
+            int64_t i = 0;
+            for (; i + 8 <= I; i += 8) {  /* the scalar line below, 8 lanes at a time */
+                v8 x = load8(g + i), y = x / (1.0f + fast_exp8(-x)) * load8(g + I + i);
+                memcpy(g + i, &y, sizeof y);
+            }
+            for (; i < I; i++) g[i] = g[i] / (1.0f + fast_exp(-g[i])) * g[I + i];
+            store_row(out, out_bf, t * I, I, g);
+        }
+        free(g);
     }
-    free(g);
 }
 
 /* Rotate the query and key heads of qkv[T, (Hq + 2 Hkv) * D] (rotate-half RoPE with
@@ -163,78 +221,117 @@ void hs_rope_write(const void *qkv, int in_bf, const float *cos_, const float *s
     free(row);
 }
 
-/* acc[D] = sum_j p[j] v_j over the values of one KV head (D a constant after inlining). */
-static inline __attribute__((always_inline)) void accumulate_head(const float *p, const float *vpool, const int32_t *table,
-                                                                 int64_t len, int64_t bs, int64_t stride, int64_t kvh,
-                                                                 const int D, float *acc) {
-    v16 a[128 / LANES] = {{0}};
-    for (int64_t j0 = 0; j0 < len; j0 += bs) {
-        const float *v = vpool + ((int64_t)table[j0 / bs] * bs * (stride / D) + kvh) * D;
-        int64_t n = len - j0 < bs ? len - j0 : bs;
-        for (int64_t j = 0; j < n; j++, v += stride)
-            for (int i = 0; i < D / LANES; i++) a[i] += p[j0 + j] * load16(v + i * LANES);
-    }
-    memcpy(acc, a, (size_t)D * sizeof(float));
-}
+/* Paged attention, a tile of up to QUERY_TILE consecutive query tokens of one sequence and one KV
+ * head at a time: the G query heads of each token that share KV head kvh ("rows" r = qi * G + g).
+ * Each key and value row is read once per tile and used by all its rows while it is in L1 (a
+ * prompt chunk's queries share their context), instead of once per query. Each row's arithmetic
+ * is that of the row alone, in the same order (scores key by key, softmax over its own length,
+ * values accumulated key by key), so a query's output does not depend on the tile it falls in. */
+#define QUERY_TILE 8
 
-/* One query token's heads of one KV group over its own context, read through a block table:
- * out = softmax(q k^T * scale) v for each of the G query heads sharing KV head kvh. */
-static void attend_group(const float *q, const float *kpool, const float *vpool, const int32_t *table,
-                         int64_t len, int64_t bs, int64_t Hkv, int64_t kvh, int64_t G, int64_t D, float scale,
-                         float *scores, float *acc) {
+/* scores[r * lmax + j] = (q_r . k_j) * scale for every row r of the tile and key j < len[qi]. */
+static inline __attribute__((always_inline)) void tile_scores(const float *q, int64_t Hq, const float *kpool,
+                                                             const int32_t *table, const int32_t *len, int nq,
+                                                             int64_t lmax, int64_t bs, int64_t Hkv, int64_t kvh,
+                                                             int64_t G, const int64_t D, float scale, float *scores) {
     int64_t stride = Hkv * D;  /* between consecutive slots */
-    for (int64_t j0 = 0; j0 < len; j0 += bs) {  /* one block of the table at a time */
+    for (int64_t j0 = 0; j0 < lmax; j0 += bs) {  /* one block of the table at a time */
         const float *k = kpool + ((int64_t)table[j0 / bs] * bs * Hkv + kvh) * D;
-        int64_t n = len - j0 < bs ? len - j0 : bs;
-        for (int64_t j = 0; j < n; j++, k += stride)
-            for (int64_t g = 0; g < G; g++)  /* constant sizes let the compiler unroll the usual head sizes */
-                scores[g * len + j0 + j] = (D == 64 ? dot(q + g * D, k, 64) : D == 128 ? dot(q + g * D, k, 128)
-                                                                                      : dot(q + g * D, k, D)) * scale;
-    }
-    for (int64_t g = 0; g < G; g++) {
-        float *s = scores + g * len, m = -INFINITY, sum = 0.0f;
-        for (int64_t j = 0; j < len; j++) m = s[j] > m ? s[j] : m;
-        for (int64_t j = 0; j < len; j++) s[j] = fast_exp(s[j] - m);
-        for (int64_t j = 0; j < len; j++) sum += s[j];
-        for (int64_t j = 0; j < len; j++) s[j] /= sum;
-    }
-    if (D == 64 || D == 128) {  /* the usual head sizes: a head's output stays in registers */
-        for (int64_t g = 0; g < G; g++) {
-            if (D == 64) accumulate_head(scores + g * len, vpool, table, len, bs, stride, kvh, 64, acc + g * D);
-            else accumulate_head(scores + g * len, vpool, table, len, bs, stride, kvh, 128, acc + g * D);
-        }
-        return;
-    }
-    memset(acc, 0, (size_t)(G * D) * sizeof(float));
-    for (int64_t j0 = 0; j0 < len; j0 += bs) {
-        const float *v = vpool + ((int64_t)table[j0 / bs] * bs * Hkv + kvh) * D;
-        int64_t n = len - j0 < bs ? len - j0 : bs;
-        for (int64_t j = 0; j < n; j++, v += stride)
-            for (int64_t g = 0; g < G; g++) {
-                float p = scores[g * len + j0 + j], *a = acc + g * D;
-                for (int64_t d = 0; d < D; d++) a[d] += p * v[d];
+        int64_t n = lmax - j0 < bs ? lmax - j0 : bs;
+        for (int64_t j = j0; j < j0 + n; j++, k += stride)
+            for (int qi = 0; qi < nq; qi++) {
+                if (j >= len[qi]) continue;
+                const float *qr = q + qi * Hq * D;
+                for (int64_t g = 0; g < G; g++) scores[(qi * G + g) * lmax + j] = dot(qr + g * D, k, D) * scale;
             }
     }
 }
 
+/* The rows' scores in place -> softmax over each row's own keys. */
+static void tile_softmax(float *scores, const int32_t *len, int nq, int64_t G, int64_t lmax) {
+    for (int64_t r = 0; r < nq * G; r++) {
+        float *s = scores + r * lmax, m = -INFINITY, sum = 0.0f;
+        int64_t n = len[r / G];
+        for (int64_t j = 0; j < n; j++) m = s[j] > m ? s[j] : m;
+        exp_shifted(s, n, m);
+        for (int64_t j = 0; j < n; j++) sum += s[j];
+        for (int64_t j = 0; j < n; j++) s[j] /= sum;
+    }
+}
+
+/* acc[r] += sum_j p_r[j] v_j, one block of the table at a time (its values stay in L1 for every
+ * row); D a constant (64, 128) keeps a row's sums in registers within a block. */
+static inline __attribute__((always_inline)) void tile_values(const float *scores, const float *vpool,
+                                                             const int32_t *table, const int32_t *len, int nq,
+                                                             int64_t lmax, int64_t bs, int64_t Hkv, int64_t kvh,
+                                                             int64_t G, const int64_t D, float *acc) {
+    int64_t stride = Hkv * D;
+    memset(acc, 0, (size_t)(nq * G * D) * sizeof(float));
+    for (int64_t j0 = 0; j0 < lmax; j0 += bs) {
+        const float *vb = vpool + ((int64_t)table[j0 / bs] * bs * Hkv + kvh) * D;
+        for (int64_t r = 0; r < nq * G; r++) {
+            int64_t n = len[r / G] - j0;
+            n = n < bs ? n : bs;
+            const float *p = scores + r * lmax + j0, *v = vb;
+            float *a = acc + r * D;
+            if (D % 64 == 0) {  /* 64 columns at a time: 8 AVX2 registers of sums */
+                for (int64_t c = 0; c < D; c += 64) {
+                    v8 s[8];
+                    for (int i = 0; i < 8; i++) s[i] = load8(a + c + i * 8);
+                    const float *vc = v + c;
+                    for (int64_t j = 0; j < n; j++, vc += stride)
+                        for (int i = 0; i < 8; i++) s[i] += p[j] * load8(vc + i * 8);
+                    memcpy(a + c, s, sizeof s);
+                }
+            } else {
+                for (int64_t j = 0; j < n; j++, v += stride)
+                    for (int64_t d = 0; d < D; d++) a[d] += p[j] * v[d];
+            }
+        }
+    }
+}
+
+static void attend_tile(const float *q, int64_t Hq, const float *kpool, const float *vpool, const int32_t *table,
+                        const int32_t *len, int nq, int64_t bs, int64_t Hkv, int64_t kvh, int64_t G, int64_t D,
+                        float scale, float *scores, float *acc) {
+    int64_t lmax = 0;
+    for (int qi = 0; qi < nq; qi++) lmax = len[qi] > lmax ? len[qi] : lmax;
+    if (D == 64) tile_scores(q, Hq, kpool, table, len, nq, lmax, bs, Hkv, kvh, G, 64, scale, scores);
+    else if (D == 128) tile_scores(q, Hq, kpool, table, len, nq, lmax, bs, Hkv, kvh, G, 128, scale, scores);
+    else tile_scores(q, Hq, kpool, table, len, nq, lmax, bs, Hkv, kvh, G, D, scale, scores);
+    tile_softmax(scores, len, nq, G, lmax);
+    if (D == 64) tile_values(scores, vpool, table, len, nq, lmax, bs, Hkv, kvh, G, 64, acc);
+    else if (D == 128) tile_values(scores, vpool, table, len, nq, lmax, bs, Hkv, kvh, G, 128, acc);
+    else tile_values(scores, vpool, table, len, nq, lmax, bs, Hkv, kvh, G, D, acc);
+}
+
 /* Paged attention of T query tokens q[T, Hq, D]: token t belongs to sequence seq[t] (a row of
  * tables[B, max_blocks]) and sees that sequence's first len[t] positions (itself included).
- * out[T, Hq, D] float32 or bfloat16. Work is split over (token, KV head) pairs. */
+ * out[T, Hq, D] float32 or bfloat16. Work is split over (query tile, KV head) pairs, a tile being
+ * up to QUERY_TILE consecutive tokens of one sequence. */
 void hs_paged_attention(const float *q, const float *kpool, const float *vpool, const int32_t *tables,
                         int64_t max_blocks, const int32_t *seq, const int32_t *len, int64_t T, int64_t Hq,
                         int64_t Hkv, int64_t D, int64_t bs, float scale, void *out, int out_bf, int parallel) {
-    int64_t G = Hq / Hkv;
+    int64_t G = Hq / Hkv, ntiles = 0;
+    int64_t *first = malloc((size_t)(T + 1) * sizeof(int64_t));  /* first token of each tile */
+    for (int64_t t = 0; t < T; t++)
+        if (t == 0 || seq[t] != seq[t - 1] || t - first[ntiles - 1] >= QUERY_TILE) first[ntiles++] = t;
+    first[ntiles] = T;
 #pragma omp parallel for schedule(dynamic) if (parallel)
-    for (int64_t p = 0; p < T * Hkv; p++) {
-        int64_t t = p / Hkv, kvh = p % Hkv;
-        float *scores = malloc((size_t)(G * len[t]) * sizeof(float));
-        float *acc = malloc((size_t)(G * D) * sizeof(float));
-        attend_group(q + (t * Hq + kvh * G) * D, kpool, vpool, tables + (int64_t)seq[t] * max_blocks, len[t], bs,
-                     Hkv, kvh, G, D, scale, scores, acc);
-        store_row(out, out_bf, (t * Hq + kvh * G) * D, G * D, acc);
+    for (int64_t p = 0; p < ntiles * Hkv; p++) {
+        int64_t t0 = first[p / Hkv], kvh = p % Hkv, lmax = 0;
+        int nq = (int)(first[p / Hkv + 1] - t0);
+        for (int qi = 0; qi < nq; qi++) lmax = len[t0 + qi] > lmax ? len[t0 + qi] : lmax;
+        float *scores = malloc((size_t)(nq * G * lmax) * sizeof(float));
+        float *acc = malloc((size_t)(nq * G * D) * sizeof(float));
+        attend_tile(q + (t0 * Hq + kvh * G) * D, Hq, kpool, vpool, tables + (int64_t)seq[t0] * max_blocks, len + t0,
+                    nq, bs, Hkv, kvh, G, D, scale, scores, acc);
+        for (int qi = 0; qi < nq; qi++)
+            store_row(out, out_bf, ((t0 + qi) * Hq + kvh * G) * D, G * D, acc + qi * G * D);
         free(scores);
         free(acc);
     }
+    free(first);
 }
 
 /* ---- float32 matmuls of 5 .. 512 rows (batched decode steps, verification windows, prefill chunks) ----
