@@ -22,7 +22,7 @@ from torch import nn
 from ..cache.kv_cache import AttentionBatch, KVPool
 from ..config import ConfigError, ModelConfig
 from . import fused
-from .matmul import SMALL_ROWS, Linear, linear, small_route
+from .matmul import SMALL_ROWS, Linear, linear, panel_rows, small_route
 from .quant import ACT_DTYPE, QuantLinear
 
 
@@ -160,7 +160,7 @@ class DecoderLayer(nn.Module):
         # them bfloat16 directly and their outputs stay bfloat16 into the next kernel
         self.act_dtype: torch.dtype | None = None
         self._fusable: bool | None = None  # decided on first use (see _fused)
-        self._plan: dict[bool, tuple] = {}  # layer_plan per prefill flag: (float32 weight versions, plan or False)
+        self._plan: dict[tuple, tuple] = {}  # layer_plan per (prefill, batched): (float32 weight versions, plan or False)
 
     _PLANNED = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "input_norm", "post_norm", "act_dtype")
 
@@ -173,19 +173,22 @@ class DecoderLayer(nn.Module):
         self.__dict__["_plan"] = {}
         return super()._apply(fn, *args, **kwargs)
 
-    def layer_plan(self, prefill: bool = False) -> tuple | None:
+    def layer_plan(self, prefill: bool = False, batched: bool = False) -> tuple | None:
         """What ``fused.decode_layers`` needs of this layer, ``(norms, weights, kinds, groups)``,
         or None when the layer cannot run there (not fusable; a bias; a matmul other than float32
         ``Linear`` or q4 ``QuantLinear`` on float32 activations or int4/int8 ``QuantLinear`` on
         bfloat16 ones).
-        ``prefill``: for prompt tokens (QuantLinear's dense prefill weights where it has them)."""
+        ``prefill``: for prompt tokens (QuantLinear's dense prefill weights where it has them);
+        ``batched``: for more than SMALL_ROWS tokens (float32 weights: the panel kernel, as
+        ``Linear.forward`` takes it up to ``panel_rows()`` rows; None where it takes oneDNN)."""
         versions = tuple(m.weight._version for m in (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj)
                          if type(m) is Linear)  # a float32 weight changed in place: its panel copy is remade
-        if self._plan.get(prefill, (None,))[0] != versions:
-            self._plan[prefill] = (versions, self._make_plan(prefill) or False)
-        return self._plan[prefill][1] or None
+        key = (prefill, batched)
+        if self._plan.get(key, (None,))[0] != versions:
+            self._plan[key] = (versions, self._make_plan(prefill, batched) or False)
+        return self._plan[key][1] or None
 
-    def _make_plan(self, prefill: bool) -> tuple | None:
+    def _make_plan(self, prefill: bool, batched: bool = False) -> tuple | None:
         if not (self._fusable or (self._fusable is None and self._fused_kind())) or fused.layers_op() is None:
             return None
         norms = [self.input_norm.weight, self.post_norm.weight]
@@ -207,7 +210,10 @@ class DecoderLayer(nn.Module):
                 groups.append(m.group)
             elif (type(m) is Linear and m.bias is None and m.weight.dtype == torch.float32 and m.weight.is_contiguous()
                   and self.act_dtype in (None, torch.float32)):
-                panel = m.panel() if small_route() == "panel" else None  # as Linear.forward on <= SMALL_ROWS rows
+                # as Linear.forward: on <= SMALL_ROWS rows the timed route, above it the panel kernel or oneDNN
+                panel = m.panel() if (panel_rows() > 0 if batched else small_route() == "panel") else None
+                if batched and panel is None:
+                    return None
                 weights += [m.weight if panel is None else panel, m.weight]  # the second is a placeholder
                 kinds.append(fused.MM_PANEL if panel is not None else
                              fused.MM_FLOAT_LINEAR if small_route() == "linear" else fused.MM_FLOAT)
@@ -421,18 +427,20 @@ class DecoderModel(nn.Module):
     def _layer_plans(self, h: torch.Tensor, start: int, end: int, rope, batch: AttentionBatch,
                      pool: KVPool) -> list | None:
         """The layers' plans when ``[start, end)`` can run in one ``fused.decode_layers`` call:
-        every layer planned with one activation dtype, decode-sized chunks (prefill chunks take
-        SDPA), at most SMALL_ROWS tokens on float32 weights (more take oneDNN, in Python), and
-        the per-layer fused path's own conditions (float32 residual stream and pool on the CPU)."""
+        every layer planned with one activation dtype, chunks below SDPA_MIN_QUERIES tokens (longer
+        ones take SDPA), on float32 weights at most as many tokens as the panel kernel serves
+        (``panel_rows()``; more take oneDNN, in Python), and the per-layer fused path's own
+        conditions (float32 residual stream and pool on the CPU)."""
         if start == end or not self.layers[start]._fused(h, rope, pool, start) or not fused.layers_op():
             return None
         if any(c.num_tokens >= SDPA_MIN_QUERIES for c in batch.chunks):
             return None
-        plans = [self.layers[i].layer_plan(batch.prefill) for i in range(start, end)]
+        batched = h.shape[0] > SMALL_ROWS
+        plans = [self.layers[i].layer_plan(batch.prefill, batched) for i in range(start, end)]
         if any(p is None for p in plans):
             return None
         acts = {self.layers[i].act_dtype for i in range(start, end)}
-        if len(acts) != 1 or (set(fused.MM_FLOAT_KINDS) & set(plans[0][2]) and h.shape[0] > SMALL_ROWS):
+        if len(acts) != 1 or (set(fused.MM_FLOAT_KINDS) & set(plans[0][2]) and h.shape[0] > max(panel_rows(), SMALL_ROWS)):
             return None
         if any(pool.k[i].dtype != torch.float32 for i in range(start, end)):
             return None
