@@ -548,6 +548,8 @@ static inline float lanes_sum(__m256 acc) {
     return hsum8(a);
 }
 
+#define PREFETCH_ROWS 16
+
 /* R (a constant after inlining) weight rows times one row of x (t): y[r]. */
 static inline __attribute__((always_inline)) void rows_x1(const uint8_t *w, const float *d, const float *m, xq p,
                                                           int64_t t, int64_t nb, const int kind, const int R, float *y) {
@@ -560,6 +562,12 @@ static inline __attribute__((always_inline)) void rows_x1(const uint8_t *w, cons
     for (int64_t b = 0; b < nb; b++)
         for (int r = 0; r < R; r++) {
             __m256i lo, hi;
+            /* the same block PREFETCH_ROWS rows on (the rows are contiguous, the threads sweep them in
+             * order): the load stalls on memory otherwise, four short rows being too little of a
+             * stream for the hardware prefetcher */
+            __builtin_prefetch(w + ((r + PREFETCH_ROWS) * nb + b) * bytes, 0, 0);
+            __builtin_prefetch(d + (r + PREFETCH_ROWS) * nb + b, 0, 0);
+            if (kind == Q4) __builtin_prefetch(m + (r + PREFETCH_ROWS) * nb + b, 0, 0);
             block_codes(w + (r * nb + b) * bytes, kind, &lo, &hi);
             acc[r] = block_dot(lo, hi, x16 + b * 32, d[r * nb + b] * xs[b], acc[r]);
             if (kind == Q4) macc[r] = fmaf(m[r * nb + b], ms[b], macc[r]);
