@@ -240,6 +240,33 @@ def test_layer_plan_follows_replaced_projections(tiny_model_dir):
     assert layer.layer_plan()[2][1] == fused.MM_Q4
 
 
+def test_range_plans_follow_the_layers(tiny_model_dir, small_route):
+    """The model keeps each layer range's flattened plans between steps; a weight changed in place,
+    a replaced projection or a replaced layer is seen at the next step."""
+    from hispec.generate import Generator
+    from hispec.model.quant import QuantLinear
+
+    if fused.layers_op() is None:
+        pytest.skip("no C++ compiler or torch headers")
+    small_route("panel")
+    gen = Generator.from_pretrained(str(tiny_model_dir("llama")), exits=False, quantize="none", progress=False)
+    model, n = gen.model, gen.model.num_layers
+    plans, has_float = model._plans_for(0, n, False, False)
+    assert has_float and plans.kinds[:4] == [fused.MM_PANEL] * 4
+    assert model._plans_for(0, n, False, False)[0] is plans  # kept
+    before = plans.weights[2].clone()  # layer 0's o_proj, in panels
+    with torch.no_grad():
+        model.layers[0].o_proj.weight.mul_(2)
+    again = model._plans_for(0, n, False, False)[0]
+    assert again is not plans and torch.equal(again.weights[2], 2 * before)
+    model.layers[1].o_proj = QuantLinear.from_float(model.layers[1].o_proj.weight, "int4", kernel="q4")
+    assert model._plans_for(0, n, False, False)[0].kinds[4 + 1] == fused.MM_Q4
+    model.layers[1].o_proj = QuantLinear.from_float(model.layers[1].o_proj.weight, "int4", kernel="int4")
+    assert model._plans_for(0, n, False, False)[0] is None  # int4 wants bfloat16 activations
+    model.layers[1] = type(model.layers[0])(model.cfg)  # a fresh float32 layer
+    assert model._plans_for(0, n, False, False)[0] is not None
+
+
 def test_prefill_on_dense_weights_is_independent_of_chunking(tiny_model_dir, four_bit_kernel):
     """Prompt tokens run on the dense bfloat16 prefill weights (``QuantLinear.dense``), and a
     prompt's hidden states and K/V are the same bits whether it is prefilled whole or in chunks

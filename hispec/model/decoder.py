@@ -134,6 +134,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     return out.view(hkv, g, T, d).permute(2, 0, 1, 3).reshape(T, hq, d)
 
 
+_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
 class DecoderLayer(nn.Module):
     """Pre-norm attention + MLP. q/k/v and gate/up projections are fused for fewer matmuls."""
 
@@ -166,12 +169,17 @@ class DecoderLayer(nn.Module):
 
     def __setattr__(self, name: str, value) -> None:
         if name in DecoderLayer._PLANNED:  # a replaced projection (quantization) or activation dtype
-            self.__dict__["_plan"] = {}
+            self._forget_plans()
         super().__setattr__(name, value)
 
     def _apply(self, fn, *args, **kwargs):  # .to() / .float() may replace buffers the plan holds
-        self.__dict__["_plan"] = {}
+        self._forget_plans()
         return super()._apply(fn, *args, **kwargs)
+
+    def _forget_plans(self) -> None:
+        """Drop the plans; ``plan_epoch`` counts the drops (DecoderModel's range plans follow it)."""
+        self.__dict__["_plan"] = {}
+        self.__dict__["plan_epoch"] = self.__dict__.get("plan_epoch", 0) + 1
 
     def layer_plan(self, prefill: bool = False, batched: bool = False) -> tuple | None:
         """What ``fused.decode_layers`` needs of this layer, ``(norms, weights, kinds, groups)``,
@@ -368,6 +376,7 @@ class DecoderModel(nn.Module):
             inv_freq = rope_inv_freq(cfg)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.exits: dict[int, nn.Module] = {}  # trained exits by layer; see model/exits/, exit_block.py
+        self._range_plans: dict[tuple, tuple] = {}  # see _plans_for
         self.weight_format = "none"  # or "native" / "int4" / "int8": see loader.apply_quantization
 
     @property
@@ -425,7 +434,7 @@ class DecoderModel(nn.Module):
         return h
 
     def _layer_plans(self, h: torch.Tensor, start: int, end: int, rope, batch: AttentionBatch,
-                     pool: KVPool) -> list | None:
+                     pool: KVPool) -> fused.LayerPlans | None:
         """The layers' plans when ``[start, end)`` can run in one ``fused.decode_layers`` call:
         every layer planned with one activation dtype, chunks below SDPA_MIN_QUERIES tokens (longer
         ones take SDPA), on float32 weights at most as many tokens as the panel kernel serves
@@ -435,16 +444,39 @@ class DecoderModel(nn.Module):
             return None
         if any(c.num_tokens >= SDPA_MIN_QUERIES for c in batch.chunks):
             return None
-        batched = h.shape[0] > SMALL_ROWS
-        plans = [self.layers[i].layer_plan(batch.prefill, batched) for i in range(start, end)]
-        if any(p is None for p in plans):
-            return None
-        acts = {self.layers[i].act_dtype for i in range(start, end)}
-        if len(acts) != 1 or (set(fused.MM_FLOAT_KINDS) & set(plans[0][2]) and h.shape[0] > max(panel_rows(), SMALL_ROWS)):
+        plans, has_float = self._plans_for(start, end, batch.prefill, h.shape[0] > SMALL_ROWS)
+        if plans is None or (has_float and h.shape[0] > max(panel_rows(), SMALL_ROWS)):
             return None
         if any(pool.k[i].dtype != torch.float32 for i in range(start, end)):
             return None
         return plans
+
+    def _plans_for(self, start: int, end: int, prefill: bool, batched: bool) -> tuple:
+        """``(LayerPlans or None, whether any matmul is on float32 weights)`` of layers ``[start, end)``,
+        kept per range: checked on each call against the layers themselves (the same objects, their
+        ``plan_epoch``: projections, activation dtype, ``.to()``) and the versions of their float32
+        weights (changed in place: the panel copies are remade), which is cheaper than asking 30
+        layers for their plans at every decoding step."""
+        key = (start, end, prefill, batched)
+        layers = list(self.layers._modules.values())[start:end]
+        hit = self._range_plans.get(key)
+        if hit is not None:
+            objs, epochs, weights, versions, result = hit
+            if (all(a is b for a, b in zip(objs, layers)) and all(l.plan_epoch == e for l, e in zip(layers, epochs))
+                    and all(w._version == v for w, v in zip(weights, versions))):
+                return result
+        plans = [layer.layer_plan(prefill, batched) for layer in layers]
+        acts = {layer.act_dtype for layer in layers}
+        if any(p is None for p in plans) or len(acts) != 1:
+            result = (None, False)
+        else:
+            flat = fused.LayerPlans.of(plans)
+            result = (flat, bool(set(fused.MM_FLOAT_KINDS) & set(flat.kinds)))
+        weights = [m.weight for layer in layers for m in (getattr(layer, n, None) for n in _PROJECTIONS)
+                   if type(m) is Linear]
+        self._range_plans[key] = (layers, [layer.plan_epoch for layer in layers], weights,
+                                  [w._version for w in weights], result)
+        return result
 
     def final_logits(self, h: torch.Tensor) -> torch.Tensor:
         """The model's own output head on the last hidden state ``[T, H]`` -> ``[T, V]``."""

@@ -35,6 +35,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -42,7 +43,7 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("fused_cpu.c")
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared"]
-PARALLEL_MIN_WORK = 1 << 19  # query-key multiply-adds of a call from which the threads share it (one token: ~900 keys)
+PARALLEL_MIN_WORK = 1 << 15  # query-key multiply-adds of a call from which the threads share it (SmolLM2, one token: ~57 keys)
 
 _f, _i64, _p, _i = ctypes.c_float, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 _SIGNATURES = {
@@ -177,22 +178,33 @@ def prebuild(say=None) -> None:
     layers_op()
 
 
-def decode_layers(h: torch.Tensor, plans: list, rope, batch: "AttentionBatch", k_pools: list, v_pools: list,
+class LayerPlans(NamedTuple):
+    """The plans of a range of layers (``DecoderLayer.layer_plan``), flattened as the C++ op takes them."""
+
+    norms: list
+    weights: list
+    kinds: list
+    groups: list
+
+    @classmethod
+    def of(cls, plans: list) -> "LayerPlans":
+        flat = cls([], [], [], [])
+        for p in plans:
+            for part, values in zip(flat, p):
+                part += values
+        return flat
+
+
+def decode_layers(h: torch.Tensor, plans: LayerPlans, rope, batch: "AttentionBatch", k_pools: list, v_pools: list,
                   cfg, bf16_acts: bool) -> torch.Tensor:
-    """Run the layers whose ``plans`` (``DecoderLayer.layer_plan``) are given on ``h [T, H]``
-    float32, in one call; bit-identical to running them one by one on the fused kernels."""
+    """Run the layers whose ``plans`` are given on ``h [T, H]`` float32, in one call; bit-identical
+    to running them one by one on the fused kernels."""
     meta = batch.kernel()
     cos, ssin = (r.view(r.shape[0], r.shape[-1]) for r in rope)  # [T, D]
-    norms, weights, kinds, groups = [], [], [], []
-    for p in plans:
-        norms += p[0]
-        weights += p[1]
-        kinds += p[2]
-        groups += p[3]
     parallel = meta.keys * cfg.num_heads * cfg.head_dim >= PARALLEL_MIN_WORK
     return layers_op()(h.contiguous(), cos.contiguous(), ssin.contiguous(), batch.write_slots, meta.tables, meta.seq,
-                       meta.lengths, meta.block_size, parallel, k_pools, v_pools, norms, weights, kinds, groups,
-                       cfg.num_heads, cfg.num_kv_heads, cfg.norm_eps, bf16_acts)
+                       meta.lengths, meta.block_size, parallel, k_pools, v_pools, plans.norms, plans.weights,
+                       plans.kinds, plans.groups, cfg.num_heads, cfg.num_kv_heads, cfg.norm_eps, bf16_acts)
 
 
 def _bf(t: torch.Tensor) -> int:

@@ -308,7 +308,10 @@ static void attend_tile(const float *q, int64_t Hq, const float *kpool, const fl
 /* Paged attention of T query tokens q[T, Hq, D]: token t belongs to sequence seq[t] (a row of
  * tables[B, max_blocks]) and sees that sequence's first len[t] positions (itself included).
  * out[T, Hq, D] float32 or bfloat16. Work is split over (query tile, KV head) pairs, a tile being
- * up to QUERY_TILE consecutive tokens of one sequence. */
+ * up to QUERY_TILE consecutive tokens of one sequence; with fewer than SPLIT_BELOW such items (a
+ * decode step of one sequence), over (tile, query head) ones, so that both threads have work
+ * (each head's arithmetic is its own either way). */
+#define SPLIT_BELOW 8
 void hs_paged_attention(const float *q, const float *kpool, const float *vpool, const int32_t *tables,
                         int64_t max_blocks, const int32_t *seq, const int32_t *len, int64_t T, int64_t Hq,
                         int64_t Hkv, int64_t D, int64_t bs, float scale, void *out, int out_bf, int parallel) {
@@ -317,17 +320,19 @@ void hs_paged_attention(const float *q, const float *kpool, const float *vpool, 
     for (int64_t t = 0; t < T; t++)
         if (t == 0 || seq[t] != seq[t - 1] || t - first[ntiles - 1] >= QUERY_TILE) first[ntiles++] = t;
     first[ntiles] = T;
+    int64_t parts = ntiles * Hkv < SPLIT_BELOW ? G : 1, hg = G / parts;  /* items per group, heads per item */
 #pragma omp parallel for schedule(dynamic) if (parallel)
-    for (int64_t p = 0; p < ntiles * Hkv; p++) {
-        int64_t t0 = first[p / Hkv], kvh = p % Hkv, lmax = 0;
-        int nq = (int)(first[p / Hkv + 1] - t0);
+    for (int64_t p = 0; p < ntiles * Hkv * parts; p++) {
+        int64_t tile = p / (Hkv * parts), kvh = p / parts % Hkv, h0 = kvh * G + p % parts * hg;  /* first head */
+        int64_t t0 = first[tile], lmax = 0;
+        int nq = (int)(first[tile + 1] - t0);
         for (int qi = 0; qi < nq; qi++) lmax = len[t0 + qi] > lmax ? len[t0 + qi] : lmax;
-        float *scores = malloc((size_t)(nq * G * lmax) * sizeof(float));
-        float *acc = malloc((size_t)(nq * G * D) * sizeof(float));
-        attend_tile(q + (t0 * Hq + kvh * G) * D, Hq, kpool, vpool, tables + (int64_t)seq[t0] * max_blocks, len + t0,
-                    nq, bs, Hkv, kvh, G, D, scale, scores, acc);
+        float *scores = malloc((size_t)(nq * hg * lmax) * sizeof(float));
+        float *acc = malloc((size_t)(nq * hg * D) * sizeof(float));
+        attend_tile(q + (t0 * Hq + h0) * D, Hq, kpool, vpool, tables + (int64_t)seq[t0] * max_blocks, len + t0,
+                    nq, bs, Hkv, kvh, hg, D, scale, scores, acc);
         for (int qi = 0; qi < nq; qi++)
-            store_row(out, out_bf, ((t0 + qi) * Hq + kvh * G) * D, G * D, acc + qi * G * D);
+            store_row(out, out_bf, ((t0 + qi) * Hq + h0) * D, hg * D, acc + qi * hg * D);
         free(scores);
         free(acc);
     }

@@ -62,23 +62,31 @@ void bind(std::vector<int64_t> addresses) {
     panel_matmul = reinterpret_cast<panel_matmul_fn>(addresses[7]);
 }
 
-at::Tensor matmul(int64_t kind, const at::Tensor& x, const at::Tensor& w, const at::Tensor& p, int64_t group) {
-    // x [T, K] -> [T, N]
+// The output buffer ``out`` of hispec's own kernels, reused across layers: [T, N] float32, (re)made
+// when missing or of another size.
+at::Tensor& output(at::Tensor& out, const at::Tensor& x, int64_t n) {
+    if (!out.defined() || out.size(0) != x.size(0) || out.size(1) != n) out = at::empty({x.size(0), n}, x.options());
+    return out;
+}
+
+// x [T, K] -> [T, N]; hispec's kernels write into ``out`` (see output), ATen's return a new tensor.
+at::Tensor matmul(int64_t kind, const at::Tensor& x, const at::Tensor& w, const at::Tensor& p, int64_t group,
+                  at::Tensor& out) {
     if (kind == MM_INT4) return at::_weight_int4pack_mm_for_cpu(x, w, group, p);
     if (kind == MM_INT8) return at::_weight_int8pack_mm(x, w, p);
     if (kind == MM_DENSE || kind == MM_FLOAT_LINEAR) return at::linear(x, w);
-    if (kind == MM_PANEL) {
-        const at::Tensor xc = x.contiguous();
-        at::Tensor y = at::empty({x.size(0), group}, x.options());
-        panel_matmul(xc.data_ptr<float>(), x.size(0), x.size(1), w.data_ptr<float>(), group, y.data_ptr<float>(), 1);
+    if (kind == MM_PANEL) {  // x is contiguous: every input here is a buffer this op wrote
+        at::Tensor& y = output(out, x, group);
+        panel_matmul(x.data_ptr<float>(), x.size(0), x.size(1), w.data_ptr<float>(), group, y.data_ptr<float>(), 1);
         return y;
     }
-    if (kind == MM_Q4 || kind == MM_Q4_PANELS) {
-        const at::Tensor xc = x.contiguous();
-        at::Tensor y = at::empty({x.size(0), w.size(0)}, x.options());
+    if (kind == MM_Q4 || kind == MM_Q4_PANELS) {  // p [2, N, K / 32]: d, then m
+        at::Tensor& y = output(out, x, w.size(0));
         const auto fn = kind == MM_Q4 ? q4_matmul : q4_panel_matmul;
-        fn(w.data_ptr<uint8_t>(), p[0].data_ptr<float>(), p[1].data_ptr<float>(), xc.data_ptr<float>(), x.size(0),
-           w.size(0), x.size(1), y.data_ptr<float>(), 1);
+        TORCH_CHECK(p.is_contiguous() && p.size(0) == 2, "q4 parameters: contiguous [2, N, K / 32]");
+        const float* d = p.data_ptr<float>();
+        fn(w.data_ptr<uint8_t>(), d, d + p.size(1) * p.size(2), x.data_ptr<float>(), x.size(0), w.size(0), x.size(1),
+           y.data_ptr<float>(), 1);
         return y;
     }
     const int64_t t = x.size(0);
@@ -108,33 +116,37 @@ at::Tensor decode_layers(const at::Tensor& h_in, const at::Tensor& cos, const at
     const auto fopt = h_in.options();
     const auto aopt = fopt.dtype(act);
     const float e = static_cast<float>(eps), scale = 1.0f / std::sqrt(static_cast<float>(D));
+    // buffers written in full by each layer, made once per call (h ping-pongs between two: a
+    // layer reads the previous h while it writes the next)
+    at::Tensor x = at::empty({T, H}, aopt), x2 = at::empty({T, H}, aopt);
+    at::Tensor q = at::empty({T, num_heads, D}, fopt), att = at::empty({T, num_heads * D}, aopt);
+    at::Tensor hs[2] = {at::empty({T, H}, fopt), at::empty({T, H}, fopt)};
+    at::Tensor outs[4], a;  // the four matmuls' outputs (hispec's kernels), the gated activation
     at::Tensor h = h_in;
     for (int64_t i = 0; i < n; i++) {
         const at::Tensor& kp = k_pools[i];
         const at::Tensor& vp = v_pools[i];
-        auto mm = [&](int64_t j, const at::Tensor& x) {
-            return matmul(kinds[4 * i + j], x, weights[8 * i + 2 * j], weights[8 * i + 2 * j + 1], groups[4 * i + j]);
+        auto mm = [&](int64_t j, const at::Tensor& in) {
+            return matmul(kinds[4 * i + j], in, weights[8 * i + 2 * j], weights[8 * i + 2 * j + 1], groups[4 * i + j],
+                          outs[j]);
         };
-        at::Tensor x = at::empty({T, H}, aopt);
         rms_norm(h.data_ptr<float>(), norms[2 * i].data_ptr<float>(), T, H, e, x.data_ptr(), out_bf);
         const at::Tensor qkv = mm(0, x).contiguous();  // [T, (Hq + 2 Hkv) D]
-        at::Tensor q = at::empty({T, num_heads, D}, fopt);
         rope_write(qkv.data_ptr(), is_bf(qkv), cos.data_ptr<float>(), ssin.data_ptr<float>(), slots.data_ptr<int64_t>(),
                    T, num_heads, num_kv_heads, D, kp.data_ptr<float>(), vp.data_ptr<float>(), q.data_ptr<float>());
-        at::Tensor att = at::empty({T, num_heads * D}, aopt);
         paged_attention(q.data_ptr<float>(), kp.data_ptr<float>(), vp.data_ptr<float>(), tables.data_ptr<int32_t>(),
                         tables.size(1), seq.data_ptr<int32_t>(), lengths.data_ptr<int32_t>(), T, num_heads,
                         kp.size(1), D, block_size, scale, att.data_ptr(), out_bf, parallel ? 1 : 0);
         const at::Tensor o = mm(1, att).contiguous();  // [T, H]
-        at::Tensor h2 = at::empty({T, H}, fopt);
-        at::Tensor x2 = at::empty({T, H}, aopt);
+        at::Tensor& h2 = hs[i % 2];
         add_rms_norm(h.data_ptr<float>(), o.data_ptr(), is_bf(o), norms[2 * i + 1].data_ptr<float>(), T, H, e,
                      h2.data_ptr<float>(), x2.data_ptr(), out_bf);
         const at::Tensor gu = mm(2, x2).contiguous();  // [T, 2 I]
         const int64_t I = gu.size(1) / 2;
-        at::Tensor a = at::empty({T, I}, aopt);
+        if (!a.defined() || a.size(1) != I) a = at::empty({T, I}, aopt);
         silu_mul(gu.data_ptr(), is_bf(gu), T, I, a.data_ptr(), out_bf);
-        h = at::add(h2, mm(3, a));  // float32 + (bfloat16 or float32) -> float32, as ``h + down(...)``
+        h2.add_(mm(3, a));  // float32 += (bfloat16 or float32), as ``h + down(...)``
+        h = h2;
     }
     return h;
 }
