@@ -84,23 +84,6 @@ static inline __attribute__((always_inline)) float dot(const float *a, const flo
     return s;
 }
 
-/* exp(x) to ~2 ulp by range reduction (x = n ln2 + r, |r| <= ln2 / 2) and a degree-6
- * polynomial: branch-free, so loops over it vectorise (libm's expf does not). */
-static inline float fast_exp(float x) {
-    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-    float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  /* round to nearest (1.5 * 2^23) */
-    float r = x - n * 0.693145751953125f - n * 1.428606765330187e-06f;
-    float p = 1.0f / 720.0f;
-    p = p * r + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    union { int32_t i; float f; } scale = {((int32_t)n + 127) << 23};  /* 2^n */
-    return p * scale.f;
-}
-
 typedef int32_t v8i __attribute__((vector_size(32)));
 
 /* mask ? a : b lane by lane (mask: a comparison's all-ones / zero lanes). */
@@ -113,7 +96,8 @@ static inline v8 pick(v8i mask, v8 a, v8 b) {
     return a;
 }
 
-/* fast_exp of 8 values: the same operations lane by lane (the same bits), in registers. */
+/* exp of 8 lanes to ~2 ulp by range reduction (x = n ln2 + r, |r| <= ln2 / 2) and a degree-6
+ * polynomial: branch-free, in vector registers (libm's expf is neither). */
 static inline v8 fast_exp8(v8 x) {
     const v8 lo = {0}, c0 = lo - 87.0f, c1 = lo + 88.0f;
     x = pick(x > c1, c1, x);
@@ -131,6 +115,12 @@ static inline v8 fast_exp8(v8 x) {
     v8 scale;
     memcpy(&scale, &e, sizeof scale);
     return p * scale;
+}
+
+/* One lane of fast_exp8 (tails of the vector loops). */
+static inline float fast_exp(float x) {
+    v8 v = {x};
+    return fast_exp8(v)[0];
 }
 
 /* s[j] = fast_exp(s[j] - m) for j < n. */
