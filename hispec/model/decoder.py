@@ -165,7 +165,7 @@ class DecoderLayer(nn.Module):
         self._fusable: bool | None = None  # decided on first use (see _fused)
         self._plan: dict[tuple, tuple] = {}  # layer_plan per (prefill, batched): (float32 weight versions, plan or False)
 
-    _PLANNED = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "input_norm", "post_norm", "act_dtype")
+    _PLANNED = _PROJECTIONS + ("input_norm", "post_norm", "act_dtype")
 
     def __setattr__(self, name: str, value) -> None:
         if name in DecoderLayer._PLANNED:  # a replaced projection (quantization) or activation dtype
@@ -175,6 +175,10 @@ class DecoderLayer(nn.Module):
     def _apply(self, fn, *args, **kwargs):  # .to() / .float() may replace buffers the plan holds
         self._forget_plans()
         return super()._apply(fn, *args, **kwargs)
+
+    def projections(self) -> tuple:
+        """The four matmul modules a plan covers (None where this family has not got one: OPT's MLP)."""
+        return tuple(getattr(self, name, None) for name in _PROJECTIONS)
 
     def _forget_plans(self) -> None:
         """Drop the plans; ``plan_epoch`` counts the drops (DecoderModel's range plans follow it)."""
@@ -189,8 +193,7 @@ class DecoderLayer(nn.Module):
         ``prefill``: for prompt tokens (QuantLinear's dense prefill weights where it has them);
         ``batched``: for more than SMALL_ROWS tokens (float32 weights: the panel kernel, as
         ``Linear.forward`` takes it up to ``panel_rows()`` rows; None where it takes oneDNN)."""
-        versions = tuple(m.weight._version for m in (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj)
-                         if type(m) is Linear)  # a float32 weight changed in place: its panel copy is remade
+        versions = tuple(m.weight._version for m in self.projections() if type(m) is Linear)  # a float32 weight changed in place: its panel copy is remade
         key = (prefill, batched)
         if self._plan.get(key, (None,))[0] != versions:
             self._plan[key] = (versions, self._make_plan(prefill, batched) or False)
@@ -203,7 +206,7 @@ class DecoderLayer(nn.Module):
         if any(w.dtype != torch.float32 or not w.is_contiguous() for w in norms):
             return None
         weights, kinds, groups = [], [], []
-        for m in (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj):
+        for m in self.projections():
             if type(m) is QuantLinear and m.bias is None and self.act_dtype == ACT_DTYPE and prefill and m.dense is not None:
                 weights += [m.dense, m.dense]  # the second is a placeholder
                 kinds.append(fused.MM_DENSE)
@@ -272,7 +275,7 @@ class DecoderLayer(nn.Module):
         act = self.act_dtype or torch.float32
         return tuple((m.prefill_mm if prefill else m._mm)
                      if type(m) is QuantLinear and m.bias is None and m.input_dtype == act else m
-                     for m in (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj))
+                     for m in self.projections())
 
     def _rope_write(self, qkv: torch.Tensor, layer: int, rope, batch: AttentionBatch, pool: KVPool,
                     queries: bool = True) -> torch.Tensor | None:
@@ -472,8 +475,7 @@ class DecoderModel(nn.Module):
         else:
             flat = fused.LayerPlans.of(plans)
             result = (flat, bool(set(fused.MM_FLOAT_KINDS) & set(flat.kinds)))
-        weights = [m.weight for layer in layers for m in (getattr(layer, n, None) for n in _PROJECTIONS)
-                   if type(m) is Linear]
+        weights = [m.weight for layer in layers for m in layer.projections() if type(m) is Linear]
         self._range_plans[key] = (layers, [layer.plan_epoch for layer in layers], weights,
                                   [w._version for w in weights], result)
         return result
