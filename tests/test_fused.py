@@ -267,6 +267,32 @@ def test_range_plans_follow_the_layers(tiny_model_dir, small_route):
     assert model._plans_for(0, n, False, False)[0] is not None
 
 
+def test_op_ranges_go_with_the_pool_and_the_plans(tiny_model_dir):
+    """The op's handle on a layer range (plans and cache layers) is made once per pool and plans:
+    kept between steps, another for another pool or range, anew for new plans; and it writes the
+    pool it was made for."""
+    from hispec.generate import Generator
+
+    if fused.layers_op() is None:
+        pytest.skip("no C++ compiler or torch headers")
+    gen = Generator.from_pretrained(str(tiny_model_dir("llama")), exits=False, quantize="none", progress=False)
+    model, cfg, n = gen.model, gen.model.cfg, gen.model.num_layers
+    plans = model._plans_for(0, n, False, False)[0]
+    pools = [KVPool(n, 8, 4, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu") for _ in range(2)]
+    first = fused.op_range(plans, pools[0], 0, n, cfg, False)
+    assert fused.op_range(plans, pools[0], 0, n, cfg, False) is first
+    assert fused.op_range(plans, pools[1], 0, n, cfg, False) is not first
+    tail = model._plans_for(1, n, False, False)[0]
+    assert fused.op_range(tail, pools[0], 1, n, cfg, False) is not first
+    remade = fused.LayerPlans.of([layer.layer_plan() for layer in model.layers])
+    assert fused.op_range(remade, pools[0], 0, n, cfg, False) is not first
+    batch, _, _ = paged_case([0], [1], hq=cfg.num_heads, hkv=cfg.num_kv_heads, d=cfg.head_dim)
+    h = rand(1, cfg.hidden_size)
+    with torch.no_grad():
+        fused.decode_layers(h, plans, model._rope(batch.positions), batch, pools[1], 0, n, cfg, False)
+    assert pools[1].k[0].abs().sum() > 0 and pools[0].k[0].abs().sum() == 0  # the pool it was given
+
+
 def test_prefill_on_dense_weights_is_independent_of_chunking(tiny_model_dir, four_bit_kernel):
     """Prompt tokens run on the dense bfloat16 prefill weights (``QuantLinear.dense``), and a
     prompt's hidden states and K/V are the same bits whether it is prefilled whole or in chunks

@@ -431,7 +431,7 @@ class DecoderModel(nn.Module):
         plans = self._layer_plans(h, start, end, rope, batch, pool)
         if plans is not None:  # the whole range in one call (fused_layers.cpp), same values
             bf16 = self.layers[start].act_dtype == ACT_DTYPE
-            return fused.decode_layers(h, plans, rope, batch, pool.k[start:end], pool.v[start:end], self.cfg, bf16)
+            return fused.decode_layers(h, plans, rope, batch, pool, start, end, self.cfg, bf16)
         for layer in range(start, end):
             h = self.layers[layer](h, layer, rope, batch, pool)
         return h

@@ -195,16 +195,35 @@ class LayerPlans(NamedTuple):
         return flat
 
 
-def decode_layers(h: torch.Tensor, plans: LayerPlans, rope, batch: "AttentionBatch", k_pools: list, v_pools: list,
-                  cfg, bf16_acts: bool) -> torch.Tensor:
-    """Run the layers whose ``plans`` are given on ``h [T, H]`` float32, in one call; bit-identical
-    to running them one by one on the fused kernels."""
+RANGES_PER_POOL = 16  # op ranges a pool keeps (layer ranges x prompt/decode/batched plans); more: made anew
+
+
+def op_range(plans: LayerPlans, pool: "KVPool", start: int, end: int, cfg, bf16_acts: bool):
+    """``torch.classes.hispec_fused.Range``: ``plans`` and the pool's cache layers ``[start, end)``
+    as the op holds them between calls. Kept by the pool (it goes with the pool), per plans object:
+    plans made anew (new weights) get a new one."""
+    ranges = pool.__dict__.setdefault("_op_ranges", {})
+    key = (id(plans), start, end, bf16_acts)
+    hit = ranges.get(key)
+    if hit is None or hit[0] is not plans:
+        if len(ranges) >= RANGES_PER_POOL:
+            ranges.clear()
+        made = torch.classes.hispec_fused.Range(pool.k[start:end], pool.v[start:end], plans.norms, plans.weights,
+                                                plans.kinds, plans.groups, cfg.num_heads, cfg.num_kv_heads,
+                                                cfg.norm_eps, bf16_acts)
+        hit = ranges[key] = (plans, made)
+    return hit[1]
+
+
+def decode_layers(h: torch.Tensor, plans: LayerPlans, rope, batch: "AttentionBatch", pool: "KVPool", start: int,
+                  end: int, cfg, bf16_acts: bool) -> torch.Tensor:
+    """Run layers ``[start, end)``, whose ``plans`` are given, on ``h [T, H]`` float32 in one call
+    (writing their K/V into ``pool``); bit-identical to running them one by one on the fused kernels."""
     meta = batch.kernel()
     cos, ssin = (r.view(r.shape[0], r.shape[-1]) for r in rope)  # [T, D]
     parallel = meta.keys * cfg.num_heads * cfg.head_dim >= PARALLEL_MIN_WORK
     return layers_op()(h.contiguous(), cos.contiguous(), ssin.contiguous(), batch.write_slots, meta.tables, meta.seq,
-                       meta.lengths, meta.block_size, parallel, k_pools, v_pools, plans.norms, plans.weights,
-                       plans.kinds, plans.groups, cfg.num_heads, cfg.num_kv_heads, cfg.norm_eps, bf16_acts)
+                       meta.lengths, meta.block_size, parallel, op_range(plans, pool, start, end, cfg, bf16_acts))
 
 
 def _bf(t: torch.Tensor) -> int:

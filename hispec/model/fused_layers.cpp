@@ -11,9 +11,11 @@
 // Built on first use with the machine's C++ compiler against the installed torch's headers,
 // cached beside the C kernels, loaded with torch.ops.load_library.
 #include <ATen/ATen.h>
+#include <torch/custom_class.h>
 #include <torch/library.h>
 
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 namespace {
@@ -96,33 +98,82 @@ at::Tensor matmul(int64_t kind, const at::Tensor& x, const at::Tensor& w, const 
 
 int is_bf(const at::Tensor& t) { return t.scalar_type() == at::kBFloat16 ? 1 : 0; }
 
-// h [T, H] float32 entering the first layer -> after the last. Per layer l (index i in the lists):
+// h[i] += delta[i] for n floats (delta float32 or bfloat16): ``h + down(...)`` as ATen adds them
+// (in float32; its multiply-add by alpha = 1 is exact), without a dispatcher call per layer.
+void add_into(float* h, const at::Tensor& delta, int64_t n) {
+    if (delta.scalar_type() == at::kBFloat16) {
+        const uint16_t* d = reinterpret_cast<const uint16_t*>(delta.data_ptr());
+        for (int64_t i = 0; i < n; i++) {
+            const uint32_t bits = static_cast<uint32_t>(d[i]) << 16;
+            float x;
+            std::memcpy(&x, &bits, sizeof x);
+            h[i] += x;
+        }
+    } else {
+        const float* d = delta.data_ptr<float>();
+        for (int64_t i = 0; i < n; i++) h[i] += d[i];
+    }
+}
+
+// A range of layers as the op runs it: their plans, flattened (DecoderLayer.layer_plan;
+// fused.LayerPlans), and their cache layers in one KV pool. Made once per range and pool and held
+// between calls, so that a decoding step hands over one object instead of ~360 tensors (their
+// conversion cost ~0.4 ms per call). Per layer l (index i): k_pools[i], v_pools[i]: its cache;
 // norms[2i], norms[2i+1]: input and post-attention RMSNorm weights; weights[8i + 2j], [8i + 2j + 1]:
 // matmul j's weight and its parameters (qkv, o, gate_up, down), kinds[4i + j], groups[4i + j].
+struct Range : torch::CustomClassHolder {
+    std::vector<at::Tensor> k_pools, v_pools, norms, weights;
+    std::vector<int64_t> kinds, groups;
+    int64_t num_heads, num_kv_heads;
+    double eps;
+    bool bf16_acts;
+
+    Range(std::vector<at::Tensor> k_pools_, std::vector<at::Tensor> v_pools_, std::vector<at::Tensor> norms_,
+          std::vector<at::Tensor> weights_, std::vector<int64_t> kinds_, std::vector<int64_t> groups_,
+          int64_t num_heads_, int64_t num_kv_heads_, double eps_, bool bf16_acts_)
+        : k_pools(std::move(k_pools_)), v_pools(std::move(v_pools_)), norms(std::move(norms_)), weights(std::move(weights_)), kinds(std::move(kinds_)),
+          groups(std::move(groups_)), num_heads(num_heads_), num_kv_heads(num_kv_heads_), eps(eps_),
+          bf16_acts(bf16_acts_) {
+        const size_t n = norms.size() / 2;
+        TORCH_CHECK(k_pools.size() == n && v_pools.size() == n && norms.size() == 2 * n && weights.size() == 8 * n &&
+                    kinds.size() == 4 * n && groups.size() == 4 * n, "Range: list lengths");
+        for (size_t i = 0; i < n; i++)
+            TORCH_CHECK(k_pools[i].scalar_type() == at::kFloat && k_pools[i].is_contiguous() &&
+                        v_pools[i].scalar_type() == at::kFloat && v_pools[i].is_contiguous(),
+                        "Range: contiguous float32 cache layers");
+    }
+
+    int64_t layers() const { return static_cast<int64_t>(norms.size() / 2); }
+};
+
+// h [T, H] float32 entering the range's first layer -> after its last.
 at::Tensor decode_layers(const at::Tensor& h_in, const at::Tensor& cos, const at::Tensor& ssin,
                          const at::Tensor& slots, const at::Tensor& tables, const at::Tensor& seq,
-                         const at::Tensor& lengths, int64_t block_size, bool parallel, at::TensorList k_pools,
-                         at::TensorList v_pools, at::TensorList norms, at::TensorList weights,
-                         std::vector<int64_t> kinds, std::vector<int64_t> groups, int64_t num_heads,
-                         int64_t num_kv_heads, double eps, bool bf16_acts) {
+                         const at::Tensor& lengths, int64_t block_size, bool parallel,
+                         const c10::intrusive_ptr<Range>& range) {
     TORCH_CHECK(rms_norm != nullptr, "decode_layers: kernels not bound");
-    const int64_t n = k_pools.size();
-    TORCH_CHECK(v_pools.size() == (size_t)n && norms.size() == (size_t)(2 * n) && weights.size() == (size_t)(8 * n) &&
-                kinds.size() == (size_t)(4 * n) && groups.size() == (size_t)(4 * n), "decode_layers: list lengths");
+    const int64_t n = range->layers();
+    const auto& norms = range->norms;
+    const auto& weights = range->weights;
+    const auto& kinds = range->kinds;
+    const auto& groups = range->groups;
+    const auto& k_pools = range->k_pools;
+    const auto& v_pools = range->v_pools;
+    const int64_t num_heads = range->num_heads, num_kv_heads = range->num_kv_heads;
     TORCH_CHECK(h_in.scalar_type() == at::kFloat && h_in.is_contiguous() && h_in.dim() == 2, "h: contiguous [T, H] float32");
     const int64_t T = h_in.size(0), H = h_in.size(1), D = k_pools[0].size(-1);
-    const auto act = bf16_acts ? at::kBFloat16 : at::kFloat;
-    const int out_bf = bf16_acts ? 1 : 0;
+    const auto act = range->bf16_acts ? at::kBFloat16 : at::kFloat;
+    const int out_bf = range->bf16_acts ? 1 : 0;
     const auto fopt = h_in.options();
     const auto aopt = fopt.dtype(act);
-    const float e = static_cast<float>(eps), scale = 1.0f / std::sqrt(static_cast<float>(D));
+    const float e = static_cast<float>(range->eps), scale = 1.0f / std::sqrt(static_cast<float>(D));
     // buffers written in full by each layer, made once per call (h ping-pongs between two: a
     // layer reads the previous h while it writes the next)
     at::Tensor x = at::empty({T, H}, aopt), x2 = at::empty({T, H}, aopt);
     at::Tensor q = at::empty({T, num_heads, D}, fopt), att = at::empty({T, num_heads * D}, aopt);
     at::Tensor hs[2] = {at::empty({T, H}, fopt), at::empty({T, H}, fopt)};
     at::Tensor outs[4], a;  // the four matmuls' outputs (hispec's kernels), the gated activation
-    at::Tensor h = h_in;
+    const float* h = h_in.data_ptr<float>();
     for (int64_t i = 0; i < n; i++) {
         const at::Tensor& kp = k_pools[i];
         const at::Tensor& vp = v_pools[i];
@@ -130,7 +181,7 @@ at::Tensor decode_layers(const at::Tensor& h_in, const at::Tensor& cos, const at
             return matmul(kinds[4 * i + j], in, weights[8 * i + 2 * j], weights[8 * i + 2 * j + 1], groups[4 * i + j],
                           outs[j]);
         };
-        rms_norm(h.data_ptr<float>(), norms[2 * i].data_ptr<float>(), T, H, e, x.data_ptr(), out_bf);
+        rms_norm(h, norms[2 * i].data_ptr<float>(), T, H, e, x.data_ptr(), out_bf);
         const at::Tensor qkv = mm(0, x).contiguous();  // [T, (Hq + 2 Hkv) D]
         rope_write(qkv.data_ptr(), is_bf(qkv), cos.data_ptr<float>(), ssin.data_ptr<float>(), slots.data_ptr<int64_t>(),
                    T, num_heads, num_kv_heads, D, kp.data_ptr<float>(), vp.data_ptr<float>(), q.data_ptr<float>());
@@ -138,25 +189,26 @@ at::Tensor decode_layers(const at::Tensor& h_in, const at::Tensor& cos, const at
                         tables.size(1), seq.data_ptr<int32_t>(), lengths.data_ptr<int32_t>(), T, num_heads,
                         kp.size(1), D, block_size, scale, att.data_ptr(), out_bf, parallel ? 1 : 0);
         const at::Tensor o = mm(1, att).contiguous();  // [T, H]
-        at::Tensor& h2 = hs[i % 2];
-        add_rms_norm(h.data_ptr<float>(), o.data_ptr(), is_bf(o), norms[2 * i + 1].data_ptr<float>(), T, H, e,
-                     h2.data_ptr<float>(), x2.data_ptr(), out_bf);
+        float* h2 = hs[i % 2].data_ptr<float>();
+        add_rms_norm(h, o.data_ptr(), is_bf(o), norms[2 * i + 1].data_ptr<float>(), T, H, e, h2, x2.data_ptr(), out_bf);
         const at::Tensor gu = mm(2, x2).contiguous();  // [T, 2 I]
         const int64_t I = gu.size(1) / 2;
         if (!a.defined() || a.size(1) != I) a = at::empty({T, I}, aopt);
         silu_mul(gu.data_ptr(), is_bf(gu), T, I, a.data_ptr(), out_bf);
-        h2.add_(mm(3, a));  // float32 += (bfloat16 or float32), as ``h + down(...)``
+        add_into(h2, mm(3, a).contiguous(), T * H);  // h2 += down(a)
         h = h2;
     }
-    return h;
+    return n == 0 ? h_in : hs[(n - 1) % 2];
 }
 
 }  // namespace
 
 TORCH_LIBRARY(hispec_fused, m) {
+    m.class_<Range>("Range").def(torch::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
+                                             std::vector<at::Tensor>, std::vector<int64_t>, std::vector<int64_t>,
+                                             int64_t, int64_t, double, bool>());
     m.def("bind(int[] addresses) -> ()", bind);
     m.def("decode_layers(Tensor h, Tensor cos, Tensor ssin, Tensor slots, Tensor tables, Tensor seq, Tensor lengths, "
-          "int block_size, bool parallel, Tensor[] k_pools, Tensor[] v_pools, Tensor[] norms, Tensor[] weights, "
-          "int[] kinds, int[] groups, int num_heads, int num_kv_heads, float eps, bool bf16_acts) -> Tensor",
+          "int block_size, bool parallel, __torch__.torch.classes.hispec_fused.Range range) -> Tensor",
           decode_layers);
 }
