@@ -398,3 +398,19 @@ def test_plain_c_fallback_gives_the_same_bits(tmp_path):
         base.hs_panel_matmul(p(x.data_ptr()), ctypes.c_int64(t), ctypes.c_int64(96), p(packed.data_ptr()),
                              ctypes.c_int64(20), p(y.data_ptr()), ctypes.c_int(0))
         assert torch.equal(y, fused.panel_matmul(x[:t], fused.panel_pack(w), 20)), t
+
+
+def test_rope_table_rows_equal_the_rows_computed_alone(tiny_model_dir):
+    """The CPU's RoPE table (grown by doubling) gives each position the values computing that
+    position alone gives, bit for bit, in the model's dtype."""
+    from hispec.generate import Generator
+
+    model = Generator.from_pretrained(str(tiny_model_dir("llama")), exits=False, quantize="none", progress=False).model
+    for positions in (torch.tensor([0]), torch.tensor([5, 1023, 1024, 3000, 2]), torch.arange(40, 47)):
+        cos, ssin = model._rope(positions)
+        for i, p in enumerate(positions.tolist()):
+            alone = model._rope_rows(torch.tensor([p]))
+            assert torch.equal(cos[i, 0], alone[0][0]) and torch.equal(ssin[i, 0], alone[1][0])
+    assert model._rope_table[0].shape[0] == 4096
+    model.to(torch.bfloat16)
+    assert model._rope(torch.tensor([7]))[0].dtype == torch.bfloat16

@@ -93,6 +93,12 @@ class TextState:
 
     ``delta()`` hands out text that can no longer change: it holds back a trailing partial
     UTF-8 character and, when stop strings are set, the last ``len(longest stop) - 1`` chars.
+
+    Each step decodes only a window of the last tokens, not all of them (which cost O(length) per
+    step: ~0.3 ms at 200 tokens): the window starts at the tokens committed one update earlier
+    (``prefix``), and what it adds past the text of ``tokens[prefix:read]`` is new text (the same
+    start for both, so a tokenizer's handling of a leading space or of bytes split over tokens
+    is the same in both). The final update decodes the whole sequence once.
     """
 
     def __init__(self, decode: Callable[[list[int]], str], stops: tuple[str, ...]) -> None:
@@ -101,10 +107,12 @@ class TextState:
         self.sent = 0
         self.safe = 0
         self.hold = max((len(s) for s in stops), default=1) - 1
+        self.prefix = self.read = 0  # the window starts at tokens[prefix]; tokens[:read] are in self.fixed
+        self.fixed = ""
 
     def update(self, tokens: list[int], final: bool) -> bool:
         """Decode the committed tokens; True if a stop string appeared (the text is cut before it)."""
-        self.text = self.decode(tokens)
+        self.text = self.decode(tokens) if final else self._extend(tokens)
         for s in self.stops:
             cut = self.text.find(s)
             if cut >= 0:
@@ -119,6 +127,23 @@ class TextState:
                 safe = min(safe, len(self.text.rstrip("\ufffd")))
             self.safe = max(self.safe, safe)
         return False
+
+    def _extend(self, tokens: list[int]) -> str:
+        """The text of ``tokens`` so far: ``self.fixed`` (through ``tokens[:read]``) and what the
+        window adds, less a trailing partial character (it waits for the tokens that complete it;
+        the window then starts where it did)."""
+        if len(tokens) < self.read:  # fewer tokens than decoded (not from commit): decode afresh
+            self.prefix = self.read = 0
+            self.fixed = ""
+        before = self.decode(tokens[self.prefix:self.read]) if self.read > self.prefix else ""
+        window = self.decode(tokens[self.prefix:])
+        if not window.startswith(before):  # the tokenizer rewrote earlier text (rare): decode all
+            return self.decode(tokens)
+        if window.endswith("\ufffd"):
+            return self.fixed + window.rstrip("\ufffd")[len(before):]
+        self.fixed += window[len(before):]
+        self.prefix, self.read = self.read, len(tokens)
+        return self.fixed
 
     def tokens_through_stop(self, tokens: list[int]) -> list[int]:
         """The shortest prefix of ``tokens`` whose text reaches a stop string."""

@@ -135,6 +135,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
 
 
 _PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+ROPE_TABLE_MIN = 1024  # positions in the first RoPE table (CPU; doubled as positions grow)
 
 
 class DecoderLayer(nn.Module):
@@ -378,6 +379,7 @@ class DecoderModel(nn.Module):
         else:
             inv_freq = rope_inv_freq(cfg)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None  # see _rope
         self.exits: dict[int, nn.Module] = {}  # trained exits by layer; see model/exits/, exit_block.py
         self._range_plans: dict[tuple, tuple] = {}  # see _plans_for
         self.weight_format = "none"  # or "native" / "int4" / "int8": see loader.apply_quantization
@@ -417,12 +419,28 @@ class DecoderModel(nn.Module):
         return h
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(cos, signed sin)`` ``[T, 1, D]`` of ``positions [T]`` (see ``apply_rope``). On the CPU,
+        rows of a table of positions ``0 ..`` (grown by doubling) instead of ~8 tensor ops per
+        step: the same values (each element is computed by the same element-wise kernels)."""
         if self.inv_freq is None:
             return None
+        if positions.device.type != "cpu":
+            cos, sin = self._rope_rows(positions)
+        else:
+            table, last = self._rope_table, int(positions.max())
+            if table is None or table[0].dtype != self.dtype or table[0].shape[0] <= last:
+                size = max(ROPE_TABLE_MIN, 2 * (0 if table is None else table[0].shape[0]))
+                while size <= last:
+                    size *= 2
+                table = self._rope_table = self._rope_rows(torch.arange(size))
+            cos, sin = table[0].index_select(0, positions), table[1].index_select(0, positions)
+        return cos[:, None, :], sin[:, None, :]  # [T, 1, D]
+
+    def _rope_rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
         cos, sin = freqs.cos(), freqs.sin()
         cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)  # [T, D]: sin signed for apply_rope
-        return cos[:, None, :].to(self.dtype), sin[:, None, :].to(self.dtype)  # [T, 1, D]
+        return cos.to(self.dtype), sin.to(self.dtype)
 
     def run_layers(self, h: torch.Tensor, start: int, end: int, batch: AttentionBatch, pool: KVPool) -> torch.Tensor:
         """Run decoder layers ``[start, end)`` on ``h [T, H]`` (the input to layer ``start``)."""
@@ -450,7 +468,7 @@ class DecoderModel(nn.Module):
         plans, has_float = self._plans_for(start, end, batch.prefill, h.shape[0] > SMALL_ROWS)
         if plans is None or (has_float and h.shape[0] > max(panel_rows(), SMALL_ROWS)):
             return None
-        if any(pool.k[i].dtype != torch.float32 for i in range(start, end)):
+        if pool.k[start].dtype != torch.float32:  # a pool holds one dtype
             return None
         return plans
 
