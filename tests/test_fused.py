@@ -400,6 +400,17 @@ def test_plain_c_fallback_gives_the_same_bits(tmp_path):
         assert torch.equal(y, fused.panel_matmul(x[:t], fused.panel_pack(w), 20)), t
 
 
+def test_layer_op_on_an_empty_range_returns_its_input():
+    """An empty range (no layers, no cache layers) hands ``h`` back instead of reading a first layer."""
+    if fused.layers_op() is None:
+        pytest.skip("no C++ compiler or torch headers")
+    empty = torch.classes.hispec_fused.Range([], [], [], [], [], [], 2, 1, 1e-5, False)
+    h, rows = rand(1, 8), rand(1, 4)
+    one = torch.ones(1, dtype=torch.int32)
+    out = fused.layers_op()(h, rows, rows, torch.zeros(1, dtype=torch.long), one[None], one - 1, one, 4, False, empty)
+    assert torch.equal(out, h)
+
+
 def test_rope_table_rows_equal_the_rows_computed_alone(tiny_model_dir):
     """The CPU's RoPE table (grown by doubling) gives each position the values computing that
     position alone gives, bit for bit, in the model's dtype."""

@@ -161,6 +161,7 @@ at::Tensor decode_layers(const at::Tensor& h_in, const at::Tensor& cos, const at
     const auto& v_pools = range->v_pools;
     const int64_t num_heads = range->num_heads, num_kv_heads = range->num_kv_heads;
     TORCH_CHECK(h_in.scalar_type() == at::kFloat && h_in.is_contiguous() && h_in.dim() == 2, "h: contiguous [T, H] float32");
+    if (n == 0) return h_in;  // (the sizes below come from the first layer's cache)
     const int64_t T = h_in.size(0), H = h_in.size(1), D = k_pools[0].size(-1);
     const auto act = range->bf16_acts ? at::kBFloat16 : at::kFloat;
     const int out_bf = range->bf16_acts ? 1 : 0;
@@ -198,7 +199,7 @@ at::Tensor decode_layers(const at::Tensor& h_in, const at::Tensor& cos, const at
         add_into(h2, mm(3, a).contiguous(), T * H);  // h2 += down(a)
         h = h2;
     }
-    return n == 0 ? h_in : hs[(n - 1) % 2];
+    return hs[(n - 1) % 2];
 }
 
 }  // namespace
