@@ -23,6 +23,7 @@ class KVPool:
         shape = (num_blocks * block_size, num_kv_heads, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.op_ranges: dict = {}  # the fused layer op's handles on these layers (model.fused.op_range)
 
     @property
     def bytes_per_block(self) -> int:

@@ -201,17 +201,16 @@ RANGES_PER_POOL = 16  # op ranges a pool keeps (layer ranges x prompt/decode/bat
 def op_range(plans: LayerPlans, pool: "KVPool", start: int, end: int, cfg, bf16_acts: bool):
     """``torch.classes.hispec_fused.Range``: ``plans`` and the pool's cache layers ``[start, end)``
     as the op holds them between calls. Kept by the pool (it goes with the pool), per plans object:
-    plans made anew (new weights) get a new one."""
-    ranges = pool.__dict__.setdefault("_op_ranges", {})
+    plans made anew (new weights) get a new one (the entry holds its plans, so their id stays theirs)."""
     key = (id(plans), start, end, bf16_acts)
-    hit = ranges.get(key)
-    if hit is None or hit[0] is not plans:
-        if len(ranges) >= RANGES_PER_POOL:
-            ranges.clear()
+    hit = pool.op_ranges.get(key)
+    if hit is None:
+        if len(pool.op_ranges) >= RANGES_PER_POOL:
+            pool.op_ranges.clear()
         made = torch.classes.hispec_fused.Range(pool.k[start:end], pool.v[start:end], plans.norms, plans.weights,
                                                 plans.kinds, plans.groups, cfg.num_heads, cfg.num_kv_heads,
                                                 cfg.norm_eps, bf16_acts)
-        hit = ranges[key] = (plans, made)
+        hit = pool.op_ranges[key] = (plans, made)
     return hit[1]
 
 
