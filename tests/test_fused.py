@@ -425,3 +425,65 @@ def test_rope_table_rows_equal_the_rows_computed_alone(tiny_model_dir):
     assert model._rope_table[0].shape[0] == 4096
     model.to(torch.bfloat16)
     assert model._rope(torch.tensor([7]))[0].dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("quantize", ["none:wxt", "none:linear", "none:panel", "int4", "q4", "int8", "q8 head"])
+@pytest.mark.parametrize("batch_size", [1, 3, 6])
+def test_decode_step_equals_the_general_path(tiny_model_dir, four_bit_kernel, small_route, quantize, batch_size):
+    """``DecoderModel.decode_step`` (embedding, every layer, final norm and head in one C++ call) gives
+    the logits and K/V of ``forward_many`` + ``exit_logits`` bit for bit, for sequences of different
+    lengths whose blocks interleave, on float32 (each decode-sized route; 6 rows: the batched route),
+    int4 / q4 / int8 weights and a Q8_0 output head."""
+    from hispec.decode.base import LayerRunner
+    from hispec.generate import Generator
+    from hispec.model.matmul import panel_rows
+    from hispec.model.quant import QuantLinear
+
+    if fused.layers_op() is None:
+        pytest.skip("no C++ compiler or torch headers")
+    q8_head = quantize == "q8 head"
+    quantize = "none:wxt" if q8_head else quantize
+    if quantize in ("int4", "q4"):
+        four_bit_kernel(quantize)
+        quantize = "int4"
+    if quantize.startswith("none:"):
+        small_route(quantize[5:])
+        quantize = "none"
+    gen = Generator.from_pretrained(str(tiny_model_dir("llama")), exits=False, quantize=quantize, progress=False)
+    model, cfg = gen.model, gen.model.cfg
+    if q8_head:  # the default model's kind of head: GGUF Q8_0 blocks on hispec's q8 kernel
+        w = model.lm_head.weight.detach().float()
+        d = w.view(w.shape[0], -1, 32).abs().amax(-1) / 127  # [N, K / 32]
+        q = (w.view(w.shape[0], -1, 32) / d[..., None]).round().to(torch.int8).view_as(w)
+        model.lm_head = QuantLinear("q8", w.shape[1], w.shape[0], q, d.contiguous(), 32)
+    n, bs = model.num_layers, 4
+    starts = [0, 13, 30, 5, 21, 2][:batch_size]
+    runs = []
+    for _ in range(2):
+        blocks = BlockManager(64, bs, n)
+        pool = KVPool(n, 64, bs, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu")
+        for i in range(n):
+            pool.k[i].copy_(rand(*pool.k[i].shape) if not runs else runs[0][1].k[i])
+            pool.v[i].copy_(rand(*pool.v[i].shape) if not runs else runs[0][1].v[i])
+        for s in range(batch_size):
+            blocks.add_sequence(s)
+        for upto in range(bs, max(starts) + 1 + bs, bs):  # blocks handed out round-robin
+            for s, start in enumerate(starts):
+                blocks.ensure_capacity(s, min(upto, start + 1))
+        for s, start in enumerate(starts):
+            blocks.set_filled(s, 0, n, start)
+        runs.append((LayerRunner(model, blocks, pool), pool))
+    tokens = torch.randint(cfg.vocab_size, (batch_size,), generator=G).tolist()
+    with torch.no_grad():
+        one_call = runs[0][0].decode_logits(list(zip(range(batch_size), starts, tokens)))
+        if quantize == "none" and batch_size > 4 and panel_rows() == 0:
+            assert one_call is None  # more rows than SMALL_ROWS take oneDNN (this CPU), in Python
+            return
+        assert one_call is not None, "decode_step was not chosen"
+        items = [(s, start, torch.tensor([t])) for s, start, t in zip(range(batch_size), starts, tokens)]
+        ref = model.exit_logits(torch.cat(runs[1][0].forward_many(items, 0, n)), n)
+    assert torch.equal(one_call, ref)
+    for i in range(n):
+        assert torch.equal(runs[0][1].k[i], runs[1][1].k[i]) and torch.equal(runs[0][1].v[i], runs[1][1].v[i])
+    for s, start in enumerate(starts):
+        assert runs[0][0].blocks.length(s, n - 1) == start + 1

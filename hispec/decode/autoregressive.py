@@ -15,9 +15,12 @@ class Autoregressive(Strategy):
     def step(self, batch: list[DecodeContext]) -> list[list[int]]:
         model, num_layers = batch[0].model, batch[0].model.num_layers
         with phase_timer([c.stats for c in batch], "full_verify", model.device):
-            items = [(c.seq_id, len(c.tokens) - 1, c.token_tensor(c.tokens[-1:])) for c in batch]
-            hidden = batch[0].runner.forward_many(items, 0, num_layers)  # B x [1, H]
-            logits = model.exit_logits(hidden[0] if len(batch) == 1 else torch.cat(hidden), num_layers)  # [B, V]
+            runner = batch[0].runner
+            logits = runner.decode_logits([(c.seq_id, len(c.tokens) - 1, c.tokens[-1]) for c in batch])  # [B, V]
+            if logits is None:  # the general path: layers, then the head
+                items = [(c.seq_id, len(c.tokens) - 1, c.token_tensor(c.tokens[-1:])) for c in batch]
+                hidden = runner.forward_many(items, 0, num_layers)  # B x [1, H]
+                logits = model.exit_logits(hidden[0] if len(batch) == 1 else torch.cat(hidden), num_layers)
             tokens = choose_tokens(batch, logits)
         for b, c in enumerate(batch):
             c.stats.full_passes += 1

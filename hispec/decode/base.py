@@ -79,6 +79,27 @@ class LayerRunner:
             self.blocks.set_filled(c.seq_id, start_layer, end_layer, c.start + c.num_tokens)
         return list(h.split([c.num_tokens for c in chunks]))
 
+    def decode_logits(self, items: list[tuple[int, int, int]]) -> torch.Tensor | None:
+        """The model's own logits ``[B, V]`` for ``(seq_id, position, token)`` items, one new token per
+        sequence through every layer, in one call of the fused op (``DecoderModel.decode_step``);
+        the same values as ``forward_many`` and ``exit_logits`` on the last layer. None where that
+        call does not apply: the caller takes the general path (nothing was written)."""
+        n = self.model.num_layers
+        for seq_id, pos, _ in items:
+            assert self.blocks.length(seq_id, 0) == pos and self.blocks.length(seq_id, n - 1) == pos, \
+                f"sequence {seq_id}: the layers do not hold {pos} positions"
+            if self.reserved:
+                assert self.blocks.capacity(seq_id) > pos, \
+                    f"sequence {seq_id} writes past its reserved slots: the strategy's lookahead is too small"
+            else:
+                self.blocks.ensure_capacity(seq_id, pos + 1)
+        logits = self.model.decode_step([t for _, _, t in items], [p for _, p, _ in items],
+                                        [self.blocks.block_table(s) for s, _, _ in items], self.pool)
+        if logits is not None:
+            for seq_id, pos, _ in items:
+                self.blocks.set_filled(seq_id, 0, n, pos + 1)
+        return logits
+
     def _write_exit_kv(self, block, h: torch.Tensor, chunks: list[SeqChunk], batch: AttentionBatch) -> None:
         """An exit block's K/V for positions that just reached its exit layer (``h [T, H]``)."""
         for c in chunks:

@@ -134,6 +134,36 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     return out.view(hkv, g, T, d).permute(2, 0, 1, 3).reshape(T, hq, d)
 
 
+def matmul_plan(m: nn.Module | None, act_dtype: torch.dtype | None, prefill: bool = False,
+                batched: bool = False) -> tuple | None:
+    """How ``fused_layers.cpp`` runs the matmul module ``m`` on inputs of ``act_dtype`` (None: float32),
+    ``(weight, parameters, kind, group)``, or None where it cannot (a bias, another module or dtype):
+    the same kernel and inputs as ``m.forward`` takes. ``prefill``: prompt tokens (QuantLinear's
+    dense prefill weights where it has them); ``batched``: more than SMALL_ROWS rows (float32
+    weights: the panel kernel, as ``Linear.forward`` takes it up to ``panel_rows()`` rows; None
+    where it takes oneDNN)."""
+    if type(m) is QuantLinear and m.bias is None:
+        if act_dtype == ACT_DTYPE and prefill and m.dense is not None:
+            return m.dense, m.dense, fused.MM_DENSE, 0  # the second is a placeholder
+        if m.kernel in ("int4", "int8") and act_dtype == ACT_DTYPE:
+            return m.qweight, m.qparams, fused.MM_INT4 if m.kernel == "int4" else fused.MM_INT8, m.group if m.kernel == "int4" else 0
+        if m.kernel == "q4" and act_dtype in (None, torch.float32):
+            return m.qweight, m.qparams, fused.MM_Q4_PANELS if prefill else fused.MM_Q4, m.group
+        if m.kernel == "q8" and act_dtype in (None, torch.float32):
+            return m.qweight, m.qparams, fused.MM_Q8, 0
+        return None
+    if (type(m) is Linear and m.bias is None and m.weight.dtype == torch.float32 and m.weight.is_contiguous()
+            and act_dtype in (None, torch.float32)):
+        # as Linear.forward: on <= SMALL_ROWS rows the timed route, above it the panel kernel or oneDNN
+        panel = m.panel() if (panel_rows() > 0 if batched else small_route() == "panel") else None
+        if batched and panel is None:
+            return None
+        if panel is not None:
+            return panel, m.weight, fused.MM_PANEL, m.out_features  # the second is a placeholder
+        return m.weight, m.weight, fused.MM_FLOAT_LINEAR if small_route() == "linear" else fused.MM_FLOAT, 0
+    return None
+
+
 _PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 ROPE_TABLE_MIN = 1024  # positions in the first RoPE table (CPU; doubled as positions grow)
 
@@ -208,30 +238,12 @@ class DecoderLayer(nn.Module):
             return None
         weights, kinds, groups = [], [], []
         for m in self.projections():
-            if type(m) is QuantLinear and m.bias is None and self.act_dtype == ACT_DTYPE and prefill and m.dense is not None:
-                weights += [m.dense, m.dense]  # the second is a placeholder
-                kinds.append(fused.MM_DENSE)
-                groups.append(0)
-            elif type(m) is QuantLinear and m.bias is None and m.kernel in ("int4", "int8") and self.act_dtype == ACT_DTYPE:
-                weights += [m.qweight, m.qparams]
-                kinds.append(fused.MM_INT4 if m.kernel == "int4" else fused.MM_INT8)
-                groups.append(m.group if m.kernel == "int4" else 0)
-            elif type(m) is QuantLinear and m.bias is None and m.kernel == "q4" and self.act_dtype in (None, torch.float32):
-                weights += [m.qweight, m.qparams]
-                kinds.append(fused.MM_Q4_PANELS if prefill else fused.MM_Q4)
-                groups.append(m.group)
-            elif (type(m) is Linear and m.bias is None and m.weight.dtype == torch.float32 and m.weight.is_contiguous()
-                  and self.act_dtype in (None, torch.float32)):
-                # as Linear.forward: on <= SMALL_ROWS rows the timed route, above it the panel kernel or oneDNN
-                panel = m.panel() if (panel_rows() > 0 if batched else small_route() == "panel") else None
-                if batched and panel is None:
-                    return None
-                weights += [m.weight if panel is None else panel, m.weight]  # the second is a placeholder
-                kinds.append(fused.MM_PANEL if panel is not None else
-                             fused.MM_FLOAT_LINEAR if small_route() == "linear" else fused.MM_FLOAT)
-                groups.append(m.out_features if panel is not None else 0)
-            else:
+            planned = matmul_plan(m, self.act_dtype, prefill, batched)
+            if planned is None:
                 return None
+            weights += planned[:2]
+            kinds.append(planned[2])
+            groups.append(planned[3])
         return norms, weights, kinds, groups
 
     def _fused_kind(self) -> bool:
@@ -382,6 +394,7 @@ class DecoderModel(nn.Module):
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None  # see _rope
         self.exits: dict[int, nn.Module] = {}  # trained exits by layer; see model/exits/, exit_block.py
         self._range_plans: dict[tuple, tuple] = {}  # see _plans_for
+        self._head_ops: dict[bool, tuple] = {}  # see _step_head
         self.weight_format = "none"  # or "native" / "int4" / "int8": see loader.apply_quantization
 
     @property
@@ -427,14 +440,19 @@ class DecoderModel(nn.Module):
         if positions.device.type != "cpu":
             cos, sin = self._rope_rows(positions)
         else:
-            table, last = self._rope_table, int(positions.max())
-            if table is None or table[0].dtype != self.dtype or table[0].shape[0] <= last:
-                size = max(ROPE_TABLE_MIN, 2 * (0 if table is None else table[0].shape[0]))
-                while size <= last:
-                    size *= 2
-                table = self._rope_table = self._rope_rows(torch.arange(size))
+            table = self._cpu_rope_table(int(positions.max()))
             cos, sin = table[0].index_select(0, positions), table[1].index_select(0, positions)
         return cos[:, None, :], sin[:, None, :]  # [T, 1, D]
+
+    def _cpu_rope_table(self, last: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, signed sin)`` ``[P, D]`` of positions ``0 .. P - 1``, ``P > last`` (grown by doubling)."""
+        table = self._rope_table
+        if table is None or table[0].dtype != self.dtype or table[0].shape[0] <= last:
+            size = max(ROPE_TABLE_MIN, 2 * (0 if table is None else table[0].shape[0]))
+            while size <= last:
+                size *= 2
+            table = self._rope_table = self._rope_rows(torch.arange(size))
+        return table
 
     def _rope_rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
@@ -497,6 +515,47 @@ class DecoderModel(nn.Module):
         self._range_plans[key] = (layers, [layer.plan_epoch for layer in layers], weights,
                                   [w._version for w in weights], result)
         return result
+
+    def decode_step(self, tokens: list[int], positions: list[int], tables: list[list[int]],
+                    pool: KVPool) -> torch.Tensor | None:
+        """Logits ``[B, V]`` of the model's own head for one new token per sequence, ``tokens[b]`` at
+        ``positions[b]`` of the sequence with block table ``tables[b]``, through every layer (writing
+        their K/V into ``pool``) in one call of the fused op; the same values as ``embed``,
+        ``run_layers`` and ``final_logits`` one after the other. None where that call does not
+        apply (then nothing was written): not a RoPE model on the fused CPU path with float32
+        embeddings and residual stream, layers or head not planned, exit blocks with K/V."""
+        batched = len(tokens) > SMALL_ROWS
+        head = self._step_head(batched)
+        if (head is None or pool.k[0].dtype != torch.float32 or pool.k[0].device.type != "cpu" or self.kv_exits()
+                or torch.is_grad_enabled() and self.embed_tokens.weight.requires_grad):
+            return None
+        plans, has_float = self._plans_for(0, self.num_layers, False, batched)
+        if plans is None or (has_float and len(tokens) > max(panel_rows(), SMALL_ROWS)):
+            return None
+        bf16 = self.layers[0].act_dtype == ACT_DTYPE
+        return fused.decode_step(tokens, positions, tables, self._cpu_rope_table(max(positions)), plans, head, pool,
+                                 self.cfg, bf16)
+
+    def _step_head(self, batched: bool):
+        """``fused.op_head`` of this model's embeddings, final norm and output head (its matmul as
+        for more than SMALL_ROWS rows if ``batched``), kept while they are the same tensors at the
+        same versions; None where ``decode_step`` does not apply."""
+        emb, norm, head = self.embed_tokens.weight, self.norm, self.lm_head
+        tensors = [emb, norm.weight, *head.buffers(), *head.parameters()]
+        hit = self._head_ops.get(batched)
+        if hit is not None and hit[0] is head and len(hit[1]) == len(tensors) and all(
+                a is b and a._version == v for (a, v), b in zip(hit[1], tensors)):
+            return hit[2]
+        made = None
+        if (self.inv_freq is not None and self.project_in is None and self.project_out is None and emb.device.type == "cpu"
+                and emb.dtype == torch.float32 and emb.is_contiguous() and isinstance(norm, RMSNorm)
+                and norm.weight.dtype == torch.float32 and norm.weight.is_contiguous()
+                and self.layers[0]._fused_kind() and fused.layers_op() is not None):
+            planned = matmul_plan(head, None, batched=batched)
+            if planned is not None:
+                made = fused.op_head(emb, norm.weight, *planned, norm.eps)
+        self._head_ops[batched] = (head, [(t, t._version) for t in tensors], made)
+        return made
 
     def final_logits(self, h: torch.Tensor) -> torch.Tensor:
         """The model's own output head on the last hidden state ``[T, H]`` -> ``[T, V]``."""

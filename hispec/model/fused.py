@@ -117,10 +117,10 @@ def available() -> bool:
 
 # ---- a range of layers in one call (fused_layers.cpp) ------------------------------------------
 LAYERS_SOURCE = Path(__file__).with_name("fused_layers.cpp")
-MM_FLOAT, MM_INT4, MM_INT8, MM_DENSE, MM_FLOAT_LINEAR, MM_Q4, MM_Q4_PANELS, MM_PANEL = range(8)  # as in fused_layers.cpp
+MM_FLOAT, MM_INT4, MM_INT8, MM_DENSE, MM_FLOAT_LINEAR, MM_Q4, MM_Q4_PANELS, MM_PANEL, MM_Q8 = range(9)  # as in fused_layers.cpp
 MM_FLOAT_KINDS = (MM_FLOAT, MM_FLOAT_LINEAR, MM_PANEL)  # float32 weights: as matmul.small_route()
 _KERNEL_ORDER = ("hs_rms_norm", "hs_add_rms_norm", "hs_silu_mul", "hs_rope_write", "hs_paged_attention", "hs_q4_matmul",
-                 "hs_q4_panel_matmul", "hs_panel_matmul")
+                 "hs_q4_panel_matmul", "hs_panel_matmul", "hs_q8_matmul")
 
 
 def _cxx_command(out: Path) -> list[str]:
@@ -223,6 +223,28 @@ def decode_layers(h: torch.Tensor, plans: LayerPlans, rope, batch: "AttentionBat
     parallel = meta.keys * cfg.num_heads * cfg.head_dim >= PARALLEL_MIN_WORK
     return layers_op()(h.contiguous(), cos.contiguous(), ssin.contiguous(), batch.write_slots, meta.tables, meta.seq,
                        meta.lengths, meta.block_size, parallel, op_range(plans, pool, start, end, cfg, bf16_acts))
+
+
+def op_head(embed: torch.Tensor, norm: torch.Tensor, weight: torch.Tensor, params: torch.Tensor, kind: int,
+            group: int, eps: float):
+    """``torch.classes.hispec_fused.Head``: what ``decode_step`` runs besides the layers, the token
+    embeddings ``[V, H]`` and final RMSNorm weight ``[H]`` (float32) and the output head (a matmul
+    of ``kind`` on ``weight`` and ``params``, as in a layer plan)."""
+    return torch.classes.hispec_fused.Head(embed, norm, weight, params, kind, group, eps)
+
+
+def decode_step(tokens: list[int], positions: list[int], tables: list[list[int]], rope_table, plans: LayerPlans,
+                head, pool: "KVPool", cfg, bf16_acts: bool) -> torch.Tensor:
+    """One decoding step of B sequences in one call: ``tokens[b]`` at ``positions[b]`` (sequence b's
+    block table ``tables[b]``) through every layer (``plans``), the final norm and the output head
+    (``head = op_head(...)``) -> logits ``[B, V]`` float32. ``rope_table``: ``(cos, signed sin)``
+    ``[P, D]`` float32 with ``P > max(positions)``. The same bits as the step taken call by call
+    (embedding, ``decode_layers``, the norm and the head's kernel)."""
+    width = max(len(t) for t in tables)
+    flat = [b for t in tables for b in (t + [0] * (width - len(t)) if len(t) < width else t)]
+    parallel = (sum(positions) + len(positions)) * cfg.num_heads * cfg.head_dim >= PARALLEL_MIN_WORK
+    return torch.ops.hispec_fused.decode_step(tokens, positions, flat, pool.block_size, rope_table[0], rope_table[1],
+                                              parallel, op_range(plans, pool, 0, cfg.num_layers, cfg, bf16_acts), head)
 
 
 def _bf(t: torch.Tensor) -> int:

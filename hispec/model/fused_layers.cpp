@@ -41,6 +41,8 @@ q4_matmul_fn q4_matmul = nullptr;
 q4_matmul_fn q4_panel_matmul = nullptr;
 using panel_matmul_fn = void (*)(const float*, int64_t, int64_t, const float*, int64_t, float*, int);
 panel_matmul_fn panel_matmul = nullptr;
+using q8_matmul_fn = void (*)(const int8_t*, const float*, const void*, int, int64_t, int64_t, int64_t, float*, int);
+q8_matmul_fn q8_matmul = nullptr;
 
 // matmul kinds, as fused.py's MM_KINDS
 constexpr int64_t MM_FLOAT = 0;  // float32 weight [N, K]: (W @ x.T).T, one row padded to two (matmul.linear)
@@ -51,9 +53,10 @@ constexpr int64_t MM_FLOAT_LINEAR = 4;  // float32 weight [N, K]: x @ W.T (matmu
 constexpr int64_t MM_Q4 = 5;  // GGUF 4-bit nibbles [N, K / 2] and d, m [2, N, K / 32] on fused_cpu.c's q4 kernel
 constexpr int64_t MM_Q4_PANELS = 6;  // the same weights rebuilt in float32 panels (prompt chunks)
 constexpr int64_t MM_PANEL = 7;  // float32 weight packed in panels (matmul.Linear.panel); group = N
+constexpr int64_t MM_Q8 = 8;  // GGUF Q8_0 q [N, K] int8 and d [N, K / 32] float32 on fused_cpu.c's q8 kernel (output heads)
 
 void bind(std::vector<int64_t> addresses) {
-    TORCH_CHECK(addresses.size() == 8, "bind: expected the addresses of the 8 kernels");
+    TORCH_CHECK(addresses.size() == 9, "bind: expected the addresses of the 9 kernels");
     rms_norm = reinterpret_cast<rms_norm_fn>(addresses[0]);
     add_rms_norm = reinterpret_cast<add_rms_norm_fn>(addresses[1]);
     silu_mul = reinterpret_cast<silu_mul_fn>(addresses[2]);
@@ -62,7 +65,10 @@ void bind(std::vector<int64_t> addresses) {
     q4_matmul = reinterpret_cast<q4_matmul_fn>(addresses[5]);
     q4_panel_matmul = reinterpret_cast<q4_matmul_fn>(addresses[6]);
     panel_matmul = reinterpret_cast<panel_matmul_fn>(addresses[7]);
+    q8_matmul = reinterpret_cast<q8_matmul_fn>(addresses[8]);
 }
+
+int is_bf(const at::Tensor& t) { return t.scalar_type() == at::kBFloat16 ? 1 : 0; }
 
 // The output buffer ``out`` of hispec's own kernels, reused across layers: [T, N] float32, (re)made
 // when missing or of another size.
@@ -91,12 +97,16 @@ at::Tensor matmul(int64_t kind, const at::Tensor& x, const at::Tensor& w, const 
            y.data_ptr<float>(), 1);
         return y;
     }
+    if (kind == MM_Q8) {
+        at::Tensor& y = output(out, x, w.size(0));
+        q8_matmul(w.data_ptr<int8_t>(), p.data_ptr<float>(), x.data_ptr(), is_bf(x), x.size(0), w.size(0), x.size(1),
+                  y.data_ptr<float>(), 1);
+        return y;
+    }
     const int64_t t = x.size(0);
     const at::Tensor rows = t == 1 ? at::cat({x, x}) : x;  // [max(T, 2), K]
     return at::mm(w, rows.t()).t().slice(0, 0, t).contiguous();
 }
-
-int is_bf(const at::Tensor& t) { return t.scalar_type() == at::kBFloat16 ? 1 : 0; }
 
 // h[i] += delta[i] for n floats (delta float32 or bfloat16): ``h + down(...)`` as ATen adds them
 // (in float32; its multiply-add by alpha = 1 is exact), without a dispatcher call per layer.
@@ -202,14 +212,77 @@ at::Tensor decode_layers(const at::Tensor& h_in, const at::Tensor& cos, const at
     return hs[(n - 1) % 2];
 }
 
+// What a decoding step needs besides the layers: the token embeddings, the final RMSNorm and the
+// output head (one matmul of the kinds above), held like a Range.
+struct Head : torch::CustomClassHolder {
+    at::Tensor embed, norm, weight, params;  // [V, H] float32, [H] float32, the head's weight and parameters
+    int64_t kind, group;
+    double eps;
+
+    Head(at::Tensor embed_, at::Tensor norm_, at::Tensor weight_, at::Tensor params_, int64_t kind_, int64_t group_,
+         double eps_)
+        : embed(std::move(embed_)), norm(std::move(norm_)), weight(std::move(weight_)), params(std::move(params_)),
+          kind(kind_), group(group_), eps(eps_) {
+        TORCH_CHECK(embed.scalar_type() == at::kFloat && embed.is_contiguous() && embed.dim() == 2 &&
+                    norm.scalar_type() == at::kFloat && norm.is_contiguous() && norm.numel() == embed.size(1),
+                    "Head: contiguous float32 embeddings [V, H] and norm [H]");
+    }
+};
+
+// One decoding step of B sequences, one new token each: embed ``tokens [B]`` at ``positions [B]``,
+// run the range's layers (sequence b reads and writes the cache through its block table, row b
+// of ``tables`` [B x width], flattened), the final norm and the head -> logits [B, V] float32.
+// The same kernels and inputs as the step taken op by op (embedding rows, RoPE rows of the tables
+// ``cos, ssin [P, D]``, decode_layers, rms_norm, the head's matmul), so the same bits; what it
+// saves is a dozen tensors and calls made per step in Python.
+at::Tensor decode_step(const std::vector<int64_t>& tokens, const std::vector<int64_t>& positions,
+                       const std::vector<int64_t>& tables, int64_t block_size, const at::Tensor& cos_table,
+                       const at::Tensor& ssin_table, bool parallel, const c10::intrusive_ptr<Range>& range,
+                       const c10::intrusive_ptr<Head>& head) {
+    const int64_t B = static_cast<int64_t>(tokens.size());
+    TORCH_CHECK(B > 0 && positions.size() == tokens.size() && tables.size() % B == 0, "decode_step: B tokens, positions");
+    const int64_t width = static_cast<int64_t>(tables.size()) / B, V = head->embed.size(0), H = head->embed.size(1);
+    const int64_t P = cos_table.size(0), D = cos_table.size(1);
+    TORCH_CHECK(cos_table.is_contiguous() && ssin_table.is_contiguous() && cos_table.scalar_type() == at::kFloat &&
+                ssin_table.sizes() == cos_table.sizes() && ssin_table.scalar_type() == at::kFloat,
+                "decode_step: contiguous float32 RoPE tables [P, D]");
+    const auto fopt = head->embed.options();
+    at::Tensor h = at::empty({B, H}, fopt), cos = at::empty({B, D}, fopt), ssin = at::empty({B, D}, fopt);
+    at::Tensor slots = at::empty({B}, fopt.dtype(at::kLong)), seq = at::empty({B}, fopt.dtype(at::kInt));
+    at::Tensor lengths = at::empty({B}, fopt.dtype(at::kInt)), tab = at::empty({B, width}, fopt.dtype(at::kInt));
+    const float* emb = head->embed.data_ptr<float>();
+    int32_t* tp = tab.data_ptr<int32_t>();
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t tok = tokens[b], pos = positions[b];
+        TORCH_CHECK(tok >= 0 && tok < V && pos >= 0 && pos < P && pos / block_size < width,
+                    "decode_step: token ", tok, " or position ", pos, " out of range");
+        std::memcpy(h.data_ptr<float>() + b * H, emb + tok * H, H * sizeof(float));
+        std::memcpy(cos.data_ptr<float>() + b * D, cos_table.data_ptr<float>() + pos * D, D * sizeof(float));
+        std::memcpy(ssin.data_ptr<float>() + b * D, ssin_table.data_ptr<float>() + pos * D, D * sizeof(float));
+        for (int64_t j = 0; j < width; j++) tp[b * width + j] = static_cast<int32_t>(tables[b * width + j]);
+        slots.data_ptr<int64_t>()[b] = tables[b * width + pos / block_size] * block_size + pos % block_size;
+        seq.data_ptr<int32_t>()[b] = static_cast<int32_t>(b);
+        lengths.data_ptr<int32_t>()[b] = static_cast<int32_t>(pos + 1);
+    }
+    const at::Tensor out = decode_layers(h, cos, ssin, slots, tab, seq, lengths, block_size, parallel, range);
+    at::Tensor x = at::empty({B, H}, fopt), logits;
+    rms_norm(out.data_ptr<float>(), head->norm.data_ptr<float>(), B, H, static_cast<float>(head->eps), x.data_ptr(), 0);
+    return matmul(head->kind, x, head->weight, head->params, head->group, logits).contiguous();
+}
+
 }  // namespace
 
 TORCH_LIBRARY(hispec_fused, m) {
     m.class_<Range>("Range").def(torch::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
                                              std::vector<at::Tensor>, std::vector<int64_t>, std::vector<int64_t>,
                                              int64_t, int64_t, double, bool>());
+    m.class_<Head>("Head").def(torch::init<at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t, int64_t, double>());
     m.def("bind(int[] addresses) -> ()", bind);
     m.def("decode_layers(Tensor h, Tensor cos, Tensor ssin, Tensor slots, Tensor tables, Tensor seq, Tensor lengths, "
           "int block_size, bool parallel, __torch__.torch.classes.hispec_fused.Range range) -> Tensor",
           decode_layers);
+    m.def("decode_step(int[] tokens, int[] positions, int[] tables, int block_size, Tensor cos, Tensor ssin, "
+          "bool parallel, __torch__.torch.classes.hispec_fused.Range range, "
+          "__torch__.torch.classes.hispec_fused.Head head) -> Tensor",
+          decode_step);
 }
