@@ -75,10 +75,19 @@ static inline float hsum16(v8 lo, v8 hi) {
 static inline __attribute__((always_inline)) float dot(const float *a, const float *b, int64_t n) {
     v8 lo = {0}, hi = {0};
     int64_t i = 0;
+#if defined(__AVX512F__)
+    /* the same 16 lane sums in one register: lane l < 8 is lo's lane l, lane l >= 8 hi's lane l - 8 */
+    __m512 acc = _mm512_setzero_ps();
+    for (; i + LANES <= n; i += LANES) acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i)));
+    __m256 l = _mm512_castps512_ps256(acc), h = _mm512_extractf32x8_ps(acc, 1);
+    memcpy(&lo, &l, sizeof lo);
+    memcpy(&hi, &h, sizeof hi);
+#else
     for (; i + LANES <= n; i += LANES) {
         lo += load8(a + i) * load8(b + i);
         hi += load8(a + i + 8) * load8(b + i + 8);
     }
+#endif
     float s = hsum16(lo, hi);
     for (; i < n; i++) s += a[i] * b[i];
     return s;
@@ -264,6 +273,20 @@ static inline __attribute__((always_inline)) void tile_values(const float *score
             n = n < bs ? n : bs;
             const float *p = scores + r * lmax + j0, *v = vb;
             float *a = acc + r * D;
+#if defined(__AVX512F__)
+            if (D % 64 == 0) {  /* 64 columns at a time: 4 AVX-512 registers of sums (the same lanes' sums) */
+                for (int64_t c = 0; c < D; c += 64) {
+                    __m512 s[4];
+                    for (int i = 0; i < 4; i++) s[i] = _mm512_loadu_ps(a + c + i * 16);
+                    const float *vc = v + c;
+                    for (int64_t j = 0; j < n; j++, vc += stride) {
+                        __m512 pj = _mm512_set1_ps(p[j]);
+                        for (int i = 0; i < 4; i++) s[i] = _mm512_add_ps(s[i], _mm512_mul_ps(pj, _mm512_loadu_ps(vc + i * 16)));
+                    }
+                    for (int i = 0; i < 4; i++) _mm512_storeu_ps(a + c + i * 16, s[i]);
+                }
+            } else
+#endif
             if (D % 64 == 0) {  /* 64 columns at a time: 8 AVX2 registers of sums */
                 for (int64_t c = 0; c < D; c += 64) {
                     v8 s[8];

@@ -13,6 +13,17 @@
 #include <ATen/ATen.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
+#if __has_include(<ATen/ops/_weight_int4pack_mm_for_cpu_native.h>) && __has_include(<ATen/ops/_weight_int8pack_mm_native.h>)
+#include <ATen/ops/_weight_int4pack_mm_for_cpu_native.h>
+#include <ATen/ops/_weight_int8pack_mm_native.h>
+// PyTorch's CPU int4 / int8 kernels called as its dispatcher would call them for CPU tensors
+// (the same function, so the same bits), without the dispatch: ~1-2 us per call, 120 calls a token
+#define INT4_MM at::native::_weight_int4pack_mm_cpu
+#define INT8_MM at::native::_weight_int8pack_mm_cpu
+#else
+#define INT4_MM at::_weight_int4pack_mm_for_cpu
+#define INT8_MM at::_weight_int8pack_mm
+#endif
 
 #include <cstdint>
 #include <cstring>
@@ -80,8 +91,8 @@ at::Tensor& output(at::Tensor& out, const at::Tensor& x, int64_t n) {
 // x [T, K] -> [T, N]; hispec's kernels write into ``out`` (see output), ATen's return a new tensor.
 at::Tensor matmul(int64_t kind, const at::Tensor& x, const at::Tensor& w, const at::Tensor& p, int64_t group,
                   at::Tensor& out) {
-    if (kind == MM_INT4) return at::_weight_int4pack_mm_for_cpu(x, w, group, p);
-    if (kind == MM_INT8) return at::_weight_int8pack_mm(x, w, p);
+    if (kind == MM_INT4) return INT4_MM(x, w, group, p);
+    if (kind == MM_INT8) return INT8_MM(x, w, p);
     if (kind == MM_DENSE || kind == MM_FLOAT_LINEAR) return at::linear(x, w);
     if (kind == MM_PANEL) {  // x is contiguous: every input here is a buffer this op wrote
         at::Tensor& y = output(out, x, group);
