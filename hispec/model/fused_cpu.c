@@ -228,6 +228,60 @@ void hs_rope_write(const void *qkv, int in_bf, const float *cos_, const float *s
  * values accumulated key by key), so a query's output does not depend on the tile it falls in. */
 #define QUERY_TILE 8
 
+#if defined(__AVX512F__)
+/* Each register's 16 lanes summed, for 16 registers at once: lane i of the result is the sum of
+ * a[i]'s lanes by hsum16's tree (lane l + lane l + 8, then + l + 4, then (0 + 2) + (1 + 3)), the
+ * same for every i, so a sum does not depend on its place among the 16. */
+static inline __m512 hsum16x16(__m512 a[16]) {
+    __m512 b[8], c[4], d[2];
+    for (int i = 0; i < 8; i++)  /* per key: 16 lanes -> 8 (l + l + 8); two keys per register */
+        b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
+    for (int i = 0; i < 4; i++)  /* 8 -> 4 (l + l + 4); four keys per register, one per 128-bit quarter */
+        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
+    for (int i = 0; i < 2; i++)  /* 4 -> 2 (l + l + 2) */
+        d[i] = _mm512_add_ps(_mm512_shuffle_ps(c[2 * i], c[2 * i + 1], 0x44),
+                             _mm512_shuffle_ps(c[2 * i], c[2 * i + 1], 0xEE));
+    __m512 e = _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], 0x88), _mm512_shuffle_ps(d[0], d[1], 0xDD));  /* 2 -> 1 */
+    /* e's lanes hold the keys in the order the shuffles left them: put key i in lane i */
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    return _mm512_permutexvar_ps(order, e);
+}
+
+/* tile_scores with 16 keys at a time (D a multiple of 16): each key's 16 lane sums as dot() makes
+ * them (products added in d order per lane), the 16 keys' lanes summed together (hsum16x16), so
+ * every score has dot()'s bits. */
+static inline __attribute__((always_inline)) void tile_scores16(const float *q, int64_t Hq, const float *kpool,
+                                                               const int32_t *table, const int32_t *len, int nq,
+                                                               int64_t lmax, int64_t bs, int64_t Hkv, int64_t kvh,
+                                                               int64_t G, const int64_t D, float scale, float *scores) {
+    static const float zeros[128];  /* the keys past the last: D <= 128 */
+    const float *keys[16];
+    for (int64_t j0 = 0; j0 < lmax; j0 += 16) {
+        int64_t n = lmax - j0 < 16 ? lmax - j0 : 16;
+        for (int64_t i = 0; i < 16; i++) {
+            int64_t j = j0 + i;
+            keys[i] = i < n ? kpool + (((int64_t)table[j / bs] * bs + j % bs) * Hkv + kvh) * D : zeros;
+        }
+        for (int qi = 0; qi < nq; qi++) {
+            if (j0 >= len[qi]) continue;
+            for (int64_t g = 0; g < G; g++) {
+                const float *qr = q + qi * Hq * D + g * D;
+                __m512 acc[16];
+                for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
+                for (int64_t c = 0; c < D; c += 16) {
+                    __m512 qc = _mm512_loadu_ps(qr + c);
+                    for (int i = 0; i < 16; i++) acc[i] = _mm512_add_ps(acc[i], _mm512_mul_ps(qc, _mm512_loadu_ps(keys[i] + c)));
+                }
+                __m512 sum = _mm512_mul_ps(hsum16x16(acc), _mm512_set1_ps(scale));
+                _mm512_mask_storeu_ps(scores + (qi * G + g) * lmax + j0, (__mmask16)((1u << n) - 1u), sum);
+            }
+        }
+    }
+}
+#endif
+
 /* scores[r * lmax + j] = (q_r . k_j) * scale for every row r of the tile and key j < len[qi]. */
 static inline __attribute__((always_inline)) void tile_scores(const float *q, int64_t Hq, const float *kpool,
                                                              const int32_t *table, const int32_t *len, int nq,
@@ -309,8 +363,13 @@ static void attend_tile(const float *q, int64_t Hq, const float *kpool, const fl
                         float scale, float *scores, float *acc) {
     int64_t lmax = 0;
     for (int qi = 0; qi < nq; qi++) lmax = len[qi] > lmax ? len[qi] : lmax;
+#if defined(__AVX512F__)
+    if (D == 64) tile_scores16(q, Hq, kpool, table, len, nq, lmax, bs, Hkv, kvh, G, 64, scale, scores);
+    else if (D == 128) tile_scores16(q, Hq, kpool, table, len, nq, lmax, bs, Hkv, kvh, G, 128, scale, scores);
+#else
     if (D == 64) tile_scores(q, Hq, kpool, table, len, nq, lmax, bs, Hkv, kvh, G, 64, scale, scores);
     else if (D == 128) tile_scores(q, Hq, kpool, table, len, nq, lmax, bs, Hkv, kvh, G, 128, scale, scores);
+#endif
     else tile_scores(q, Hq, kpool, table, len, nq, lmax, bs, Hkv, kvh, G, D, scale, scores);
     tile_softmax(scores, len, nq, G, lmax);
     if (D == 64) tile_values(scores, vpool, table, len, nq, lmax, bs, Hkv, kvh, G, 64, acc);
