@@ -134,6 +134,33 @@ def test_four_bit_kernel_choice(monkeypatch):
         kernels.four_bit_kernel.cache_clear()
 
 
+@needs_fused
+def test_four_bit_kernel_choice_is_kept_for_later_loads(monkeypatch, tmp_path):
+    """The timed choice is written under HISPEC_HOME and reused by the next load without timing
+    again (the same command gives the same text from one run to the next on a noisy machine)."""
+    monkeypatch.setenv("HISPEC_HOME", str(tmp_path))
+    monkeypatch.delenv("HISPEC_Q4_KERNEL", raising=False)
+    kernels.four_bit_kernel.cache_clear()
+    try:
+        first = kernels.four_bit_kernel()[0]
+        saved = list((tmp_path / "kernels").glob("four_bit-*.json"))
+        assert len(saved) == 1
+        monkeypatch.setattr(kernels, "format_timings", lambda: pytest.fail("timed again"))
+        kernels.four_bit_kernel.cache_clear()
+        kind, why = kernels.four_bit_kernel()
+        assert kind == first and "earlier load" in why
+        other = "q4" if first == "int4" else "int4"  # what the file says is what runs
+        saved[0].write_text(saved[0].read_text().replace(f'"{first}"', f'"{other}"'))
+        kernels.four_bit_kernel.cache_clear()
+        assert kernels.four_bit_kernel()[0] == other
+        saved[0].write_text("not json")  # a damaged file: timed again
+        monkeypatch.setattr(kernels, "format_timings", lambda: {"q4": 1.0})
+        kernels.four_bit_kernel.cache_clear()
+        assert kernels.four_bit_kernel()[0] == "q4"
+    finally:
+        kernels.four_bit_kernel.cache_clear()
+
+
 def test_q8_blocks_as_two_int4_halves():
     tensor, want = _gguf_blocks("Q8_0", n=48)
     layer = QuantLinear.from_q8_blocks(*_q8_blocks(tensor), kernel="int4x2")

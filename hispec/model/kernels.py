@@ -12,8 +12,11 @@ float32 ones) is timed too (:func:`four_bit_kernel`).
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
 import os
 import time
+from pathlib import Path
 
 import torch
 
@@ -81,7 +84,9 @@ def four_bit_kernel() -> tuple[str, str]:
     in :func:`format_timings`, ``int4`` only if it wins clearly (``INT4_MARGIN``): ``q4`` reads float32
     activations (its tokens equal float32 ``ar``'s where ``int4``'s bfloat16 ones drift), and a
     coin-flip between near-equal timings made the kernel change from one load to the next on a
-    busy machine. On CPUs without bfloat16 hardware (AVX2) ``q4`` wins; with it (AVX-512 BF16) it
+    busy machine. The timed choice is kept on disk (``_four_bit_choice_file``) and reused by later
+    loads on this machine: even past the margin, a noisy machine chose differently from one run
+    to the next (seen on a Zen 4), and with it the text of the same command. On CPUs without bfloat16 hardware (AVX2) ``q4`` wins; with it (AVX-512 BF16) it
     depends on the CPU."""
     from . import fused
 
@@ -90,11 +95,38 @@ def four_bit_kernel() -> tuple[str, str]:
         return forced, f"HISPEC_Q4_KERNEL={forced}"
     if not fused.available():
         return "int4", "hispec's compiled kernels unavailable"
+    path = _four_bit_choice_file()
+    try:
+        saved = json.loads(path.read_text())
+        if saved.get("kernel") in FOUR_BIT:
+            return saved["kernel"], f"{saved.get('why', '')} (timed at an earlier load; delete {path.name} in {path.parent} to time again)"
+    except (OSError, ValueError, AttributeError):
+        pass
     med = format_timings()
     if "int4" not in med:
-        return "q4", "PyTorch's int4 kernel unavailable"
-    best = "int4" if med["int4"] < INT4_MARGIN * med["q4"] else "q4"
-    return best, f"q4 {med['q4'] * 1e6 / 12:.0f} us vs int4 {med['int4'] * 1e6 / 12:.0f} us per matmul"
+        best, why = "q4", "PyTorch's int4 kernel unavailable"
+    else:
+        best = "int4" if med["int4"] < INT4_MARGIN * med["q4"] else "q4"
+        why = f"q4 {med['q4'] * 1e6 / 12:.0f} us vs int4 {med['int4'] * 1e6 / 12:.0f} us per matmul"
+    try:  # written whole or not at all (concurrent loads)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"kernel": best, "why": why}))
+        os.replace(tmp, path)
+    except OSError:
+        pass
+    return best, why
+
+
+def _four_bit_choice_file() -> Path:
+    """Where :func:`four_bit_kernel`'s timed choice is kept, per kernel source, torch version and CPU:
+    timed once per machine, so that the same command gives the same text from one load to the next
+    (the kernels' bfloat16 and float32 activations round differently)."""
+    from . import fused
+    from .registry import hispec_home
+
+    key = hashlib.sha256(fused.SOURCE.read_bytes() + torch.__version__.encode() + fused._cpu_key().encode()).hexdigest()[:16]
+    return hispec_home() / "kernels" / f"four_bit-{key}.json"
 
 
 def interleaved_medians(fns: dict, reps: int, warmup: int = 0) -> dict:
