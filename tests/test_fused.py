@@ -169,12 +169,10 @@ def small_route(monkeypatch):
     matmul.small_route.cache_clear()
 
 
-@pytest.mark.parametrize("quantize", ["none:wxt", "none:linear", "none:panel", "int4", "q4", "int8"])
-def test_layer_op_equals_the_per_layer_path(tiny_model_dir, four_bit_kernel, small_route, quantize):
-    """``decode_layers`` (a range of layers in one C++ call) gives the per-layer fused path's hidden
-    states and K/V bit for bit, for float32 (on each decode-sized route), int4 (on PyTorch's int4
-    kernel or hispec's q4) and int8 weights, on a ragged batch (above SMALL_ROWS rows, float32 weights
-    take the panel kernel where this CPU serves them with it)."""
+def tiny_on_kernels(tiny_model_dir, four_bit_kernel, small_route, quantize: str):
+    """The tiny llama's Generator on ``quantize``: ``none:ROUTE`` (float32 weights, decode-sized
+    products on ROUTE), ``int4`` / ``q4`` (4-bit weights on that kernel) or ``int8``; skips where
+    the layer op cannot be built."""
     from hispec.generate import Generator
 
     if fused.layers_op() is None:
@@ -185,9 +183,19 @@ def test_layer_op_equals_the_per_layer_path(tiny_model_dir, four_bit_kernel, sma
     if quantize.startswith("none:"):
         small_route(quantize[5:])
         quantize = "none"
+    return Generator.from_pretrained(str(tiny_model_dir("llama")), exits=False, quantize=quantize, progress=False)
+
+
+@pytest.mark.parametrize("quantize", ["none:wxt", "none:linear", "none:panel", "int4", "q4", "int8"])
+def test_layer_op_equals_the_per_layer_path(tiny_model_dir, four_bit_kernel, small_route, quantize):
+    """``decode_layers`` (a range of layers in one C++ call) gives the per-layer fused path's hidden
+    states and K/V bit for bit, for float32 (on each decode-sized route), int4 (on PyTorch's int4
+    kernel or hispec's q4) and int8 weights, on a ragged batch (above SMALL_ROWS rows, float32 weights
+    take the panel kernel where this CPU serves them with it)."""
     from hispec.model.matmul import panel_rows
 
-    gen = Generator.from_pretrained(str(tiny_model_dir("llama")), exits=False, quantize=quantize, progress=False)
+    gen = tiny_on_kernels(tiny_model_dir, four_bit_kernel, small_route, quantize)
+    quantize = quantize.split(":")[0]
     model, cfg = gen.model, gen.model.cfg
     n = model.num_layers
     for starts, counts in (([0, 13, 30], [1, 1, 1]), ([0, 13, 30], [4, 1, 3]), ([7], [2])):
@@ -435,21 +443,13 @@ def test_decode_step_equals_the_general_path(tiny_model_dir, four_bit_kernel, sm
     lengths whose blocks interleave, on float32 (each decode-sized route; 6 rows: the batched route),
     int4 / q4 / int8 weights and a Q8_0 output head."""
     from hispec.decode.base import LayerRunner
-    from hispec.generate import Generator
     from hispec.model.matmul import panel_rows
     from hispec.model.quant import QuantLinear
 
-    if fused.layers_op() is None:
-        pytest.skip("no C++ compiler or torch headers")
     q8_head = quantize == "q8 head"
     quantize = "none:wxt" if q8_head else quantize
-    if quantize in ("int4", "q4"):
-        four_bit_kernel(quantize)
-        quantize = "int4"
-    if quantize.startswith("none:"):
-        small_route(quantize[5:])
-        quantize = "none"
-    gen = Generator.from_pretrained(str(tiny_model_dir("llama")), exits=False, quantize=quantize, progress=False)
+    gen = tiny_on_kernels(tiny_model_dir, four_bit_kernel, small_route, quantize)
+    quantize = quantize.split(":")[0]
     model, cfg = gen.model, gen.model.cfg
     if q8_head:  # the default model's kind of head: GGUF Q8_0 blocks on hispec's q8 kernel
         w = model.lm_head.weight.detach().float()
