@@ -180,7 +180,9 @@ def describe(model) -> str:
                else "eager PyTorch (fused kernels unavailable: no C compiler, or HISPEC_FUSED=0)")
     if fused.available():
         planned = all(layer.layer_plan() is not None for layer in model.layers)
-        between += ("; decode steps run all layers in one C++ call" if planned else
+        whole = planned and model._step_head(False) is not None  # DecoderModel.decode_step applies
+        between += ("; plain decode steps run the embedding, all layers, the final norm and the head in one C++ call"
+                    if whole else "; decode steps run all layers in one C++ call" if planned else
                     "; layers called one by one" + ("" if fused.layers_op() else
                                                      " (layer op unavailable: no C++ compiler, or HISPEC_FUSED_LAYERS=0)"))
     return (f"weights {model.weight_format}: decoder linears {layers}; output head {head_kind}; "
