@@ -53,14 +53,7 @@ class LayerRunner:
         ``prefill``: the tokens are prompt tokens (the layers may run them on their prefill weights)."""
         chunks = []
         for seq_id, start_pos, x in items:
-            for layer in (start_layer, end_layer - 1):
-                assert self.blocks.length(seq_id, layer) == start_pos, \
-                    f"layer {layer} holds {self.blocks.length(seq_id, layer)} positions, expected {start_pos}"
-            if self.reserved:
-                assert self.blocks.capacity(seq_id) >= start_pos + x.shape[0], \
-                    f"sequence {seq_id} writes past its reserved slots: the strategy's lookahead is too small"
-            else:
-                self.blocks.ensure_capacity(seq_id, start_pos + x.shape[0])
+            self._slots_for(seq_id, start_pos, x.shape[0], start_layer, end_layer)
             chunks.append(SeqChunk(seq_id, start_pos, x.shape[0]))
         batch = AttentionBatch(chunks, self.blocks, self.model.device, prefill=prefill)
         x = torch.cat([x for _, _, x in items]) if len(items) > 1 else items[0][2]
@@ -86,19 +79,26 @@ class LayerRunner:
         call does not apply: the caller takes the general path (nothing was written)."""
         n = self.model.num_layers
         for seq_id, pos, _ in items:
-            assert self.blocks.length(seq_id, 0) == pos and self.blocks.length(seq_id, n - 1) == pos, \
-                f"sequence {seq_id}: the layers do not hold {pos} positions"
-            if self.reserved:
-                assert self.blocks.capacity(seq_id) > pos, \
-                    f"sequence {seq_id} writes past its reserved slots: the strategy's lookahead is too small"
-            else:
-                self.blocks.ensure_capacity(seq_id, pos + 1)
+            self._slots_for(seq_id, pos, 1, 0, n)
         logits = self.model.decode_step([t for _, _, t in items], [p for _, p, _ in items],
                                         [self.blocks.block_table(s) for s, _, _ in items], self.pool)
         if logits is not None:
             for seq_id, pos, _ in items:
                 self.blocks.set_filled(seq_id, 0, n, pos + 1)
         return logits
+
+    def _slots_for(self, seq_id: int, start_pos: int, num_tokens: int, start_layer: int, end_layer: int) -> None:
+        """Check that layers ``[start_layer, end_layer)`` hold ``start_pos`` positions of the sequence
+        and that positions up to ``start_pos + num_tokens`` have slots (reserved by the scheduler, or
+        taken now)."""
+        for layer in (start_layer, end_layer - 1):
+            assert self.blocks.length(seq_id, layer) == start_pos, \
+                f"layer {layer} holds {self.blocks.length(seq_id, layer)} positions, expected {start_pos}"
+        if self.reserved:
+            assert self.blocks.capacity(seq_id) >= start_pos + num_tokens, \
+                f"sequence {seq_id} writes past its reserved slots: the strategy's lookahead is too small"
+        else:
+            self.blocks.ensure_capacity(seq_id, start_pos + num_tokens)
 
     def _write_exit_kv(self, block, h: torch.Tensor, chunks: list[SeqChunk], batch: AttentionBatch) -> None:
         """An exit block's K/V for positions that just reached its exit layer (``h [T, H]``)."""

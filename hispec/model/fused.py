@@ -91,12 +91,17 @@ def _compile(out: Path) -> None:
 
 
 @functools.lru_cache(maxsize=1)
+def library_key() -> str:
+    """What identifies a build of the C kernels: their source, the compiler flags and this CPU."""
+    return hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + _cpu_key().encode()).hexdigest()[:16]
+
+
+@functools.lru_cache(maxsize=1)
 def library() -> ctypes.CDLL | None:
     """The compiled kernels, or None (no compiler, a failed build, ``HISPEC_FUSED=0``)."""
     if os.environ.get("HISPEC_FUSED", "1") == "0":
         return None
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + _cpu_key().encode()).hexdigest()[:16]
-    path = _build_dir() / f"fused_cpu-{key}.so"
+    path = _build_dir() / f"fused_cpu-{library_key()}.so"
     try:
         if not path.exists():
             _compile(path)

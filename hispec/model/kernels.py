@@ -12,7 +12,6 @@ float32 ones) is timed too (:func:`four_bit_kernel`).
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import os
 import time
@@ -86,8 +85,8 @@ def four_bit_kernel() -> tuple[str, str]:
     coin-flip between near-equal timings made the kernel change from one load to the next on a
     busy machine. The timed choice is kept on disk (``_four_bit_choice_file``) and reused by later
     loads on this machine: even past the margin, a noisy machine chose differently from one run
-    to the next (seen on a Zen 4), and with it the text of the same command. On CPUs without bfloat16 hardware (AVX2) ``q4`` wins; with it (AVX-512 BF16) it
-    depends on the CPU."""
+    to the next (seen on a Zen 4), and with it the text of the same command. On CPUs without
+    bfloat16 hardware (AVX2) ``q4`` wins; with it (AVX-512 BF16) it depends on the CPU."""
     from . import fused
 
     forced = os.environ.get("HISPEC_Q4_KERNEL")
@@ -119,14 +118,13 @@ def four_bit_kernel() -> tuple[str, str]:
 
 
 def _four_bit_choice_file() -> Path:
-    """Where :func:`four_bit_kernel`'s timed choice is kept, per kernel source, torch version and CPU:
-    timed once per machine, so that the same command gives the same text from one load to the next
+    """Where :func:`four_bit_kernel`'s timed choice is kept, per build of the C kernels (source,
+    flags, CPU) and torch version: timed once per machine, so that the same command gives the same text from one load to the next
     (the kernels' bfloat16 and float32 activations round differently)."""
     from . import fused
     from .registry import hispec_home
 
-    key = hashlib.sha256(fused.SOURCE.read_bytes() + torch.__version__.encode() + fused._cpu_key().encode()).hexdigest()[:16]
-    return hispec_home() / "kernels" / f"four_bit-{key}.json"
+    return hispec_home() / "kernels" / f"four_bit-{fused.library_key()}-torch{torch.__version__}.json"
 
 
 def interleaved_medians(fns: dict, reps: int, warmup: int = 0) -> dict:
