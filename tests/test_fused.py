@@ -487,3 +487,20 @@ def test_decode_step_equals_the_general_path(tiny_model_dir, four_bit_kernel, sm
         assert torch.equal(runs[0][1].k[i], runs[1][1].k[i]) and torch.equal(runs[0][1].v[i], runs[1][1].v[i])
     for s, start in enumerate(starts):
         assert runs[0][0].blocks.length(s, n - 1) == start + 1
+
+
+def test_matmul_profiling_counts_the_op_calls(tiny_model_dir, four_bit_kernel, small_route):
+    """``fused.profile_matmuls``: while on, the op times each of its matmul calls (a plain decode step:
+    four per layer and the head); off, it counts nothing; each call returns and restarts the sums."""
+    from hispec.config import SamplingParams
+
+    gen = tiny_on_kernels(tiny_model_dir, four_bit_kernel, small_route, "int4")
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    gen.generate([1, 2, 3], params)  # warm-up
+    fused.profile_matmuls(True)
+    gen.generate([1, 2, 3], params)
+    seconds, calls = fused.profile_matmuls(False)
+    steps = 3  # the first token comes from the prompt's pass
+    assert calls >= steps * (4 * gen.model.num_layers + 1) and seconds > 0
+    gen.generate([1, 2, 3], params)
+    assert fused.profile_matmuls(False) == (0.0, 0)

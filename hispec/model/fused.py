@@ -252,6 +252,15 @@ def decode_step(tokens: list[int], positions: list[int], tables: list[list[int]]
                                               parallel, op_range(plans, pool, 0, cfg.num_layers, cfg, bf16_acts), head)
 
 
+def profile_matmuls(on: bool) -> tuple[float, int]:
+    """Time the matmuls the C++ op runs (wall clock around each call) while ``on``; returns the
+    ``(seconds, calls)`` summed since the previous call and starts again from zero. (0.0, 0)
+    when the op is unavailable."""
+    if layers_op() is None:
+        return 0.0, 0
+    return tuple(torch.ops.hispec_fused.profile_matmuls(on))
+
+
 def _bf(t: torch.Tensor) -> int:
     return int(t.dtype == torch.bfloat16)
 

@@ -25,8 +25,10 @@
 #define INT8_MM at::_weight_int8pack_mm
 #endif
 
+#include <chrono>
 #include <cstdint>
 #include <cstring>
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -89,7 +91,7 @@ at::Tensor& output(at::Tensor& out, const at::Tensor& x, int64_t n) {
 }
 
 // x [T, K] -> [T, N]; hispec's kernels write into ``out`` (see output), ATen's return a new tensor.
-at::Tensor matmul(int64_t kind, const at::Tensor& x, const at::Tensor& w, const at::Tensor& p, int64_t group,
+at::Tensor run_matmul(int64_t kind, const at::Tensor& x, const at::Tensor& w, const at::Tensor& p, int64_t group,
                   at::Tensor& out) {
     if (kind == MM_INT4) return INT4_MM(x, w, group, p);
     if (kind == MM_INT8) return INT8_MM(x, w, p);
@@ -117,6 +119,31 @@ at::Tensor matmul(int64_t kind, const at::Tensor& x, const at::Tensor& w, const 
     const int64_t t = x.size(0);
     const at::Tensor rows = t == 1 ? at::cat({x, x}) : x;  // [max(T, 2), K]
     return at::mm(w, rows.t()).t().slice(0, 0, t).contiguous();
+}
+
+// The matmuls' wall time, summed while profiling is on (scripts/profile-decode.py): what a decode
+// step spends in them, measured where they run, so the rest of its time is "outside the matmuls".
+bool profiling = false;
+double matmul_seconds = 0.0;
+int64_t matmul_calls = 0;
+
+at::Tensor matmul(int64_t kind, const at::Tensor& x, const at::Tensor& w, const at::Tensor& p, int64_t group,
+                  at::Tensor& out) {
+    if (!profiling) return run_matmul(kind, x, w, p, group, out);
+    const auto t0 = std::chrono::steady_clock::now();
+    at::Tensor y = run_matmul(kind, x, w, p, group, out);
+    matmul_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    matmul_calls++;
+    return y;
+}
+
+// Turns the timing on or off; returns (seconds, calls) summed since the last call, and restarts.
+std::tuple<double, int64_t> profile_matmuls(bool on) {
+    const auto summed = std::make_tuple(matmul_seconds, matmul_calls);
+    profiling = on;
+    matmul_seconds = 0.0;
+    matmul_calls = 0;
+    return summed;
 }
 
 // h[i] += delta[i] for n floats (delta float32 or bfloat16): ``h + down(...)`` as ATen adds them
@@ -289,6 +316,7 @@ TORCH_LIBRARY(hispec_fused, m) {
                                              int64_t, int64_t, double, bool>());
     m.class_<Head>("Head").def(torch::init<at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t, int64_t, double>());
     m.def("bind(int[] addresses) -> ()", bind);
+    m.def("profile_matmuls(bool on) -> (float, int)", profile_matmuls);
     m.def("decode_layers(Tensor h, Tensor cos, Tensor ssin, Tensor slots, Tensor tables, Tensor seq, Tensor lengths, "
           "int block_size, bool parallel, __torch__.torch.classes.hispec_fused.Range range) -> Tensor",
           decode_layers);
