@@ -126,6 +126,8 @@ def write_batch_outputs(results: dict, meta: dict, out: Path, plots: bool) -> in
     (out / "batch_report.md").write_text("# Throughput against batch size\n\n" + "\n".join(table) + "\n"
                                          + "".join(f"\n![{n}]({n})\n" for n in names))
     print("\n".join(table))
+    print(f"\nwrote {out / 'batch_results.json'}, {out / 'batch_report.md'}" + "".join(f", {out / n}" for n in names),
+          file=sys.stderr)
     peers = set(meta.get("peers") or {})
     bad = [b for b, row in results.items() for l, r in row.items() if r["identical_to_ar"] is False and l not in peers]
     if bad:
