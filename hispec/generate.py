@@ -74,13 +74,16 @@ class Generator:
     def from_pretrained(cls, name_or_path: str = "default", *, device: str = "cpu",
                         dtype: torch.dtype | None = None, allow_pickle: bool = False,
                         exits: str | Path | bool = True, progress: bool = True,
-                        quantize: str = "auto") -> "Generator":
+                        quantize: str = "auto", kv_cache_dtype: str | torch.dtype = "auto") -> "Generator":
         """Load a model by name or path. ``exits``: True finds the model's trained exit heads (the
         ones shipped for the default model, or an ``exits/`` folder in the model folder), a path
         loads those, False exits through the model's own final head. ``quantize``: ``none``
         (``dtype`` weights), ``native`` (a GGUF file's own 4-bit weights), ``int4``/``int8``, or
         ``auto``: native where it runs faster on this CPU (``model/loader.py``), unless a ``dtype``
-        is given (``dtype=torch.float32`` is the float32 reference). ``dtype`` defaults to float32."""
+        is given (``dtype=torch.float32`` is the float32 reference). ``dtype`` defaults to float32.
+        ``kv_cache_dtype``: what the KV cache holds, ``auto`` (the model's dtype), ``float32`` or
+        ``bfloat16`` (half the cache memory and attention's reads; every strategy reads the same
+        rounded values, so their outputs stay identical to ``ar``'s with the same cache)."""
         from .model.loader import load_model
         from .model.registry import gguf_source, resolve_model
 
@@ -91,6 +94,7 @@ class Generator:
         gguf = gguf_source(name_or_path) if quantize in ("auto", "native") else None
         model = load_model(folder, device=device, dtype=dtype, allow_pickle=allow_pickle, quantize=quantize,
                            gguf=gguf)
+        model.kv_cache_dtype = kv_cache_dtype_of(kv_cache_dtype)
         if model.device.type == "cpu":
             from .model import fused
 
@@ -213,6 +217,18 @@ class Generator:
             raise final.error
         return GenerationOutput(prompt_ids, final.token_ids, final.text, final.finish_reason,
                                 time.perf_counter() - t0, final.stats)
+
+
+KV_CACHE_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def kv_cache_dtype_of(value: str | torch.dtype | None) -> torch.dtype | None:
+    """A KV cache dtype option -> the dtype (None: the model's own)."""
+    if value is None or isinstance(value, torch.dtype) and value in KV_CACHE_DTYPES.values():
+        return value
+    if value not in KV_CACHE_DTYPES:
+        raise ConfigError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {value!r}")
+    return KV_CACHE_DTYPES[value]
 
 
 def load_tokenizer(folder: Path):

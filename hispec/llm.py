@@ -7,7 +7,7 @@ from typing import Callable
 
 import torch
 
-from .config import DEFAULT_PREFILL_CHUNK, EngineConfig, SamplingParams, SpecConfig
+from .config import DEFAULT_PREFILL_CHUNK, ConfigError, EngineConfig, SamplingParams, SpecConfig
 from .decode.stats import DecodeStats
 from .engine.engine import Engine
 from .generate import Generator, make_strategy
@@ -41,9 +41,14 @@ class LLM:
     def __init__(self, model: str | Generator = "default", strategy: str = "hispec", *, spec: SpecConfig | None = None,
                  device: str = "cpu", dtype: torch.dtype | None = None, max_batch_size: int = 16,
                  kv_blocks: int | None = None, kv_memory_fraction: float | None = None, block_size: int = 16,
-                 adaptive: bool = True, prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> None:
-        self.generator = model if isinstance(model, Generator) else Generator.from_pretrained(model, device=device,
-                                                                                               dtype=dtype)
+                 adaptive: bool = True, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+                 kv_cache_dtype: str = "auto") -> None:
+        if isinstance(model, Generator):
+            if kv_cache_dtype != "auto":
+                raise ConfigError("kv_cache_dtype belongs to the model: pass it to Generator.from_pretrained")
+            self.generator = model
+        else:
+            self.generator = Generator.from_pretrained(model, device=device, dtype=dtype, kv_cache_dtype=kv_cache_dtype)
         m = self.generator.model
         spec = spec or self.generator.spec_for(strategy)
         self.strategy = make_strategy(strategy, spec, m.num_layers)

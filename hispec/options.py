@@ -29,6 +29,11 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
                         "int4 / int8 = quantize float weights (int4: groups of 32, int8: per row); none = --dtype "
                         "weights. Default auto: native for 4-bit GGUF models (the default model) where the "
                         "kernels are faster on this CPU, else none; an explicit --dtype means none")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="what the KV cache holds: auto = the model's dtype (float32 on cpu, also for quantized "
+                        "weights); bfloat16 halves the cache's memory and the bytes attention reads per token "
+                        "(K/V rounded once when written; every strategy reads the same values, so outputs stay "
+                        "identical across strategies)")
     g.add_argument("--allow-pickle", action="store_true",
                    help="allow loading pickle checkpoints (.bin/.pt): only for files you trust")
     g.add_argument("--exits", default=None, metavar="PATH",
@@ -116,10 +121,14 @@ def load_generator(args, progress: bool = True):
         raise UsageError("--exits and --no-exits exclude each other")
     exits = False if getattr(args, "no_exits", False) else (args.exits or True)
     tp = getattr(args, "tensor_parallel_size", 1)
+    kv = getattr(args, "kv_cache_dtype", "auto")
     if tp != 1:
+        if kv != "auto":
+            raise UsageError("--kv-cache-dtype: tensor-parallel workers keep the model's dtype; leave it at auto")
         return _load_tensor_parallel(args, tp, device, dtype or torch.float32, exits, progress)
     gen = Generator.from_pretrained(args.model, device=device, dtype=dtype, allow_pickle=args.allow_pickle,
-                                    exits=exits, progress=progress, quantize=getattr(args, "quantize", "none"))
+                                    exits=exits, progress=progress, quantize=getattr(args, "quantize", "none"),
+                                    kv_cache_dtype=kv)
     return gen
 
 

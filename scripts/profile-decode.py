@@ -1,6 +1,7 @@
 """Where a decode step's time goes: matmuls (decoder linears + output head) vs everything else.
 
-    python scripts/profile-decode.py [--model default] [--quantize auto] [--strategies ar,selfspec,hispec]
+    python scripts/profile-decode.py [--model default] [--quantize auto] [--kv-cache-dtype auto|float32|bfloat16]
+                                     [--strategies ar,selfspec,hispec]
                                      [--tokens 64] [--threads 2] [--repeats 3] [--no-fused]
 
 Times every matmul with a wall clock during generation: the linear layers called from Python
@@ -24,6 +25,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="default")
     ap.add_argument("--quantize", default="auto")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     ap.add_argument("--strategies", default="ar,selfspec,hispec")
     ap.add_argument("--prompt", default="Explain speculative decoding in two sentences.")
     ap.add_argument("--tokens", type=int, default=64)
@@ -39,7 +41,8 @@ def main() -> None:
     from hispec.generate import Generator
     from hispec.model import fused, matmul, quant
 
-    gen = Generator.from_pretrained(args.model, quantize=args.quantize, progress=False)
+    gen = Generator.from_pretrained(args.model, quantize=args.quantize, kv_cache_dtype=args.kv_cache_dtype,
+                                    progress=False)
     in_mm = [0.0]
 
     def timed(method):
@@ -54,8 +57,9 @@ def main() -> None:
     matmul.Linear.forward = timed(matmul.Linear.forward)
     quant.QuantLinear._mm = timed(quant.QuantLinear._mm)
     ids = gen.encode_prompt(args.prompt)
-    print(f"{args.model} ({gen.model.weight_format} weights, {'eager' if args.no_fused else 'fused'} path, "
-          f"{args.threads} threads), {len(ids)} prompt tokens, {args.tokens} new tokens")
+    print(f"{args.model} ({gen.model.weight_format} weights, KV cache {str(gen.model.kv_dtype)[6:]}, "
+          f"{'eager' if args.no_fused else 'fused'} path, {args.threads} threads), {len(ids)} prompt tokens, "
+          f"{args.tokens} new tokens")
     def run(strategy: str, tokens: int) -> tuple[float, float, dict]:
         in_mm[0] = 0.0
         fused.profile_matmuls(True)

@@ -74,6 +74,19 @@ def test_streams_text_and_prints_stats(tiny):
     assert proc.stdout == json.loads(as_json.stdout)["text"] + "\n"  # the streamed text is the whole text
 
 
+def test_bfloat16_kv_cache_from_the_command_line(tiny):
+    args = ("generate", "hello", "--model", tiny, "--max-new-tokens", "10", "--ignore-eos", "--json")
+    runs = {s: json.loads(run_cli(*args, "--kv-cache-dtype", "bfloat16", "--strategy", s).stdout)
+            for s in ("ar", "hispec")}
+    assert runs["hispec"]["token_ids"] == runs["ar"]["token_ids"] and len(runs["ar"]["token_ids"]) == 10
+    proc = run_cli("generate", "hello", "--model", tiny, "--max-new-tokens", "4", "--kv-cache-dtype", "bfloat16",
+                   "--stats")
+    assert proc.returncode == 0 and "KV cache bfloat16" in proc.stderr, proc.stderr
+    assert_clean_error(run_cli(*args, "--kv-cache-dtype", "bfloat16", "--tensor-parallel-size", "2"),
+                       "--kv-cache-dtype")
+    assert run_cli(*args, "--kv-cache-dtype", "float16").returncode != 0  # not a choice
+
+
 def test_sampling_is_reproducible_with_a_seed(tiny):
     args = ("generate", "hello", "--model", tiny, "--max-new-tokens", "16", "--temperature", "1.0",
             "--top-p", "0.9", "--top-k", "50", "--json", "--ignore-eos")

@@ -123,6 +123,32 @@ def test_parallel_attention_equals_serial(monkeypatch):
     assert torch.equal(serial, with_threads)
 
 
+def test_rope_write_into_a_bfloat16_pool_rounds_as_torch_does():
+    t, hq, hkv, d = 4, 6, 2, 16
+    qkv = rand(t, (hq + 2 * hkv) * d)
+    cos, ssin = rope_tables(torch.tensor([3, 4, 9, 20]), d)
+    slots = torch.tensor([5, 6, 40, 41])
+    kf, vf = torch.zeros(64, hkv, d), torch.zeros(64, hkv, d)
+    kb, vb = torch.zeros(64, hkv, d, dtype=torch.bfloat16), torch.zeros(64, hkv, d, dtype=torch.bfloat16)
+    qf = fused.rope_write(qkv, cos, ssin, slots, hq, hkv, kf, vf)
+    qb = fused.rope_write(qkv, cos, ssin, slots, hq, hkv, kb, vb)
+    assert torch.equal(qf, qb)  # the queries stay float32
+    assert torch.equal(kb, kf.to(torch.bfloat16)) and torch.equal(vb, vf.to(torch.bfloat16))
+    assert fused.rope_write(qkv, cos, ssin, slots, hq, hkv, kb, vb, queries=False) is None
+
+
+@pytest.mark.parametrize("head_dim,bs", [(16, 4), (64, 4), (64, 16), (128, 32)])
+def test_paged_attention_over_a_bfloat16_pool_equals_float32_on_its_values(head_dim, bs):
+    """A bfloat16 pool is read as the float32 values it holds: the same bits as a float32 pool
+    holding them (the kernels convert rows, then do the same arithmetic)."""
+    batch, pool, q = paged_case([0, 13, 30], [5, 1, 3], d=head_dim, bs=bs)
+    kb, vb = pool.k[0].to(torch.bfloat16), pool.v[0].to(torch.bfloat16)
+    as_float = fused.paged_attention(q, kb.float(), vb.float(), batch.kernel(), torch.float32)
+    assert torch.equal(fused.paged_attention(q, kb, vb, batch.kernel(), torch.float32), as_float)
+    with pytest.raises(TypeError):  # one dtype for K and V
+        fused.paged_attention(q, kb, vb.float(), batch.kernel(), torch.float32)
+
+
 def test_wrong_tensors_raise_instead_of_reading_memory():
     with pytest.raises(TypeError):
         fused.rms_norm(rand(2, 8, dtype=torch.float16), rand(8), 1e-5, torch.float32)
@@ -437,11 +463,13 @@ def test_rope_table_rows_equal_the_rows_computed_alone(tiny_model_dir):
 
 @pytest.mark.parametrize("quantize", ["none:wxt", "none:linear", "none:panel", "int4", "q4", "int8", "q8 head"])
 @pytest.mark.parametrize("batch_size", [1, 3, 6])
-def test_decode_step_equals_the_general_path(tiny_model_dir, four_bit_kernel, small_route, quantize, batch_size):
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_decode_step_equals_the_general_path(tiny_model_dir, four_bit_kernel, small_route, quantize, batch_size,
+                                             kv_dtype):
     """``DecoderModel.decode_step`` (embedding, every layer, final norm and head in one C++ call) gives
     the logits and K/V of ``forward_many`` + ``exit_logits`` bit for bit, for sequences of different
     lengths whose blocks interleave, on float32 (each decode-sized route; 6 rows: the batched route),
-    int4 / q4 / int8 weights and a Q8_0 output head."""
+    int4 / q4 / int8 weights and a Q8_0 output head, over a float32 or a bfloat16 KV cache."""
     from hispec.decode.base import LayerRunner
     from hispec.model.matmul import panel_rows
     from hispec.model.quant import QuantLinear
@@ -461,7 +489,7 @@ def test_decode_step_equals_the_general_path(tiny_model_dir, four_bit_kernel, sm
     runs = []
     for _ in range(2):
         blocks = BlockManager(64, bs, n)
-        pool = KVPool(n, 64, bs, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu")
+        pool = KVPool(n, 64, bs, cfg.num_kv_heads, cfg.head_dim, kv_dtype, "cpu")
         for i in range(n):
             pool.k[i].copy_(rand(*pool.k[i].shape) if not runs else runs[0][1].k[i])
             pool.v[i].copy_(rand(*pool.v[i].shape) if not runs else runs[0][1].v[i])

@@ -26,8 +26,11 @@ MODELS = {
     "qwen2-agree": ("qwen2", {}, True),
     "llama-int4": ("llama", {}, False),  # decoder linears on the int4 kernel (bfloat16 activations)
     "qwen2-agree-int8": ("qwen2", {}, True),
+    "llama-agree-kv-bf16": ("llama", {}, True),  # a bfloat16 KV cache on the fused kernels
+    "qwen3-kv-bf16": ("qwen3", {"num_hidden_layers": 5}, False),  # ... and on the eager path (q/k norms)
 }
 QUANTIZED = {"llama-int4": "int4", "qwen2-agree-int8": "int8"}
+KV_BF16 = {"llama-agree-kv-bf16", "qwen3-kv-bf16"}
 
 
 def make_agreeing(model) -> None:
@@ -49,6 +52,8 @@ def gens(tiny_model_dir) -> dict[str, Generator]:
             make_agreeing(model)
         if name in QUANTIZED:
             apply_quantization(model, QUANTIZED[name])
+        if name in KV_BF16:
+            model.kv_cache_dtype = torch.bfloat16
         out[name] = Generator(model)
     return out
 
@@ -89,6 +94,7 @@ def check_same_as_ar(gens, name, spec, prompt, params, strategy):
     assert out.token_ids == want_ids, (name, spec, strategy)
     assert out.finish_reason == want_finish
     assert gen.blocks.num_used_blocks == 0  # the sequence was freed
+    assert gen.pool.k[0].dtype == (torch.bfloat16 if name in KV_BF16 else gen.model.dtype)
     gen.blocks.check_invariants()
     return out
 

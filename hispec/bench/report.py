@@ -201,8 +201,10 @@ def setup_lines(results: dict) -> list[str]:
     m, model, cfg = results["machine"], results["model"], results["config"]
     heads = model.get("exit_heads")
     return [
-        f"- model: `{model['name']}` ({model['family']}, {model['num_layers']} layers, {model['dtype']}, "
-        f"{model['path']}); exit heads: " + (f"layers {heads.get('layers')} from {heads.get('path')}" if heads
+        f"- model: `{model['name']}` ({model['family']}, {model['num_layers']} layers, {model['dtype']}"
+        + (f", {model['weight_format']} weights" if model.get("weight_format", "none") != "none" else "")
+        + (f", KV cache {model['kv_cache_dtype']}" if model.get("kv_cache_dtype", model["dtype"]) != model["dtype"] else "")
+        + f", {model['path']}); exit heads: " + (f"layers {heads.get('layers')} from {heads.get('path')}" if heads
                                              else "none (exits through the final norm and output head)"),
         f"- machine: {m['cpu']}, {m['threads']} torch thread{'s' if m['threads'] != 1 else ''} of {m['cpu_count']} CPUs, device {m['device']}, "
         f"torch {m['torch']}" + (f", transformers {m['transformers']}" if "transformers" in m else "")

@@ -77,6 +77,8 @@ def model_info(generator, name: str) -> dict:
         "hidden_size": cfg.hidden_size,
         "vocab_size": cfg.vocab_size,
         "dtype": str(model.dtype).replace("torch.", ""),
+        "weight_format": model.weight_format,
+        "kv_cache_dtype": str(model.kv_dtype).replace("torch.", ""),
         "parameters": _parameters(model),
     }
     exits = generator.exits

@@ -170,7 +170,7 @@ class KVPeak:
 
     def __init__(self, model) -> None:
         cfg = model.cfg
-        self.token_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * model.dtype.itemsize
+        self.token_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * model.kv_dtype.itemsize
         self.peak_tokens = 0
         self.bytes: int | None = None
 

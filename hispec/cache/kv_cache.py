@@ -44,14 +44,18 @@ class KVPool:
         # slots: [C] -> k, v: [C, num_kv_heads, head_dim]
         return self.k[layer].index_select(0, slots), self.v[layer].index_select(0, slots)
 
-    def context(self, layer: int, batch: "AttentionBatch", i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def context(self, layer: int, batch: "AttentionBatch", i: int,
+                dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V ``[C, num_kv_heads, head_dim]`` that chunk ``i`` of ``batch`` attends to: views of
-        the pool when its slots are one run (no copy), else gathered."""
+        the pool when its slots are one run (no copy), else gathered; in ``dtype`` if given (a
+        bfloat16 pool read by float32 queries: the values it holds, exactly)."""
         run = batch.context_runs[i]
         if run is None:
-            return self.read(layer, batch.context_slots[i])
-        first, n = run
-        return self.k[layer][first:first + n], self.v[layer][first:first + n]
+            k, v = self.read(layer, batch.context_slots[i])
+        else:
+            first, n = run
+            k, v = self.k[layer][first:first + n], self.v[layer][first:first + n]
+        return (k, v) if dtype is None or dtype == k.dtype else (k.to(dtype), v.to(dtype))
 
 
 def slots_for(table: list[int], start: int, end: int, block_size: int, device) -> torch.Tensor:

@@ -16,7 +16,7 @@ class PagedCache:
     def for_model(cls, model, num_blocks: int, block_size: int) -> "PagedCache":
         cfg, layers = model.cfg, model.kv_layers  # the model's layers, then its exit blocks
         return cls(BlockManager(num_blocks, block_size, cfg.num_layers, layers - cfg.num_layers),
-                   KVPool(layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, model.dtype,
+                   KVPool(layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, model.kv_dtype,
                           model.device))
 
     @property

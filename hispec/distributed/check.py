@@ -27,7 +27,7 @@ def _runner(model, tokens: int):
 
     cfg = model.cfg
     blocks = BlockManager(-(-tokens // 16) + 1, 16, cfg.num_layers)
-    pool = KVPool(cfg.num_layers, blocks.num_blocks, 16, cfg.num_kv_heads, cfg.head_dim, model.dtype, model.device)
+    pool = KVPool(cfg.num_layers, blocks.num_blocks, 16, cfg.num_kv_heads, cfg.head_dim, model.kv_dtype, model.device)
     blocks.add_sequence(0)
     return LayerRunner(model, blocks, pool)
 

@@ -72,7 +72,7 @@ def kv_blocks_for(model: DecoderModel, block_size: int, *, kv_blocks: int | None
             raise ConfigError(f"kv_blocks must be >= 1, got {kv_blocks}")
         return kv_blocks
     cfg = model.cfg
-    block_bytes = 2 * model.kv_layers * block_size * cfg.num_kv_heads * cfg.head_dim * model.dtype.itemsize
+    block_bytes = 2 * model.kv_layers * block_size * cfg.num_kv_heads * cfg.head_dim * model.kv_dtype.itemsize
     if memory_fraction is not None:
         if not 0 < memory_fraction <= 0.95:
             raise ConfigError(f"memory fraction must be in (0, 0.95], got {memory_fraction}")
@@ -120,7 +120,7 @@ class Engine:
         seq_tokens = seq_tokens or min(model.cfg.max_position_embeddings, DEFAULT_SEQ_TOKENS)
         need = self.pool_blocks(seq_tokens, num_seqs or self.config.max_batch_size)
         fits = (cache is not None and cache.block_size == self.config.block_size and cache.blocks.num_used_blocks == 0
-                and len(cache.pool.k) == model.kv_layers
+                and len(cache.pool.k) == model.kv_layers and cache.pool.k[0].dtype == model.kv_dtype
                 and (cache.num_blocks == need if self.config.fixed_pool else cache.num_blocks >= need))
         self._use_cache(cache if fits else PagedCache.for_model(model, need, self.config.block_size))
 

@@ -267,7 +267,7 @@ class DecoderLayer(nn.Module):
         if self._fusable is None:
             self._fused_kind()
         return (self._fusable and rope is not None and h.dtype == torch.float32 and h.device.type == "cpu"
-                and pool.k[layer].dtype == torch.float32 and self.input_norm.weight.dtype == torch.float32
+                and pool.k[layer].dtype in fused.KV_DTYPES and self.input_norm.weight.dtype == torch.float32
                 and not (torch.is_grad_enabled() and (h.requires_grad or self.input_norm.weight.requires_grad)))
 
     def _forward_fused(self, h: torch.Tensor, layer: int, rope, batch: AttentionBatch, pool: KVPool) -> torch.Tensor:
@@ -308,7 +308,7 @@ class DecoderLayer(nn.Module):
         for i, c in enumerate(batch.chunks):
             lo, hi = batch.offsets[i], batch.offsets[i + 1]
             if i in big:
-                ck, cv = pool.context(layer, batch, i)
+                ck, cv = pool.context(layer, batch, i, q.dtype)
                 out[lo:hi] = attend(q[lo:hi], ck, cv, batch.masks[i]).reshape(hi - lo, self.q_size)
             else:
                 out[lo:hi] = fused.paged_attention(q[lo:hi], kp, vp, batch.kernel(i), dt)
@@ -352,13 +352,13 @@ class DecoderLayer(nn.Module):
         pool.write(layer, batch.write_slots, k, v)
         exact = self.act_dtype is not None
         if len(batch.chunks) == 1 and not (exact and 1 < T <= EXACT_MAX_QUERIES):
-            ck, cv = pool.context(layer, batch, 0)  # [C, Hkv, D]
+            ck, cv = pool.context(layer, batch, 0, q.dtype)  # [C, Hkv, D]
             out = attend(q, ck, cv, batch.masks[0])
         else:
             out = q.new_empty((T, hq, d))
             for i, c in enumerate(batch.chunks):
                 lo, hi = batch.offsets[i], batch.offsets[i + 1]
-                ck, cv = pool.context(layer, batch, i)
+                ck, cv = pool.context(layer, batch, i, q.dtype)
                 if exact and 1 < c.num_tokens <= EXACT_MAX_QUERIES:
                     for j in range(c.num_tokens):  # each query exactly as if it were decoded alone
                         n = c.start + j + 1
@@ -396,6 +396,7 @@ class DecoderModel(nn.Module):
         self._range_plans: dict[tuple, tuple] = {}  # see _plans_for
         self._head_ops: dict[bool, tuple] = {}  # see _step_head
         self.weight_format = "none"  # or "native" / "int4" / "int8": see loader.apply_quantization
+        self.kv_cache_dtype: torch.dtype | None = None  # what KV pools for this model hold; None: the model's dtype
 
     @property
     def num_layers(self) -> int:
@@ -421,6 +422,13 @@ class DecoderModel(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """The dtype of this model's KV pools: ``kv_cache_dtype``, or the model's own. K/V are
+        rounded to it when written and every read sees the rounded values, whichever path
+        (one-token steps, verification windows, prefill) wrote or reads them."""
+        return self.kv_cache_dtype or self.dtype
 
     def embed(self, token_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # token_ids, positions: [T] -> [T, H]
@@ -486,7 +494,7 @@ class DecoderModel(nn.Module):
         plans, has_float = self._plans_for(start, end, batch.prefill, h.shape[0] > SMALL_ROWS)
         if plans is None or (has_float and h.shape[0] > max(panel_rows(), SMALL_ROWS)):
             return None
-        if pool.k[start].dtype != torch.float32:  # a pool holds one dtype
+        if pool.k[start].dtype not in fused.KV_DTYPES:  # a pool holds one dtype
             return None
         return plans
 
@@ -526,7 +534,7 @@ class DecoderModel(nn.Module):
         embeddings and residual stream, layers or head not planned, exit blocks with K/V."""
         batched = len(tokens) > SMALL_ROWS
         head = self._step_head(batched)
-        if (head is None or pool.k[0].dtype != torch.float32 or pool.k[0].device.type != "cpu" or self.kv_exits()
+        if (head is None or pool.k[0].dtype not in fused.KV_DTYPES or pool.k[0].device.type != "cpu" or self.kv_exits()
                 or torch.is_grad_enabled() and self.embed_tokens.weight.requires_grad):
             return None
         plans, has_float = self._plans_for(0, self.num_layers, False, batched)

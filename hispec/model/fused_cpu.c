@@ -197,25 +197,27 @@ void hs_silu_mul(const void *gu, int in_bf, int64_t T, int64_t I, void *out, int
 
 /* Rotate the query and key heads of qkv[T, (Hq + 2 Hkv) * D] (rotate-half RoPE with
  * cos[T, D] and ssin[T, D] = [-sin, sin]: y = x * cos + swap_halves(x) * ssin), write keys
- * and values to the pools [S, Hkv, D] at slots[T], and the rotated queries to q_out[T, Hq, D]
- * (float32; q_out may be NULL to write K/V only). */
+ * and values to the pools [S, Hkv, D] (float32, or bfloat16 if kv_bf: rounded to nearest even,
+ * as PyTorch casts) at slots[T], and the rotated queries to q_out[T, Hq, D] (float32; q_out may
+ * be NULL to write K/V only). */
 void hs_rope_write(const void *qkv, int in_bf, const float *cos_, const float *ssin, const int64_t *slots,
-                   int64_t T, int64_t Hq, int64_t Hkv, int64_t D, float *kpool, float *vpool, float *q_out) {
+                   int64_t T, int64_t Hq, int64_t Hkv, int64_t D, void *kpool, void *vpool, int kv_bf,
+                   float *q_out) {
     int64_t width = (Hq + 2 * Hkv) * D, half = D / 2;
-    float *row = malloc((size_t)width * sizeof(float));
+    float *row = malloc((size_t)(width + D) * sizeof(float)), *key = row + width;  /* key: a rotated key head */
     for (int64_t t = 0; t < T; t++) {
         load_row(qkv, in_bf, t * width, width, row);
         const float *c = cos_ + t * D, *s = ssin + t * D;
-        for (int64_t h = 0; h < Hq + Hkv; h++) {
+        for (int64_t h = q_out ? 0 : Hq; h < Hq + Hkv; h++) {
             const float *x = row + h * D;
-            float *dst = h < Hq ? (q_out ? q_out + (t * Hq + h) * D : NULL) : kpool + (slots[t] * Hkv + (h - Hq)) * D;
-            if (!dst) continue;
+            float *dst = h < Hq ? q_out + (t * Hq + h) * D : key;
             for (int64_t i = 0; i < half; i++) {
                 dst[i] = x[i] * c[i] + x[i + half] * s[i];
                 dst[i + half] = x[i + half] * c[i + half] + x[i] * s[i + half];
             }
+            if (h >= Hq) store_row(kpool, kv_bf, (slots[t] * Hkv + (h - Hq)) * D, D, key);
         }
-        memcpy(vpool + slots[t] * Hkv * D, row + (Hq + Hkv) * D, (size_t)(Hkv * D) * sizeof(float));
+        store_row(vpool, kv_bf, slots[t] * Hkv * D, Hkv * D, row + (Hq + Hkv) * D);
     }
     free(row);
 }
@@ -227,6 +229,32 @@ void hs_rope_write(const void *qkv, int in_bf, const float *cos_, const float *s
  * is that of the row alone, in the same order (scores key by key, softmax over its own length,
  * values accumulated key by key), so a query's output does not depend on the tile it falls in. */
 #define QUERY_TILE 8
+
+/* One KV head of a pool [S, Hkv, D] (float32, or bfloat16 if bf), read as float32 rows: a float32
+ * pool's rows are used where they lie, a bfloat16 pool's are converted (exactly) into a buffer
+ * first, so the arithmetic on them is the same either way and a bfloat16 cache only halves the
+ * bytes attention reads. */
+typedef struct { const void *base; int bf; int64_t Hkv, kvh, D; } kv_head;
+
+/* Row of slot ``slot``: in the pool, or converted into buf[D]. */
+static inline const float *kv_row(kv_head p, int64_t slot, float *buf) {
+    int64_t off = (slot * p.Hkv + p.kvh) * p.D;
+    if (!p.bf) return (const float *)p.base + off;
+    load_row(p.base, 1, off, p.D, buf);
+    return buf;
+}
+
+/* n consecutive slots from ``slot``: a pointer to the first row, the distance between rows in
+ * *stride (in the pool, or converted into buf[n * D]). */
+static inline const float *kv_rows(kv_head p, int64_t slot, int64_t n, float *buf, int64_t *stride) {
+    if (!p.bf) {
+        *stride = p.Hkv * p.D;
+        return (const float *)p.base + (slot * p.Hkv + p.kvh) * p.D;
+    }
+    for (int64_t j = 0; j < n; j++) load_row(p.base, 1, ((slot + j) * p.Hkv + p.kvh) * p.D, p.D, buf + j * p.D);
+    *stride = p.D;
+    return buf;
+}
 
 #if defined(__AVX512F__)
 /* Each register's 16 lanes summed, for 16 registers at once: lane i of the result is the sum of
@@ -252,17 +280,17 @@ static inline __m512 hsum16x16(__m512 a[16]) {
 /* tile_scores with 16 keys at a time (D a multiple of 16): each key's 16 lane sums as dot() makes
  * them (products added in d order per lane), the 16 keys' lanes summed together (hsum16x16), so
  * every score has dot()'s bits. */
-static inline __attribute__((always_inline)) void tile_scores16(const float *q, int64_t Hq, const float *kpool,
+static inline __attribute__((always_inline)) void tile_scores16(const float *q, int64_t Hq, kv_head kp,
                                                                const int32_t *table, const int32_t *len, int nq,
-                                                               int64_t lmax, int64_t bs, int64_t Hkv, int64_t kvh,
-                                                               int64_t G, const int64_t D, float scale, float *scores) {
+                                                               int64_t lmax, int64_t bs, int64_t G, const int64_t D,
+                                                               float scale, float *scores, float *buf) {
     static const float zeros[128];  /* the keys past the last: D <= 128 */
     const float *keys[16];
     for (int64_t j0 = 0; j0 < lmax; j0 += 16) {
         int64_t n = lmax - j0 < 16 ? lmax - j0 : 16;
         for (int64_t i = 0; i < 16; i++) {
             int64_t j = j0 + i;
-            keys[i] = i < n ? kpool + (((int64_t)table[j / bs] * bs + j % bs) * Hkv + kvh) * D : zeros;
+            keys[i] = i < n ? kv_row(kp, (int64_t)table[j / bs] * bs + j % bs, buf + i * D) : zeros;
         }
         for (int qi = 0; qi < nq; qi++) {
             if (j0 >= len[qi]) continue;
@@ -283,14 +311,13 @@ static inline __attribute__((always_inline)) void tile_scores16(const float *q, 
 #endif
 
 /* scores[r * lmax + j] = (q_r . k_j) * scale for every row r of the tile and key j < len[qi]. */
-static inline __attribute__((always_inline)) void tile_scores(const float *q, int64_t Hq, const float *kpool,
+static inline __attribute__((always_inline)) void tile_scores(const float *q, int64_t Hq, kv_head kp,
                                                              const int32_t *table, const int32_t *len, int nq,
-                                                             int64_t lmax, int64_t bs, int64_t Hkv, int64_t kvh,
-                                                             int64_t G, const int64_t D, float scale, float *scores) {
-    int64_t stride = Hkv * D;  /* between consecutive slots */
+                                                             int64_t lmax, int64_t bs, int64_t G, const int64_t D,
+                                                             float scale, float *scores, float *buf) {
     for (int64_t j0 = 0; j0 < lmax; j0 += bs) {  /* one block of the table at a time */
-        const float *k = kpool + ((int64_t)table[j0 / bs] * bs * Hkv + kvh) * D;
-        int64_t n = lmax - j0 < bs ? lmax - j0 : bs;
+        int64_t n = lmax - j0 < bs ? lmax - j0 : bs, stride;  /* stride: between consecutive slots */
+        const float *k = kv_rows(kp, (int64_t)table[j0 / bs] * bs, n, buf, &stride);
         for (int64_t j = j0; j < j0 + n; j++, k += stride)
             for (int qi = 0; qi < nq; qi++) {
                 if (j >= len[qi]) continue;
@@ -314,14 +341,14 @@ static void tile_softmax(float *scores, const int32_t *len, int nq, int64_t G, i
 
 /* acc[r] += sum_j p_r[j] v_j, one block of the table at a time (its values stay in L1 for every
  * row); D a constant (64, 128) keeps a row's sums in registers within a block. */
-static inline __attribute__((always_inline)) void tile_values(const float *scores, const float *vpool,
+static inline __attribute__((always_inline)) void tile_values(const float *scores, kv_head vp,
                                                              const int32_t *table, const int32_t *len, int nq,
-                                                             int64_t lmax, int64_t bs, int64_t Hkv, int64_t kvh,
-                                                             int64_t G, const int64_t D, float *acc) {
-    int64_t stride = Hkv * D;
+                                                             int64_t lmax, int64_t bs, int64_t G, const int64_t D,
+                                                             float *acc, float *buf) {
     memset(acc, 0, (size_t)(nq * G * D) * sizeof(float));
     for (int64_t j0 = 0; j0 < lmax; j0 += bs) {
-        const float *vb = vpool + ((int64_t)table[j0 / bs] * bs * Hkv + kvh) * D;
+        int64_t stride;
+        const float *vb = kv_rows(vp, (int64_t)table[j0 / bs] * bs, lmax - j0 < bs ? lmax - j0 : bs, buf, &stride);
         for (int64_t r = 0; r < nq * G; r++) {
             int64_t n = len[r / G] - j0;
             n = n < bs ? n : bs;
@@ -358,23 +385,23 @@ static inline __attribute__((always_inline)) void tile_values(const float *score
     }
 }
 
-static void attend_tile(const float *q, int64_t Hq, const float *kpool, const float *vpool, const int32_t *table,
-                        const int32_t *len, int nq, int64_t bs, int64_t Hkv, int64_t kvh, int64_t G, int64_t D,
-                        float scale, float *scores, float *acc) {
+/* buf: room for max(bs, 16) rows of D floats (a bfloat16 pool's rows, converted). */
+static void attend_tile(const float *q, int64_t Hq, kv_head kp, kv_head vp, const int32_t *table, const int32_t *len,
+                        int nq, int64_t bs, int64_t G, int64_t D, float scale, float *scores, float *acc, float *buf) {
     int64_t lmax = 0;
     for (int qi = 0; qi < nq; qi++) lmax = len[qi] > lmax ? len[qi] : lmax;
 #if defined(__AVX512F__)
-    if (D == 64) tile_scores16(q, Hq, kpool, table, len, nq, lmax, bs, Hkv, kvh, G, 64, scale, scores);
-    else if (D == 128) tile_scores16(q, Hq, kpool, table, len, nq, lmax, bs, Hkv, kvh, G, 128, scale, scores);
+    if (D == 64) tile_scores16(q, Hq, kp, table, len, nq, lmax, bs, G, 64, scale, scores, buf);
+    else if (D == 128) tile_scores16(q, Hq, kp, table, len, nq, lmax, bs, G, 128, scale, scores, buf);
 #else
-    if (D == 64) tile_scores(q, Hq, kpool, table, len, nq, lmax, bs, Hkv, kvh, G, 64, scale, scores);
-    else if (D == 128) tile_scores(q, Hq, kpool, table, len, nq, lmax, bs, Hkv, kvh, G, 128, scale, scores);
+    if (D == 64) tile_scores(q, Hq, kp, table, len, nq, lmax, bs, G, 64, scale, scores, buf);
+    else if (D == 128) tile_scores(q, Hq, kp, table, len, nq, lmax, bs, G, 128, scale, scores, buf);
 #endif
-    else tile_scores(q, Hq, kpool, table, len, nq, lmax, bs, Hkv, kvh, G, D, scale, scores);
+    else tile_scores(q, Hq, kp, table, len, nq, lmax, bs, G, D, scale, scores, buf);
     tile_softmax(scores, len, nq, G, lmax);
-    if (D == 64) tile_values(scores, vpool, table, len, nq, lmax, bs, Hkv, kvh, G, 64, acc);
-    else if (D == 128) tile_values(scores, vpool, table, len, nq, lmax, bs, Hkv, kvh, G, 128, acc);
-    else tile_values(scores, vpool, table, len, nq, lmax, bs, Hkv, kvh, G, D, acc);
+    if (D == 64) tile_values(scores, vp, table, len, nq, lmax, bs, G, 64, acc, buf);
+    else if (D == 128) tile_values(scores, vp, table, len, nq, lmax, bs, G, 128, acc, buf);
+    else tile_values(scores, vp, table, len, nq, lmax, bs, G, D, acc, buf);
 }
 
 /* Paged attention of T query tokens q[T, Hq, D]: token t belongs to sequence seq[t] (a row of
@@ -382,9 +409,10 @@ static void attend_tile(const float *q, int64_t Hq, const float *kpool, const fl
  * out[T, Hq, D] float32 or bfloat16. Work is split over (query tile, KV head) pairs, a tile being
  * up to QUERY_TILE consecutive tokens of one sequence; with fewer than SPLIT_BELOW such items (a
  * decode step of one sequence), over (tile, query head) ones, so that both threads have work
- * (each head's arithmetic is its own either way). */
+ * (each head's arithmetic is its own either way). The pools [S, Hkv, D] are float32, or bfloat16
+ * if kv_bf (the same arithmetic on the values they hold). */
 #define SPLIT_BELOW 8
-void hs_paged_attention(const float *q, const float *kpool, const float *vpool, const int32_t *tables,
+void hs_paged_attention(const float *q, const void *kpool, const void *vpool, int kv_bf, const int32_t *tables,
                         int64_t max_blocks, const int32_t *seq, const int32_t *len, int64_t T, int64_t Hq,
                         int64_t Hkv, int64_t D, int64_t bs, float scale, void *out, int out_bf, int parallel) {
     int64_t G = Hq / Hkv, ntiles = 0;
@@ -401,12 +429,15 @@ void hs_paged_attention(const float *q, const float *kpool, const float *vpool, 
         for (int qi = 0; qi < nq; qi++) lmax = len[t0 + qi] > lmax ? len[t0 + qi] : lmax;
         float *scores = malloc((size_t)(nq * hg * lmax) * sizeof(float));
         float *acc = malloc((size_t)(nq * hg * D) * sizeof(float));
-        attend_tile(q + (t0 * Hq + h0) * D, Hq, kpool, vpool, tables + (int64_t)seq[t0] * max_blocks, len + t0,
-                    nq, bs, Hkv, kvh, hg, D, scale, scores, acc);
+        float *buf = kv_bf ? malloc((size_t)((bs > 16 ? bs : 16) * D) * sizeof(float)) : NULL;
+        kv_head kp = {kpool, kv_bf, Hkv, kvh, D}, vp = {vpool, kv_bf, Hkv, kvh, D};
+        attend_tile(q + (t0 * Hq + h0) * D, Hq, kp, vp, tables + (int64_t)seq[t0] * max_blocks, len + t0, nq, bs,
+                    hg, D, scale, scores, acc, buf);
         for (int qi = 0; qi < nq; qi++)
             store_row(out, out_bf, ((t0 + qi) * Hq + h0) * D, hg * D, acc + qi * hg * D);
         free(scores);
         free(acc);
+        free(buf);
     }
     free(first);
 }

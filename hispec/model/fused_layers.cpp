@@ -38,8 +38,8 @@ using add_rms_norm_fn = void (*)(const float*, const void*, int, const float*, i
                                  void*, int);
 using silu_mul_fn = void (*)(const void*, int, int64_t, int64_t, void*, int);
 using rope_write_fn = void (*)(const void*, int, const float*, const float*, const int64_t*, int64_t, int64_t,
-                               int64_t, int64_t, float*, float*, float*);
-using paged_attention_fn = void (*)(const float*, const float*, const float*, const int32_t*, int64_t,
+                               int64_t, int64_t, void*, void*, int, float*);
+using paged_attention_fn = void (*)(const float*, const void*, const void*, int, const int32_t*, int64_t,
                                     const int32_t*, const int32_t*, int64_t, int64_t, int64_t, int64_t, int64_t,
                                     float, void*, int, int);
 using q4_matmul_fn = void (*)(const uint8_t*, const float*, const float*, const float*, int64_t, int64_t, int64_t,
@@ -166,7 +166,8 @@ void add_into(float* h, const at::Tensor& delta, int64_t n) {
 // A range of layers as the op runs it: their plans, flattened (DecoderLayer.layer_plan;
 // fused.LayerPlans), and their cache layers in one KV pool. Made once per range and pool and held
 // between calls, so that a decoding step hands over one object instead of ~360 tensors (their
-// conversion cost ~0.2-0.3 ms per call on a Zen 3). Per layer l (index i): k_pools[i], v_pools[i]: its cache;
+// conversion cost ~0.2-0.3 ms per call on a Zen 3). Per layer l (index i): k_pools[i], v_pools[i]: its cache
+// (float32 or bfloat16);
 // norms[2i], norms[2i+1]: input and post-attention RMSNorm weights; weights[8i + 2j], [8i + 2j + 1]:
 // matmul j's weight and its parameters (qkv, o, gate_up, down), kinds[4i + j], groups[4i + j].
 struct Range : torch::CustomClassHolder {
@@ -186,9 +187,9 @@ struct Range : torch::CustomClassHolder {
         TORCH_CHECK(k_pools.size() == n && v_pools.size() == n && norms.size() == 2 * n && weights.size() == 8 * n &&
                     kinds.size() == 4 * n && groups.size() == 4 * n, "Range: list lengths");
         for (size_t i = 0; i < n; i++)
-            TORCH_CHECK(k_pools[i].scalar_type() == at::kFloat && k_pools[i].is_contiguous() &&
-                        v_pools[i].scalar_type() == at::kFloat && v_pools[i].is_contiguous(),
-                        "Range: contiguous float32 cache layers");
+            TORCH_CHECK((k_pools[i].scalar_type() == at::kFloat || k_pools[i].scalar_type() == at::kBFloat16) &&
+                        v_pools[i].scalar_type() == k_pools[i].scalar_type() && k_pools[i].is_contiguous() &&
+                        v_pools[i].is_contiguous(), "Range: contiguous float32 or bfloat16 cache layers");
     }
 
     int64_t layers() const { return static_cast<int64_t>(norms.size() / 2); }
@@ -233,8 +234,8 @@ at::Tensor decode_layers(const at::Tensor& h_in, const at::Tensor& cos, const at
         rms_norm(h, norms[2 * i].data_ptr<float>(), T, H, e, x.data_ptr(), out_bf);
         const at::Tensor qkv = mm(0, x).contiguous();  // [T, (Hq + 2 Hkv) D]
         rope_write(qkv.data_ptr(), is_bf(qkv), cos.data_ptr<float>(), ssin.data_ptr<float>(), slots.data_ptr<int64_t>(),
-                   T, num_heads, num_kv_heads, D, kp.data_ptr<float>(), vp.data_ptr<float>(), q.data_ptr<float>());
-        paged_attention(q.data_ptr<float>(), kp.data_ptr<float>(), vp.data_ptr<float>(), tables.data_ptr<int32_t>(),
+                   T, num_heads, num_kv_heads, D, kp.data_ptr(), vp.data_ptr(), is_bf(kp), q.data_ptr<float>());
+        paged_attention(q.data_ptr<float>(), kp.data_ptr(), vp.data_ptr(), is_bf(kp), tables.data_ptr<int32_t>(),
                         tables.size(1), seq.data_ptr<int32_t>(), lengths.data_ptr<int32_t>(), T, num_heads,
                         kp.size(1), D, block_size, scale, att.data_ptr(), out_bf, parallel ? 1 : 0);
         const at::Tensor o = mm(1, att).contiguous();  // [T, H]

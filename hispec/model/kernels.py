@@ -184,4 +184,4 @@ def describe(model) -> str:
                     "; layers called one by one" + ("" if fused.layers_op() else
                                                      " (layer op unavailable: no C++ compiler, or HISPEC_FUSED_LAYERS=0)"))
     return (f"weights {model.weight_format}: decoder linears {layers}; output head {head_kind}; "
-            f"between the matmuls: {between}; CPU capability {cpu_capability()}")
+            f"between the matmuls: {between}; KV cache {str(model.kv_dtype)[6:]}; CPU capability {cpu_capability()}")

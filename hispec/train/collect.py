@@ -79,7 +79,7 @@ class LayerTap:
         self.num_blocks = -(-capacity_tokens // block_size) + 1
         self.blocks = BlockManager(self.num_blocks, block_size, cfg.num_layers, model.kv_layers - cfg.num_layers)
         self.pool = KVPool(model.kv_layers, self.num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
-                           model.dtype, model.device)
+                           model.kv_dtype, model.device)
         self.runner = LayerRunner(model, self.blocks, self.pool)
 
     def forward(self, chunks: list[SeqChunk], token_ids: torch.Tensor, keep: torch.Tensor | None = None

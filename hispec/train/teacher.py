@@ -262,7 +262,7 @@ def exit_logits_along(model, ids: list[int], first: int, layers: list[int], bloc
     in decoding) with the capture hook, then each exit (``LayerRunner.exit_logits``)."""
     c = model.cfg
     blocks = BlockManager(-(-len(ids) // block_size) + 1, block_size, c.num_layers, model.kv_layers - c.num_layers)
-    pool = KVPool(model.kv_layers, blocks.num_blocks, block_size, c.num_kv_heads, c.head_dim, model.dtype, model.device)
+    pool = KVPool(model.kv_layers, blocks.num_blocks, block_size, c.num_kv_heads, c.head_dim, model.kv_dtype, model.device)
     runner = LayerRunner(model, blocks, pool)
     blocks.add_sequence(0)
     capture = {L: None for L in layers if L < c.num_layers}

@@ -86,7 +86,7 @@ def measure_costs(model, token_counts=tuple(range(1, 11)), context: int = 256, r
     max_n = max(token_counts)
     bs = block_size or EngineConfig().block_size
     blocks = BlockManager(-(-(context + max_n) // bs) + 1, bs, n_layers, model.kv_layers - n_layers)
-    pool = KVPool(model.kv_layers, blocks.num_blocks, bs, model.cfg.num_kv_heads, model.cfg.head_dim, model.dtype,
+    pool = KVPool(model.kv_layers, blocks.num_blocks, bs, model.cfg.num_kv_heads, model.cfg.head_dim, model.kv_dtype,
                   model.device)
     runner = LayerRunner(model, blocks, pool)
     blocks.add_sequence(0)
