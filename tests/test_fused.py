@@ -256,6 +256,43 @@ def test_layer_op_equals_the_per_layer_path(tiny_model_dir, four_bit_kernel, sma
             assert torch.equal(pool.k[i], per_layer.k[i]) and torch.equal(pool.v[i], per_layer.v[i])
 
 
+@pytest.mark.parametrize("quantize", ["int4", "q4"])
+def test_layer_op_prefill_on_dense_weights_equals_the_per_layer_path(tiny_model_dir, four_bit_kernel, small_route,
+                                                                    quantize):
+    """Prompt chunks on the dense bfloat16 prefill weights: the op's matmul (for q4, float32 rows cast
+    to bfloat16) gives the per-layer path's hidden states and K/V bit for bit."""
+    gen = tiny_on_kernels(tiny_model_dir, four_bit_kernel, small_route, quantize)
+    model, cfg = gen.model, gen.model.cfg
+    n = model.num_layers
+    for layer in model.layers:
+        for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+            m = getattr(layer, name)
+            m.dense = m.dequantize().to(torch.bfloat16)
+            setattr(layer, name, m)  # planned anew
+    chunks = [SeqChunk(0, 3, 9), SeqChunk(1, 0, 5)]
+    blocks = BlockManager(64, 4, 1)
+    for c in chunks:
+        blocks.add_sequence(c.seq_id)
+        blocks.ensure_capacity(c.seq_id, c.start + c.num_tokens)
+    batch = AttentionBatch(chunks, blocks, "cpu", prefill=True)
+    pools = [KVPool(n, 64, 4, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu") for _ in range(2)]
+    for i in range(n):
+        k, v = rand(*pools[0].k[i].shape), rand(*pools[0].v[i].shape)
+        for p in pools:
+            p.k[i].copy_(k), p.v[i].copy_(v)
+    h = rand(14, cfg.hidden_size)
+    assert model._layer_plans(h, 0, n, model._rope(batch.positions), batch, pools[0]) is not None
+    assert fused.MM_DENSE_BF16 in model._plans_for(0, n, True, True)[0].kinds or quantize == "int4"
+    with torch.no_grad():
+        one_call = model.run_layers(h, 0, n, batch, pools[0])
+        rope, ref = model._rope(batch.positions), h
+        for i in range(n):
+            ref = model.layers[i](ref, i, rope, batch, pools[1])
+    assert torch.equal(one_call, ref)
+    for i in range(n):
+        assert torch.equal(pools[0].k[i], pools[1].k[i]) and torch.equal(pools[0].v[i], pools[1].v[i])
+
+
 def test_layer_plan_follows_replaced_projections(tiny_model_dir):
     """A projection replaced after the plan was made (e.g. quantization) is planned anew."""
     from hispec.generate import Generator
@@ -334,15 +371,18 @@ def test_op_ranges_go_with_the_pool_and_the_plans(tiny_model_dir):
     assert pools[1].k[0].abs().sum() > 0 and pools[0].k[0].abs().sum() == 0  # the pool it was given
 
 
-def test_prefill_on_dense_weights_is_independent_of_chunking(tiny_model_dir, four_bit_kernel):
-    """Prompt tokens run on the dense bfloat16 prefill weights (``QuantLinear.dense``), and a
-    prompt's hidden states and K/V are the same bits whether it is prefilled whole or in chunks
-    (what keeps batches, whose chunked prefill splits prompts differently, identical to batch 1)."""
+@pytest.mark.parametrize("kernel", ["int4", "q4"])
+def test_prefill_on_dense_weights_is_independent_of_chunking(tiny_model_dir, four_bit_kernel, kernel):
+    """Prompt tokens run on the dense bfloat16 prefill weights (``QuantLinear.dense``: the int4
+    kernel's bfloat16 activations, or q4's float32 ones cast), and a prompt's hidden states and K/V
+    are the same bits whether it is prefilled whole or in chunks (what keeps batches, whose chunked
+    prefill splits prompts differently, identical to batch 1)."""
     from hispec.decode.base import LayerRunner
     from hispec.generate import Generator
 
-    four_bit_kernel("int4")  # the dense copies serve the int4 kernel's layers (bfloat16 activations)
+    four_bit_kernel(kernel)
     gen = Generator.from_pretrained(str(tiny_model_dir("llama")), exits=False, quantize="int4", progress=False)
+    assert gen.model.layers[0].qkv_proj.kernel == kernel
     model = gen.model
     for layer in model.layers:
         for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):

@@ -139,7 +139,8 @@ def matmul_plan(m: nn.Module | None, act_dtype: torch.dtype | None, prefill: boo
     """How ``fused_layers.cpp`` runs the matmul module ``m`` on inputs of ``act_dtype`` (None: float32),
     ``(weight, parameters, kind, group)``, or None where it cannot (a bias, another module or dtype):
     the same kernel and inputs as ``m.forward`` takes. ``prefill``: prompt tokens (QuantLinear's
-    dense prefill weights where it has them); ``batched``: more than SMALL_ROWS rows (float32
+    dense prefill weights where it has them, on a q4 layer's float32 inputs cast to bfloat16 as
+    ``QuantLinear.prefill_mm`` casts them); ``batched``: more than SMALL_ROWS rows (float32
     weights: the panel kernel, as ``Linear.forward`` takes it up to ``panel_rows()`` rows; None
     where it takes oneDNN)."""
     if type(m) is QuantLinear and m.bias is None:
@@ -148,6 +149,8 @@ def matmul_plan(m: nn.Module | None, act_dtype: torch.dtype | None, prefill: boo
         if m.kernel in ("int4", "int8") and act_dtype == ACT_DTYPE:
             return m.qweight, m.qparams, fused.MM_INT4 if m.kernel == "int4" else fused.MM_INT8, m.group if m.kernel == "int4" else 0
         if m.kernel == "q4" and act_dtype in (None, torch.float32):
+            if prefill and m.dense is not None:
+                return m.dense, m.dense, fused.MM_DENSE_BF16, 0  # the second is a placeholder
             return m.qweight, m.qparams, fused.MM_Q4_PANELS if prefill else fused.MM_Q4, m.group
         if m.kernel == "q8" and act_dtype in (None, torch.float32):
             return m.qweight, m.qparams, fused.MM_Q8, 0

@@ -67,6 +67,7 @@ constexpr int64_t MM_Q4 = 5;  // GGUF 4-bit nibbles [N, K / 2] and d, m [2, N, K
 constexpr int64_t MM_Q4_PANELS = 6;  // the same weights rebuilt in float32 panels (prompt chunks)
 constexpr int64_t MM_PANEL = 7;  // float32 weight packed in panels (matmul.Linear.panel); group = N
 constexpr int64_t MM_Q8 = 8;  // GGUF Q8_0 q [N, K] int8 and d [N, K / 32] float32 on fused_cpu.c's q8 kernel (output heads)
+constexpr int64_t MM_DENSE_BF16 = 9;  // x (float32) cast to bfloat16 @ W.T, W dense bfloat16 (q4 layers' prompt chunks)
 
 void bind(std::vector<int64_t> addresses) {
     TORCH_CHECK(addresses.size() == 9, "bind: expected the addresses of the 9 kernels");
@@ -96,6 +97,7 @@ at::Tensor run_matmul(int64_t kind, const at::Tensor& x, const at::Tensor& w, co
     if (kind == MM_INT4) return INT4_MM(x, w, group, p);
     if (kind == MM_INT8) return INT8_MM(x, w, p);
     if (kind == MM_DENSE || kind == MM_FLOAT_LINEAR) return at::linear(x, w);
+    if (kind == MM_DENSE_BF16) return at::linear(x.to(at::kBFloat16), w);
     if (kind == MM_PANEL) {  // x is contiguous: every input here is a buffer this op wrote
         at::Tensor& y = output(out, x, group);
         panel_matmul(x.data_ptr<float>(), x.size(0), x.size(1), w.data_ptr<float>(), group, y.data_ptr<float>(), 1);

@@ -204,8 +204,11 @@ class QuantLinear(nn.Module):
         return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
 
     def prefill_mm(self, rows: torch.Tensor) -> torch.Tensor:
-        """``rows [T, K]`` (in ``input_dtype``) of prompt tokens: on the dense prefill weights
-        (int4), or the q4 kernel's float32 panels (q4), else as ``_mm``."""
+        """``rows [T, K]`` (in ``input_dtype``) of prompt tokens: on the dense bfloat16 prefill
+        weights where the layer has them (int4; q4 on CPUs with bfloat16 hardware, its float32 rows
+        cast to bfloat16, output bfloat16), else the q4 kernel's float32 panels (q4), else as ``_mm``."""
+        if self.kernel == "q4" and self.dense is not None:
+            return torch.nn.functional.linear(rows.to(torch.bfloat16), self.dense)
         if self.kernel == "q4":
             return fused.q4_matmul(rows.float() if rows.dtype != torch.float32 else rows, self.qweight, self.qparams,
                                    panels=True)
