@@ -15,9 +15,9 @@
 #include <string.h>
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
+#endif
 #ifdef _OPENMP
 #include <omp.h>
-#endif
 #endif
 
 #define LANES 16
