@@ -69,13 +69,15 @@ def test_rope_write_matches_eager_exactly(dtype):
     t, hq, hkv, d = 4, 6, 2, 16
     qkv = rand(t, (hq + 2 * hkv) * d, dtype=dtype)
     cos, ssin = rope_tables(torch.tensor([3, 4, 9, 20]), d)
-    kp, vp = torch.zeros(64, hkv, d), torch.zeros(64, hkv, d)
+    pool = KVPool(1, 8, 8, hkv, d, torch.float32, "cpu")  # 64 slots
     slots = torch.tensor([5, 6, 40, 41])
-    q = fused.rope_write(qkv, cos, ssin, slots, hq, hkv, kp, vp)
+    q = fused.rope_write(qkv, cos, ssin, slots, hq, hkv, pool.k[0], pool.v[0])
     x = qkv.view(t, hq + 2 * hkv, d)
     qk = apply_rope(x[:, :hq + hkv], cos[:, None], ssin[:, None])  # the eager path: same float ops
-    assert torch.equal(q, qk[:, :hq]) and torch.equal(kp[slots], qk[:, hq:]) and torch.equal(vp[slots], x[:, hq + hkv:].float())
-    assert kp[[0, 7, 39]].abs().sum() == 0  # nothing else written
+    k, v = pool.read(0, slots)
+    assert torch.equal(q, qk[:, :hq]) and torch.equal(k, qk[:, hq:]) and torch.equal(v, x[:, hq + hkv:].float())
+    pool.write(0, slots, torch.zeros_like(k), torch.zeros_like(v))
+    assert pool.k[0].abs().sum() == 0 and pool.v[0].abs().sum() == 0  # nothing else written
 
 
 def paged_case(starts, counts, hq=6, hkv=2, d=16, bs=4):
@@ -89,8 +91,8 @@ def paged_case(starts, counts, hq=6, hkv=2, d=16, bs=4):
         for c in chunks:
             blocks.ensure_capacity(c.seq_id, min(upto, c.start + c.num_tokens))
     pool = KVPool(1, 64, bs, hkv, d, torch.float32, "cpu")
-    pool.k[0].copy_(rand(64 * bs, hkv, d))
-    pool.v[0].copy_(rand(64 * bs, hkv, d))
+    pool.k[0].copy_(rand(*pool.k[0].shape))
+    pool.v[0].copy_(rand(*pool.v[0].shape))
     return AttentionBatch(chunks, blocks, "cpu"), pool, rand(sum(counts), hq, d)
 
 
@@ -135,8 +137,8 @@ def test_rope_write_into_a_bfloat16_pool_rounds_as_torch_does():
     qkv = rand(t, (hq + 2 * hkv) * d)
     cos, ssin = rope_tables(torch.tensor([3, 4, 9, 20]), d)
     slots = torch.tensor([5, 6, 40, 41])
-    kf, vf = torch.zeros(64, hkv, d), torch.zeros(64, hkv, d)
-    kb, vb = torch.zeros(64, hkv, d, dtype=torch.bfloat16), torch.zeros(64, hkv, d, dtype=torch.bfloat16)
+    kf, vf = torch.zeros(hkv, 64, d), torch.zeros(hkv, 64, d)  # [Hkv, S, D]
+    kb, vb = torch.zeros(hkv, 64, d, dtype=torch.bfloat16), torch.zeros(hkv, 64, d, dtype=torch.bfloat16)
     qf = fused.rope_write(qkv, cos, ssin, slots, hq, hkv, kf, vf)
     qb = fused.rope_write(qkv, cos, ssin, slots, hq, hkv, kb, vb)
     assert torch.equal(qf, qb)  # the queries stay float32
@@ -411,7 +413,7 @@ def test_prefill_on_dense_weights_is_independent_of_chunking(tiny_model_dir, fou
         slots2 = torch.tensor([blocks2.block_table(0)[p // 4] * 4 + p % 4 for p in range(40)])
         assert torch.equal(parts, whole)
         for i in range(n):
-            assert torch.equal(pool.k[i][slots], pool2.k[i][slots2]) and torch.equal(pool.v[i][slots], pool2.v[i][slots2])
+            assert all(torch.equal(a, b) for a, b in zip(pool.read(i, slots), pool2.read(i, slots2)))
     int4_prefill, _, _ = prefill([40], dense=False)
     assert not torch.equal(int4_prefill, whole)  # the prompt really ran on the dense weights
 

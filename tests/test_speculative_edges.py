@@ -224,7 +224,7 @@ def test_hispec_needs_an_intermediate_layer_below_the_last(gen):
 
 def kv_of(blocks: BlockManager, pool: KVPool, seq_id: int, layer: int, length: int):
     slots = slots_for(blocks.block_table(seq_id), 0, length, blocks.block_size, "cpu")
-    return pool.k[layer][slots], pool.v[layer][slots]
+    return pool.read(layer, slots)
 
 
 @pytest.mark.parametrize("strategy", [SelfSpec(SPEC), HiSpec(SPEC),

@@ -1,9 +1,10 @@
 """Paged key/value tensors and the per-call attention metadata that reads them.
 
-The pool of each layer is one tensor ``[num_blocks * block_size, num_kv_heads, head_dim]``;
-a token's *slot* is ``block_id * block_size + offset``. Writing is an ``index_copy_`` at the
-new tokens' slots; reading gathers a sequence's slots ``0..context_len-1`` through its
-block table. Rollback never touches these tensors (see ``BlockManager.truncate``).
+The pool of each layer is one tensor ``[num_kv_heads, num_blocks * block_size, head_dim]``
+(each KV head's rows in slot order: a sequence's consecutive blocks are one stretch of memory per
+head, which is how attention reads them); a token's *slot* is ``block_id * block_size + offset``. Writing puts the new tokens' rows at
+their slots; reading gathers a sequence's slots ``0..context_len-1`` through its block table.
+Rollback never touches these tensors (see ``BlockManager.truncate``).
 """
 from __future__ import annotations
 
@@ -15,19 +16,20 @@ from .block_manager import BlockManager
 
 
 class KVPool:
-    """K and V tensors for every layer, addressed by slot."""
+    """K and V tensors for every layer, ``[num_kv_heads, num_blocks * block_size, head_dim]`` each,
+    addressed by slot."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device | str) -> None:
-        self.block_size = block_size
-        shape = (num_blocks * block_size, num_kv_heads, head_dim)
+        self.block_size, self.num_blocks = block_size, num_blocks
+        shape = (num_kv_heads, num_blocks * block_size, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.op_ranges: dict = {}  # the fused layer op's handles on these layers (model.fused.op_range)
 
     @property
     def bytes_per_block(self) -> int:
-        per_layer = self.k[0][0].numel() * self.k[0].element_size() * self.block_size
+        per_layer = self.k[0].numel() // self.num_blocks * self.k[0].element_size()  # one block of one layer
         return 2 * len(self.k) * per_layer
 
     @property
@@ -37,12 +39,12 @@ class KVPool:
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         # slots: [T]; k, v: [T, num_kv_heads, head_dim] (cast to the pool's dtype)
         kp, vp = self.k[layer], self.v[layer]
-        kp.index_copy_(0, slots, k if k.dtype == kp.dtype else k.to(kp.dtype))
-        vp.index_copy_(0, slots, v if v.dtype == vp.dtype else v.to(vp.dtype))
+        kp[:, slots] = (k if k.dtype == kp.dtype else k.to(kp.dtype)).transpose(0, 1)
+        vp[:, slots] = (v if v.dtype == vp.dtype else v.to(vp.dtype)).transpose(0, 1)
 
     def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # slots: [C] -> k, v: [C, num_kv_heads, head_dim]
-        return self.k[layer].index_select(0, slots), self.v[layer].index_select(0, slots)
+        return self.k[layer][:, slots].transpose(0, 1), self.v[layer][:, slots].transpose(0, 1)
 
     def context(self, layer: int, batch: "AttentionBatch", i: int,
                 dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,7 +56,8 @@ class KVPool:
             k, v = self.read(layer, batch.context_slots[i])
         else:
             first, n = run
-            k, v = self.k[layer][first:first + n], self.v[layer][first:first + n]
+            k = self.k[layer][:, first:first + n].transpose(0, 1)
+            v = self.v[layer][:, first:first + n].transpose(0, 1)
         return (k, v) if dtype is None or dtype == k.dtype else (k.to(dtype), v.to(dtype))
 
 

@@ -129,7 +129,7 @@ class LeaderMixin:
             key = next(self._tp_keys)
             self._tp_pool_keys[id(pool)] = key
             weakref.finalize(pool, self._tp_forget_pool, id(pool), key)
-            self._tp_send(POOL, a=pool.k[0].shape[0] // pool.block_size, b=pool.block_size, c=key)
+            self._tp_send(POOL, a=pool.num_blocks, b=pool.block_size, c=key)
         return key
 
     def _tp_forget_pool(self, pool_id: int, key: int) -> None:

@@ -50,8 +50,8 @@ _SIGNATURES = {
     "hs_rms_norm": [_p, _p, _i64, _i64, _f, _p, _i],
     "hs_add_rms_norm": [_p, _p, _i, _p, _i64, _i64, _f, _p, _p, _i],
     "hs_silu_mul": [_p, _i, _i64, _i64, _p, _i],
-    "hs_rope_write": [_p, _i, _p, _p, _p, _i64, _i64, _i64, _i64, _p, _p, _i, _p],
-    "hs_paged_attention": [_p, _p, _p, _i, _p, _i64, _p, _p, _i64, _i64, _i64, _i64, _i64, _f, _p, _i, _i],
+    "hs_rope_write": [_p, _i, _p, _p, _p, _i64, _i64, _i64, _i64, _i64, _p, _p, _i, _p],
+    "hs_paged_attention": [_p, _p, _p, _i, _p, _i64, _p, _p, _i64, _i64, _i64, _i64, _i64, _i64, _f, _p, _i, _i],
     "hs_q8_matmul": [_p, _p, _p, _i, _i64, _i64, _i64, _p, _i],
     "hs_panel_pack": [_p, _i64, _i64, _p],
     "hs_panel_matmul": [_p, _i64, _i64, _p, _i64, _p, _i],
@@ -278,7 +278,11 @@ KV_DTYPES = (F32, BF16)  # what a KV pool may hold for the kernels
 
 
 def _check_pools(k_pool: torch.Tensor, v_pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A layer's K and V pools as the kernels read them: contiguous, on the CPU, one dtype of KV_DTYPES."""
+    """A layer's K and V pools as the kernels read them: ``[Hkv, S, D]``, contiguous, on the CPU, one
+    dtype of KV_DTYPES."""
+    if k_pool.dim() != 3 or k_pool.shape != v_pool.shape:
+        raise TypeError(f"fused kernel: K and V pools [Hkv, S, D], got {tuple(k_pool.shape)} "
+                        f"and {tuple(v_pool.shape)}")
     if k_pool.dtype != v_pool.dtype:
         raise TypeError(f"fused kernel: K and V pools of one dtype, got {k_pool.dtype} and {v_pool.dtype}")
     return _check(k_pool, *KV_DTYPES), _check(v_pool, *KV_DTYPES)
@@ -316,23 +320,23 @@ def silu_mul(gate_up: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
 def rope_write(qkv: torch.Tensor, cos: torch.Tensor, ssin: torch.Tensor, slots: torch.Tensor, num_heads: int,
                num_kv_heads: int, k_pool: torch.Tensor, v_pool: torch.Tensor, queries: bool = True) -> torch.Tensor | None:
     """Rotate q and k of ``qkv [T, (Hq + 2 Hkv) D]`` (``cos, ssin [T, D]`` float32), write K/V at
-    ``slots [T]`` of the pools ``[S, Hkv, D]`` (float32, or bfloat16: rounded as ``.to()`` rounds);
+    ``slots [T]`` of the pools ``[Hkv, S, D]`` (float32, or bfloat16: rounded as ``.to()`` rounds);
     return the rotated queries ``[T, Hq, D]`` float32 (None when ``queries`` is False)."""
     qkv, cos, ssin, slots = _check(qkv, F32, BF16), _check(cos, F32), _check(ssin, F32), _check(slots, torch.int64)
     if not (k_pool.is_contiguous() and v_pool.is_contiguous()):
         raise TypeError("fused kernel: the pools must be contiguous (they are written in place)")
     _check_pools(k_pool, v_pool)
-    t, d = qkv.shape[0], k_pool.shape[-1]
+    t, s, d = qkv.shape[0], k_pool.shape[1], k_pool.shape[-1]
     q = torch.empty((t, num_heads, d), dtype=F32) if queries else None
     library().hs_rope_write(qkv.data_ptr(), _bf(qkv), cos.data_ptr(), ssin.data_ptr(), slots.data_ptr(), t, num_heads,
-                            num_kv_heads, d, k_pool.data_ptr(), v_pool.data_ptr(), _bf(k_pool),
+                            num_kv_heads, d, s, k_pool.data_ptr(), v_pool.data_ptr(), _bf(k_pool),
                             q.data_ptr() if queries else None)
     return q
 
 
 def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, meta: "KernelBatch",
                     out_dtype: torch.dtype) -> torch.Tensor:
-    """Attention of ``q [T, Hq, D]`` (float32) over the pools ``[S, Hkv, D]`` (float32 or bfloat16):
+    """Attention of ``q [T, Hq, D]`` (float32) over the pools ``[Hkv, S, D]`` (float32 or bfloat16):
     query ``t`` attends to the first ``meta.lengths[t]`` positions of its sequence, read through
     that sequence's block table. Returns ``[T, Hq * D]`` in ``out_dtype``."""
     q, (k_pool, v_pool) = _check(q, F32), _check_pools(k_pool, v_pool)
@@ -340,7 +344,7 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     out = torch.empty((t, hq * d), dtype=out_dtype)
     library().hs_paged_attention(q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), _bf(k_pool), meta.tables.data_ptr(),
                                  meta.tables.shape[1], meta.seq.data_ptr(), meta.lengths.data_ptr(), t, hq,
-                                 k_pool.shape[1], d, meta.block_size, d ** -0.5, out.data_ptr(),
+                                 k_pool.shape[0], k_pool.shape[1], d, meta.block_size, d ** -0.5, out.data_ptr(),
                                  int(out_dtype == BF16), int(meta.keys * hq * d >= PARALLEL_MIN_WORK))
     return out
 

@@ -38,10 +38,10 @@ using add_rms_norm_fn = void (*)(const float*, const void*, int, const float*, i
                                  void*, int);
 using silu_mul_fn = void (*)(const void*, int, int64_t, int64_t, void*, int);
 using rope_write_fn = void (*)(const void*, int, const float*, const float*, const int64_t*, int64_t, int64_t,
-                               int64_t, int64_t, void*, void*, int, float*);
+                               int64_t, int64_t, int64_t, void*, void*, int, float*);
 using paged_attention_fn = void (*)(const float*, const void*, const void*, int, const int32_t*, int64_t,
                                     const int32_t*, const int32_t*, int64_t, int64_t, int64_t, int64_t, int64_t,
-                                    float, void*, int, int);
+                                    int64_t, float, void*, int, int);
 using q4_matmul_fn = void (*)(const uint8_t*, const float*, const float*, const float*, int64_t, int64_t, int64_t,
                               float*, int);
 
@@ -236,10 +236,11 @@ at::Tensor decode_layers(const at::Tensor& h_in, const at::Tensor& cos, const at
         rms_norm(h, norms[2 * i].data_ptr<float>(), T, H, e, x.data_ptr(), out_bf);
         const at::Tensor qkv = mm(0, x).contiguous();  // [T, (Hq + 2 Hkv) D]
         rope_write(qkv.data_ptr(), is_bf(qkv), cos.data_ptr<float>(), ssin.data_ptr<float>(), slots.data_ptr<int64_t>(),
-                   T, num_heads, num_kv_heads, D, kp.data_ptr(), vp.data_ptr(), is_bf(kp), q.data_ptr<float>());
+                   T, num_heads, num_kv_heads, D, kp.size(1), kp.data_ptr(), vp.data_ptr(), is_bf(kp),
+                   q.data_ptr<float>());
         paged_attention(q.data_ptr<float>(), kp.data_ptr(), vp.data_ptr(), is_bf(kp), tables.data_ptr<int32_t>(),
                         tables.size(1), seq.data_ptr<int32_t>(), lengths.data_ptr<int32_t>(), T, num_heads,
-                        kp.size(1), D, block_size, scale, att.data_ptr(), out_bf, parallel ? 1 : 0);
+                        kp.size(0), kp.size(1), D, block_size, scale, att.data_ptr(), out_bf, parallel ? 1 : 0);
         const at::Tensor o = mm(1, att).contiguous();  // [T, H]
         float* h2 = hs[i % 2].data_ptr<float>();
         add_rms_norm(h, o.data_ptr(), is_bf(o), norms[2 * i + 1].data_ptr<float>(), T, H, e, h2, x2.data_ptr(), out_bf);
