@@ -2,9 +2,10 @@
 
 The pool of each layer is one tensor ``[num_kv_heads, num_blocks * block_size, head_dim]``
 (each KV head's rows in slot order: a sequence's consecutive blocks are one stretch of memory per
-head, which is how attention reads them); a token's *slot* is ``block_id * block_size + offset``. Writing puts the new tokens' rows at
-their slots; reading gathers a sequence's slots ``0..context_len-1`` through its block table.
-Rollback never touches these tensors (see ``BlockManager.truncate``).
+head, which is how attention reads them); a token's *slot* is ``block_id * block_size + offset``.
+Writing puts the new tokens' rows at their slots; reading gathers a sequence's slots
+``0..context_len-1`` through its block table. Rollback never touches these tensors (see
+``BlockManager.truncate``).
 """
 from __future__ import annotations
 
