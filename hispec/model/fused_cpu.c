@@ -599,12 +599,16 @@ void hs_panel_matmul(const float *x, int64_t M, int64_t K, const float *packed, 
  * blocks in order; the lanes are summed in a fixed order. An output depends on its own row of x
  * alone: not on T, the tiling, the thread split or the vector width; the plain-C fallback
  * computes the same bits. Lane L of a block takes inputs 2L, 2L + 1, 16 + 2L and 17 + 2L. */
-typedef struct { float *scale, *msum; int16_t *x16; } xq;  /* s [T, nb], s * sum(x16) [T, nb], x16 [T, K] */
+/* s [T, nb], s * sum(x16) [T, nb], x16 [T, K]; s and s * sum(x16) also by block, [nb, tpad] (tpad = T + 8:
+ * eight rows' values from any row on are one load) */
+typedef struct { float *scale, *msum, *scale_t, *msum_t; int16_t *x16; int64_t tpad; } xq;
 
 static xq x16_prepare(const float *x, int64_t T, int64_t K) {
     int64_t nb = K / 32;
+    const int64_t tpad = T + 8;
     xq p = {malloc((size_t)(T * nb) * sizeof(float)), malloc((size_t)(T * nb) * sizeof(float)),
-             malloc((size_t)(T * K) * sizeof(int16_t))};
+             calloc((size_t)(nb * tpad), sizeof(float)), calloc((size_t)(nb * tpad), sizeof(float)),
+             malloc((size_t)(T * K) * sizeof(int16_t)), tpad};
     for (int64_t i = 0; i < T * nb; i++) {
         const float *xb = x + i * 32;
         int16_t *qb = p.x16 + i * 32;
@@ -619,6 +623,8 @@ static xq x16_prepare(const float *x, int64_t T, int64_t K) {
         }
         p.scale[i] = amax / 32767.0f;
         p.msum[i] = p.scale[i] * (float)sum;  /* |sum| < 2^20: exact in float */
+        p.scale_t[i % nb * tpad + i / nb] = p.scale[i];
+        p.msum_t[i % nb * tpad + i / nb] = p.msum[i];
     }
     return p;
 }
@@ -626,6 +632,8 @@ static xq x16_prepare(const float *x, int64_t T, int64_t K) {
 static void x16_release(xq p) {
     free(p.scale);
     free(p.msum);
+    free(p.scale_t);
+    free(p.msum_t);
     free(p.x16);
 }
 
@@ -700,23 +708,29 @@ static inline __attribute__((always_inline)) void rows_x1(const uint8_t *w, cons
     for (int r = 0; r < R; r++) y[r] = lanes_sum(acc[r]) + macc[r];
 }
 
-/* One weight row times M (a constant after inlining) rows of x (t0 ..): y[i * ystride]. */
+/* One weight row times M (a constant after inlining, <= 8) rows of x (t0 ..): y[i * ystride]. The
+ * rows' per-block factors d[b] * s and offset sums m[b] * (s * sum x16) are computed for the eight
+ * rows at once, lane i being row i's (the same single rounding as alone). */
 static inline __attribute__((always_inline)) void row_xm(const uint8_t *w, const float *d, const float *m, xq p,
                                                          int64_t t0, int64_t nb, const int kind, const int M, float *y,
                                                          int64_t ystride) {
-    __m256 acc[8];
-    float macc[8] = {0};  /* offset_sum, kept beside the lanes */
+    __m256 acc[8], macc = _mm256_setzero_ps();  /* macc lane i: row i's offset_sum */
     for (int i = 0; i < M; i++) acc[i] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         __m256i lo, hi;
         block_codes(w + b * BLOCK_BYTES(kind), kind, &lo, &hi);
+        const __m256 c = _mm256_mul_ps(_mm256_set1_ps(d[b]), _mm256_loadu_ps(p.scale_t + b * p.tpad + t0));
+        if (kind == Q4) macc = _mm256_fmadd_ps(_mm256_set1_ps(m[b]), _mm256_loadu_ps(p.msum_t + b * p.tpad + t0), macc);
         for (int i = 0; i < M; i++) {
-            int64_t tb = (t0 + i) * nb + b;
-            acc[i] = block_dot(lo, hi, p.x16 + tb * 32, d[b] * p.scale[tb], acc[i]);
-            if (kind == Q4) macc[i] = fmaf(m[b], p.msum[tb], macc[i]);
+            const int16_t *x16 = p.x16 + ((t0 + i) * nb + b) * 32;
+            __m256i s = _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)x16)),
+                                         _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(x16 + 16))));
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_permutevar8x32_ps(c, _mm256_set1_epi32(i)), acc[i]);
         }
     }
-    for (int i = 0; i < M; i++) y[i * ystride] = lanes_sum(acc[i]) + macc[i];
+    float mo[8];
+    _mm256_storeu_ps(mo, macc);
+    for (int i = 0; i < M; i++) y[i * ystride] = lanes_sum(acc[i]) + mo[i];
 }
 #define XM 8 /* rows of x sharing each block's codes */
 
