@@ -599,15 +599,16 @@ void hs_panel_matmul(const float *x, int64_t M, int64_t K, const float *packed, 
  * blocks in order; the lanes are summed in a fixed order. An output depends on its own row of x
  * alone: not on T, the tiling, the thread split or the vector width; the plain-C fallback
  * computes the same bits. Lane L of a block takes inputs 2L, 2L + 1, 16 + 2L and 17 + 2L. */
-/* s [T, nb], s * sum(x16) [T, nb], x16 [T, K]; s and s * sum(x16) also by block, [nb, tpad] (tpad = T + 8:
- * eight rows' values from any row on are one load) */
+/* s [T, nb], s * sum(x16) [T, nb], x16 [T, K]; for T > 1 s and s * sum(x16) also by block, [nb, tpad]
+ * (tpad = T + 8: eight rows' values from any row on are one load; NULL for one row) */
 typedef struct { float *scale, *msum, *scale_t, *msum_t; int16_t *x16; int64_t tpad; } xq;
 
 static xq x16_prepare(const float *x, int64_t T, int64_t K) {
     int64_t nb = K / 32;
     const int64_t tpad = T + 8;
     xq p = {malloc((size_t)(T * nb) * sizeof(float)), malloc((size_t)(T * nb) * sizeof(float)),
-             calloc((size_t)(nb * tpad), sizeof(float)), calloc((size_t)(nb * tpad), sizeof(float)),
+             T > 1 ? calloc((size_t)(nb * tpad), sizeof(float)) : NULL,
+             T > 1 ? calloc((size_t)(nb * tpad), sizeof(float)) : NULL,
              malloc((size_t)(T * K) * sizeof(int16_t)), tpad};
     for (int64_t i = 0; i < T * nb; i++) {
         const float *xb = x + i * 32;
@@ -623,8 +624,10 @@ static xq x16_prepare(const float *x, int64_t T, int64_t K) {
         }
         p.scale[i] = amax / 32767.0f;
         p.msum[i] = p.scale[i] * (float)sum;  /* |sum| < 2^20: exact in float */
-        p.scale_t[i % nb * tpad + i / nb] = p.scale[i];
-        p.msum_t[i % nb * tpad + i / nb] = p.msum[i];
+        if (T > 1) {
+            p.scale_t[i % nb * tpad + i / nb] = p.scale[i];
+            p.msum_t[i % nb * tpad + i / nb] = p.msum[i];
+        }
     }
     return p;
 }
@@ -667,12 +670,12 @@ static inline __attribute__((always_inline)) void block_codes(const void *w, con
     *hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(b, 4), mask));
 }
 
-/* acc + float(the block's 8 exact lane sums of codes * x16) * c */
-static inline __attribute__((always_inline)) __m256 block_dot(__m256i lo, __m256i hi, const int16_t *x16, float c,
+/* acc + float(the block's 8 exact lane sums of codes * x16) * c (c: the block's factor in every lane) */
+static inline __attribute__((always_inline)) __m256 block_dot(__m256i lo, __m256i hi, const int16_t *x16, __m256 c,
                                                                __m256 acc) {
     __m256i s = _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)x16)),
                                  _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(x16 + 16))));
-    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(c), acc);
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), c, acc);
 }
 
 static inline float lanes_sum(__m256 acc) {
@@ -702,7 +705,7 @@ static inline __attribute__((always_inline)) void rows_x1(const uint8_t *w, cons
             __builtin_prefetch(d + (r + PREFETCH_ROWS) * nb + b, 0, 0);
             if (kind == Q4) __builtin_prefetch(m + (r + PREFETCH_ROWS) * nb + b, 0, 0);
             block_codes(w + (r * nb + b) * bytes, kind, &lo, &hi);
-            acc[r] = block_dot(lo, hi, x16 + b * 32, d[r * nb + b] * xs[b], acc[r]);
+            acc[r] = block_dot(lo, hi, x16 + b * 32, _mm256_set1_ps(d[r * nb + b] * xs[b]), acc[r]);
             if (kind == Q4) macc[r] = fmaf(m[r * nb + b], ms[b], macc[r]);
         }
     for (int r = 0; r < R; r++) y[r] = lanes_sum(acc[r]) + macc[r];
@@ -722,10 +725,8 @@ static inline __attribute__((always_inline)) void row_xm(const uint8_t *w, const
         const __m256 c = _mm256_mul_ps(_mm256_set1_ps(d[b]), _mm256_loadu_ps(p.scale_t + b * p.tpad + t0));
         if (kind == Q4) macc = _mm256_fmadd_ps(_mm256_set1_ps(m[b]), _mm256_loadu_ps(p.msum_t + b * p.tpad + t0), macc);
         for (int i = 0; i < M; i++) {
-            const int16_t *x16 = p.x16 + ((t0 + i) * nb + b) * 32;
-            __m256i s = _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)x16)),
-                                         _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(x16 + 16))));
-            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_permutevar8x32_ps(c, _mm256_set1_epi32(i)), acc[i]);
+            const __m256 ci = _mm256_permutevar8x32_ps(c, _mm256_set1_epi32(i));  /* row i's factor */
+            acc[i] = block_dot(lo, hi, p.x16 + ((t0 + i) * nb + b) * 32, ci, acc[i]);
         }
     }
     float mo[8];
