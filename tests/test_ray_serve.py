@@ -68,13 +68,20 @@ def wait_for(what, check, timeout: float, proc) -> None:
 
 @pytest.fixture(scope="module")
 def model_dir(tiny_model_dir, tmp_path_factory) -> Path:
-    """A tiny random Llama with a character tokenizer and a 2048-token context."""
+    """A small random Llama with a character tokenizer and a 2048-token context.
+
+    Wide enough (hidden 512) that a request of ``LONG`` tokens streams for seconds on any CPU, so a
+    replica killed just after every stream started is still computing some of them: with the tiny
+    default width, the engine finished 800 tokens before the kill.
+    """
     import shutil
 
     from conftest import write_char_tokenizer
 
     folder = tmp_path_factory.mktemp("ray-model")
-    shutil.copytree(tiny_model_dir("llama", eos_token_id=2, bos_token_id=1, max_position_embeddings=2048), folder,
+    shutil.copytree(tiny_model_dir("llama", eos_token_id=2, bos_token_id=1, max_position_embeddings=2048,
+                                   hidden_size=512, intermediate_size=2048, num_attention_heads=8,
+                                   num_key_value_heads=4), folder,
                     dirs_exist_ok=True)
     write_char_tokenizer(folder)
     return folder
@@ -159,6 +166,8 @@ def test_replicas_stream_survive_a_killed_replica_and_recover(ray_server, model_
         t.start()
     for _ in threads:
         started.acquire(timeout=60)
+    # two replicas of batch 4 run all 8 at once: none waited in one engine's queue for another to end
+    assert not results, f"requests finished before the last one started: {sorted(results)}"
     victim = busiest_replica()
     os.kill(victim, signal.SIGKILL)
     for t in threads:

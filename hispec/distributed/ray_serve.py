@@ -6,10 +6,14 @@ Each replica is a Ray actor that loads the model and builds exactly the app ``hi
 runs (``hispec.server.app.create_app``: completions, chat completions, streaming, models,
 health, metrics), handed to Ray Serve as the replica's ASGI app. Ray Serve's proxy routes each
 request to the less loaded of two sampled replicas (its power-of-two-choices router, on queue
-lengths), scales between ``--replicas`` and ``--max-replicas`` on ongoing requests, and checks
-each replica's health (``check_health``: the engine thread is alive) every few seconds. A
-replica that dies is replaced by Ray; its in-flight requests end with an error from the proxy
-(a 500 response, or a stream cut short), the other replicas' requests are untouched.
+lengths). A replica takes at most ``--max-batch-size`` requests, the batch its engine runs at
+once, so a burst spreads over the replicas instead of queueing inside one engine while another
+idles (with twice that, a burst of 8 on two replicas of batch 4 all went to one); beyond that,
+requests wait at the proxy for the first free replica. Ray Serve scales between ``--replicas``
+and ``--max-replicas`` on ongoing requests, and checks each replica's health (``check_health``:
+the engine thread is alive) every few seconds. A replica that dies is replaced by Ray; its
+in-flight requests end with an error from the proxy (a 500 response, or a stream cut short),
+the other replicas' requests are untouched.
 
 Needs the ``ray`` extra: ``pip install 'hispec[ray]'`` (``ray[serve]``).
 """
@@ -58,7 +62,7 @@ def deployment_options(args) -> dict:
     if str(args.device).startswith("cuda"):
         per_replica["num_gpus"] = getattr(args, "tensor_parallel_size", 1)
     opts = {"name": "HispecReplica", "ray_actor_options": per_replica,
-            "max_ongoing_requests": 2 * args.max_batch_size,
+            "max_ongoing_requests": args.max_batch_size,
             "health_check_period_s": 5, "health_check_timeout_s": 60,
             "graceful_shutdown_timeout_s": args.shutdown_timeout}
     if args.max_replicas and args.max_replicas > args.replicas:
