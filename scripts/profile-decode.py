@@ -7,10 +7,13 @@
 Times every matmul with a wall clock during generation: the linear layers called from Python
 (``Linear.forward``, ``QuantLinear._mm``: exit heads, the eager path) and, inside the C++ op that
 runs a decode step or a range of layers in one call, each matmul kernel call it makes
-(``fused.profile_matmuls``: decoder linears and the output head). The rest of the wall time (norms,
-RoPE, attention, cache writes, sampling, the engine's Python) is "outside the matmuls". Prints per
-strategy: tokens/s, ms per decoded token in and outside the matmuls, and the engine's per-phase
-ms per token. Medians over ``--repeats`` runs after one warm-up.
+(``fused.profile``: decoder linears and the output head). The rest of the wall time is "outside
+the matmuls": the op's other kernels, timed the same way (attention, RoPE and the cache write,
+norms, the gated activation, the residual add, the step's setup), the op's own overhead
+(``op_other``: its calls' wall time less those parts: tensor allocation, checks, argument
+conversion, its Python glue), and the rest (the engine's Python, sampling). Prints per strategy: tokens/s, ms per decoded token in and outside the
+matmuls, the outside part by part, and the engine's per-phase ms per token. Medians over
+``--repeats`` runs after one warm-up.
 """
 from __future__ import annotations
 
@@ -43,43 +46,54 @@ def main() -> None:
 
     gen = Generator.from_pretrained(args.model, quantize=args.quantize, kv_cache_dtype=args.kv_cache_dtype,
                                     progress=False)
-    in_mm = [0.0]
+    in_mm, in_op = [0.0], [0.0]
 
-    def timed(method):
-        def wrapper(self, x):
+    def timed(fn, into):
+        def wrapper(*args, **kwargs):
             t0 = time.perf_counter()
-            out = method(self, x)
-            in_mm[0] += time.perf_counter() - t0
+            out = fn(*args, **kwargs)
+            into[0] += time.perf_counter() - t0
             return out
         return wrapper
 
     # the kernel call itself: the fused layers call QuantLinear._mm directly
-    matmul.Linear.forward = timed(matmul.Linear.forward)
-    quant.QuantLinear._mm = timed(quant.QuantLinear._mm)
+    matmul.Linear.forward = timed(matmul.Linear.forward, in_mm)
+    quant.QuantLinear._mm = timed(quant.QuantLinear._mm, in_mm)
+    # the C++ op's calls as a whole (with their Python glue): what its parts leave is its own overhead
+    fused.decode_step = timed(fused.decode_step, in_op)
+    fused.decode_layers = timed(fused.decode_layers, in_op)
     ids = gen.encode_prompt(args.prompt)
     print(f"{args.model} ({gen.model.weight_format} weights, KV cache {str(gen.model.kv_dtype)[6:]}, "
           f"{'eager' if args.no_fused else 'fused'} path, {args.threads} threads), {len(ids)} prompt tokens, "
           f"{args.tokens} new tokens")
-    def run(strategy: str, tokens: int) -> tuple[float, float, dict]:
-        in_mm[0] = 0.0
-        fused.profile_matmuls(True)
+    def run(strategy: str, tokens: int) -> tuple[float, dict, dict]:
+        in_mm[0] = in_op[0] = 0.0
+        fused.profile(True)
         t0 = time.perf_counter()
         out = gen.generate(ids, SamplingParams(max_new_tokens=tokens, ignore_eos=True), strategy)
         wall = time.perf_counter() - t0
-        in_op, _ = fused.profile_matmuls(False)
-        return wall, in_mm[0] + in_op, out.stats.phase_seconds
+        parts = {part: seconds for part, (seconds, _) in fused.profile(False).items()}
+        in_op_parts = sum(parts.values())
+        parts["matmul"] = parts.get("matmul", 0.0) + in_mm[0]
+        parts["op_other"] = in_op[0] - in_op_parts
+        return wall, parts, out.stats.phase_seconds
 
     n = args.tokens
     for strategy in args.strategies.split(","):
         run(strategy, n)  # warm-up
         runs = []
         for _ in range(args.repeats):  # the prompt plus one token, then the prompt plus n: the difference is decoding
-            wall1, mm1, _ = run(strategy, 1)
-            wall, mm, phases = run(strategy, n)
-            runs.append(((wall - wall1) / (n - 1), (mm - mm1) / (n - 1), n / wall, phases))
-        step, mm, tps, phases = sorted(runs, key=lambda r: r[0])[len(runs) // 2]
+            wall1, parts1, _ = run(strategy, 1)
+            wall, parts, phases = run(strategy, n)
+            per_token = {k: (v - parts1.get(k, 0.0)) / (n - 1) for k, v in parts.items()}
+            runs.append(((wall - wall1) / (n - 1), per_token, n / wall, phases))
+        step, parts, tps, phases = sorted(runs, key=lambda r: r[0])[len(runs) // 2]
+        mm = parts.pop("matmul")
         print(f"  {strategy:9s} {tps:6.1f} tok/s   per decoded token: {step * 1e3:5.2f} ms = "
               f"{mm * 1e3:5.2f} in matmuls + {(step - mm) * 1e3:5.2f} outside")
+        rest = step - mm - sum(parts.values())
+        print("            outside, ms/token: " + "  ".join(f"{k} {v * 1e3:.2f}" for k, v in parts.items())
+              + f"  rest (engine, sampling) {rest * 1e3:.2f}")
         print("            phases ms/token: " + "  ".join(f"{k} {v / n * 1e3:.2f}" for k, v in phases.items() if v))
     print(f"(medians of {args.repeats} runs)")
 

@@ -566,18 +566,24 @@ def test_decode_step_equals_the_general_path(tiny_model_dir, four_bit_kernel, sm
         assert runs[0][0].blocks.length(s, n - 1) == start + 1
 
 
-def test_matmul_profiling_counts_the_op_calls(tiny_model_dir, four_bit_kernel, small_route):
-    """``fused.profile_matmuls``: while on, the op times each of its matmul calls (a plain decode step:
-    four per layer and the head); off, it counts nothing; each call returns and restarts the sums."""
+def test_profiling_counts_the_op_calls(tiny_model_dir, four_bit_kernel, small_route):
+    """``fused.profile``: while on, the op times each of its calls per part (a plain decode step:
+    four matmuls, one attention, one RoPE, two norms, one gated activation and one residual add per
+    layer, the final norm, the head, one setup); off, it counts nothing; each call returns and
+    restarts the sums."""
     from hispec.config import SamplingParams
 
     gen = tiny_on_kernels(tiny_model_dir, four_bit_kernel, small_route, "int4")
     params = SamplingParams(max_new_tokens=4, ignore_eos=True)
     gen.generate([1, 2, 3], params)  # warm-up
-    fused.profile_matmuls(True)
+    fused.profile(True)
     gen.generate([1, 2, 3], params)
-    seconds, calls = fused.profile_matmuls(False)
-    steps = 3  # the first token comes from the prompt's pass
-    assert calls >= steps * (4 * gen.model.num_layers + 1) and seconds > 0
+    parts = fused.profile(False)
+    assert list(parts) == list(fused.PROFILE_PARTS)
+    steps, n = 3, gen.model.num_layers  # the first token comes from the prompt's pass
+    per_step = {"matmul": 4 * n + 1, "attention": n, "rope_cache": n, "norm": 2 * n + 1, "silu_mul": n,
+                "residual": n, "setup": 1}
+    for part, (seconds, calls) in parts.items():
+        assert calls >= steps * per_step[part] and seconds > 0, part
     gen.generate([1, 2, 3], params)
-    assert fused.profile_matmuls(False) == (0.0, 0)
+    assert all(v == (0.0, 0) for v in fused.profile(False).values())

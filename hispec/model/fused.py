@@ -252,13 +252,20 @@ def decode_step(tokens: list[int], positions: list[int], tables: list[list[int]]
                                               parallel, op_range(plans, pool, 0, cfg.num_layers, cfg, bf16_acts), head)
 
 
-def profile_matmuls(on: bool) -> tuple[float, int]:
-    """Time the matmuls the C++ op runs (wall clock around each call) while ``on``; returns the
-    ``(seconds, calls)`` summed since the previous call and starts again from zero. (0.0, 0)
-    when the op is unavailable."""
+PROFILE_PARTS = ("matmul", "attention", "rope_cache", "norm", "silu_mul", "residual", "setup")
+
+
+def profile(on: bool) -> dict[str, tuple[float, int]]:
+    """Time the C++ op's calls per part (wall clock around each call) while ``on``; returns each
+    part's ``(seconds, calls)`` summed since the previous call and starts again from zero. The
+    parts (PROFILE_PARTS): the matmuls (decoder linears, output head), paged attention, RoPE with
+    the cache write, the RMSNorms (with their residual adds), the gated activation, the residual add
+    after the MLP, and a decode step's setup (embeddings, RoPE rows, block tables). Empty when the
+    op is unavailable."""
     if layers_op() is None:
-        return 0.0, 0
-    return tuple(torch.ops.hispec_fused.profile_matmuls(on))
+        return {}
+    seconds, calls = torch.ops.hispec_fused.profile(on)
+    return {part: (s, c) for part, s, c in zip(PROFILE_PARTS, seconds, calls)}
 
 
 def _bf(t: torch.Tensor) -> int:

@@ -25,9 +25,11 @@
 #define INT8_MM at::_weight_int8pack_mm
 #endif
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <tuple>
 #include <vector>
 
@@ -123,28 +125,42 @@ at::Tensor run_matmul(int64_t kind, const at::Tensor& x, const at::Tensor& w, co
     return at::mm(w, rows.t()).t().slice(0, 0, t).contiguous();
 }
 
-// The matmuls' wall time, summed while profiling is on (scripts/profile-decode.py): what a decode
-// step spends in them, measured where they run, so the rest of its time is "outside the matmuls".
+// Where the op's time goes, summed per part while profiling is on (scripts/profile-decode.py): the
+// wall time of each call, measured where it runs, so that a decode step splits into its matmuls,
+// its other kernels and what is outside the op (the engine's Python, sampling). The order is
+// fused.py's PROFILE_PARTS.
+enum Part { MATMUL, ATTENTION, ROPE_CACHE, NORM, SILU_MUL, RESIDUAL, SETUP, PARTS };
 bool profiling = false;
-double matmul_seconds = 0.0;
-int64_t matmul_calls = 0;
+double part_seconds[PARTS] = {};
+int64_t part_calls[PARTS] = {};
+
+// Times its scope into ``part`` while profiling is on: ``{ Timed t(NORM); rms_norm(...); }``.
+struct Timed {
+    Part part;
+    std::chrono::steady_clock::time_point t0;
+    explicit Timed(Part p) : part(p) {
+        if (profiling) t0 = std::chrono::steady_clock::now();
+    }
+    ~Timed() {
+        if (!profiling) return;
+        part_seconds[part] += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        part_calls[part]++;
+    }
+};
 
 at::Tensor matmul(int64_t kind, const at::Tensor& x, const at::Tensor& w, const at::Tensor& p, int64_t group,
                   at::Tensor& out) {
-    if (!profiling) return run_matmul(kind, x, w, p, group, out);
-    const auto t0 = std::chrono::steady_clock::now();
-    at::Tensor y = run_matmul(kind, x, w, p, group, out);
-    matmul_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    matmul_calls++;
-    return y;
+    Timed t(MATMUL);
+    return run_matmul(kind, x, w, p, group, out);
 }
 
-// Turns the timing on or off; returns (seconds, calls) summed since the last call, and restarts.
-std::tuple<double, int64_t> profile_matmuls(bool on) {
-    const auto summed = std::make_tuple(matmul_seconds, matmul_calls);
+// Turns the timing on or off; returns each part's (seconds, calls) summed since the last call, and restarts.
+std::tuple<std::vector<double>, std::vector<int64_t>> profile(bool on) {
+    auto summed = std::make_tuple(std::vector<double>(part_seconds, part_seconds + PARTS),
+                                  std::vector<int64_t>(part_calls, part_calls + PARTS));
     profiling = on;
-    matmul_seconds = 0.0;
-    matmul_calls = 0;
+    std::fill(part_seconds, part_seconds + PARTS, 0.0);
+    std::fill(part_calls, part_calls + PARTS, 0);
     return summed;
 }
 
@@ -233,22 +249,42 @@ at::Tensor decode_layers(const at::Tensor& h_in, const at::Tensor& cos, const at
             return matmul(kinds[4 * i + j], in, weights[8 * i + 2 * j], weights[8 * i + 2 * j + 1], groups[4 * i + j],
                           outs[j]);
         };
-        rms_norm(h, norms[2 * i].data_ptr<float>(), T, H, e, x.data_ptr(), out_bf);
+        {
+            Timed t(NORM);
+            rms_norm(h, norms[2 * i].data_ptr<float>(), T, H, e, x.data_ptr(), out_bf);
+        }
         const at::Tensor qkv = mm(0, x).contiguous();  // [T, (Hq + 2 Hkv) D]
-        rope_write(qkv.data_ptr(), is_bf(qkv), cos.data_ptr<float>(), ssin.data_ptr<float>(), slots.data_ptr<int64_t>(),
-                   T, num_heads, num_kv_heads, D, kp.size(1), kp.data_ptr(), vp.data_ptr(), is_bf(kp),
-                   q.data_ptr<float>());
-        paged_attention(q.data_ptr<float>(), kp.data_ptr(), vp.data_ptr(), is_bf(kp), tables.data_ptr<int32_t>(),
-                        tables.size(1), seq.data_ptr<int32_t>(), lengths.data_ptr<int32_t>(), T, num_heads,
-                        kp.size(0), kp.size(1), D, block_size, scale, att.data_ptr(), out_bf, parallel ? 1 : 0);
+        {
+            Timed t(ROPE_CACHE);
+            rope_write(qkv.data_ptr(), is_bf(qkv), cos.data_ptr<float>(), ssin.data_ptr<float>(),
+                       slots.data_ptr<int64_t>(), T, num_heads, num_kv_heads, D, kp.size(1), kp.data_ptr(),
+                       vp.data_ptr(), is_bf(kp), q.data_ptr<float>());
+        }
+        {
+            Timed t(ATTENTION);
+            paged_attention(q.data_ptr<float>(), kp.data_ptr(), vp.data_ptr(), is_bf(kp), tables.data_ptr<int32_t>(),
+                            tables.size(1), seq.data_ptr<int32_t>(), lengths.data_ptr<int32_t>(), T, num_heads,
+                            kp.size(0), kp.size(1), D, block_size, scale, att.data_ptr(), out_bf, parallel ? 1 : 0);
+        }
         const at::Tensor o = mm(1, att).contiguous();  // [T, H]
         float* h2 = hs[i % 2].data_ptr<float>();
-        add_rms_norm(h, o.data_ptr(), is_bf(o), norms[2 * i + 1].data_ptr<float>(), T, H, e, h2, x2.data_ptr(), out_bf);
+        {
+            Timed t(NORM);
+            add_rms_norm(h, o.data_ptr(), is_bf(o), norms[2 * i + 1].data_ptr<float>(), T, H, e, h2, x2.data_ptr(),
+                         out_bf);
+        }
         const at::Tensor gu = mm(2, x2).contiguous();  // [T, 2 I]
         const int64_t I = gu.size(1) / 2;
         if (!a.defined() || a.size(1) != I) a = at::empty({T, I}, aopt);
-        silu_mul(gu.data_ptr(), is_bf(gu), T, I, a.data_ptr(), out_bf);
-        add_into(h2, mm(3, a).contiguous(), T * H);  // h2 += down(a)
+        {
+            Timed t(SILU_MUL);
+            silu_mul(gu.data_ptr(), is_bf(gu), T, I, a.data_ptr(), out_bf);
+        }
+        const at::Tensor down = mm(3, a).contiguous();  // [T, H]
+        {
+            Timed t(RESIDUAL);
+            add_into(h2, down, T * H);  // h2 += down(a)
+        }
         h = h2;
     }
     return hs[(n - 1) % 2];
@@ -285,6 +321,7 @@ at::Tensor decode_step(const std::vector<int64_t>& tokens, const std::vector<int
     TORCH_CHECK(B > 0 && positions.size() == tokens.size() && tables.size() % B == 0, "decode_step: B tokens, positions");
     const int64_t width = static_cast<int64_t>(tables.size()) / B, V = head->embed.size(0), H = head->embed.size(1);
     const int64_t P = cos_table.size(0), D = cos_table.size(1);
+    std::optional<Timed> setup(std::in_place, SETUP);  // the step's inputs, until the layers start
     TORCH_CHECK(cos_table.is_contiguous() && ssin_table.is_contiguous() && cos_table.scalar_type() == at::kFloat &&
                 ssin_table.sizes() == cos_table.sizes() && ssin_table.scalar_type() == at::kFloat,
                 "decode_step: contiguous float32 RoPE tables [P, D]");
@@ -306,9 +343,14 @@ at::Tensor decode_step(const std::vector<int64_t>& tokens, const std::vector<int
         seq.data_ptr<int32_t>()[b] = static_cast<int32_t>(b);
         lengths.data_ptr<int32_t>()[b] = static_cast<int32_t>(pos + 1);
     }
+    setup.reset();
     const at::Tensor out = decode_layers(h, cos, ssin, slots, tab, seq, lengths, block_size, parallel, range);
     at::Tensor x = at::empty({B, H}, fopt), logits;
-    rms_norm(out.data_ptr<float>(), head->norm.data_ptr<float>(), B, H, static_cast<float>(head->eps), x.data_ptr(), 0);
+    {
+        Timed t(NORM);
+        rms_norm(out.data_ptr<float>(), head->norm.data_ptr<float>(), B, H, static_cast<float>(head->eps), x.data_ptr(),
+                 0);
+    }
     return matmul(head->kind, x, head->weight, head->params, head->group, logits).contiguous();
 }
 
@@ -320,7 +362,7 @@ TORCH_LIBRARY(hispec_fused, m) {
                                              int64_t, int64_t, double, bool>());
     m.class_<Head>("Head").def(torch::init<at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t, int64_t, double>());
     m.def("bind(int[] addresses) -> ()", bind);
-    m.def("profile_matmuls(bool on) -> (float, int)", profile_matmuls);
+    m.def("profile(bool on) -> (float[], int[])", profile);
     m.def("decode_layers(Tensor h, Tensor cos, Tensor ssin, Tensor slots, Tensor tables, Tensor seq, Tensor lengths, "
           "int block_size, bool parallel, __torch__.torch.classes.hispec_fused.Range range) -> Tensor",
           decode_layers);
