@@ -19,7 +19,7 @@ import hispec.decode.speculative as spec_mod
 from hispec.config import SamplingParams, SpecConfig
 from hispec.generate import Generator
 from hispec.model.loader import load_model
-from hispec.sampling.sampler import choose, logits_to_probs, next_tokens
+from hispec.sampling.sampler import argmax, choose, logits_to_probs, next_tokens
 from hispec.sampling.speculative import greedy_accept, greedy_accept_batch, sample_accept, sample_accept_batch
 
 ALPHA = 1e-3  # chi-square significance level; the wrong samplers score p-values far below it
@@ -414,3 +414,24 @@ def test_per_row_sampling_parameters_give_each_row_its_own_result():
                                for r, (p, s) in enumerate(zip(rows, seeds))]
     sampled = [r for r, p in enumerate(rows) if not p.greedy]
     assert torch.equal(probs, together[sampled])
+
+
+def test_argmax_is_torch_argmax():
+    """``sampler.argmax`` (numpy's on CPU float32) picks what ``torch.argmax`` picks: the first of
+    tied maxima, the first NaN, index 0 of an all ``-inf`` row, rows of any leading shape and
+    strides; other dtypes go to torch itself."""
+    g = torch.Generator().manual_seed(0)
+    nan, inf = float("nan"), float("inf")
+    cases = [torch.tensor([[1.0, 3.0, 3.0, 2.0], [-inf, -inf, -inf, -inf], [1.0, nan, 5.0, nan], [inf, 1.0, inf, 0.0],
+                           [0.0, -0.0, 0.0, -1.0], [-0.0, 0.0, -1.0, -1.0]]),
+             torch.randint(0, 4, (64, 300), generator=g).float(),  # many ties
+             torch.randn(3, 5, 49, generator=g),
+             torch.randn(8, 98, generator=g)[:, ::2],  # strided rows
+             torch.randn(98, 8, generator=g).T,
+             torch.randn(7, generator=g)]
+    for x in cases:
+        got = argmax(x)
+        assert got.dtype == torch.long and torch.equal(got, x.argmax(-1)), x
+    for dtype in (torch.bfloat16, torch.float64):
+        x = torch.randint(0, 4, (16, 64), generator=g).to(dtype)
+        assert torch.equal(argmax(x), x.argmax(-1))

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..config import ConfigError, SpecConfig
-from ..sampling.sampler import block_rows, choose, logits_to_probs
+from ..sampling.sampler import argmax as argmax_of, block_rows, choose, logits_to_probs
 from ..sampling.speculative import greedy_accept, greedy_accept_batch, sample_accept, sample_accept_batch
 from .base import DecodeContext, Strategy, process_rows, split_rows
 from .policies import DraftPolicy, draft_confidence, make_policy
@@ -163,7 +163,7 @@ def accept(batch: list[DecodeContext], proposed: list[torch.Tensor], proposed_pr
     token = torch.empty_like(num)  # [B]
     greedy = [b for b, c in enumerate(batch) if c.params.greedy]
     if greedy:
-        argmax = target_logits.argmax(-1)  # [sum (k_b + 1)]
+        argmax = argmax_of(target_logits)  # [sum (k_b + 1)]
         rows = _rows_of(greedy, sizes, len(batch))
         num[greedy], token[greedy] = greedy_accept_batch([proposed[b] for b in greedy],
                                                          argmax if rows is None else argmax[rows])
@@ -184,7 +184,7 @@ def _accept_one(ctx: DecodeContext, drafts: torch.Tensor, draft_probs: torch.Ten
                 target_logits: torch.Tensor) -> tuple[list[list[int]], list]:
     """``accept`` for a batch of one, with the one-sequence rules."""
     if ctx.params.greedy:
-        probs, (num, token) = None, greedy_accept(drafts, target_logits.argmax(-1))
+        probs, (num, token) = None, greedy_accept(drafts, argmax_of(target_logits))
     else:
         probs = logits_to_probs(target_logits, ctx.params)
         q = draft_probs if draft_probs is not None else probs[:0]  # [k, V]

@@ -14,6 +14,7 @@ The model only computes; it never decides what to generate. Decoding strategies 
 from __future__ import annotations
 
 import math
+import operator
 
 import torch
 import torch.nn.functional as F
@@ -372,6 +373,14 @@ class DecoderLayer(nn.Module):
         return self.o_proj(out if self.act_dtype is None else out.to(self.act_dtype))
 
 
+def _module_tensors(m: nn.Module) -> list[torch.Tensor]:
+    """``m``'s parameters and buffers: read from its own dicts when it has no submodules (a
+    linear layer; ~10x cheaper than ``m.parameters()``, which a decode step would pay each time)."""
+    if m._modules:
+        return [*m.parameters(), *m.buffers()]
+    return [t for t in (*m._parameters.values(), *m._buffers.values()) if t is not None]
+
+
 class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -510,10 +519,10 @@ class DecoderModel(nn.Module):
         key = (start, end, prefill, batched)
         layers = list(self.layers._modules.values())[start:end]
         hit = self._range_plans.get(key)
-        if hit is not None:
+        if hit is not None:  # (list equality, in C: the same layer objects, epochs and versions)
             objs, epochs, weights, versions, result = hit
-            if (all(a is b for a, b in zip(objs, layers)) and all(l.plan_epoch == e for l, e in zip(layers, epochs))
-                    and all(w._version == v for w, v in zip(weights, versions))):
+            if (layers == objs and [layer.plan_epoch for layer in layers] == epochs
+                    and [w._version for w in weights] == versions):
                 return result
         plans = [layer.layer_plan(prefill, batched) for layer in layers]
         acts = {layer.act_dtype for layer in layers}
@@ -537,8 +546,9 @@ class DecoderModel(nn.Module):
         embeddings and residual stream, layers or head not planned, exit blocks with K/V."""
         batched = len(tokens) > SMALL_ROWS
         head = self._step_head(batched)
-        if (head is None or pool.k[0].dtype not in fused.KV_DTYPES or pool.k[0].device.type != "cpu" or self.kv_exits()
-                or torch.is_grad_enabled() and self.embed_tokens.weight.requires_grad):
+        if (head is None or pool.k[0].dtype not in fused.KV_DTYPES or pool.k[0].device.type != "cpu"
+                or any(getattr(e, "has_kv", False) for e in self.exits.values()) or torch.is_grad_enabled()
+                and self.embed_tokens.weight.requires_grad):
             return None
         plans, has_float = self._plans_for(0, self.num_layers, False, batched)
         if plans is None or (has_float and len(tokens) > max(panel_rows(), SMALL_ROWS)):
@@ -552,11 +562,11 @@ class DecoderModel(nn.Module):
         for more than SMALL_ROWS rows if ``batched``), kept while they are the same tensors at the
         same versions; None where ``decode_step`` does not apply."""
         emb, norm, head = self.embed_tokens.weight, self.norm, self.lm_head
-        tensors = [emb, norm.weight, *head.buffers(), *head.parameters()]
+        tensors = [emb, norm.weight, *_module_tensors(head)]
         hit = self._head_ops.get(batched)
-        if hit is not None and hit[0] is head and len(hit[1]) == len(tensors) and all(
-                a is b and a._version == v for (a, v), b in zip(hit[1], tensors)):
-            return hit[2]
+        if (hit is not None and hit[0] is head and len(tensors) == len(hit[1])
+                and all(map(operator.is_, tensors, hit[1])) and [t._version for t in tensors] == hit[2]):
+            return hit[3]
         made = None
         if (self.inv_freq is not None and self.project_in is None and self.project_out is None and emb.device.type == "cpu"
                 and emb.dtype == torch.float32 and emb.is_contiguous() and isinstance(norm, RMSNorm)
@@ -565,7 +575,7 @@ class DecoderModel(nn.Module):
             planned = matmul_plan(head, None, batched=batched)
             if planned is not None:
                 made = fused.op_head(emb, norm.weight, *planned, norm.eps)
-        self._head_ops[batched] = (head, [(t, t._version) for t in tensors], made)
+        self._head_ops[batched] = (head, tensors, [t._version for t in tensors], made)
         return made
 
     def final_logits(self, h: torch.Tensor) -> torch.Tensor:

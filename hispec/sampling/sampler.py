@@ -13,11 +13,23 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from ..config import SamplingParams
 
 Generators = torch.Generator | None | Sequence[torch.Generator | None]  # one for every row, or one per row
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """The index of each row's maximum, ``x [..., V]`` -> ``[...]`` (long): the first one on ties,
+    the first NaN where a row has one, as ``torch.argmax``. A float32 tensor on the CPU goes
+    through numpy's argmax, which follows the same rules (so the same index) and vectorizes:
+    PyTorch's CPU argmax over SmolLM2's 49,152 logits took ~55 us against numpy's ~3 us, 0.5% of a
+    batch-1 decode step spent picking the greedy token."""
+    if x.device.type == "cpu" and x.dtype == torch.float32 and not x.requires_grad and x.shape[-1] > 0:
+        return torch.from_numpy(np.asarray(x.numpy().argmax(-1), dtype=np.int64))
+    return x.argmax(-1)
 
 
 def scale(logits: torch.Tensor, temperature: float | torch.Tensor) -> torch.Tensor:
@@ -60,7 +72,7 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams | Sequence[Samp
     """
     rows = [params] * logits.shape[0] if isinstance(params, SamplingParams) else list(params)
     if all(p.greedy for p in rows):
-        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+        return torch.nn.functional.one_hot(argmax(logits), logits.shape[-1]).float()
     step = block_rows(logits)
     if logits.shape[0] <= step:
         return _probs(logits, rows)
@@ -74,7 +86,7 @@ def _probs(logits: torch.Tensor, rows: list[SamplingParams]) -> torch.Tensor:
     """``logits_to_probs`` of ``logits [T, V]`` in one pass, row ``r`` with ``rows[r]``."""
     greedy = [p.greedy for p in rows]
     if all(greedy):
-        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+        return torch.nn.functional.one_hot(argmax(logits), logits.shape[-1]).float()
     vocab, device, raw = logits.shape[-1], logits.device, logits
     logits = scale(logits, per_row([1.0 if p.greedy else p.temperature for p in rows], device))
     top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in rows]  # vocab = off
@@ -86,7 +98,7 @@ def _probs(logits: torch.Tensor, rows: list[SamplingParams]) -> torch.Tensor:
         probs = _top_p(probs, top_p)
     if any(greedy):
         idx = torch.tensor([r for r, g in enumerate(greedy) if g], device=device)
-        probs[idx] = torch.nn.functional.one_hot(raw[idx].argmax(-1), vocab).float()
+        probs[idx] = torch.nn.functional.one_hot(argmax(raw[idx]), vocab).float()
     return probs
 
 
@@ -132,7 +144,7 @@ def exponential_noise(probs: torch.Tensor, generators: Generators) -> torch.Tens
 def race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     """``argmax(p / e)`` per row of ``probs [T, V]`` (``e ~ Exp(1)``, ``noise [T, V]``, overwritten)
     -> ``[T]``: an exact sample of each row (the exponential race; ``p`` need not be normalised)."""
-    return torch.div(probs, noise, out=noise).argmax(-1)
+    return argmax(torch.div(probs, noise, out=noise))
 
 
 def sample(probs: torch.Tensor, generators: Generators) -> torch.Tensor:
@@ -149,13 +161,13 @@ def choose(logits: torch.Tensor, params: Sequence[SamplingParams],
     order; None when every row is greedy)."""
     sampled = [r for r, p in enumerate(params) if not p.greedy]
     if not sampled:
-        return logits.argmax(-1), None
+        return argmax(logits), None
     every = len(sampled) == logits.shape[0]
     probs = logits_to_probs(logits if every else logits[sampled], [params[r] for r in sampled])  # [S, V]
     picks = sample(probs, [generators[r] for r in sampled])
     if every:
         return picks, probs
-    tokens = logits.argmax(-1)
+    tokens = argmax(logits)
     tokens[sampled] = picks
     return tokens, probs
 
@@ -163,7 +175,7 @@ def choose(logits: torch.Tensor, params: Sequence[SamplingParams],
 def next_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
     """Choose one token per row of ``logits [T, V]`` -> ``[T]``: argmax when greedy, else a sample."""
     if params.greedy:
-        return logits.argmax(-1)
+        return argmax(logits)
     return sample(logits_to_probs(logits, params), generator)
 
 
