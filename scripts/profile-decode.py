@@ -61,6 +61,7 @@ def main() -> None:
     quant.QuantLinear._mm = timed(quant.QuantLinear._mm, in_mm)
     # the C++ op's calls as a whole (with their Python glue): what its parts leave is its own overhead
     fused.decode_step = timed(fused.decode_step, in_op)
+    fused.decode_steps = timed(fused.decode_steps, in_op)
     fused.decode_layers = timed(fused.decode_layers, in_op)
     ids = gen.encode_prompt(args.prompt)
     print(f"{args.model} ({gen.model.weight_format} weights, KV cache {str(gen.model.kv_dtype)[6:]}, "

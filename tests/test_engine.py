@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from hispec.config import SamplingParams, SpecConfig
+from hispec.decode.autoregressive import Autoregressive
 from hispec.engine import Engine
 from hispec.generate import Generator, make_strategy
 from hispec.llm import LLM
@@ -67,6 +68,38 @@ def test_batched_outputs_equal_batch_of_one_ar(model, workload, name, batch_size
     assert got == expected
     engine.blocks.check_invariants()
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks  # no leak
+
+
+def test_rounds_of_several_greedy_tokens_equal_one_token_rounds(model, workload, monkeypatch, tiny_text_model_dir):
+    """``ar`` taking up to ``greedy_steps`` greedy tokens per round in one op call gives the ids of
+    one-token rounds: alone, batched, with EOS and token limits falling inside a round, under a pool
+    small enough to preempt; and the text of one-token rounds with stop strings."""
+    from hispec.model import fused
+
+    if fused.layers_op() is None:
+        pytest.skip("no C++ compiler or torch headers: no op to run several steps in")
+    prompts, limits, _, eos = workload
+    monkeypatch.setattr(Autoregressive, "greedy_steps", 1)
+    _, single = run_engine(model, "ar", prompts, limits, eos, 5, kv_blocks=400)
+    calls = []
+    runs = fused.decode_steps
+    monkeypatch.setattr(fused, "decode_steps", lambda *a: calls.append(a[-2]) or runs(*a))
+    for steps, batch_size, kv_blocks in ((4, 1, 400), (4, 5, 400), (3, 16, 60), (8, 16, 400)):
+        monkeypatch.setattr(Autoregressive, "greedy_steps", steps)
+        engine, got = run_engine(model, "ar", prompts, limits, eos, batch_size, kv_blocks=kv_blocks)
+        assert got == single, (steps, batch_size)
+        assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+        assert kv_blocks > 60 or engine.scheduler.num_preemptions > 0
+    assert calls and max(calls) > 6  # the rounds ran in the op, with room reserved for more than 4 steps
+
+    gen = Generator.from_pretrained(str(tiny_text_model_dir), exits=False, progress=False)
+    texts = {}
+    for steps in (1, 4):
+        monkeypatch.setattr(Autoregressive, "greedy_steps", steps)
+        outs = [gen.generate(p, SamplingParams(max_new_tokens=40, stop=stop), "ar")
+                for p in ("Hello there", "abc") for stop in ((), ("e",), ("xy", "o"))]
+        texts[steps] = [(o.text, o.token_ids, o.finish_reason) for o in outs]
+    assert texts[1] == texts[4]
 
 
 @pytest.mark.parametrize("name", list(STRATEGIES))

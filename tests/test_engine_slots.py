@@ -20,7 +20,8 @@ def model(tiny_model_dir):
 
 
 def test_each_strategy_declares_its_lookahead():
-    assert make_strategy("ar").lookahead == 2
+    ar = make_strategy("ar")
+    assert ar.lookahead == ar.greedy_steps + 1  # a round of greedy_steps tokens (1: the pending token, one spare)
     for name, spec in SPECS.items():
         s = make_strategy(name.split("-")[0], spec, 6)
         assert s.lookahead == spec.lookahead == spec.window + max(spec.num_draft, spec.max_draft
@@ -81,15 +82,16 @@ def test_generator_engines_share_one_pool_and_are_not_mutated(model):
 
 def test_pool_sizing_follows_the_config(model):
     strategy = make_strategy("ar")
+    ahead = strategy.lookahead
     e = Engine(model, strategy, EngineConfig(block_size=4, max_batch_size=3))
-    assert e.blocks.num_blocks == 3 * (-(-(min(256, 1024) + 2) // 4) + 1)  # a full batch of context-long sequences
+    assert e.blocks.num_blocks == 3 * (-(-(min(256, 1024) + ahead) // 4) + 1)  # a full batch of context-long sequences
     pool = e.pool
     e.fit_pool(10, 2)
     assert e.pool is pool  # big enough: kept, not re-allocated
     small = Engine(model, strategy, EngineConfig(block_size=4, max_batch_size=3), seq_tokens=1, num_seqs=1)
-    assert small.blocks.num_blocks == -(-(1 + 2) // 4) + 1
+    assert small.blocks.num_blocks == -(-(1 + ahead) // 4) + 1
     small.fit_pool(10, 2)
-    assert small.blocks.num_blocks == 2 * (-(-12 // 4) + 1)  # grown to what the requests need
+    assert small.blocks.num_blocks == 2 * (-(-(10 + ahead) // 4) + 1)  # grown to what the requests need
     fixed = Engine(model, strategy, EngineConfig(block_size=4, kv_blocks=7))
     fixed.fit_pool(100, 3)
     assert fixed.blocks.num_blocks == 7

@@ -566,6 +566,61 @@ def test_decode_step_equals_the_general_path(tiny_model_dir, four_bit_kernel, sm
         assert runs[0][0].blocks.length(s, n - 1) == start + 1
 
 
+@pytest.mark.parametrize("quantize", ["none:panel", "q4", "int8"])
+@pytest.mark.parametrize("batch_size", [1, 3, 6])
+def test_decode_greedy_equals_steps_of_decode_step_and_argmax(tiny_model_dir, four_bit_kernel, small_route, quantize,
+                                                               batch_size, monkeypatch):
+    """``LayerRunner.decode_greedy`` (several greedy steps in one op call) chooses the tokens and
+    writes the K/V that ``decode_logits`` + ``sampler.argmax`` step by step do, bit for bit, with the
+    attention threads switching on mid-run in both (as each step's key count decides); with an EOS
+    list it stops after the step where every sequence has chosen one."""
+    from hispec.decode.base import LayerRunner
+    from hispec.sampling.sampler import argmax
+
+    gen = tiny_on_kernels(tiny_model_dir, four_bit_kernel, small_route, quantize)
+    model, cfg = gen.model, gen.model.cfg
+    n, bs, steps = model.num_layers, 4, 5
+    starts = [0, 13, 30, 5, 21, 2][:batch_size]
+    keys = sum(starts) + batch_size  # the first step's; each step adds batch_size
+    monkeypatch.setattr(fused, "PARALLEL_MIN_WORK", (keys + 2 * batch_size) * cfg.num_heads * cfg.head_dim)
+
+    def runner() -> LayerRunner:
+        blocks = BlockManager(64, bs, n)
+        pool = KVPool(n, 64, bs, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu")
+        for i in range(n):
+            pool.k[i].copy_(torch.arange(pool.k[i].numel()).view_as(pool.k[i]).sin())
+            pool.v[i].copy_(torch.arange(pool.v[i].numel()).view_as(pool.v[i]).cos())
+        for s, start in enumerate(starts):
+            blocks.add_sequence(s)
+            blocks.ensure_capacity(s, start + steps)
+            blocks.set_filled(s, 0, n, start)
+        return LayerRunner(model, blocks, pool)
+
+    tokens = torch.randint(cfg.vocab_size, (batch_size,), generator=G).tolist()
+    one_call, by_step = runner(), runner()
+    with torch.no_grad():
+        chosen = one_call.decode_greedy(list(zip(range(batch_size), starts, tokens)), steps, [])
+        assert chosen is not None, "decode_greedy was not chosen"
+        ref, last = [[] for _ in starts], tokens
+        for j in range(steps):
+            logits = by_step.decode_logits([(s, start + j, t) for s, (start, t) in enumerate(zip(starts, last))])
+            last = argmax(logits).tolist()
+            for s, t in enumerate(last):
+                ref[s].append(t)
+    assert chosen == ref
+    for i in range(n):
+        assert torch.equal(one_call.pool.k[i], by_step.pool.k[i]) and torch.equal(one_call.pool.v[i], by_step.pool.v[i])
+    for s, start in enumerate(starts):
+        assert one_call.blocks.length(s, n - 1) == start + steps
+
+    # stop once every sequence has chosen an EOS: at step 2 here (each one's second token is an EOS)
+    eos = sorted({r[1] for r in ref})
+    with torch.no_grad():
+        early = runner().decode_greedy(list(zip(range(batch_size), starts, tokens)), steps, eos)
+    stop = next(j for j in range(steps) if all(any(t in eos for t in r[:j + 1]) for r in ref)) + 1
+    assert early == [r[:stop] for r in ref] and stop <= 2
+
+
 def test_profiling_counts_the_op_calls(tiny_model_dir, four_bit_kernel, small_route):
     """``fused.profile``: while on, the op times each of its calls per part (a plain decode step:
     four matmuls, one attention, one RoPE, two norms, one gated activation and one residual add per

@@ -87,6 +87,24 @@ class LayerRunner:
                 self.blocks.set_filled(seq_id, 0, n, pos + 1)
         return logits
 
+    def decode_greedy(self, items: list[tuple[int, int, int]], steps: int, eos: list[int]) -> list[list[int]] | None:
+        """Up to ``steps`` greedy tokens for each ``(seq_id, position, token)`` item, through every
+        layer in one call of the fused op (``DecoderModel.decode_greedy``): ``[B][s]`` host ints,
+        the same for every sequence ``s <= steps`` (fewer where the reserved slots end, or once every
+        sequence has chosen one of ``eos``). None where that call does not apply (nothing written)."""
+        n = self.model.num_layers
+        if self.reserved:  # the slots the scheduler reserved for this step
+            steps = min(steps, *(self.blocks.capacity(s) - pos for s, pos, _ in items))
+        for seq_id, pos, _ in items:
+            self._slots_for(seq_id, pos, steps, 0, n)
+        chosen = self.model.decode_greedy([t for _, _, t in items], [p for _, p, _ in items],
+                                          [self.blocks.block_table(s) for s, _, _ in items], self.pool, steps, eos)
+        if chosen is None:
+            return None
+        for seq_id, pos, _ in items:
+            self.blocks.set_filled(seq_id, 0, n, pos + chosen.shape[1])
+        return chosen.tolist()
+
     def _slots_for(self, seq_id: int, start_pos: int, num_tokens: int, start_layer: int, end_layer: int) -> None:
         """Check that layers ``[start_layer, end_layer)`` hold ``start_pos`` positions of the sequence
         and that positions up to ``start_pos + num_tokens`` have slots (reserved by the scheduler, or

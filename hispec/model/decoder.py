@@ -544,18 +544,39 @@ class DecoderModel(nn.Module):
         ``run_layers`` and ``final_logits`` one after the other. None where that call does not
         apply (then nothing was written): not a RoPE model on the fused CPU path with float32
         embeddings and residual stream, layers or head not planned, exit blocks with K/V."""
-        batched = len(tokens) > SMALL_ROWS
+        op = self._step_op(len(tokens), pool)
+        if op is None:
+            return None
+        plans, head, bf16 = op
+        return fused.decode_step(tokens, positions, tables, self._cpu_rope_table(max(positions)), plans, head, pool,
+                                 self.cfg, bf16)
+
+    def decode_greedy(self, tokens: list[int], positions: list[int], tables: list[list[int]], pool: KVPool,
+                      steps: int, eos: list[int]) -> torch.Tensor | None:
+        """Up to ``steps`` greedy tokens per sequence in one call of the fused op (``decode_step``,
+        then the argmax of each row, as ``sampler.argmax`` picks it, and again) -> ``[B, s]`` int64,
+        ``s <= steps``: fewer once every sequence has chosen one of ``eos``. The K/V of positions
+        ``positions[b] .. + s - 1`` are written. None where ``decode_step`` does not apply."""
+        op = self._step_op(len(tokens), pool)
+        if op is None:
+            return None
+        plans, head, bf16 = op
+        rope = self._cpu_rope_table(max(positions) + steps - 1)
+        return fused.decode_steps(tokens, positions, tables, rope, plans, head, pool, self.cfg, bf16, steps, eos)
+
+    def _step_op(self, batch_size: int, pool: KVPool) -> tuple | None:
+        """``(layer plans, op head, bfloat16 activations)`` for a decode step of ``batch_size``
+        sequences in one op call, or None where it does not apply (see ``decode_step``)."""
+        batched = batch_size > SMALL_ROWS
         head = self._step_head(batched)
         if (head is None or pool.k[0].dtype not in fused.KV_DTYPES or pool.k[0].device.type != "cpu"
                 or any(getattr(e, "has_kv", False) for e in self.exits.values()) or torch.is_grad_enabled()
                 and self.embed_tokens.weight.requires_grad):
             return None
         plans, has_float = self._plans_for(0, self.num_layers, False, batched)
-        if plans is None or (has_float and len(tokens) > max(panel_rows(), SMALL_ROWS)):
+        if plans is None or (has_float and batch_size > max(panel_rows(), SMALL_ROWS)):
             return None
-        bf16 = self.layers[0].act_dtype == ACT_DTYPE
-        return fused.decode_step(tokens, positions, tables, self._cpu_rope_table(max(positions)), plans, head, pool,
-                                 self.cfg, bf16)
+        return plans, head, self.layers[0].act_dtype == ACT_DTYPE
 
     def _step_head(self, batched: bool):
         """``fused.op_head`` of this model's embeddings, final norm and output head (its matmul as

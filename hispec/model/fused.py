@@ -238,6 +238,12 @@ def op_head(embed: torch.Tensor, norm: torch.Tensor, weight: torch.Tensor, param
     return torch.classes.hispec_fused.Head(embed, norm, weight, params, kind, group, eps)
 
 
+def _flat_tables(tables: list[list[int]]) -> list[int]:
+    """Block tables as one row-major list, each padded with block 0 to the longest."""
+    width = max(len(t) for t in tables)
+    return [b for t in tables for b in (t + [0] * (width - len(t)) if len(t) < width else t)]
+
+
 def decode_step(tokens: list[int], positions: list[int], tables: list[list[int]], rope_table, plans: LayerPlans,
                 head, pool: "KVPool", cfg, bf16_acts: bool) -> torch.Tensor:
     """One decoding step of B sequences in one call: ``tokens[b]`` at ``positions[b]`` (sequence b's
@@ -245,11 +251,24 @@ def decode_step(tokens: list[int], positions: list[int], tables: list[list[int]]
     (``head = op_head(...)``) -> logits ``[B, V]`` float32. ``rope_table``: ``(cos, signed sin)``
     ``[P, D]`` float32 with ``P > max(positions)``. The same bits as the step taken call by call
     (embedding, ``decode_layers``, the norm and the head's kernel)."""
-    width = max(len(t) for t in tables)
-    flat = [b for t in tables for b in (t + [0] * (width - len(t)) if len(t) < width else t)]
     parallel = (sum(positions) + len(positions)) * cfg.num_heads * cfg.head_dim >= PARALLEL_MIN_WORK
-    return torch.ops.hispec_fused.decode_step(tokens, positions, flat, pool.block_size, rope_table[0], rope_table[1],
-                                              parallel, op_range(plans, pool, 0, cfg.num_layers, cfg, bf16_acts), head)
+    return torch.ops.hispec_fused.decode_step(tokens, positions, _flat_tables(tables), pool.block_size, rope_table[0],
+                                              rope_table[1], parallel,
+                                              op_range(plans, pool, 0, cfg.num_layers, cfg, bf16_acts), head)
+
+
+def decode_steps(tokens: list[int], positions: list[int], tables: list[list[int]], rope_table, plans: LayerPlans,
+                 head, pool: "KVPool", cfg, bf16_acts: bool, steps: int, eos: list[int]) -> torch.Tensor:
+    """Up to ``steps`` greedy steps in one call: ``decode_step``, the argmax of each row (as
+    ``torch.argmax``), those tokens at the next positions, ... -> the chosen tokens ``[B, s]``
+    int64, ``s <= steps`` (it stops once every row has chosen one of ``eos``). The same tokens as
+    ``s`` calls of ``decode_step`` with an argmax between them. ``tables[b]`` and ``rope_table``
+    must cover ``positions[b] + steps - 1``."""
+    per_key = cfg.num_heads * cfg.head_dim
+    min_keys = -(-PARALLEL_MIN_WORK // per_key)  # keys * per_key >= PARALLEL_MIN_WORK, as decode_step decides
+    return torch.ops.hispec_fused.decode_steps(tokens, positions, _flat_tables(tables), pool.block_size, rope_table[0],
+                                               rope_table[1], steps, eos, min_keys,
+                                               op_range(plans, pool, 0, cfg.num_layers, cfg, bf16_acts), head)
 
 
 PROFILE_PARTS = ("matmul", "attention", "rope_cache", "norm", "silu_mul", "residual", "setup")

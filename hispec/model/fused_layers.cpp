@@ -354,6 +354,63 @@ at::Tensor decode_step(const std::vector<int64_t>& tokens, const std::vector<int
     return matmul(head->kind, x, head->weight, head->params, head->group, logits).contiguous();
 }
 
+// The index of the largest of ``row[0 .. n)``, as torch.argmax picks it: the first of equal
+// maxima, the first NaN where there is one (NaN counts as the largest).
+int64_t argmax_row(const float* row, int64_t n) {
+    int64_t best = 0;
+    float top = row[0];
+    if (top != top) return 0;
+    for (int64_t j = 1; j < n; j++) {
+        const float v = row[j];
+        if (v != v) return j;
+        if (v > top) {
+            top = v;
+            best = j;
+        }
+    }
+    return best;
+}
+
+// Up to ``steps`` greedy decoding steps of B sequences in one call: decode_step on ``tokens`` at
+// ``positions``, the argmax of each row of its logits as the next tokens at ``positions + 1``, and
+// so on -> the tokens chosen, [B, s] int64 (row b: sequence b's next s tokens), s <= steps: it stops
+// early once every row has chosen one of ``eos``. Each step is exactly decode_step (the attention
+// threads shared from ``parallel_min_keys`` keys in all, as fused.decode_step decides it) and each
+// choice exactly torch.argmax, so the tokens are those of ``steps`` calls of decode_step with an
+// argmax between them; what goes is the Python and dispatch between the steps. The block tables
+// must hold the positions the steps write (``positions[b] + steps - 1``).
+at::Tensor decode_steps(std::vector<int64_t> tokens, std::vector<int64_t> positions, const std::vector<int64_t>& tables,
+                        int64_t block_size, const at::Tensor& cos_table, const at::Tensor& ssin_table,
+                        int64_t steps, const std::vector<int64_t>& eos, int64_t parallel_min_keys,
+                        const c10::intrusive_ptr<Range>& range, const c10::intrusive_ptr<Head>& head) {
+    const int64_t B = static_cast<int64_t>(tokens.size());
+    TORCH_CHECK(steps > 0 && B > 0, "decode_steps: at least one step of one sequence");
+    at::Tensor out = at::empty({B, steps}, at::TensorOptions().dtype(at::kLong));
+    int64_t* chosen = out.data_ptr<int64_t>();
+    std::vector<bool> ended(B, false);
+    int64_t s = 0;
+    while (s < steps) {
+        int64_t keys = B;
+        for (const int64_t p : positions) keys += p;
+        const at::Tensor logits = decode_step(tokens, positions, tables, block_size, cos_table, ssin_table,
+                                              keys >= parallel_min_keys, range, head);  // [B, V]
+        const int64_t V = logits.size(1);
+        const float* lp = logits.data_ptr<float>();
+        bool all_ended = true;
+        for (int64_t b = 0; b < B; b++) {
+            const int64_t t = argmax_row(lp + b * V, V);
+            chosen[b * steps + s] = t;
+            tokens[b] = t;
+            positions[b] += 1;
+            ended[b] = ended[b] || std::find(eos.begin(), eos.end(), t) != eos.end();
+            all_ended = all_ended && ended[b];
+        }
+        s++;
+        if (all_ended) break;
+    }
+    return s == steps ? out : out.slice(1, 0, s).contiguous();
+}
+
 }  // namespace
 
 TORCH_LIBRARY(hispec_fused, m) {
@@ -370,4 +427,8 @@ TORCH_LIBRARY(hispec_fused, m) {
           "bool parallel, __torch__.torch.classes.hispec_fused.Range range, "
           "__torch__.torch.classes.hispec_fused.Head head) -> Tensor",
           decode_step);
+    m.def("decode_steps(int[] tokens, int[] positions, int[] tables, int block_size, Tensor cos, Tensor ssin, "
+          "int steps, int[] eos, int parallel_min_keys, __torch__.torch.classes.hispec_fused.Range range, "
+          "__torch__.torch.classes.hispec_fused.Head head) -> Tensor",
+          decode_steps);
 }
