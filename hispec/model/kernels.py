@@ -180,6 +180,7 @@ def describe(model) -> str:
         planned = all(layer.layer_plan() is not None for layer in model.layers)
         whole = planned and model._step_head(False) is not None  # DecoderModel.decode_step applies
         between += ("; plain decode steps run the embedding, all layers, the final norm and the head in one C++ call"
+                    " (greedy `ar`: several steps and their argmax per call)"
                     if whole else "; decode steps run all layers in one C++ call" if planned else
                     "; layers called one by one" + ("" if fused.layers_op() else
                                                      " (layer op unavailable: no C++ compiler, or HISPEC_FUSED_LAYERS=0)"))
