@@ -244,6 +244,12 @@ def _flat_tables(tables: list[list[int]]) -> list[int]:
     return [b for t in tables for b in (t + [0] * (width - len(t)) if len(t) < width else t)]
 
 
+def _parallel_min_keys(cfg) -> int:
+    """Keys (the sequences' positions + 1, summed) from which a decode step's attention shares the
+    threads: ``keys * num_heads * head_dim >= PARALLEL_MIN_WORK``, as ``decode_layers`` decides it."""
+    return -(-PARALLEL_MIN_WORK // (cfg.num_heads * cfg.head_dim))
+
+
 def decode_step(tokens: list[int], positions: list[int], tables: list[list[int]], rope_table, plans: LayerPlans,
                 head, pool: "KVPool", cfg, bf16_acts: bool) -> torch.Tensor:
     """One decoding step of B sequences in one call: ``tokens[b]`` at ``positions[b]`` (sequence b's
@@ -251,9 +257,8 @@ def decode_step(tokens: list[int], positions: list[int], tables: list[list[int]]
     (``head = op_head(...)``) -> logits ``[B, V]`` float32. ``rope_table``: ``(cos, signed sin)``
     ``[P, D]`` float32 with ``P > max(positions)``. The same bits as the step taken call by call
     (embedding, ``decode_layers``, the norm and the head's kernel)."""
-    parallel = (sum(positions) + len(positions)) * cfg.num_heads * cfg.head_dim >= PARALLEL_MIN_WORK
     return torch.ops.hispec_fused.decode_step(tokens, positions, _flat_tables(tables), pool.block_size, rope_table[0],
-                                              rope_table[1], parallel,
+                                              rope_table[1], _parallel_min_keys(cfg),
                                               op_range(plans, pool, 0, cfg.num_layers, cfg, bf16_acts), head)
 
 
@@ -264,10 +269,8 @@ def decode_steps(tokens: list[int], positions: list[int], tables: list[list[int]
     int64, ``s <= steps`` (it stops once every row has chosen one of ``eos``). The same tokens as
     ``s`` calls of ``decode_step`` with an argmax between them. ``tables[b]`` and ``rope_table``
     must cover ``positions[b] + steps - 1``."""
-    per_key = cfg.num_heads * cfg.head_dim
-    min_keys = -(-PARALLEL_MIN_WORK // per_key)  # keys * per_key >= PARALLEL_MIN_WORK, as decode_step decides
     return torch.ops.hispec_fused.decode_steps(tokens, positions, _flat_tables(tables), pool.block_size, rope_table[0],
-                                               rope_table[1], steps, eos, min_keys,
+                                               rope_table[1], steps, eos, _parallel_min_keys(cfg),
                                                op_range(plans, pool, 0, cfg.num_layers, cfg, bf16_acts), head)
 
 

@@ -312,10 +312,11 @@ struct Head : torch::CustomClassHolder {
 // of ``tables`` [B x width], flattened), the final norm and the head -> logits [B, V] float32.
 // The same kernels and inputs as the step taken op by op (embedding rows, RoPE rows of the tables
 // ``cos, ssin [P, D]``, decode_layers, rms_norm, the head's matmul), so the same bits; what it
-// saves is a dozen tensors and calls made per step in Python.
+// saves is a dozen tensors and calls made per step in Python. Attention shares the threads from
+// ``parallel_min_keys`` keys in all (the B sequences' positions + 1), as fused.py decides it.
 at::Tensor decode_step(const std::vector<int64_t>& tokens, const std::vector<int64_t>& positions,
                        const std::vector<int64_t>& tables, int64_t block_size, const at::Tensor& cos_table,
-                       const at::Tensor& ssin_table, bool parallel, const c10::intrusive_ptr<Range>& range,
+                       const at::Tensor& ssin_table, int64_t parallel_min_keys, const c10::intrusive_ptr<Range>& range,
                        const c10::intrusive_ptr<Head>& head) {
     const int64_t B = static_cast<int64_t>(tokens.size());
     TORCH_CHECK(B > 0 && positions.size() == tokens.size() && tables.size() % B == 0, "decode_step: B tokens, positions");
@@ -343,8 +344,11 @@ at::Tensor decode_step(const std::vector<int64_t>& tokens, const std::vector<int
         seq.data_ptr<int32_t>()[b] = static_cast<int32_t>(b);
         lengths.data_ptr<int32_t>()[b] = static_cast<int32_t>(pos + 1);
     }
+    int64_t keys = B;
+    for (const int64_t p : positions) keys += p;
     setup.reset();
-    const at::Tensor out = decode_layers(h, cos, ssin, slots, tab, seq, lengths, block_size, parallel, range);
+    const at::Tensor out = decode_layers(h, cos, ssin, slots, tab, seq, lengths, block_size, keys >= parallel_min_keys,
+                                         range);
     at::Tensor x = at::empty({B, H}, fopt), logits;
     {
         Timed t(NORM);
@@ -374,8 +378,7 @@ int64_t argmax_row(const float* row, int64_t n) {
 // Up to ``steps`` greedy decoding steps of B sequences in one call: decode_step on ``tokens`` at
 // ``positions``, the argmax of each row of its logits as the next tokens at ``positions + 1``, and
 // so on -> the tokens chosen, [B, s] int64 (row b: sequence b's next s tokens), s <= steps: it stops
-// early once every row has chosen one of ``eos``. Each step is exactly decode_step (the attention
-// threads shared from ``parallel_min_keys`` keys in all, as fused.decode_step decides it) and each
+// early once every row has chosen one of ``eos``. Each step is exactly decode_step and each
 // choice exactly torch.argmax, so the tokens are those of ``steps`` calls of decode_step with an
 // argmax between them; what goes is the Python and dispatch between the steps. The block tables
 // must hold the positions the steps write (``positions[b] + steps - 1``).
@@ -390,10 +393,8 @@ at::Tensor decode_steps(std::vector<int64_t> tokens, std::vector<int64_t> positi
     std::vector<bool> ended(B, false);
     int64_t s = 0;
     while (s < steps) {
-        int64_t keys = B;
-        for (const int64_t p : positions) keys += p;
         const at::Tensor logits = decode_step(tokens, positions, tables, block_size, cos_table, ssin_table,
-                                              keys >= parallel_min_keys, range, head);  // [B, V]
+                                              parallel_min_keys, range, head);  // [B, V]
         const int64_t V = logits.size(1);
         const float* lp = logits.data_ptr<float>();
         bool all_ended = true;
@@ -424,7 +425,7 @@ TORCH_LIBRARY(hispec_fused, m) {
           "int block_size, bool parallel, __torch__.torch.classes.hispec_fused.Range range) -> Tensor",
           decode_layers);
     m.def("decode_step(int[] tokens, int[] positions, int[] tables, int block_size, Tensor cos, Tensor ssin, "
-          "bool parallel, __torch__.torch.classes.hispec_fused.Range range, "
+          "int parallel_min_keys, __torch__.torch.classes.hispec_fused.Range range, "
           "__torch__.torch.classes.hispec_fused.Head head) -> Tensor",
           decode_step);
     m.def("decode_steps(int[] tokens, int[] positions, int[] tables, int block_size, Tensor cos, Tensor ssin, "
