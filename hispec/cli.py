@@ -27,8 +27,8 @@ COMMAND_MODULES = ("hispec.train.commands", "hispec.bench.commands", "hispec.ser
 def user_errors() -> tuple[type[BaseException], ...]:
     from .cache.block_manager import CacheFullError
     from .generate import PromptTooLongError
-    from .model.loader import ModelLoadError
-    from .model.registry import ModelNotFoundError
+    from .model.load.checkpoint import ModelLoadError
+    from .model.load.registry import ModelNotFoundError
     from .data import DataError
 
     errors = [ConfigError, UsageError, CacheFullError, PromptTooLongError, ModelLoadError,
@@ -201,7 +201,7 @@ def register_models(sub) -> None:
 
 
 def cmd_models(args) -> int:
-    from .model.registry import hispec_home, list_models
+    from .model.load.registry import hispec_home, list_models
 
     rows = list_models()
     if args.json:

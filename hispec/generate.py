@@ -79,13 +79,13 @@ class Generator:
         ones shipped for the default model, or an ``exits/`` folder in the model folder), a path
         loads those, False exits through the model's own final head. ``quantize``: ``none``
         (``dtype`` weights), ``native`` (a GGUF file's own 4-bit weights), ``int4``/``int8``, or
-        ``auto``: native where it runs faster on this CPU (``model/loader.py``), unless a ``dtype``
+        ``auto``: native where it runs faster on this CPU (``model/load/checkpoint.py``), unless a ``dtype``
         is given (``dtype=torch.float32`` is the float32 reference). ``dtype`` defaults to float32.
         ``kv_cache_dtype``: what the KV cache holds, ``auto`` (the model's dtype), ``float32`` or
         ``bfloat16`` (half the cache memory and attention's reads; every strategy reads the same
         rounded values, so their outputs stay identical to ``ar``'s with the same cache)."""
-        from .model.loader import load_model
-        from .model.registry import gguf_source, resolve_model
+        from .model.load.checkpoint import load_model
+        from .model.load.registry import gguf_source, resolve_model
 
         folder = resolve_model(name_or_path, progress=progress)
         if quantize == "auto" and dtype is not None:

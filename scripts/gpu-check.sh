@@ -63,7 +63,7 @@ import json, shutil, sys
 from pathlib import Path
 import torch
 from safetensors.torch import save_file
-from hispec.model.registry import resolve_model
+from hispec.model.load.registry import resolve_model
 
 out = Path(sys.argv[1])
 if (out / "config.json").is_file():

@@ -2,7 +2,7 @@
 
 ``tiny_model_dir(family, **overrides)`` writes a randomly initialised transformers model of
 that family once per session (per distinct overrides) and returns its folder, which
-``hispec.model.loader.load_model`` reads. Weights are seeded, so runs are reproducible.
+``hispec.model.load.checkpoint.load_model`` reads. Weights are seeded, so runs are reproducible.
 """
 from __future__ import annotations
 

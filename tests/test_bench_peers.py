@@ -239,7 +239,7 @@ def _real(engine: str) -> str:
 def test_real_peer_on_the_default_model(engine, peer, tmp_path):
     """The installed engine on the default model: it runs and agrees with ar on the first tokens."""
     _real(engine)
-    from hispec.model.registry import DEFAULT_MODEL, KNOWN_MODELS, models_dir
+    from hispec.model.load.registry import DEFAULT_MODEL, KNOWN_MODELS, models_dir
     if not (models_dir() / KNOWN_MODELS[DEFAULT_MODEL].folder).exists():
         pytest.skip("the default model is not converted")
     data = tmp_path / "q.jsonl"

@@ -11,7 +11,7 @@ import torch
 
 from hispec.config import SamplingParams, SpecConfig
 from hispec.generate import Generator
-from hispec.model.loader import load_model
+from hispec.model.load.checkpoint import load_model
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

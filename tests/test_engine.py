@@ -14,7 +14,7 @@ from hispec.decode.autoregressive import Autoregressive
 from hispec.engine import Engine
 from hispec.generate import Generator, make_strategy
 from hispec.llm import LLM
-from hispec.model.loader import load_model
+from hispec.model.load.checkpoint import load_model
 
 STRATEGIES = {
     "ar": None,

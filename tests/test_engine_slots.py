@@ -8,7 +8,7 @@ from hispec.cache.block_manager import BlockManager
 from hispec.config import ConfigError, EngineConfig, SamplingParams, SpecConfig
 from hispec.engine import Engine
 from hispec.generate import Generator, make_strategy
-from hispec.model.loader import load_model
+from hispec.model.load.checkpoint import load_model
 
 SPECS = {"selfspec": SpecConfig(2, 6, num_draft=3), "hispec": SpecConfig(1, 3, num_draft=2, window=3),
          "hispec-heuristic": SpecConfig(1, 4, draft_policy="heuristic", max_draft=6)}

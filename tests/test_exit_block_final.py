@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hispec.model.exit_block import ExitBlock
-from hispec.model.loader import load_model
+from hispec.model.exits.block import ExitBlock
+from hispec.model.load.checkpoint import load_model
 from hispec.train import seqdistill as S
 from hispec.train import teacher as T
 

@@ -17,7 +17,7 @@ import torch
 from hispec.config import SamplingParams, SpecConfig
 from hispec.generate import Generator
 from hispec.model import exits as E
-from hispec.model.loader import load_model
+from hispec.model.load.checkpoint import load_model
 
 
 def random_heads(model, layers, vocab: int | None = None, seed: int = 0, scale: float = 0.05):

@@ -449,7 +449,7 @@ def test_plain_c_fallback_gives_the_same_bits(tmp_path):
     flags = [f if f != "-march=native" else "-march=x86-64" for f in fused.FLAGS]
     subprocess.run([cc, *flags, str(fused.SOURCE), "-o", str(lib_path), "-lm"], check=True, capture_output=True)
     base = ctypes.CDLL(str(lib_path))
-    from hispec.model.gguf_weights import _blocks, _q8_blocks
+    from hispec.model.load.gguf_weights import _blocks, _q8_blocks
     from hispec.model.quant import QuantLinear
     from test_quant import _gguf_blocks
 

@@ -1,4 +1,4 @@
-"""Tests for hispec.model.gguf_convert (no network).
+"""Tests for hispec.model.load.gguf_convert (no network).
 
 Two kinds of fixtures:
 * a tiny synthetic llama GGUF written here with ``gguf.GGUFWriter`` from a random HF
@@ -21,8 +21,8 @@ import torch
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
 
-from hispec.model import gguf_convert as gc  # noqa: E402
-from hispec.model.gguf_convert import convert_gguf, default_gguf_path  # noqa: E402
+from hispec.model.load import gguf_convert as gc  # noqa: E402
+from hispec.model.load.gguf_convert import convert_gguf, default_gguf_path  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
 
@@ -424,7 +424,7 @@ def test_default_model_second_call_noop(smol):
 def test_native_weights_are_the_files_own(tmp_path, qtype):
     """``--quantize native``: the 4-bit tensors run on the int4 kernel with the file's exact
     values (``source_weight``), the others stay float32; logits stay close to the float32 copy."""
-    from hispec.model.loader import apply_quantization, load_model
+    from hispec.model.load.checkpoint import apply_quantization, load_model
     from hispec.model.quant import QuantLinear
 
     model = _tiny_hf_model(tie=False)

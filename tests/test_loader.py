@@ -1,4 +1,4 @@
-"""Tests for ``hispec.model.loader``: checkpoint layouts, refusals and error messages, name mapping.
+"""Tests for ``hispec.model.load.checkpoint``: checkpoint layouts, refusals and error messages, name mapping.
 
 Every folder is written here from a tiny random transformers model (no network).
 """
@@ -18,7 +18,7 @@ from hispec.cache.block_manager import BlockManager  # noqa: E402
 from hispec.cache.kv_cache import KVPool  # noqa: E402
 from hispec.config import ConfigError  # noqa: E402
 from hispec.decode.base import LayerRunner  # noqa: E402
-from hispec.model.loader import ModelLoadError, internal_name, load_model  # noqa: E402
+from hispec.model.load.checkpoint import ModelLoadError, internal_name, load_model  # noqa: E402
 
 IDS = [5, 17, 3, 42, 8, 29, 11, 40, 7, 23, 19]
 

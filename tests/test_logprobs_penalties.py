@@ -18,7 +18,7 @@ from hispec.config import SamplingParams, SpecConfig
 from hispec.decode.base import LayerRunner
 from hispec.engine import Engine
 from hispec.generate import make_strategy
-from hispec.model.loader import load_model
+from hispec.model.load.checkpoint import load_model
 from hispec.sampling.processors import LogitsProcessor
 
 STRATEGIES = {

@@ -1,7 +1,7 @@
 """Numerical parity of ``hispec.model`` with transformers, per model family (float32, CPU).
 
 For each family a tiny random model is built with transformers, saved as safetensors, loaded
-with ``hispec.model.loader.load_model`` and compared with transformers' own forward pass:
+with ``hispec.model.load.checkpoint.load_model`` and compared with transformers' own forward pass:
 
 * (a) prefill logits over a paged cache whose blocks (size 4) are crossed,
 * (b) step-by-step decoding through the paged cache,
@@ -30,7 +30,7 @@ from hispec.config import SamplingParams  # noqa: E402
 from hispec.decode.base import LayerRunner  # noqa: E402
 from hispec.generate import Generator  # noqa: E402
 from hispec.model.decoder import DecoderModel  # noqa: E402
-from hispec.model.loader import load_model  # noqa: E402
+from hispec.model.load.checkpoint import load_model  # noqa: E402
 
 ATOL = 1e-4
 BLOCK_SIZE = 4

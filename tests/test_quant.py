@@ -8,7 +8,7 @@ import torch
 from torch.nn import functional as F
 
 from hispec.model import fused, kernels
-from hispec.model.gguf_weights import _blocks, _q8_blocks
+from hispec.model.load.gguf_weights import _blocks, _q8_blocks
 from hispec.model.quant import ACT_DTYPE, QuantLinear, quantize_linears
 
 

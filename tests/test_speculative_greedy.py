@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from hispec.config import SamplingParams, SpecConfig
 from hispec.decode.stats import LevelStats
 from hispec.generate import Generator
-from hispec.model.loader import apply_quantization, load_model
+from hispec.model.load.checkpoint import apply_quantization, load_model
 
 # name -> (family, overrides, agreeing)
 MODELS = {

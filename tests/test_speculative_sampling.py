@@ -18,7 +18,7 @@ import torch
 import hispec.decode.speculative as spec_mod
 from hispec.config import SamplingParams, SpecConfig
 from hispec.generate import Generator
-from hispec.model.loader import load_model
+from hispec.model.load.checkpoint import load_model
 from hispec.sampling.sampler import argmax, choose, logits_to_probs, next_tokens
 from hispec.sampling.speculative import greedy_accept, greedy_accept_batch, sample_accept, sample_accept_batch
 

@@ -20,7 +20,7 @@ import llguidance  # noqa: E402
 
 from hispec.config import SamplingParams, SpecConfig  # noqa: E402
 from hispec.generate import Generator  # noqa: E402
-from hispec.model.loader import load_model  # noqa: E402
+from hispec.model.load.checkpoint import load_model  # noqa: E402
 from hispec.sampling.grammar import Grammar, llguidance_tokenizer  # noqa: E402
 
 from conftest import write_char_tokenizer  # noqa: E402

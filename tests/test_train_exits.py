@@ -14,7 +14,7 @@ from conftest import write_char_tokenizer
 from hispec.cli import main
 from hispec.generate import Generator
 from hispec.model import exits as E
-from hispec.model.loader import load_model
+from hispec.model.load.checkpoint import load_model
 from hispec.train import distill as D
 from hispec.train.sources import TextRecord, drop_holdout, load_source
 

@@ -19,7 +19,7 @@ FLOAT_TYPES = {"F32": (np.float32, 0), "F16": (np.float16, 1)}  # name -> (numpy
 
 
 def cache_dir() -> Path:
-    from ..model.registry import hispec_home
+    from ..model.load.registry import hispec_home
 
     return hispec_home() / "peers" / "gguf"
 

@@ -97,7 +97,7 @@ def parse_peer_python(values: list[str] | None) -> dict[str, str]:
 
 
 def peers_home() -> Path:
-    from ..model.registry import hispec_home
+    from ..model.load.registry import hispec_home
 
     return Path(os.environ.get("HISPEC_PEERS") or hispec_home() / "peers")
 
@@ -135,8 +135,8 @@ def peer_weights(spec: PeerSpec, generator, model_name: str) -> Weights:
         if folder is None:
             raise ConfigError("vllm needs the model's folder; this model was not loaded from one")
         return Weights(str(folder), f"{Path(folder).name}, {spec.weights}")
-    from ..model.gguf_convert import default_gguf_path
-    from ..model.registry import DEFAULT_MODEL, KNOWN_MODELS, models_dir
+    from ..model.load.gguf_convert import default_gguf_path
+    from ..model.load.registry import DEFAULT_MODEL, KNOWN_MODELS, models_dir
 
     default_folder = models_dir() / KNOWN_MODELS[DEFAULT_MODEL].folder
     if folder is None or Path(folder).resolve() != default_folder.resolve():

@@ -183,10 +183,10 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     from ..config import SpecConfig
     from ..generate import Generator, default_spec
-    from ..model.loader import load_model
+    from ..model.load.checkpoint import load_model
     from .runtime import rank_device, start_group
 
-    from ..model.registry import resolve_model
+    from ..model.load.registry import resolve_model
 
     args.model = resolve_model(args.model)
     dtype = getattr(torch, args.dtype)

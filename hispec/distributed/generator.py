@@ -25,7 +25,7 @@ def tp_generator(name_or_path: str, world_size: int, *, device: str = "cpu", dty
                  exit_on_failure: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S):
     """A ``Generator`` over ``world_size`` ranks (this process is rank 0; the others are started here)."""
     from ..generate import Generator, load_tokenizer
-    from ..model.registry import resolve_model
+    from ..model.load.registry import resolve_model
     from .runtime import start_group
 
     folder = resolve_model(name_or_path, progress=progress)
@@ -64,7 +64,7 @@ def attach_exits_tp(gen, folder: Path, path: Path | None, dtype: torch.dtype):
 def identity_view(folder: Path, cfg, dtype: torch.dtype) -> SimpleNamespace:
     """An object that ``hispec.model.exits.model_identity`` reads like the full model: the full
     config, and for each fingerprinted tensor the very values it samples (read row by row)."""
-    from ..model.loader import internal_name
+    from ..model.load.checkpoint import internal_name
 
     n = cfg.num_layers
     wanted = {"embed_tokens.weight", "norm.weight", "layers.0.qkv_proj.weight", f"layers.{n // 2}.o_proj.weight",

@@ -127,7 +127,7 @@ def _finish(model: nn.Module, state: dict[str, torch.Tensor], device, dtype) -> 
 def _assemble(cfg: ModelConfig, read: Callable[[str, str | None], torch.Tensor | None],
               names: list[tuple[str, str | None]]) -> dict[str, torch.Tensor]:
     """This rank's state dict from ``read(name, part)`` (already sliced), fusing q/k/v and gate/up."""
-    from ..model.loader import FUSED_ORDER
+    from ..model.load.checkpoint import FUSED_ORDER
 
     state, parts = {}, {}
     for name, part in names:
@@ -147,7 +147,7 @@ def _assemble(cfg: ModelConfig, read: Callable[[str, str | None], torch.Tensor |
 
 def load_shard(path: str | Path, comm: Comm, *, device="cpu", dtype: torch.dtype = torch.float32) -> nn.Module:
     """This rank's model, reading only its slices of the safetensors files of a model folder."""
-    from ..model.loader import _IGNORED, ModelLoadError, _expected_part_shapes, internal_name, read_config
+    from ..model.load.checkpoint import _IGNORED, ModelLoadError, _expected_part_shapes, internal_name, read_config
     from ..model.decoder import DecoderModel
 
     path = Path(path)
@@ -197,7 +197,7 @@ def load_shard(path: str | Path, comm: Comm, *, device="cpu", dtype: torch.dtype
 def shard_model(full: nn.Module, comm: Comm) -> nn.Module:
     """This rank's model cut from a built single-process ``full`` model (same device and dtype).
     Exit heads attached to ``full`` are carried over (their adapters are replicated)."""
-    from ..model.loader import FUSED_ORDER
+    from ..model.load.checkpoint import FUSED_ORDER
 
     cfg = full.cfg
     layout = Layout.of(cfg, comm.rank, comm.world_size)

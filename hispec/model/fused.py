@@ -72,7 +72,7 @@ def _cpu_key() -> str:
 
 
 def _build_dir() -> Path:
-    from .registry import hispec_home
+    from .load.registry import hispec_home
 
     return hispec_home() / "kernels"
 

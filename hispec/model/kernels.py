@@ -122,7 +122,7 @@ def _four_bit_choice_file() -> Path:
     flags, CPU) and torch version: timed once per machine, so that the same command gives the same text from one load to the next
     (the kernels' bfloat16 and float32 activations round differently)."""
     from . import fused
-    from .registry import hispec_home
+    from .load.registry import hispec_home
 
     return hispec_home() / "kernels" / f"four_bit-{fused.library_key()}-torch{torch.__version__}.json"
 

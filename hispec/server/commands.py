@@ -87,7 +87,7 @@ def served_names(args, gen) -> tuple[str, ...]:
     """The model ids clients may send: the served name first."""
     from pathlib import Path
 
-    from ..model.registry import ALIASES, KNOWN_MODELS
+    from ..model.load.registry import ALIASES, KNOWN_MODELS
 
     key = ALIASES.get(args.model.lower(), args.model.lower())
     if args.served_model_name:

@@ -35,7 +35,7 @@ def new_heads(model: nn.Module, layers: list[int], vocab_ids: dict[int, torch.Te
 
     def make(L: int) -> SharedOutput:
         if designs[L] in ("block", "block-final"):
-            from ..exit_block import ExitBlock
+            from .block import ExitBlock
 
             return ExitBlock(model, vocab_ids.get(L), init=init, reads_final=designs[L] == "block-final")
         return ExitHead(model, vocab_ids.get(L))

@@ -42,7 +42,7 @@ _SUBSET_ROWS: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDict
 class SharedOutput(nn.Module):
     """The frozen end of every exit: the model's final norm and output head, optionally over a
     vocabulary subset. Held by reference (not registered), so ``state_dict()`` holds only what
-    a subclass adds (``ExitHead`` here, ``ExitBlock`` in ``model/exit_block.py``)."""
+    a subclass adds (``ExitHead`` here, ``ExitBlock`` in ``model/exits/block.py``)."""
 
     has_kv = False  # True for exits that keep K/V in the paged pool
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .quant import QuantLinear
+from ..quant import QuantLinear
 
 BLOCK = 32
 # our fused layer -> its GGUF parts, in the order the float loader fuses them

@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from ..config import ConfigError, ModelConfig
-from .decoder import DecoderModel
+from ...config import ConfigError, ModelConfig
+from ..decoder import DecoderModel
 
 
 class ModelLoadError(RuntimeError):
@@ -179,7 +179,7 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
         model = DecoderModel(cfg)
     load_weights(model, _weight_files(path, allow_pickle), dtype)
     if cfg.family != "opt":  # the RoPE buffer was built on the meta device
-        from .decoder import rope_inv_freq
+        from ..decoder import rope_inv_freq
         model.inv_freq = rope_inv_freq(cfg)
     model = model.to(device).eval().requires_grad_(False)
     apply_quantization(model, quantize, gguf)
@@ -198,8 +198,8 @@ PREFILL_DENSE = os.environ.get("HISPEC_PREFILL_DENSE", "1") != "0"
 def apply_quantization(model: DecoderModel, quantize: str, gguf: str | Path | None = None) -> str:
     """Put the decoder's linear layers on the quantized kernels as ``quantize`` asks; returns the
     format chosen (``model.weight_format``)."""
-    from .kernels import cpu_has_bf16, quantized_kernels_pay
-    from .quant import ACT_DTYPE, act_dtype_of, quantize_linears
+    from ..kernels import cpu_has_bf16, quantized_kernels_pay
+    from ..quant import ACT_DTYPE, act_dtype_of, quantize_linears
 
     if quantize not in QUANTIZE:
         raise ConfigError(f"unknown quantization {quantize!r}; choose from {', '.join(QUANTIZE)}")

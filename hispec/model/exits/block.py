@@ -36,10 +36,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..cache.kv_cache import AttentionBatch, KVPool
-from .exits.head import SharedOutput
-from .decoder import DecoderLayer, RMSNorm
-from .quant import act_dtype_of, float_state_dict, quantize_linears
+from ...cache.kv_cache import AttentionBatch, KVPool
+from .head import SharedOutput
+from ..decoder import DecoderLayer, RMSNorm
+from ..quant import act_dtype_of, float_state_dict, quantize_linears
 
 INITS = ("copy", "zero")
 
