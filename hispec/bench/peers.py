@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .. import envs
 from ..config import ConfigError, SamplingParams
 from .strategies import Runner, Sample
 
@@ -97,9 +98,7 @@ def parse_peer_python(values: list[str] | None) -> dict[str, str]:
 
 
 def peers_home() -> Path:
-    from ..model.load.registry import hispec_home
-
-    return Path(os.environ.get("HISPEC_PEERS") or hispec_home() / "peers")
+    return envs.HISPEC_PEERS or envs.HISPEC_HOME / "peers"
 
 
 def find_python(engine: str, overrides: dict[str, str]) -> tuple[str | None, str | None]:

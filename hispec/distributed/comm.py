@@ -11,14 +11,15 @@ under tensor parallelism is measured, not assumed (``CommCounter``).
 from __future__ import annotations
 
 import datetime
-import os
 from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-DEFAULT_TIMEOUT_S = float(os.environ.get("HISPEC_TP_TIMEOUT", "120"))
+from .. import envs
+
+DEFAULT_TIMEOUT_S = envs.HISPEC_TP_TIMEOUT
 
 
 class TensorParallelError(RuntimeError):

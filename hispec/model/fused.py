@@ -39,6 +39,8 @@ from typing import NamedTuple
 
 import torch
 
+from .. import envs
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("fused_cpu.c")
@@ -99,7 +101,7 @@ def library_key() -> str:
 @functools.lru_cache(maxsize=1)
 def library() -> ctypes.CDLL | None:
     """The compiled kernels, or None (no compiler, a failed build, ``HISPEC_FUSED=0``)."""
-    if os.environ.get("HISPEC_FUSED", "1") == "0":
+    if not envs.HISPEC_FUSED:
         return None
     path = _build_dir() / f"fused_cpu-{library_key()}.so"
     try:
@@ -152,7 +154,7 @@ def layers_op():
     same kernels as the per-layer path), or None: no C kernels, no C++ compiler or torch headers,
     or ``HISPEC_FUSED_LAYERS=0``. Built once per source, torch version and CPU (~15 s)."""
     lib = library()
-    if lib is None or os.environ.get("HISPEC_FUSED_LAYERS", "1") == "0":
+    if lib is None or not envs.HISPEC_FUSED_LAYERS:
         return None
     path = _layers_path()
     try:
@@ -176,7 +178,7 @@ def layers_op():
 def prebuild(say=None) -> None:
     """Build (or load) the kernels now rather than in the first decode step, so the first
     generation's time is not a compiler's. ``say(msg)`` is told when a build is about to run."""
-    if os.environ.get("HISPEC_FUSED", "1") == "0":
+    if not envs.HISPEC_FUSED:
         return
     if say is not None and library() is not None and not _layers_path().exists():
         say("building hispec's CPU kernels for this CPU (once, ~15 s)")

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from .. import envs
+
 FAST_CAPABILITIES = ("AVX512",)
 MARGIN = 0.8  # quantized must take at most this fraction of the float32 time
 
@@ -89,7 +91,7 @@ def four_bit_kernel() -> tuple[str, str]:
     bfloat16 hardware (AVX2) ``q4`` wins; with it (AVX-512 BF16) it depends on the CPU."""
     from . import fused
 
-    forced = os.environ.get("HISPEC_Q4_KERNEL")
+    forced = envs.HISPEC_Q4_KERNEL
     if forced in FOUR_BIT:
         return forced, f"HISPEC_Q4_KERNEL={forced}"
     if not fused.available():

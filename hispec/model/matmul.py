@@ -72,13 +72,14 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from .. import envs
 from . import fused
 
 
 SMALL_ROWS = 4
 _ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 PREPACK = (_ONEDNN and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-           and os.environ.get("HISPEC_PREPACK", "1") != "0")
+           and envs.HISPEC_PREPACK)
 PREPACK_FRACTION = 0.25
 PACK_ROWS = 16  # the row count oneDNN's blocked layout is chosen for; it serves 5-512 rows well (table above)
 PANEL_DECODE_ROWS = 64  # batched decode steps and verification windows
@@ -125,7 +126,7 @@ def panel_rows() -> int:
     kernel cannot run (no compiled kernels) or weight copies are off (``HISPEC_PREPACK=0``: the panel
     layout is a copy too); else both kernels timed (interleaved, medians of 5) on 16 and on 256 rows
     against 8 weights of a SmolLM2 MLP's size."""
-    forced = os.environ.get("HISPEC_BATCH_MATMUL")
+    forced = envs.HISPEC_BATCH_MATMUL
     if forced in BATCHED_ROUTES:
         return PANEL_ROWS if forced == "panel" else 0
     if not (PREPACK and fused.available()):
@@ -158,7 +159,7 @@ def small_route() -> str:
     5) on one row against 8 weights of a SmolLM2 MLP's size (56 MB, more than a cache holds);
     ``panel`` only where the kernels are built and weight copies allowed. Where a ``Linear`` gets no
     panel copy (over the memory budget) and for :func:`linear`, ``panel`` computes as ``wxt``."""
-    forced = os.environ.get("HISPEC_SMALL_MATMUL")
+    forced = envs.HISPEC_SMALL_MATMUL
     if forced in ROUTES:
         return forced
     from .kernels import interleaved_medians

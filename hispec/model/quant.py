@@ -46,11 +46,11 @@ beside the kernel's copy), so fingerprints and reference paths see what is in th
 """
 from __future__ import annotations
 
-import os
 
 import torch
 from torch import nn
 
+from .. import envs
 from . import fused
 
 ACT_DTYPE = torch.bfloat16
@@ -151,7 +151,7 @@ class QuantLinear(nn.Module):
         n, k = q.shape
         group = k // d.shape[1]
         if kernel == "auto":
-            kernel = "q8" if fused.available() and os.environ.get("HISPEC_Q8", "1") != "0" else "int4x2"
+            kernel = "q8" if fused.available() and envs.HISPEC_Q8 else "int4x2"
         if kernel == "q8":
             layer = cls("q8", k, n, q.to(torch.int8).contiguous(), d.float().contiguous(), group, source=source)
             layer._exact = {"d": d.half(), "m": torch.zeros_like(d, dtype=torch.float16)}

@@ -7,13 +7,13 @@ and even then they are read with ``torch.load(weights_only=True)``.
 from __future__ import annotations
 
 import json
-import os
 import re
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
+from ... import envs
 from ...config import ConfigError, ModelConfig
 from ..decoder import DecoderModel
 
@@ -192,7 +192,6 @@ QUANTIZE = ("auto", "none", "native", "int4", "int8")
 # dense bfloat16 product of a prompt chunk ran 1.7-1.8x faster than q4's float32 panels: 64 and 256
 # rows, the 120 decoder matmuls, Zen 4; without it the panels win). HISPEC_PREFILL_DENSE=0 prefills on
 # the 4-bit kernel's own path instead.
-PREFILL_DENSE = os.environ.get("HISPEC_PREFILL_DENSE", "1") != "0"
 
 
 def apply_quantization(model: DecoderModel, quantize: str, gguf: str | Path | None = None) -> str:
@@ -221,7 +220,7 @@ def apply_quantization(model: DecoderModel, quantize: str, gguf: str | Path | No
         for name, layer in linears.items():
             parent, child = name.rsplit(".", 1)
             old = getattr(model.get_submodule(parent), child)  # the file's values, dequantized to float32
-            if PREFILL_DENSE and (layer.input_dtype == ACT_DTYPE or layer.kernel == "q4" and cpu_has_bf16()) \
+            if envs.HISPEC_PREFILL_DENSE and (layer.input_dtype == ACT_DTYPE or layer.kernel == "q4" and cpu_has_bf16()) \
                     and getattr(old, "weight", None) is not None \
                     and old.weight.shape == (layer.out_features, layer.in_features):
                 layer.dense = old.weight.detach().to(torch.bfloat16).contiguous()

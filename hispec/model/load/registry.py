@@ -5,9 +5,10 @@ Converted models are cached under ``$HISPEC_HOME/models`` (default ``~/.cache/hi
 from __future__ import annotations
 
 import hashlib
-import os
 from dataclasses import dataclass
 from pathlib import Path
+
+from ... import envs
 
 
 class ModelNotFoundError(FileNotFoundError):
@@ -35,7 +36,7 @@ ALIASES = {"default": DEFAULT_MODEL, "smollm2": DEFAULT_MODEL}
 
 
 def hispec_home() -> Path:
-    return Path(os.environ.get("HISPEC_HOME") or Path.home() / ".cache" / "hispec")
+    return envs.HISPEC_HOME
 
 
 def models_dir() -> Path:
