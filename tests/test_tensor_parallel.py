@@ -71,6 +71,19 @@ def test_tp2_qwen_uneven_heads_equals_single_process(tiny_model_dir):
     assert_lossless(report)
 
 
+def test_tp2_default_model_with_its_shipped_exits():
+    """SmolLM2-135M on 2 ranks with the exit heads it ships (vocabulary-restricted ones among them,
+    whose rows each rank takes from its own part of the output head): the same greedy ids as one
+    process for ar, selfspec and hispec. Logits differ only by the order of the reductions."""
+    rc, report, err, _ = run_check(Path("default"), "--shipped-exits", limit=400)
+    assert rc == 0, err
+    assert report["ok"], report.get("error")
+    assert set(report["logits_max_abs_diff"]) > {"final"}, "no exit heads were compared"
+    assert max(report["logits_max_abs_diff"].values()) < 1e-3
+    assert report["greedy_equal_to_single_process_ar"] == {"ar": True, "selfspec": True, "hispec": True}
+    assert report["greedy_equal_to_tp_ar"] == {"ar": True, "selfspec": True, "hispec": True}
+
+
 @pytest.mark.parametrize("mode", ["raise", "hang"])
 def test_failing_rank_ends_the_group_with_a_clear_error(tiny_model_dir, mode):
     rc, report, err, seconds = run_check(tiny_model_dir("llama"), "--fail-rank", "1", "--fail-after", "12",

@@ -84,14 +84,14 @@ def exit_logits(model: nn.Module, head: nn.Module, h: torch.Tensor) -> torch.Ten
     y = head.output_input(head.adapt(h))  # [T, D]
     if head.vocab_ids is None:
         return lm_head(y)
-    ids, rows = _local_subset(head, lm_head)
+    ids, rows = local_subset(head, lm_head)
     local = y.new_full((h.shape[0], lm_head.stop - lm_head.start), float("-inf"))
     if ids.numel():
         local.index_copy_(1, ids, linear(y, rows))
     return lm_head.gather(local)
 
 
-def _local_subset(head: nn.Module, lm_head: VocabParallelHead) -> tuple[torch.Tensor, torch.Tensor]:
+def local_subset(head: nn.Module, lm_head: VocabParallelHead) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's part of a restricted head's vocabulary: local ids ``[k]`` and head rows ``[k, D]`` (cached)."""
     cached = head.__dict__.get("_tp_subset")
     if cached is None or cached[1].device != lm_head.weight.device or cached[1].dtype != lm_head.weight.dtype:

@@ -22,7 +22,7 @@ from torch import nn
 
 from ..config import ConfigError, ModelConfig
 from .comm import Comm, split_range
-from .layers import RowParallelLinear, VocabParallelEmbedding, VocabParallelHead, exit_logits
+from .layers import RowParallelLinear, VocabParallelEmbedding, VocabParallelHead, local_subset, exit_logits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -241,6 +241,12 @@ class ShardedModelMixin:
         if self.project_out is not None:
             h = self.project_out(h)
         return self.lm_head(h)  # [T, V], the same on every rank
+
+    def prepare_exit(self, head: nn.Module) -> None:
+        """This rank's rows of a vocabulary-restricted exit head, now rather than in the first draft
+        (the head's own ``prepare`` would index the full vocabulary in this rank's part of it)."""
+        if getattr(head, "vocab_ids", None) is not None:
+            local_subset(head, self.lm_head)
 
     def exit_logits(self, h: torch.Tensor, layer: int) -> torch.Tensor:
         head = self.exits.get(layer) if layer < self.cfg.num_layers else None

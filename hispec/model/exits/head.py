@@ -87,8 +87,13 @@ class SharedOutput(nn.Module):
     def prepare(self) -> None:
         """Ready for decoding: a restricted exit builds its output rows now, not in the first draft
         (a quantized head takes ~1 s to dequantize), and, where the model's own head runs on the
-        quantized CPU kernels, an int4 copy of those rows (``decode_rows``)."""
-        if self.restricted:
+        quantized CPU kernels, an int4 copy of those rows (``decode_rows``). A model whose output
+        head holds only part of the vocabulary (a tensor-parallel rank) prepares its own part of
+        the rows (its ``prepare_exit``)."""
+        prepare_exit = getattr(self.base, "prepare_exit", None)
+        if prepare_exit is not None:
+            prepare_exit(self)
+        elif self.restricted:
             self.sub_weight()
             self.decode_rows()
 
