@@ -80,6 +80,15 @@ def test_peer_syntax():
         with pytest.raises(ConfigError):
             parse_peers(bad)
     assert parse_peer_python(["vllm=/x/bin/python"]) == {"vllm": "/x/bin/python"}
+    # a speculative mode brings its plain counterpart (its ratio is taken against it) unless named
+    spec = parse_peers("llama.cpp:q4_1:lookup,vllm:bfloat16:ngram,vllm:bfloat16")
+    assert [(p.label, p.speculative, p.plain_label) for p in spec] == [
+        ("llama.cpp:q4_1", None, None), ("llama.cpp:q4_1:lookup", "lookup", "llama.cpp:q4_1"),
+        ("vllm:bfloat16:ngram", "ngram", "vllm:bfloat16"), ("vllm:bfloat16", None, None)]
+    assert [p.label for p in parse_peers("llama.cpp:lookup")][-1] == "llama.cpp:f32:lookup"
+    for bad in ("llama.cpp:ngram", "vllm:lookup", "vllm:ngram:float32", "transformers"):
+        with pytest.raises(ConfigError):
+            parse_peers(bad)
     with pytest.raises(ConfigError):
         parse_peer_python(["transformers=/x"])
 
@@ -99,7 +108,7 @@ def test_protocol_round_trip_and_errors(fake_vllm_python, tmp_path):
                     tmp_path / "peer.log")
     try:
         assert p.info == {"engine": "vllm", "version": "0.0-fake", "dtype": "float32", "batching": True,
-                          "prefix_caching": False}
+                          "prefix_caching": False, "speculative": None}
         prompts = [[5, 6, 7], [9, 2, 8, 3], [4]]
         reply = p.request(op="generate", prompts=prompts, max_new_tokens=3, eos=[2], ignore_eos=False, batch_size=2)
         assert reply["outputs"] == [expected(x, 3) for x in prompts] and reply["seconds"] >= 0
@@ -219,6 +228,38 @@ def test_batch_sizes_with_peers(tiny_text_model_dir, prompt_file, fake_vllm_pyth
     calls = [json.loads(l) for l in Path(os.environ["FAKE_PEER_LOG"]).read_text().splitlines()]
     assert [c["batch"] for c in calls] == [2, 1, 1, 1, 3]  # warm-up, batch 1 (one by one), batch 2 = the max
     assert "vllm:float32 tokens/s" in (out / "batch_report.md").read_text()
+
+
+def test_speculative_peers_against_their_own_plain_decoding(tiny_text_model_dir, prompt_file, fake_vllm_python,
+                                                            tmp_path, capsys):
+    """vLLM's ngram mode gets its speculative config (and its plain counterpart runs too);
+    transformers' prompt lookup (``hf-lookup``) gives its own plain greedy ids; each speculative
+    entry has its ratio to its own plain decoding, overall and per category, and the report has
+    the table."""
+    out = tmp_path / "out"
+    rc = bench(tiny_text_model_dir, prompt_file, out, "--strategies", "ar,hf,hf-lookup", "--peers", "vllm:ngram",
+               "--peer-python", f"vllm={fake_vllm_python}")
+    assert rc == 0
+    r = json.loads((out / "results.json").read_text())
+    s = r["strategies"]
+    assert r["config"]["peers"] == ["vllm:float32", "vllm:float32:ngram"]
+    calls = [json.loads(l) for l in Path(os.environ["FAKE_PEER_LOG"]).read_text().splitlines()]
+    assert {json.dumps(c["init"].get("speculative_config"), sort_keys=True) for c in calls} == {
+        "null", json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
+                            "prompt_lookup_min": 1}, sort_keys=True)}
+    t, lk = s["hf"], s["hf-lookup"]
+    assert t["available"] and lk["available"], (t["reason"], lk["reason"])
+    assert lk["prompt_lookup_num_tokens"] == 4 and s["vllm:float32:ngram"]["peer"]["speculative"] == {
+        "mode": "ngram", "num_draft": 4, "max_ngram": 3}
+    assert lk["new_tokens"] == t["new_tokens"] and lk["agreement_with_ar"] == t["agreement_with_ar"]
+    for label, plain in (("hf-lookup", "hf"), ("vllm:float32:ngram", "vllm:float32")):
+        e = s[label]
+        assert e["plain_label"] == plain
+        assert e["speedup_vs_plain"] == round(e["tokens_per_second"] / s[plain]["tokens_per_second"], 4)
+        assert all(c["speedup_vs_plain"] is not None for c in e["per_category"].values())
+    assert s["hf"]["speedup_vs_plain"] is None and s["ar"]["speedup_vs_plain"] is None
+    report = (out / "report.md").read_text()
+    assert "Speculation against its own plain decoding" in report and "`hf-lookup` vs `hf`" in report
 
 
 def test_peers_need_greedy(tiny_text_model_dir, prompt_file, tmp_path, capsys):

@@ -21,13 +21,16 @@ strategies (--strategies, comma-separated NAME[:OPTION...]):
   hispec[:OPTS]           two exits; OPTS as selfspec plus i=L_i, w=N_i
   hf                      transformers generate() on the same model folder
   hf-early-exit[:L]       transformers generate(assistant_early_exit=L); bare: one run per --hf-exit-layers
-  e.g. ar,selfspec:d=4,selfspec:heuristic,hispec,hispec:svip,hf,hf-early-exit
+  hf-lookup[:K]           transformers generate(prompt_lookup_num_tokens=K) (bare: K=4), also against hf
+  e.g. ar,selfspec:d=4,selfspec:heuristic,hispec,hispec:svip,hf,hf-early-exit,hf-lookup
 
 peers (--peers, comma-separated ENGINE[:OPTION]): run in their own processes on the same prompt token ids,
 interleaved with the strategies; their token ids are compared with ar's (whole output and first --agree-first).
-  llama.cpp[:W]           llama-cpp-python on the default model's own Q4_1 GGUF (q4_1) or F16/F32 GGUFs of
-                          the same weights (f16, f32; written once under $HISPEC_HOME/peers/gguf); bare: all three
-  vllm[:DTYPE]            vLLM (CPU) on the converted model folder; float32 (bare) or bfloat16
+  llama.cpp[:W][:lookup]  llama-cpp-python on the default model's own Q4_1 GGUF (q4_1) or F16/F32 GGUFs of
+                          the same weights (f16, f32; written once under $HISPEC_HOME/peers/gguf); bare: all three;
+                          :lookup with its prompt lookup decoding (measured against the same peer without it)
+  vllm[:DTYPE][:ngram]    vLLM (CPU) on the converted model folder; float32 (bare) or bfloat16; :ngram with its
+                          n-gram speculative decoding (measured against the same peer without it)
   ar:OPT=VALUE[:...]      hispec ar with other model options in a second process, e.g. ar:dtype=bfloat16
   install: scripts/install-peers.sh [llama.cpp] [vllm] (venvs under $HISPEC_PEERS, default $HISPEC_HOME/peers)
 

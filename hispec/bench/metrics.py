@@ -5,6 +5,10 @@ Per strategy, overall and per category:
 - ``tokens_per_second``: total new tokens / total generation seconds (prefill included);
   ``tokens_per_second_median``: the median of the per-prompt rates;
 - ``speedup_vs_ar``: ``tokens_per_second`` / ``ar``'s, on the same prompts in the same run;
+- ``speedup_vs_plain``: a speculative method against its own plain decoding in the same run:
+  hispec's strategies against ``ar``, transformers' (``hf-lookup``, ``hf-early-exit``) against
+  ``hf``, a peer's speculative mode (``llama.cpp:q4_1:lookup``, ``vllm:float32:ngram``) against the
+  same peer decoding plainly;
 - ``identical_to_ar``: every prompt's token ids equal ``ar``'s (greedy runs; else null);
   ``agreement_with_ar``: prompts whose whole output / first N tokens equal ``ar``'s, and the mean
   common prefix (for peers, whose kernels differ, agreement is measured, not expected);
@@ -54,7 +58,23 @@ def summarize(run: BenchRun, reference: str = "ar") -> dict:
                                  for c in categories}
         out[r.label] = entry
     _overheads(out, reference)
+    _against_plain(out)
     return out
+
+
+PLAIN_OF = {"selfspec": "ar", "hispec": "ar", "lookup": "ar", "hf-early-exit": "hf"}  # kind -> its plain label
+
+
+def _against_plain(out: dict) -> None:
+    """``speedup_vs_plain`` of every speculative entry, overall and per category (null elsewhere)."""
+    for label, entry in out.items():
+        plain = entry.get("plain_label") or PLAIN_OF.get(entry["kind"])
+        base = out.get(plain) if plain else None
+        scopes = [(entry, base)] + [(scope, (base or {}).get("per_category", {}).get(c))
+                                    for c, scope in entry["per_category"].items()]
+        for scope, base_scope in scopes:
+            mine, theirs = scope.get("tokens_per_second"), (base_scope or {}).get("tokens_per_second")
+            scope["speedup_vs_plain"] = round(mine / theirs, 4) if mine and theirs else None
 
 
 def _cat(run: BenchRun, rec: Record) -> str:

@@ -6,6 +6,10 @@ library at the top and the engine when it loads; hispec itself is imported only 
 
     python peer_worker.py --engine llama.cpp|vllm|hispec --model PATH --threads N [engine options]
 
+``--speculative lookup|ngram --num-draft K --ngram N``: the engine's own prompt-lookup speculative
+decoding (llama.cpp: ``LlamaPromptLookupDecoding``; vLLM: ``ngram``), drafting up to K tokens from
+a match of up to N tokens.
+
 Protocol (one JSON object per line; requests on stdin, replies on the process's original
 stdout, while anything the engine prints goes to stderr):
 
@@ -34,10 +38,15 @@ class LlamaCpp:
     def __init__(self, args) -> None:
         import llama_cpp
 
+        draft = None
+        if args.speculative:
+            from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+            draft = LlamaPromptLookupDecoding(max_ngram_size=args.ngram, num_pred_tokens=args.num_draft)
         self.llm = llama_cpp.Llama(model_path=args.model, n_ctx=args.context, n_batch=512, n_threads=args.threads,
-                                   n_threads_batch=args.threads, seed=0, verbose=False)
+                                   n_threads_batch=args.threads, seed=0, verbose=False, draft_model=draft)
         self.info = {"engine": "llama.cpp", "version": llama_cpp.__version__,
-                     "weights": os.path.basename(args.model), "batching": False}
+                     "weights": os.path.basename(args.model), "batching": False, "speculative": _spec_info(args)}
 
     def generate(self, prompts, max_new_tokens, eos, ignore_eos, batch_size):
         return [self._one(ids, max_new_tokens, eos, ignore_eos) for ids in prompts]
@@ -66,10 +75,15 @@ class VLLM:
         # Prefix caching off: the bench runs the same prompts at every batch size (and warms up on
         # them), so vLLM's cache would hold their K/V from the earlier pass and skip their prefill,
         # while hispec (which has no prefix cache) prefills every prompt every time.
+        spec = None
+        if args.speculative:
+            spec = {"method": "ngram", "num_speculative_tokens": args.num_draft, "prompt_lookup_max": args.ngram,
+                    "prompt_lookup_min": 1}
         self.llm = vllm.LLM(model=args.model, dtype=args.dtype, max_model_len=args.context,
-                            max_num_seqs=args.max_batch, seed=0, enable_prefix_caching=False)
+                            max_num_seqs=args.max_batch, seed=0, enable_prefix_caching=False,
+                            **({"speculative_config": spec} if spec else {}))
         self.info = {"engine": "vllm", "version": vllm.__version__, "dtype": args.dtype, "batching": True,
-                     "prefix_caching": False}
+                     "prefix_caching": False, "speculative": _spec_info(args)}
 
     def close(self) -> None:
         """Stop vLLM's engine-core process with this one (it would outlive it otherwise)."""
@@ -122,6 +136,12 @@ class Hispec:
 ENGINES = {"llama.cpp": LlamaCpp, "vllm": VLLM, "hispec": Hispec}
 
 
+def _spec_info(args) -> dict | None:
+    if not args.speculative:
+        return None
+    return {"mode": args.speculative, "num_draft": args.num_draft, "max_ngram": args.ngram}
+
+
 def _cut(ids, eos, ignore_eos):
     """Up to and including the first EOS (engines differ in whether they return it)."""
     if not ignore_eos:
@@ -139,6 +159,10 @@ def parse_args(argv=None):
     p.add_argument("--context", type=int, default=2048, help="context length to allocate")
     p.add_argument("--dtype", default="float32", help="vllm: weights dtype")
     p.add_argument("--max-batch", type=int, default=16, help="vllm: most sequences in one step")
+    p.add_argument("--speculative", choices=["lookup", "ngram"], default=None,
+                   help="the engine's own prompt-lookup speculative decoding (llama.cpp: lookup, vllm: ngram)")
+    p.add_argument("--num-draft", type=int, default=4, help="with --speculative: tokens drafted per round")
+    p.add_argument("--ngram", type=int, default=3, help="with --speculative: the longest n-gram matched")
     p.add_argument("hispec_args", nargs=argparse.REMAINDER, help="hispec: model options after --")
     args = p.parse_args(argv)
     args.hispec_args = [a for a in args.hispec_args if a != "--"]

@@ -2,10 +2,13 @@
 
 ``--peers`` names them (comma-separated ``ENGINE[:OPTION...]``):
 
-- ``llama.cpp[:q4_1|f16|f32]``: llama-cpp-python on the default model's own Q4_1 GGUF, or F16 /
-  F32 GGUFs of the same weights (``gguf_float``); bare ``llama.cpp`` = all three. Only the default
-  model (the GGUF it was converted from) has these files.
-- ``vllm[:float32|bfloat16]``: vLLM (CPU build) on the model's converted folder; bare = float32.
+- ``llama.cpp[:q4_1|f16|f32][:lookup]``: llama-cpp-python on the default model's own Q4_1 GGUF, or
+  F16 / F32 GGUFs of the same weights (``gguf_float``); bare ``llama.cpp`` = all three. Only the
+  default model (the GGUF it was converted from) has these files. ``:lookup``: with its prompt
+  lookup decoding (``LlamaPromptLookupDecoding``).
+- ``vllm[:float32|bfloat16][:ngram]``: vLLM (CPU build) on the model's converted folder; bare =
+  float32. ``:ngram``: with its n-gram (prompt lookup) speculative decoding.
+  (transformers' prompt lookup is the in-process strategy ``hf-lookup``, against ``hf``.)
 - ``ar:OPT=VALUE[:OPT=VALUE...]``: hispec ``ar`` loaded with other model options (``hispec
   generate``'s, e.g. ``ar:dtype=bfloat16``), in a second process, so one run compares weights.
 
@@ -14,6 +17,10 @@ Each peer runs ``peer_worker.py`` under its own Python: ``--peer-python ENGINE=P
 ``scripts/install-peers.sh`` puts ``llamacpp`` and ``vllm``). Peers receive the prompt token
 ids hispec uses and return token ids (greedy only), which the benchmark compares with ``ar``'s.
 A missing peer is reported with how to install it; nothing of hispec imports the peers.
+
+A speculative peer (``:lookup``, ``:ngram``) is measured against its own plain decoding when that
+runs too (``plain_label``): the bench adds it when ``--peers`` names only the speculative one, so
+each peer's speculative ratio is taken in the same run, interleaved, like hispec's against ``ar``.
 """
 from __future__ import annotations
 
@@ -32,6 +39,9 @@ from .strategies import Runner, Sample
 ENGINES = ("llama.cpp", "vllm", "ar")
 LLAMA_WEIGHTS = ("q4_1", "f16", "f32")
 VLLM_DTYPES = ("float32", "bfloat16")
+SPECULATIVE = {"llama.cpp": "lookup", "vllm": "ngram"}  # engine -> its speculative mode
+LOOKUP_TOKENS = 4  # drafts per round for the peers' prompt lookup (hispec's lookup default)
+LOOKUP_NGRAM = 3  # longest n-gram they match
 VENVS = {"llama.cpp": "llamacpp", "vllm": "vllm"}  # engine -> venv folder under $HISPEC_PEERS
 INSTALL = {
     "llama.cpp": "scripts/install-peers.sh llama.cpp (a venv with llama-cpp-python==0.3.36, compiled: ~10 min)",
@@ -47,6 +57,12 @@ class PeerSpec:
     engine: str
     weights: str | None = None  # llama.cpp: q4_1/f16/f32; vllm: dtype
     options: dict = field(default_factory=dict)  # ar: model option -> value
+    speculative: str | None = None  # the peer's own speculative mode (SPECULATIVE), None: plain decoding
+
+    @property
+    def plain_label(self) -> str | None:
+        """The label of the same peer decoding plainly (None for a plain peer)."""
+        return self.label.rsplit(":", 1)[0] if self.speculative else None
 
 
 def parse_peers(text: str | None) -> list[PeerSpec]:
@@ -57,6 +73,7 @@ def parse_peers(text: str | None) -> list[PeerSpec]:
     for item in (s.strip() for s in text.split(",")):
         if item:
             specs.extend(_parse_one(item))
+    specs = _with_plain_counterparts(specs)
     labels = [s.label for s in specs]
     dup = next((l for l in labels if labels.count(l) > 1), None)
     if dup:
@@ -64,26 +81,51 @@ def parse_peers(text: str | None) -> list[PeerSpec]:
     return specs
 
 
+def _with_plain_counterparts(specs: list[PeerSpec]) -> list[PeerSpec]:
+    """Each speculative peer preceded by its plain counterpart (added where ``--peers`` lacks it)."""
+    labels = {s.label for s in specs}
+    out = []
+    for s in specs:
+        if s.speculative and s.plain_label not in labels:
+            out.append(PeerSpec(s.plain_label, s.engine, s.weights))
+            labels.add(s.plain_label)
+        out.append(s)
+    return out
+
+
+def _split_mode(engine: str, options: list[str]) -> tuple[list[str], str | None]:
+    """``options`` without a trailing speculative mode, and the mode (None: plain)."""
+    if options and options[-1] == SPECULATIVE.get(engine):
+        return options[:-1], options[-1]
+    return options, None
+
+
 def _parse_one(item: str) -> list[PeerSpec]:
     engine, *options = item.split(":")
+    if engine in SPECULATIVE:
+        options, mode = _split_mode(engine, options)
+        suffix = f":{mode}" if mode else ""
     if engine == "llama.cpp":
         weights = options or list(LLAMA_WEIGHTS)
         bad = [w for w in weights if w not in LLAMA_WEIGHTS] or len(options) > 1
         if bad:
-            raise ConfigError(f"peer {item!r}: llama.cpp takes one of {', '.join(LLAMA_WEIGHTS)} (e.g. llama.cpp:f16)")
-        return [PeerSpec(f"llama.cpp:{w}", engine, w) for w in weights]
+            raise ConfigError(f"peer {item!r}: llama.cpp takes one of {', '.join(LLAMA_WEIGHTS)}, then optionally "
+                              "lookup (e.g. llama.cpp:f16, llama.cpp:q4_1:lookup)")
+        return [PeerSpec(f"llama.cpp:{w}{suffix}", engine, w, speculative=mode) for w in weights]
     if engine == "vllm":
         if len(options) > 1 or (options and options[0] not in VLLM_DTYPES):
-            raise ConfigError(f"peer {item!r}: vllm takes one of {', '.join(VLLM_DTYPES)} (e.g. vllm:bfloat16)")
+            raise ConfigError(f"peer {item!r}: vllm takes one of {', '.join(VLLM_DTYPES)}, then optionally ngram "
+                              "(e.g. vllm:bfloat16, vllm:float32:ngram)")
         dtype = options[0] if options else "float32"
-        return [PeerSpec(f"vllm:{dtype}", engine, dtype)]
+        return [PeerSpec(f"vllm:{dtype}{suffix}", engine, dtype, speculative=mode)]
     if engine == "ar":
         pairs = [o.split("=", 1) for o in options]
         if not pairs or any(len(p) != 2 or not p[0] or not p[1] for p in pairs):
             raise ConfigError(f"peer {item!r}: ar takes model options as KEY=VALUE (e.g. ar:dtype=bfloat16)")
         return [PeerSpec(item, engine, options={k: v for k, v in pairs})]
     raise ConfigError(f"unknown peer {engine!r} in --peers; choose from {', '.join(ENGINES)} "
-                      "(e.g. llama.cpp, llama.cpp:f16, vllm, ar:dtype=bfloat16)")
+                      "(e.g. llama.cpp, llama.cpp:f16, llama.cpp:q4_1:lookup, vllm, vllm:float32:ngram, "
+                      "ar:dtype=bfloat16)")
 
 
 def parse_peer_python(values: list[str] | None) -> dict[str, str]:
@@ -234,7 +276,7 @@ class PeerRunner(Runner):
 
     def describe(self) -> dict:
         d = {"kind": self.kind, "engine": self.spec.engine, "weights": self.weights.describe if self.weights else None,
-             "batching": self.batching}
+             "batching": self.batching, "speculative": self.spec.speculative, "plain_label": self.spec.plain_label}
         if self.proc is not None:
             d["peer"] = self.proc.info
         return d
@@ -251,6 +293,9 @@ class PeerRunner(Runner):
                 "--max-batch", str(self.max_batch)]
         if self.spec.engine == "vllm":
             argv += ["--dtype", self.spec.weights]
+        if self.spec.speculative:
+            argv += ["--speculative", self.spec.speculative, "--num-draft", str(LOOKUP_TOKENS),
+                     "--ngram", str(LOOKUP_NGRAM)]
         if self.spec.engine == "ar":
             argv += ["--"] + _options_argv(self.spec.options).split()
         return argv

@@ -75,6 +75,22 @@ def category_table(strategies: dict) -> list[str]:
     return _table(["category", "prompts"] + [f"`{k}`" for k in available], rows)
 
 
+def speculation_table(strategies: dict) -> list[str]:
+    """Each speculative method against its own plain decoding, per category: hispec's strategies
+    against ``ar``, each peer's speculative mode against the same peer decoding plainly."""
+    spec = {k: e for k, e in strategies.items() if e.get("available") and e.get("speedup_vs_plain") is not None}
+    if not spec:
+        return []
+    categories = list(next(iter(spec.values()))["per_category"])
+    rows = []
+    for c in categories + ["overall"]:
+        cells = [_num((e if c == "overall" else e["per_category"].get(c, {})).get("speedup_vs_plain"), "{:.2f}x")
+                 for e in spec.values()]
+        rows.append([f"**{c}**" if c == "overall" else c] + cells)
+    names = [f"`{k}` vs `{e.get('plain_label') or 'ar'}`" for k, e in spec.items()]
+    return _table(["category"] + names, rows)
+
+
 def acceptance_table(strategies: dict, positions: int = 8) -> list[str]:
     rows = []
     for label, e in strategies.items():
@@ -244,6 +260,7 @@ def body_lines(results: dict, h: str = "##") -> list[str]:
         f"{h} Per category", "",
         "tokens/s (speedup vs `ar`)", "",
         *category_table(strategies), "",
+        *_speculation_section(strategies, h),
         f"{h} Acceptance per position", "",
         "Fraction of rounds with a draft at position j whose draft j was accepted.", "",
         *acceptance_table(strategies), "",
@@ -271,6 +288,16 @@ def body_lines(results: dict, h: str = "##") -> list[str]:
         lines += [f"- `{k}`: " + ", ".join(f"{x['prompt']} (from token {x['first_difference_at']})" for x in v)
                   for k, v in mism] + [""]
     return lines
+
+
+def _speculation_section(strategies: dict, h: str) -> list[str]:
+    table = speculation_table(strategies)
+    if not table:
+        return []
+    return [f"{h} Speculation against its own plain decoding", "",
+            "tokens/s of each speculative method / tokens/s of the same engine decoding plainly, in the same run "
+            "on the same prompts (hispec against `ar`; a peer's lookup/ngram mode against that peer).", "",
+            *table, ""]
 
 
 def _peer_section(results: dict, h: str) -> list[str]:

@@ -15,6 +15,9 @@ Syntax: a comma-separated list of ``NAME[:OPTION[:OPTION...]]``.
 - ``hf-early-exit[:L]``: transformers' LayerSkip-style self-speculation,
   ``generate(..., assistant_early_exit=L)``. Without ``L``, one run per ``--hf-exit-layers``
   layer (default: the draft layer), each reported as ``hf-early-exit:L``.
+- ``hf-lookup[:K]``: transformers' prompt lookup decoding, ``generate(...,
+  prompt_lookup_num_tokens=K, max_matching_ngram_size=3)`` (bare: K = 4); its speed is also
+  reported against ``hf`` (``speedup_vs_plain``) when ``hf`` runs too.
 
 A label may appear once. A strategy that cannot run is kept, with the reason.
 """
@@ -28,7 +31,8 @@ import torch
 
 from ..config import DRAFT_POLICIES, ConfigError, SamplingParams, SpecConfig
 
-KINDS = ("ar", "selfspec", "hispec", "hf", "hf-early-exit")
+KINDS = ("ar", "selfspec", "hispec", "hf", "hf-early-exit", "hf-lookup")
+HF_LOOKUP_TOKENS, HF_LOOKUP_NGRAM = 4, 3
 OWN_KINDS = ("ar", "selfspec", "hispec")
 SPEC_KEYS = {"d": "draft_layer", "i": "verify_layer", "k": "num_draft", "w": "window", "t": "svip_threshold",
              "c": "confidence_threshold"}
@@ -41,6 +45,7 @@ class StrategySpec:
     draft_policy: str | None = None
     overrides: dict = field(default_factory=dict)  # SpecConfig field -> value
     exit_layer: int | None = None  # hf-early-exit
+    lookup_tokens: int | None = None  # hf-lookup
 
 
 def parse_strategies(text: str) -> list[StrategySpec]:
@@ -72,6 +77,12 @@ def _parse_one(item: str) -> StrategySpec:
         if len(options) > 1 or (options and not options[0].isdigit()):
             raise ConfigError(f"hf-early-exit takes one option, the exit layer (e.g. hf-early-exit:8), got {item!r}")
         spec.exit_layer = int(options[0]) if options else None
+        return spec
+    if name == "hf-lookup":
+        if len(options) > 1 or (options and not (options[0].isdigit() and int(options[0]) > 0)):
+            raise ConfigError(f"hf-lookup takes one option, the tokens drafted per round (e.g. hf-lookup:4), "
+                              f"got {item!r}")
+        spec.lookup_tokens = int(options[0]) if options else HF_LOOKUP_TOKENS
         return spec
     for opt in options:
         if opt in DRAFT_POLICIES:
@@ -229,10 +240,12 @@ def _load_hf(gen):
 
 
 class HFRunner(Runner):
-    """transformers ``generate``: plain (``hf``) or with ``assistant_early_exit`` (``hf-early-exit:L``)."""
+    """transformers ``generate``: plain (``hf``), with ``assistant_early_exit`` (``hf-early-exit:L``) or
+    with prompt lookup (``hf-lookup:K``)."""
 
     def __init__(self, strategy: StrategySpec, generator, hf: HFModel) -> None:
         self.label, self.kind, self.exit_layer = strategy.label, strategy.kind, strategy.exit_layer
+        self.lookup_tokens = strategy.lookup_tokens
         self.gen, self.hf = generator, hf
         self.unavailable = self._check()
 
@@ -240,6 +253,9 @@ class HFRunner(Runner):
         d = {"kind": self.kind}
         if self.exit_layer is not None:
             d["assistant_early_exit"] = self.exit_layer
+        if self.lookup_tokens is not None:
+            d.update(prompt_lookup_num_tokens=self.lookup_tokens, max_matching_ngram_size=HF_LOOKUP_NGRAM,
+                     plain_label="hf")
         try:
             import transformers
             d["transformers"] = transformers.__version__
@@ -282,6 +298,8 @@ class HFRunner(Runner):
             kwargs.update(stop_strings=list(params.stop), tokenizer=self.gen.tokenizer)
         if self.exit_layer is not None:
             kwargs["assistant_early_exit"] = self.exit_layer
+        if self.lookup_tokens is not None:
+            kwargs.update(prompt_lookup_num_tokens=self.lookup_tokens, max_matching_ngram_size=HF_LOOKUP_NGRAM)
         _sync(device)
         t0 = time.perf_counter()
         with torch.inference_mode():
