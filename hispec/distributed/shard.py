@@ -127,7 +127,7 @@ def _finish(model: nn.Module, state: dict[str, torch.Tensor], device, dtype) -> 
 def _assemble(cfg: ModelConfig, read: Callable[[str, str | None], torch.Tensor | None],
               names: list[tuple[str, str | None]]) -> dict[str, torch.Tensor]:
     """This rank's state dict from ``read(name, part)`` (already sliced), fusing q/k/v and gate/up."""
-    from ..model.load.checkpoint import FUSED_ORDER
+    from ..model.load.checkpoint import fuse_parts
 
     state, parts = {}, {}
     for name, part in names:
@@ -136,18 +136,13 @@ def _assemble(cfg: ModelConfig, read: Callable[[str, str | None], torch.Tensor |
             parts.setdefault(name, {})[part] = t
         else:
             state[name] = t
-    for name, got in parts.items():
-        order = FUSED_ORDER[name.split(".")[2]]
-        missing = [p for p in order if p not in got]
-        if missing:
-            raise ConfigError(f"missing tensor(s) for {name}: {', '.join(missing)} projection")
-        state[name] = torch.cat([got[p] for p in order], dim=0)
+    state.update(fuse_parts(parts))
     return state
 
 
 def load_shard(path: str | Path, comm: Comm, *, device="cpu", dtype: torch.dtype = torch.float32) -> nn.Module:
     """This rank's model, reading only its slices of the safetensors files of a model folder."""
-    from ..model.load.checkpoint import _IGNORED, ModelLoadError, _expected_part_shapes, internal_name, read_config
+    from ..model.load.checkpoint import ModelLoadError, expected_shape, ignored, internal_name, read_config
     from ..model.decoder import DecoderModel
 
     path = Path(path)
@@ -166,11 +161,11 @@ def load_shard(path: str | Path, comm: Comm, *, device="cpu", dtype: torch.dtype
             for hf_name in sf.keys():
                 mapped = internal_name(hf_name)
                 if mapped is None or mapped[0] not in full_shapes:
-                    if _IGNORED.match(hf_name) or (hf_name.endswith("lm_head.weight") and cfg.tie_word_embeddings):
+                    if ignored(hf_name, cfg):
                         continue
                     raise ModelLoadError(f"unexpected tensor {hf_name!r} for a {cfg.family} model")
                 name, part = mapped
-                want = _expected_part_shapes(full, name)[part] if part else full_shapes[name]
+                want = expected_shape(full, full_shapes, name, part)
                 got = tuple(sf.get_slice(hf_name).get_shape())
                 if got != want:
                     raise ModelLoadError(f"tensor {hf_name!r} has shape {got}, the config implies {want}")

@@ -114,6 +114,29 @@ def _iter_tensors(files: list[Path]):
                 yield name, t
 
 
+def ignored(hf_name: str, cfg: ModelConfig) -> bool:
+    """A checkpoint tensor the model does not load (RoPE tables, a tied output head)."""
+    return bool(_IGNORED.match(hf_name)) or (hf_name.endswith("lm_head.weight") and cfg.tie_word_embeddings)
+
+
+def expected_shape(model: DecoderModel, shapes: dict[str, tuple[int, ...]], name: str,
+                   part: str | None) -> tuple[int, ...]:
+    """The shape a checkpoint tensor must have: ``shapes[name]``, or a fused tensor's ``part``."""
+    return _expected_part_shapes(model, name)[part] if part else shapes[name]
+
+
+def fuse_parts(parts: dict[str, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Fused tensors (``qkv_proj``: q, k, v; ``gate_up_proj``: gate, up) from their parts, in order."""
+    fused = {}
+    for name, got in parts.items():
+        order = FUSED_ORDER[name.split(".")[2]]
+        missing = [p for p in order if p not in got]
+        if missing:
+            raise ModelLoadError(f"missing tensor(s) for {name}: {', '.join(missing)} projection")
+        fused[name] = torch.cat([got[p] for p in order], dim=0)
+    return fused
+
+
 def _expected_part_shapes(model: DecoderModel, name: str) -> dict[str, tuple[int, ...]]:
     cfg = model.cfg
     full = tuple(model.state_dict()[name].shape)
@@ -131,24 +154,19 @@ def load_weights(model: DecoderModel, files: list[Path], dtype: torch.dtype) -> 
     for hf_name, tensor in _iter_tensors(files):
         mapped = internal_name(hf_name)
         if mapped is None or mapped[0] not in expected:
-            if _IGNORED.match(hf_name) or (hf_name.endswith("lm_head.weight") and model.cfg.tie_word_embeddings):
+            if ignored(hf_name, model.cfg):
                 continue
             raise ModelLoadError(f"unexpected tensor {hf_name!r} (shape {tuple(tensor.shape)}) for a "
                                  f"{model.cfg.family} model with {model.cfg.num_layers} layers")
         name, part = mapped
-        want = _expected_part_shapes(model, name)[part] if part else expected[name]
+        want = expected_shape(model, expected, name, part)
         if tuple(tensor.shape) != want:
             raise ModelLoadError(f"tensor {hf_name!r} has shape {tuple(tensor.shape)}, the config implies {want}")
         if part:
             parts.setdefault(name, {})[part] = tensor
         else:
             state[name] = tensor
-    for name, got in parts.items():
-        order = FUSED_ORDER[name.split(".")[2]]
-        missing = [p for p in order if p not in got]
-        if missing:
-            raise ModelLoadError(f"missing tensor(s) for {name}: {', '.join(missing)} projection")
-        state[name] = torch.cat([got[p] for p in order], dim=0)
+    state.update(fuse_parts(parts))
     if model.cfg.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
     missing = sorted(set(expected) - set(state))
