@@ -33,6 +33,11 @@ interleaved with the strategies; their token ids are compared with ar's (whole o
 
 example:
   hispec bench --data /path/spec_bench/question.jsonl --limit 2 --per-category --max-new-tokens 64 --out bench-out
+
+summary (--summary FILE, nothing benchmarked): the text between <!-- summary:start --> and <!-- summary:end -->
+in FILE becomes the newest run of each comparison (machine, batch size, engines) in the result files:
+  cp bench-out/results.json docs/benchmarks/results/2026-12-03-zen4-batch1.json
+  hispec bench --summary BENCHMARKS.md            # --results PATH: other files or folders
 """
 
 

@@ -196,13 +196,13 @@ def _setup(c: Comparison) -> str:
     return "; ".join(parts) + "."
 
 
-def render(comparisons: list[Comparison], sources: list[str]) -> str:
-    """The summary section (without the markers)."""
+def render(comparisons: list[Comparison], sources: list[str], target: str = "BENCHMARKS.md") -> str:
+    """The summary section of the markdown file ``target`` (without the markers)."""
     lines = ["## Current summary", "",
              "The newest run of each comparison (machine, batch size, engines) among the result files "
              f"({', '.join(f'`{s}`' for s in sources) or 'none given'}). tokens/s include prefill; `vs ar` is "
-             "tokens/s over hispec `ar`'s in the same run; greedy. Made by `hispec bench --summary "
-             "BENCHMARKS.md`: it rewrites only this section, the dated history below stays as it is.", ""]
+             f"tokens/s over hispec `ar`'s in the same run; greedy. Made by `hispec bench --summary {target}`: "
+             "it rewrites only this section, the rest of the file stays as it is.", ""]
     if not comparisons:
         lines += ["(no result files)", ""]
     for c in comparisons:
@@ -237,7 +237,7 @@ def write_summary(target: Path, paths: list[Path]) -> list[Comparison]:
     comparisons = latest([c for f in files for c in read(f)])
     sources = sorted({_shown(p, target) for p in paths})
     text = target.read_text(encoding="utf-8")
-    target.write_text(replace_section(text, render(comparisons, sources)), encoding="utf-8")
+    target.write_text(replace_section(text, render(comparisons, sources, target.name)), encoding="utf-8")
     return comparisons
 
 
