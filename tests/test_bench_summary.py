@@ -137,3 +137,25 @@ def test_benchmarks_md_summary_is_what_the_command_makes():
     files = summary.result_files([ROOT / "docs" / "benchmarks" / "results"])
     made = summary.render(summary.latest([c for f in files for c in summary.read(f)]), ["docs/benchmarks/results"])
     assert inner == f"\n{made}\n"
+
+
+def test_summary_of_real_bench_runs(tiny_text_model_dir, tmp_path):
+    """The files ``hispec bench`` writes (batch 1 and ``--batch-sizes``) summarised as they are."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"id": str(i), "prompt": p}) + "\n" for i, p in enumerate(["hello", "1+1="])))
+    common = ["bench", "--model", str(tiny_text_model_dir), "--data", str(prompts), "--max-new-tokens", "4",
+              "--ignore-eos", "--no-progress", "--no-plots", "--threads", "1"]
+    assert main(common + ["--strategies", "ar,hispec", "--out", str(tmp_path / "b1")]) == 0
+    assert main(common + ["--strategies", "ar,selfspec", "--batch-sizes", "1,2", "--rounds", "1",
+                          "--out", str(tmp_path / "bs")]) == 0
+    md = tmp_path / "B.md"
+    md.write_text(markdown())
+    assert main(["bench", "--summary", str(md), "--results", str(tmp_path / "b1" / "results.json"),
+                 "--results", str(tmp_path / "bs" / "batch_results.json")]) == 0
+    text = md.read_text()
+    assert text.endswith(summary.END + HISTORY)
+    assert text.count("### Batch 1: ar, hispec") == 1 and text.count("### Batch 1: ar, selfspec") == 1
+    assert text.count("### Batch 2: ar, selfspec") == 1
+    assert "| hispec `hispec` (float32) |" in text and "| hispec `selfspec` (float32) |" in text
+    assert text.count("| reference |") == 3 and "load not recorded" not in text
+    assert "date not recorded" not in text
