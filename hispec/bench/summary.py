@@ -122,9 +122,15 @@ def _from_results(data: dict, source: str) -> Comparison:
         own = e.get("kind") in ("ar", "selfspec", "hispec")
         rows.append(Row(label, own, _own_weights(model) if own else e.get("weights"), e.get("tokens_per_second"),
                         e.get("tokens_per_second_median"), _same(e, label, own)))
-    return Comparison(_machine(data.get("machine")), int(cfg.get("batch_size") or 1), rows, data.get("created"),
-                      cfg.get("command"), data.get("commit"), _load(data.get("machine")), cfg.get("num_prompts"),
-                      cfg.get("max_new_tokens"), None, source, data.get("transcribed_from"), data.get("note"))
+    return Comparison(_machine(data.get("machine")), int(cfg.get("batch_size") or 1), rows,
+                      prompts=cfg.get("num_prompts"), max_new_tokens=cfg.get("max_new_tokens"),
+                      command=cfg.get("command"), **_provenance(data, source))
+
+
+def _provenance(data: dict, source: str) -> dict:
+    """The fields of a run's date, commit, load and source, as every result file records them."""
+    return {"created": data.get("created"), "commit": data.get("commit"), "load": _load(data.get("machine")),
+            "source": source, "transcribed_from": data.get("transcribed_from"), "note": data.get("note")}
 
 
 def _own_weights(model: dict) -> str | None:
@@ -136,13 +142,14 @@ def _from_batch(data: dict, source: str) -> list[Comparison]:
     out = []
     peers = data.get("peers") or {}
     for b, row in data["batch_sizes"].items():
-        rows = [Row(label, label not in peers, (peers[label] or {}).get("weights") if label in peers
-                    else data.get("weights"), r.get("tokens_per_second"), None, _same(r, label, label not in peers))
-                for label, r in row.items()]
-        out.append(Comparison(_machine(data.get("machine")), int(b), rows, data.get("created"), data.get("command"),
-                              data.get("commit"), _load(data.get("machine")), data.get("num_prompts"),
-                              data.get("max_new_tokens"), data.get("rounds"), source, data.get("transcribed_from"),
-                              data.get("note")))
+        rows = []
+        for label, r in row.items():
+            own = label not in peers
+            weights = data.get("weights") if own else (peers[label] or {}).get("weights")
+            rows.append(Row(label, own, weights, r.get("tokens_per_second"), None, _same(r, label, own)))
+        out.append(Comparison(_machine(data.get("machine")), int(b), rows, prompts=data.get("num_prompts"),
+                              max_new_tokens=data.get("max_new_tokens"), rounds=data.get("rounds"),
+                              command=data.get("command"), **_provenance(data, source)))
     return out
 
 
