@@ -36,6 +36,11 @@ interleaved with the strategies; their token ids are compared with ar's (whole o
 
 example:
   hispec bench --data /path/spec_bench/question.jsonl --limit 2 --per-category --max-new-tokens 64 --out bench-out
+
+summary (--summary FILE, nothing benchmarked): the text between <!-- summary:start --> and <!-- summary:end -->
+in FILE becomes the newest run of each comparison (machine, batch size, engines) in the result files:
+  cp bench-out/results.json docs/benchmarks/results/2026-12-03-zen4-batch1.json
+  hispec bench --summary BENCHMARKS.md            # --results PATH: other files or folders
 """
 
 
@@ -48,8 +53,8 @@ def register(subparsers) -> None:
                                           "results.json, report.md and PNG plots.",
                               epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("benchmark")
-    g.add_argument("--data", action="append", required=True, metavar="PATH|NAME",
-                   help="prompt set: a JSONL file or humaneval, mtbench, sharegpt (repeatable)")
+    g.add_argument("--data", action="append", metavar="PATH|NAME",
+                   help="prompt set: a JSONL file or humaneval, mtbench, sharegpt (repeatable; required unless --summary)")
     g.add_argument("--categories", default=None, metavar="A,B", help="only these categories")
     g.add_argument("--limit", type=int, default=None, metavar="N", help="at most N prompts per data set")
     g.add_argument("--per-category", action="store_true", help="apply --limit to each category")
@@ -76,6 +81,13 @@ def register(subparsers) -> None:
     peers.add_argument("--agree-first", type=int, default=32, metavar="N",
                        help="also report agreement with ar on the first N tokens (default 32)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    s = p.add_argument_group("summary (instead of a benchmark run)")
+    s.add_argument("--summary", metavar="FILE", default=None,
+                   help="rewrite FILE's summary, the text between <!-- summary:start --> and <!-- summary:end -->, "
+                        "with the newest run of each comparison in the result files; the rest of FILE is kept")
+    s.add_argument("--results", action="append", default=[], metavar="PATH",
+                   help="with --summary: a results.json / batch_results.json or a folder of result files "
+                        "(repeatable; default: docs/benchmarks/results beside FILE)")
     add_model_options(p)
     add_parallel_options(p)
     add_sampling_options(p)
@@ -97,6 +109,17 @@ def _int_list(text: str | None, option: str) -> list[int] | None:
     return values
 
 
+def cmd_summary(args) -> int:
+    """``--summary FILE``: the summary section rewritten from result files, nothing benchmarked."""
+    from .summary import write_summary
+
+    target = Path(args.summary)
+    sources = [Path(r) for r in args.results] or [target.parent / "docs" / "benchmarks" / "results"]
+    shown = write_summary(target, sources)
+    print(f"hispec bench: wrote the summary of {target}: {len(shown)} comparison(s)", file=sys.stderr)
+    return 0
+
+
 def cmd_bench(args) -> int:
     from ..options import UsageError, load_generator, sampling_from_args
     from ..data import load_prompts
@@ -104,6 +127,12 @@ def cmd_bench(args) -> int:
     from .results import load_average
     from .strategies import parse_strategies
 
+    if args.summary is not None:
+        return cmd_summary(args)
+    if args.results:
+        raise UsageError("--results goes with --summary FILE")
+    if not args.data:
+        raise UsageError("--data is required (a prompt file or set), unless --summary FILE")
     started, load_at_start = time.perf_counter(), load_average()
     if args.warmup < 0:
         raise UsageError("--warmup must be >= 0")
@@ -179,7 +208,7 @@ def _bench(args, gen, strategies, exit_layers, categories, prompts, params, out,
 def _bench_batch_sizes(args, gen, strategies, prompts, params, batch_sizes, out: Path, peers=()) -> int:
     from ..options import UsageError
     from .batched import run_batch_sizes, write_batch_outputs
-    from .results import git_commit, machine_info
+    from .results import git_commit, load_average, machine_info
     from .runner import encode_prompts
     from .strategies import spec_for
 
@@ -192,6 +221,7 @@ def _bench_batch_sizes(args, gen, strategies, prompts, params, batch_sizes, out:
         raise UsageError("--batch-sizes measures ar, selfspec and hispec: name at least one in --strategies")
     chat = args.chat if args.chat is not None else gen.has_chat_template()
     prompt_ids = encode_prompts(gen, prompts, chat)
+    created, load_at_start = time.strftime("%Y-%m-%dT%H:%M:%S%z"), load_average()
     print(f"hispec bench: {len(prompts)} prompts, batch sizes {batch_sizes}, strategies {', '.join(own)}",
           file=sys.stderr)
     results = run_batch_sizes(gen, own, prompt_ids, params, batch_sizes, adaptive=not args.no_adaptive,
@@ -200,13 +230,22 @@ def _bench_batch_sizes(args, gen, strategies, prompts, params, batch_sizes, out:
     for p in peers:
         if p.unavailable:
             print(f"hispec bench: note: peer {p.label} did not run: {p.unavailable}", file=sys.stderr)
-    meta = {"machine": machine_info(gen.model.device), "model": args.model, "num_prompts": len(prompts),
+    machine = machine_info(gen.model.device) | {"load_average_at_start": load_at_start,
+                                                 "load_average_at_end": load_average()}
+    meta = {"machine": machine, "model": args.model, "num_prompts": len(prompts), "created": created,
+            "weights": _weights(gen.model),
             "peers": {p.label: p.describe() | {"available": p.unavailable is None, "reason": p.unavailable}
                       for p in peers},
             "max_new_tokens": params.max_new_tokens, "adaptive": not args.no_adaptive, "rounds": args.rounds,
             "commit": git_commit(),
             "command": "hispec " + portable_command(sys.argv[1:])}
     return write_batch_outputs(results, meta, out, plots=not args.no_plots)
+
+
+def _weights(model) -> str:
+    """What the hispec rows ran on: the quantized format, else the dtype."""
+    fmt = getattr(model, "weight_format", "none")
+    return fmt if fmt != "none" else str(model.dtype).replace("torch.", "")
 
 
 def write_outputs(results: dict, out: Path, plots: bool = True) -> int:

@@ -352,7 +352,8 @@ def limit_lines(strategies: dict) -> list[str]:
 
 
 def render_benchmarks(results: dict, notes: str | None = None) -> str:
-    """BENCHMARKS.md: setup, how to reproduce, every table, and where each ratio's time goes."""
+    """A full benchmark page of one run: setup, how to reproduce, every table, and where each ratio's
+    time goes. (BENCHMARKS.md itself is a summary plus dated history: ``hispec bench --summary``.)"""
     cfg = results["config"]
     lines = [
         "# Benchmarks", "",
@@ -361,7 +362,7 @@ def render_benchmarks(results: dict, notes: str | None = None) -> str:
         "`identical_to_ar` compares every strategy's token ids with `ar`'s, prompt by prompt.", "",
         "## Setup", "", *setup_lines(results), "",
         "Reproduce:", "", "```", cfg["command"],
-        f"python -m hispec.bench.report {cfg.get('out', 'OUT')}/results.json --benchmarks > BENCHMARKS.md", "```", "",
+        f"python -m hispec.bench.report {cfg.get('out', 'OUT')}/results.json --benchmarks > bench-page.md", "```", "",
     ]
     if notes:
         lines += ["## Notes", "", notes.strip(), ""]
@@ -376,10 +377,12 @@ def main(argv: list[str] | None = None) -> int:
     from pathlib import Path
 
     p = argparse.ArgumentParser(prog="python -m hispec.bench.report",
-                                description="Render report.md (default) or BENCHMARKS.md from a results.json.")
+                                description="Render report.md (default) or a full benchmark page from a results.json.")
     p.add_argument("results", help="results.json written by hispec bench")
-    p.add_argument("--benchmarks", action="store_true", help="render BENCHMARKS.md instead of report.md")
-    p.add_argument("--notes", metavar="FILE", help="markdown to include as the Notes section (BENCHMARKS.md)")
+    p.add_argument("--benchmarks", action="store_true",
+                   help="render a full benchmark page (setup, reproduce, tables, where the time goes) instead of "
+                        "report.md; BENCHMARKS.md's summary is made by hispec bench --summary")
+    p.add_argument("--notes", metavar="FILE", help="markdown to include as the Notes section (with --benchmarks)")
     p.add_argument("--peer-table", action="store_true",
                    help="print only the table of hispec against the peer engines (BENCHMARKS.md)")
     p.add_argument("--batch", metavar="BATCH_RESULTS", help="with --peer-table: a --batch-sizes run's "

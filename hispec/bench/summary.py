@@ -1,0 +1,256 @@
+"""BENCHMARKS.md's current summary: the newest figures of each comparison, made from result files.
+
+A *comparison* is what one ``hispec bench`` run measured side by side: its engines (hispec's
+strategies and the peers) at one batch size on one machine. Result files are a run's
+``results.json`` (batch 1) or ``batch_results.json`` (``--batch-sizes``: one comparison per batch
+size); a folder stands for the result files under it. Where several files hold the same
+comparison (same machine, batch size and engines), the newest (``created``) is shown.
+
+The summary replaces the text between the markers ``<!-- summary:start -->`` and
+``<!-- summary:end -->`` of a markdown file; everything outside them (BENCHMARKS.md's dated
+history) is kept byte for byte. ``hispec bench --summary FILE [--results PATH ...]``.
+
+A file may carry ``transcribed_from`` (figures copied from a dated entry whose run's own file was
+not kept) and ``note`` (the machine's load, anything else that qualifies the figures): both are
+shown with the comparison.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..options import UsageError
+
+START, END = "<!-- summary:start -->", "<!-- summary:end -->"
+RESULT_NAMES = ("results.json", "batch_results.json")
+
+
+@dataclass
+class Row:
+    label: str
+    own: bool  # one of hispec's strategies in the bench's own process (else a peer)
+    weights: str | None
+    tokens_per_second: float | None
+    median: float | None  # per-prompt median (batch 1 runs)
+    same_ids: str  # agreement with the run's ``ar``: "reference", "yes", "NO", "k/n" or "–"
+
+
+@dataclass
+class Comparison:
+    machine: str
+    batch_size: int
+    rows: list[Row]
+    created: str | None = None
+    command: str | None = None
+    commit: str | None = None
+    load: list | None = None  # 1-minute load average at start and end
+    prompts: int | None = None
+    max_new_tokens: int | None = None
+    rounds: int | None = None
+    source: str = ""
+    transcribed_from: str | None = None
+    note: str | None = None
+    key: tuple = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.key = (self.machine, self.batch_size, tuple(sorted(r.label for r in self.rows)))
+
+
+# ---- reading result files ------------------------------------------------------------------
+def result_files(paths: list[Path]) -> list[Path]:
+    """``paths`` with each folder replaced by the result files under it (``results.json``,
+    ``batch_results.json`` and, in a folder of kept results, any ``*.json``), sorted."""
+    out: list[Path] = []
+    for p in paths:
+        if p.is_dir():
+            found = sorted(f for f in p.rglob("*.json") if f.is_file())
+            if not found:
+                raise UsageError(f"--results {p}: no result files (*.json) in this folder")
+            out += found
+        elif p.is_file():
+            out.append(p)
+        else:
+            raise UsageError(f"--results {p}: no such file or folder")
+    return out
+
+
+def read(path: Path) -> list[Comparison]:
+    """The comparisons in one result file."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise UsageError(f"{path}: not a readable JSON file ({e})") from None
+    if isinstance(data, dict) and isinstance(data.get("batch_sizes"), dict):
+        return _from_batch(data, path.name)
+    if isinstance(data, dict) and isinstance(data.get("strategies"), dict):
+        return [_from_results(data, path.name)]
+    raise UsageError(f"{path}: not a hispec bench result file (results.json or batch_results.json)")
+
+
+def _machine(m: dict | None) -> str:
+    m = m or {}
+    cpu, threads, cpus = m.get("cpu") or "unknown machine", m.get("threads"), m.get("cpu_count")
+    if not threads:
+        return cpu
+    return f"{cpu}, {threads} thread{'s' if threads != 1 else ''}" + (f" of {cpus} CPUs" if cpus else "")
+
+
+def _load(m: dict | None) -> list | None:
+    m = m or {}
+    start, end = m.get("load_average_at_start"), m.get("load_average_at_end")
+    return None if start is None and end is None else [(start or [None])[0], (end or [None])[0]]
+
+
+def _same(e: dict, label: str, own: bool) -> str:
+    """Agreement with the run's ``ar``: expected of hispec's strategies (yes/NO), counted for peers."""
+    if label == "ar":
+        return "reference"
+    a = e.get("agreement_with_ar")
+    if not own and a:
+        return f"{a['identical']}/{a['prompts']}"
+    same = e.get("identical_to_ar")
+    return "–" if same is None else ("yes" if same else "NO")
+
+
+def _from_results(data: dict, source: str) -> Comparison:
+    model, cfg = data.get("model") or {}, data.get("config") or {}
+    rows = []
+    for label, e in data["strategies"].items():
+        if e.get("available") is False:
+            continue
+        own = e.get("kind") in ("ar", "selfspec", "hispec")
+        rows.append(Row(label, own, _own_weights(model) if own else e.get("weights"), e.get("tokens_per_second"),
+                        e.get("tokens_per_second_median"), _same(e, label, own)))
+    return Comparison(_machine(data.get("machine")), int(cfg.get("batch_size") or 1), rows,
+                      prompts=cfg.get("num_prompts"), max_new_tokens=cfg.get("max_new_tokens"),
+                      command=cfg.get("command"), **_provenance(data, source))
+
+
+def _provenance(data: dict, source: str) -> dict:
+    """The fields of a run's date, commit, load and source, as every result file records them."""
+    return {"created": data.get("created"), "commit": data.get("commit"), "load": _load(data.get("machine")),
+            "source": source, "transcribed_from": data.get("transcribed_from"), "note": data.get("note")}
+
+
+def _own_weights(model: dict) -> str | None:
+    fmt = model.get("weight_format")
+    return fmt if fmt and fmt != "none" else model.get("dtype")
+
+
+def _from_batch(data: dict, source: str) -> list[Comparison]:
+    out = []
+    peers = data.get("peers") or {}
+    for b, row in data["batch_sizes"].items():
+        rows = []
+        for label, r in row.items():
+            own = label not in peers
+            weights = data.get("weights") if own else (peers[label] or {}).get("weights")
+            rows.append(Row(label, own, weights, r.get("tokens_per_second"), None, _same(r, label, own)))
+        out.append(Comparison(_machine(data.get("machine")), int(b), rows, prompts=data.get("num_prompts"),
+                              max_new_tokens=data.get("max_new_tokens"), rounds=data.get("rounds"),
+                              command=data.get("command"), **_provenance(data, source)))
+    return out
+
+
+def latest(comparisons: list[Comparison]) -> list[Comparison]:
+    """The newest of each comparison (by ``created``; a file without a date counts as oldest),
+    ordered by batch size, then newest first."""
+    best: dict[tuple, Comparison] = {}
+    for c in comparisons:
+        kept = best.get(c.key)
+        if kept is None or (c.created or "") > (kept.created or ""):
+            best[c.key] = c
+    newest_first = sorted(best.values(), key=lambda c: c.created or "", reverse=True)
+    return sorted(newest_first, key=lambda c: c.batch_size)
+
+
+# ---- rendering ------------------------------------------------------------------------------
+def _num(x: float | None, fmt: str = "{:.1f}") -> str:
+    return "–" if x is None else fmt.format(x)
+
+
+def _name(r: Row) -> str:
+    return (f"hispec `{r.label}`" if r.own else f"`{r.label}`") + (f" ({r.weights})" if r.weights else "")
+
+
+def table(c: Comparison) -> list[str]:
+    ar = next((r.tokens_per_second for r in c.rows if r.label == "ar"), None)
+    batch1 = c.batch_size == 1
+    header = ["engine / weights", "tokens/s"] + (["per-prompt median"] if batch1 else []) + ["vs `ar`",
+                                                                                           "same ids as `ar`"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(" --- " for _ in header) + "|"]
+    for r in c.rows:
+        ratio = r.tokens_per_second / ar if ar and r.tokens_per_second is not None else None
+        cells = [_name(r), _num(r.tokens_per_second)] + ([_num(r.median)] if batch1 else [])
+        lines.append("| " + " | ".join(cells + [_num(ratio, "{:.2f}x"), r.same_ids]) + " |")
+    return lines
+
+
+def _setup(c: Comparison) -> str:
+    parts = []
+    if c.prompts is not None:
+        parts.append(f"{c.prompts} prompts")
+    if c.max_new_tokens is not None:
+        parts.append(f"{c.max_new_tokens} new tokens")
+    if c.rounds is not None:
+        parts.append(f"median of {c.rounds} interleaved rounds")
+    if c.load is not None:
+        parts.append("load average " + " -> ".join("?" if x is None else f"{x:.2f}" for x in c.load))
+    else:
+        parts.append("load not recorded")
+    parts.append(f"commit `{c.commit}`" if c.commit else "commit not recorded")
+    return "; ".join(parts) + "."
+
+
+def render(comparisons: list[Comparison], sources: list[str], target: str = "BENCHMARKS.md") -> str:
+    """The summary section of the markdown file ``target`` (without the markers)."""
+    lines = ["## Current summary", "",
+             "The newest run of each comparison (machine, batch size, engines) among the result files "
+             f"({', '.join(f'`{s}`' for s in sources) or 'none given'}). tokens/s include prefill; `vs ar` is "
+             f"tokens/s over hispec `ar`'s in the same run; greedy. Made by `hispec bench --summary {target}`: "
+             "it rewrites only this section, the rest of the file stays as it is.", ""]
+    if not comparisons:
+        lines += ["(no result files)", ""]
+    for c in comparisons:
+        date = (c.created or "date not recorded")[:10]
+        lines += [f"### Batch {c.batch_size}: {', '.join(r.label for r in c.rows)} ({c.machine}, {date})", ""]
+        if c.command:
+            lines += [f"`{c.command}`", ""]
+        lines += table(c) + ["", _setup(c)]
+        if c.note:
+            lines.append(c.note)
+        lines.append(f"Source: `{c.source}`" + (f", transcribed from {c.transcribed_from}." if c.transcribed_from
+                                                 else "."))
+        lines.append("")
+    return "\n".join(lines).rstrip("\n")
+
+
+# ---- writing into the markdown file --------------------------------------------------------
+def replace_section(text: str, section: str) -> str:
+    """``text`` with the part between the markers replaced by ``section``; the rest unchanged."""
+    if text.count(START) != 1 or text.count(END) != 1 or text.index(START) > text.index(END):
+        raise UsageError(f"the file needs exactly one {START} followed by one {END} around its summary")
+    head, rest = text.split(START)
+    _, tail = rest.split(END)
+    return f"{head}{START}\n{section}\n{END}{tail}"
+
+
+def write_summary(target: Path, paths: list[Path]) -> list[Comparison]:
+    """Rewrite ``target``'s summary from the result files at ``paths``; the comparisons shown."""
+    if not target.is_file():
+        raise UsageError(f"--summary {target}: no such file")
+    files = result_files(paths)
+    comparisons = latest([c for f in files for c in read(f)])
+    sources = sorted({_shown(p, target) for p in paths})
+    text = target.read_text(encoding="utf-8")
+    target.write_text(replace_section(text, render(comparisons, sources, target.name)), encoding="utf-8")
+    return comparisons
+
+
+def _shown(path: Path, target: Path) -> str:
+    """A source as the summary names it: relative to the markdown file's folder where it is inside."""
+    try:
+        return path.resolve().relative_to(target.resolve().parent).as_posix()
+    except ValueError:
+        return path.name

@@ -1,0 +1,161 @@
+"""``hispec bench --summary FILE``: BENCHMARKS.md's summary rewritten from result files, the
+history around it kept byte for byte."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from hispec.bench import summary
+from hispec.bench.batched import write_batch_outputs
+from hispec.cli import main
+from hispec.options import UsageError
+
+ROOT = Path(__file__).resolve().parents[1]
+HEAD = "# Benchmarks\n\nIntro, kept.\n\n"
+HISTORY = "\n\n## 2026-01-01: an old entry\n\n| a | b |\n| --- | --- |\n| 1.0 | 2.0 |\n\nNo newline at the end"
+
+
+def markdown(inner: str = "the old summary\n") -> str:
+    return f"{HEAD}{summary.START}\n{inner}{summary.END}{HISTORY}"
+
+
+def results_json(created: str, ar: float, peer: float, cpu: str = "Test CPU") -> dict:
+    """A results.json as ``hispec bench`` writes it (the fields the summary reads)."""
+    return {
+        "created": created, "commit": "abc1234",
+        "machine": {"cpu": cpu, "cpu_count": 2, "threads": 2, "load_average_at_start": [1.25, 1.0, 1.0],
+                    "load_average_at_end": [1.75, 1.0, 1.0]},
+        "model": {"name": "default", "dtype": "float32", "weight_format": "native"},
+        "config": {"command": "hispec bench --data p.jsonl --strategies ar,hispec --peers llama.cpp:q4_1",
+                   "num_prompts": 4, "max_new_tokens": 32, "batch_size": 1},
+        "strategies": {
+            "ar": {"kind": "ar", "available": True, "tokens_per_second": ar, "tokens_per_second_median": ar + 1,
+                   "identical_to_ar": True, "agreement_with_ar": None},
+            "hispec": {"kind": "hispec", "available": True, "tokens_per_second": ar / 2,
+                       "tokens_per_second_median": None, "identical_to_ar": True, "agreement_with_ar": None},
+            "hf": {"kind": "hf", "available": False, "reason": "not installed", "tokens_per_second": None},
+            "llama.cpp:q4_1": {"kind": "peer", "available": True, "weights": "model.Q4_1.gguf",
+                               "tokens_per_second": peer, "tokens_per_second_median": None,
+                               "identical_to_ar": False,
+                               "agreement_with_ar": {"prompts": 4, "identical": 3, "first_n_identical": 4}},
+        },
+    }
+
+
+def write(path: Path, data: dict) -> Path:
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_only_the_text_between_the_markers_changes(tmp_path):
+    md = tmp_path / "BENCHMARKS.md"
+    md.write_text(markdown())
+    write(tmp_path / "results.json", results_json("2026-12-03T10:00:00+0000", 80.0, 40.0))
+    assert main(["bench", "--summary", str(md), "--results", str(tmp_path / "results.json")]) == 0
+    text = md.read_text()
+    assert text.startswith(HEAD + summary.START + "\n") and text.endswith(summary.END + HISTORY)
+    inner = text[len(HEAD) + len(summary.START):-len(summary.END + HISTORY)]
+    assert "the old summary" not in inner and "## Current summary" in inner
+    assert "| hispec `ar` (native) | 80.0 | 81.0 | 1.00x | reference |" in inner
+    assert "| hispec `hispec` (native) | 40.0 | – | 0.50x | yes |" in inner
+    assert "| `llama.cpp:q4_1` (model.Q4_1.gguf) | 40.0 | – | 0.50x | 3/4 |" in inner
+    assert "`hf`" not in inner  # it did not run
+    assert "Test CPU, 2 threads of 2 CPUs, 2026-12-03" in inner
+    assert "load average 1.25 -> 1.75" in inner and "commit `abc1234`" in inner
+    assert "`hispec bench --data p.jsonl --strategies ar,hispec --peers llama.cpp:q4_1`" in inner
+
+    # again, from other files: replaced again, the history still as it was
+    write(tmp_path / "results.json", results_json("2026-12-04T10:00:00+0000", 90.0, 45.0))
+    assert main(["bench", "--summary", str(md), "--results", str(tmp_path / "results.json")]) == 0
+    again = md.read_text()
+    assert again.endswith(summary.END + HISTORY) and again.count(summary.START) == 1
+    assert "| 90.0 |" in again and "| 80.0 |" not in again
+
+
+def test_newest_run_of_each_comparison(tmp_path):
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    write(runs / "old.json", results_json("2026-12-01T10:00:00+0000", 50.0, 25.0))
+    write(runs / "new.json", results_json("2026-12-02T10:00:00+0000", 60.0, 30.0))
+    write(runs / "other-machine.json", results_json("2026-11-01T10:00:00+0000", 10.0, 5.0, cpu="Other CPU"))
+    shown = summary.latest([c for f in summary.result_files([runs]) for c in summary.read(f)])
+    assert [(c.machine.split(",")[0], c.rows[0].tokens_per_second) for c in shown] == [("Test CPU", 60.0),
+                                                                                      ("Other CPU", 10.0)]
+
+
+def test_batch_results_give_one_comparison_per_batch_size(tmp_path):
+    row = {"tokens": 64, "seconds": 1.0, "round_seconds": [1.0], "adaptive": None}
+    results = {"1": {"ar": row | {"tokens_per_second": 20.0, "speedup_vs_ar": 1.0, "identical_to_ar": True},
+                     "vllm": row | {"tokens_per_second": 10.0, "speedup_vs_ar": 0.5, "identical_to_ar": False,
+                                    "agreement_with_ar": {"prompts": 4, "identical": 4, "first_n_identical": 4}}},
+               "16": {"ar": row | {"tokens_per_second": 100.0, "speedup_vs_ar": 1.0, "identical_to_ar": True},
+                      "vllm": row | {"tokens_per_second": 125.0, "speedup_vs_ar": 1.25, "identical_to_ar": None,
+                                     "agreement_with_ar": None}}}
+    meta = {"machine": {"cpu": "Test CPU", "threads": 2, "cpu_count": 2}, "model": "default", "num_prompts": 4,
+            "created": "2026-12-03T10:00:00+0000", "weights": "float32",
+            "peers": {"vllm": {"kind": "peer", "weights": "model, float32"}}, "max_new_tokens": 16,
+            "adaptive": True, "rounds": 3, "commit": None, "command": "hispec bench --batch-sizes 1,16"}
+    write_batch_outputs(results, meta, tmp_path, plots=False)
+    comparisons = summary.read(tmp_path / "batch_results.json")
+    assert [c.batch_size for c in comparisons] == [1, 16]
+    text = "\n".join(summary.table(comparisons[1]))
+    assert "| hispec `ar` (float32) | 100.0 | 1.00x | reference |" in text
+    assert "| `vllm` (model, float32) | 125.0 | 1.25x | – |" in text
+    assert "4/4" in "\n".join(summary.table(comparisons[0]))
+    assert "median of 3 interleaved rounds" in summary.render(comparisons, ["x"])
+
+
+@pytest.mark.parametrize("text", ["no markers", f"{summary.END}\n{summary.START}",
+                                  f"{summary.START}{summary.START}{summary.END}"])
+def test_markers_must_be_there_once_and_in_order(text):
+    with pytest.raises(UsageError, match="summary:start"):
+        summary.replace_section(text, "new")
+
+
+def test_bad_inputs_are_clear_errors(tmp_path, capsys):
+    md = tmp_path / "B.md"
+    md.write_text(markdown())
+    not_results = write(tmp_path / "x.json", {"hello": 1})
+    assert main(["bench", "--summary", str(md), "--results", str(not_results)]) == 2
+    assert "not a hispec bench result file" in capsys.readouterr().err
+    assert main(["bench", "--summary", str(md), "--results", str(tmp_path / "missing")]) == 2
+    assert "no such file or folder" in capsys.readouterr().err
+    assert md.read_text() == markdown()  # nothing written on an error
+    assert main(["bench", "--results", str(not_results)]) == 2
+    assert "--results goes with --summary" in capsys.readouterr().err
+    assert main(["bench"]) == 2
+    assert "--data is required" in capsys.readouterr().err
+
+
+def test_benchmarks_md_summary_is_what_the_command_makes():
+    """The repository's summary is the command's output from docs/benchmarks/results: it can be
+    regenerated, and the kept result files hold every figure it shows."""
+    text = (ROOT / "BENCHMARKS.md").read_text(encoding="utf-8")
+    inner = text.split(summary.START)[1].split(summary.END)[0]
+    files = summary.result_files([ROOT / "docs" / "benchmarks" / "results"])
+    made = summary.render(summary.latest([c for f in files for c in summary.read(f)]), ["docs/benchmarks/results"])
+    assert inner == f"\n{made}\n"
+
+
+def test_summary_of_real_bench_runs(tiny_text_model_dir, tmp_path):
+    """The files ``hispec bench`` writes (batch 1 and ``--batch-sizes``) summarised as they are."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"id": str(i), "prompt": p}) + "\n" for i, p in enumerate(["hello", "1+1="])))
+    common = ["bench", "--model", str(tiny_text_model_dir), "--data", str(prompts), "--max-new-tokens", "4",
+              "--ignore-eos", "--no-progress", "--no-plots", "--threads", "1"]
+    assert main(common + ["--strategies", "ar,hispec", "--out", str(tmp_path / "b1")]) == 0
+    assert main(common + ["--strategies", "ar,selfspec", "--batch-sizes", "1,2", "--rounds", "1",
+                          "--out", str(tmp_path / "bs")]) == 0
+    md = tmp_path / "B.md"
+    md.write_text(markdown())
+    assert main(["bench", "--summary", str(md), "--results", str(tmp_path / "b1" / "results.json"),
+                 "--results", str(tmp_path / "bs" / "batch_results.json")]) == 0
+    text = md.read_text()
+    assert text.endswith(summary.END + HISTORY)
+    assert text.count("### Batch 1: ar, hispec") == 1 and text.count("### Batch 1: ar, selfspec") == 1
+    assert text.count("### Batch 2: ar, selfspec") == 1
+    assert "| hispec `hispec` (float32) |" in text and "| hispec `selfspec` (float32) |" in text
+    assert text.count("| reference |") == 3 and "load not recorded" not in text
+    assert "date not recorded" not in text
