@@ -136,15 +136,22 @@ def _logit_bias(value: Any, handler, info: ValidationInfo) -> dict[str, float]:
         raise invalid("'logit_bias' must be an object mapping token ids to numbers") from None
     vocab_size = (info.context or {}).get("vocab_size")
     for key, v in bias.items():
-        try:
-            token = int(key)
-        except ValueError:
-            raise invalid(f"'logit_bias' keys must be token ids, got {_show(key)}") from None
+        token = _token_id(key)
+        if token is None:
+            raise invalid(f"'logit_bias' keys must be token ids, got {_show(key)}")
         if vocab_size is not None and not 0 <= token < vocab_size:
             raise invalid(f"'logit_bias' token id {token} is out of range [0, {vocab_size})")
         if not -100 <= v <= 100:
             raise invalid(f"'logit_bias' values must be numbers between -100 and 100, got {_show(v)}")
     return bias
+
+
+def _token_id(key: str) -> int | None:
+    """``"42"`` (or ``"-3"``, refused later as out of range) as an int; None if not a decimal number."""
+    try:
+        return int(key) if key.strip().lstrip("-").isdigit() else None
+    except ValueError:  # digits int() does not read, such as superscripts
+        return None
 
 
 Stop = Annotated[Union[str, list[str]], one_error("'stop' must be a string or a list of strings")]

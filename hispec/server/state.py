@@ -22,6 +22,8 @@ MAX_CHARS_PER_TOKEN = 32  # a text this many times longer than the context is fi
 
 @dataclass
 class ServerState:
+    """What every route shares (``app.state.hispec``)."""
+
     engine: AsyncEngine
     tokenizer: object  # a Hugging Face tokenizer (used under tokenizer_lock)
     model_names: tuple[str, ...]  # the first is the served name; the others are accepted aliases
@@ -198,7 +200,7 @@ def served_names(args, gen) -> tuple[str, ...]:
     return tuple(dict.fromkeys([name, args.model]))
 
 
-def build_server_state(args, gen):
+def build_server_state(args, gen) -> ServerState:
     """Engine, bridge and app state for a loaded ``Generator``."""
     from ..config import EngineConfig
     from ..engine.engine import Engine
