@@ -193,7 +193,7 @@ class _Sampling(_Body):
 
     def _fields(self) -> dict:
         """``ParsedRequest``'s fields that both endpoints read the same way."""
-        stop = self.stop or ()
+        stop = () if self.stop is None else self.stop
         return dict(model=self.model, stream=self.stream,
                     include_usage=self.stream_options is not None and self.stream_options.include_usage,
                     n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=max(self.top_k, 0),
@@ -242,7 +242,7 @@ Prompt = Annotated[Union[str, list[int], list[Union[str, list[int]]]],
 
 def _prompt_list(prompt: str | list) -> list[str | list[int]]:
     """The prompts of ``prompt``: one text, one list of token ids, or a list of these."""
-    one = isinstance(prompt, str) or (prompt and all(isinstance(t, int) for t in prompt))
+    one = isinstance(prompt, str) or (bool(prompt) and all(isinstance(t, int) for t in prompt))
     return [prompt] if one else prompt
 
 
