@@ -16,12 +16,6 @@ from ..tools import CallStream, parse_calls
 router = APIRouter()
 
 
-@router.post("/v1/chat/completions")
-async def chat_completions(request: Request, req: ParsedRequest = Depends(RequestBody(ChatCompletionRequest)),
-                           state: ServerState = Depends(server_state)) -> Response:
-    return await generate(request, state, ChatFormat(state, req))
-
-
 class ChatFormat(Format):
     object = "chat.completion"
     chunk_object = "chat.completion.chunk"
@@ -60,4 +54,10 @@ class ChatFormat(Format):
         return {"delta": out} if out else None
 
     def logprobs(self, choice: Choice, delta: Delta, echo: bool) -> dict:
-        return chat_logprobs(delta.logprobs or [] if self.req.max_tokens != 0 else [], self.state.token_text)
+        return chat_logprobs(delta.logprobs or [], self.state.token_text)  # chat never has max_tokens 0
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request, req: ParsedRequest = Depends(RequestBody(ChatCompletionRequest)),
+                           state: ServerState = Depends(server_state)) -> Response:
+    return await generate(request, state, ChatFormat(state, req))

@@ -14,12 +14,6 @@ from ..state import ServerState
 router = APIRouter()
 
 
-@router.post("/v1/completions")
-async def completions(request: Request, req: ParsedRequest = Depends(RequestBody(CompletionRequest)),
-                      state: ServerState = Depends(server_state)) -> Response:
-    return await generate(request, state, CompletionFormat(state, req))
-
-
 class CompletionFormat(Format):
     object = chunk_object = "text_completion"
     id_prefix = "cmpl-"
@@ -53,3 +47,9 @@ class CompletionFormat(Format):
     def prompt_text(self, choice: Choice) -> str:
         prompt = self.req.prompts[choice.prompt_index]
         return prompt if isinstance(prompt, str) else self.state.decode(prompt)
+
+
+@router.post("/v1/completions")
+async def completions(request: Request, req: ParsedRequest = Depends(RequestBody(CompletionRequest)),
+                      state: ServerState = Depends(server_state)) -> Response:
+    return await generate(request, state, CompletionFormat(state, req))
