@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from hispec.server.protocol import APIError, parse_chat
+from hispec.server.errors import APIError
+from hispec.server.schema import ChatCompletionRequest, parse
 from hispec.server.tools import CallStream, fallback_messages, forced_grammar, parse_calls
 
 from test_structured_output import char_gen, strict_commits  # noqa: F401  (fixtures)
@@ -28,7 +29,7 @@ HISTORY = [{"role": "user", "content": "Weather in Paris?"},
 
 
 def chat(**body):
-    return parse_chat({"model": "m", "messages": HISTORY, **body}, 100)
+    return parse(ChatCompletionRequest, {"model": "m", "messages": HISTORY, **body}, 100)
 
 
 def valid_call(call: dict) -> bool:

@@ -37,7 +37,7 @@ class HispecReplica:
 
         from ..options import load_generator
         from ..server.app import create_app
-        from ..server.commands import build_server_state
+        from ..server.state import build_server_state
 
         if args.threads:
             torch.set_num_threads(args.threads)
@@ -52,7 +52,7 @@ class HispecReplica:
     def check_health(self) -> None:
         """Ray Serve calls this periodically; raising marks the replica unhealthy (it is replaced)."""
         bridge = self.hispec_state.engine
-        if bridge._thread is not None and not bridge.alive:
+        if bridge.started and not bridge.alive:
             raise RuntimeError(f"the engine thread stopped: {bridge.error or 'unknown error'}")
 
 

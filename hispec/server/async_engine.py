@@ -22,9 +22,14 @@ from ..config import SamplingParams
 from ..engine.engine import Engine
 from ..sampling.logprobs import TokenLogprob
 from .metrics import Metrics
-from .protocol import openai_finish_reason
 
 log = logging.getLogger("hispec.server")
+
+
+def openai_finish_reason(reason: str | None) -> str | None:
+    """The engine's reasons (eos, stop, length, context) in OpenAI's words (stop, length);
+    'abort' (cancelled) and 'error' pass through."""
+    return {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}.get(reason, reason)
 
 
 class QueueFullError(RuntimeError):
@@ -155,6 +160,10 @@ class AsyncEngine:
         self._commands.put(("stop",))
         if self._thread is not None:
             self._thread.join(timeout)
+
+    @property
+    def started(self) -> bool:
+        return self._thread is not None
 
     @property
     def alive(self) -> bool:

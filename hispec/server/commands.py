@@ -83,52 +83,6 @@ def _check_args(args) -> None:
         raise UsageError("--api-key is empty")
 
 
-def served_names(args, gen) -> tuple[str, ...]:
-    """The model ids clients may send: the served name first."""
-    from pathlib import Path
-
-    from ..model.load.registry import ALIASES, KNOWN_MODELS
-
-    key = ALIASES.get(args.model.lower(), args.model.lower())
-    if args.served_model_name:
-        name = args.served_model_name
-    elif key in KNOWN_MODELS:
-        name = KNOWN_MODELS[key].name
-    else:
-        name = Path(args.model).name or args.model
-    return tuple(dict.fromkeys([name, args.model]))
-
-
-def build_server_state(args, gen):
-    """Engine, bridge and app state for a loaded ``Generator`` (also used by tests in-process)."""
-    import copy
-
-    from ..options import spec_from_args
-    from ..config import EngineConfig
-    from ..engine.engine import Engine
-    from ..generate import make_strategy
-    from .app import ServerState
-    from .async_engine import AsyncEngine
-    from .metrics import Metrics
-
-    model = gen.model
-    spec = spec_from_args(args, gen) if args.strategy != "ar" else None
-    strategy = make_strategy(args.strategy, spec, model.num_layers)
-    # The engine thread detokenizes with its own copy: a Hugging Face fast tokenizer is not safe to
-    # use from two threads at once, and a shared lock would stall every stream behind a huge prompt.
-    tokenizer = copy.deepcopy(gen.tokenizer)
-    config = EngineConfig(block_size=gen.block_size, max_batch_size=args.max_batch_size, kv_blocks=args.kv_blocks,
-                          adaptive=not args.no_adaptive, prefill_chunk=args.prefill_chunk)
-    # default pool: a full batch of min(context, 1024)-token sequences
-    engine = Engine(model, strategy, config, tokenizer=tokenizer, eos_ids=gen.eos_ids)
-    ctx = model.cfg.max_position_embeddings
-    names = served_names(args, gen)
-    metrics = Metrics(names[0], args.strategy, ctx)
-    bridge = AsyncEngine(engine, max_queue=args.max_queue, metrics=metrics)
-    return ServerState(engine=bridge, tokenizer=gen.tokenizer, model_names=names, context_length=ctx,
-                       vocab_size=model.cfg.vocab_size, strategy=args.strategy, api_key=args.api_key)
-
-
 def _listen(host: str, port: int):
     import socket
 
@@ -164,6 +118,7 @@ def cmd_serve(args) -> int:
     if args.replicas != 1 or args.max_replicas or args.ray_address:
         raise UsageError("--replicas, --max-replicas and --ray-address need --ray")
     from .app import create_app
+    from .state import build_server_state
 
     gen = load_generator(args)
     state = build_server_state(args, gen)

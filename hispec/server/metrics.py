@@ -1,4 +1,4 @@
-"""Server metrics in the Prometheus text exposition format (version 0.0.4), written by hand.
+"""Server metrics, written in the Prometheus text format by ``prometheus.Exposition``.
 
 Counters and histograms are updated from the engine thread and the event loop under one
 lock; the engine's gauges (KV blocks, waiting, running) are read at scrape time through the
@@ -6,49 +6,15 @@ lock; the engine's gauges (KV blocks, waiting, running) are read at scrape time 
 """
 from __future__ import annotations
 
-import bisect
 import threading
 from typing import Callable
 
+from .prometheus import Exposition, Histogram
 from .vllm_metrics import VllmMetrics
 
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
-
-PREFIX = "hispec"
-
-
-class Histogram:
-    def __init__(self, name: str, help: str, buckets: tuple[float, ...]) -> None:
-        self.name, self.help, self.buckets = name, help, buckets
-        self.counts = [0] * (len(buckets) + 1)  # the last: +Inf only
-        self.sum = 0.0
-        self.count = 0
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.buckets, value)] += 1
-        self.sum += value
-        self.count += 1
-
-    def render(self) -> list[str]:
-        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
-        cumulative = 0
-        for bound, n in zip(self.buckets, self.counts):
-            cumulative += n
-            lines.append(f'{self.name}_bucket{{le="{_num(bound)}"}} {cumulative}')
-        lines.append(f'{self.name}_bucket{{le="+Inf"}} {self.count}')
-        lines.append(f"{self.name}_sum {_num(self.sum)}")
-        lines.append(f"{self.name}_count {self.count}")
-        return lines
-
-
-def _num(v: float) -> str:
-    return repr(float(v)) if isinstance(v, float) else str(v)
-
-
-def _label(v: str) -> str:
-    return v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
 class Metrics:
@@ -64,12 +30,9 @@ class Metrics:
         self.accepted_tokens: dict[str, int] = {}
         self.full_passes = 0
         self.spec_tokens = 0  # tokens of the requests whose full passes are counted
-        self.ttft = Histogram(f"{PREFIX}_time_to_first_token_seconds",
-                              "Seconds from a request's arrival to its first committed token.", TTFT_BUCKETS)
-        self.tpot = Histogram(f"{PREFIX}_time_per_output_token_seconds",
-                              "Per request: seconds per output token after the first.", TPOT_BUCKETS)
-        self.e2e = Histogram(f"{PREFIX}_request_latency_seconds",
-                             "Seconds from a request's arrival to its end.", E2E_BUCKETS)
+        self.ttft = Histogram(TTFT_BUCKETS)
+        self.tpot = Histogram(TPOT_BUCKETS)
+        self.e2e = Histogram(E2E_BUCKETS)
         self.engine: dict = {}  # the engine's gauges, as of the last refresh
         self.refresh: Callable[[], None] | None = None  # updates ``engine`` (via set_engine) before a render
 
@@ -122,51 +85,50 @@ class Metrics:
             return "\n".join(self._lines()) + "\n"
 
     def _lines(self) -> list[str]:
-        p = PREFIX
-        out: list[str] = []
-
-        def metric(name: str, kind: str, help: str, samples: list[tuple[str, float]]) -> None:
-            out.append(f"# HELP {p}_{name} {help}")
-            out.append(f"# TYPE {p}_{name} {kind}")
-            for labels, value in samples:
-                out.append(f"{p}_{name}{labels} {_num(value)}")
-
-        info = f'{{model="{_label(self.model_name)}",strategy="{_label(self.strategy)}"}}'
-        metric("info", "gauge", "The served model and decoding strategy.", [(info, 1)])
+        out = Exposition("hispec_")
+        metric = out.family
+        metric("info", "gauge", "The served model and decoding strategy.",
+               [((("model", self.model_name), ("strategy", self.strategy)), 1)])
         metric("requests_total", "counter", "HTTP requests to the API by endpoint and status code.",
-               [(f'{{endpoint="{_label(e)}",status="{s}"}}', n) for (e, s), n in sorted(self.http.items())])
+               [((("endpoint", e), ("status", str(s))), n) for (e, s), n in sorted(self.http.items())])
         metric("requests_finished_total", "counter",
                "Generation requests that ended, by reason (stop, length, abort = cancelled, error).",
-               [(f'{{reason="{_label(r)}"}}', n) for r, n in sorted(self.finished.items())])
-        metric("prompt_tokens_total", "counter", "Prompt tokens of admitted requests.", [("", self.prompt_tokens)])
-        metric("generation_tokens_total", "counter", "Committed (output) tokens.", [("", self.generation_tokens)])
+               [((("reason", r),), n) for r, n in sorted(self.finished.items())])
+        metric("prompt_tokens_total", "counter", "Prompt tokens of admitted requests.", [((), self.prompt_tokens)])
+        metric("generation_tokens_total", "counter", "Committed (output) tokens.", [((), self.generation_tokens)])
         levels = sorted(self.draft_tokens)
         metric("spec_draft_tokens_total", "counter", "Draft tokens proposed, per verification level.",
-               [(f'{{level="{_label(lv)}"}}', self.draft_tokens[lv]) for lv in levels])
+               [((("level", lv),), self.draft_tokens[lv]) for lv in levels])
         metric("spec_accepted_tokens_total", "counter", "Draft tokens accepted, per verification level.",
-               [(f'{{level="{_label(lv)}"}}', self.accepted_tokens.get(lv, 0)) for lv in levels])
+               [((("level", lv),), self.accepted_tokens.get(lv, 0)) for lv in levels])
         metric("spec_acceptance_rate", "gauge", "Accepted / drafted tokens, per verification level.",
-               [(f'{{level="{_label(lv)}"}}',
+               [((("level", lv),),
                  self.accepted_tokens.get(lv, 0) / self.draft_tokens[lv] if self.draft_tokens[lv] else 0.0)
                 for lv in levels])
-        metric("spec_full_passes_total", "counter", "Forward passes through the full model.", [("", self.full_passes)])
+        metric("spec_full_passes_total", "counter", "Forward passes through the full model.", [((), self.full_passes)])
         metric("spec_mean_accepted_length", "gauge",
                "Output tokens per full-model pass over the ended requests (1.0 = no speculation gain).",
-               [("", self.spec_tokens / self.full_passes if self.full_passes else 0.0)])
+               [((), self.spec_tokens / self.full_passes if self.full_passes else 0.0)])
         e = self.engine
-        metric("kv_blocks_total", "gauge", "KV-cache blocks in the pool.", [("", e.get("kv_blocks_total", 0))])
-        metric("kv_blocks_in_use", "gauge", "KV-cache blocks held by sequences.", [("", e.get("kv_blocks_in_use", 0))])
-        metric("kv_blocks_free", "gauge", "KV-cache blocks free.", [("", e.get("kv_blocks_free", 0))])
-        metric("requests_waiting", "gauge", "Requests queued for the batch (not yet running).",
-               [("", e.get("waiting", 0))])
-        metric("requests_running", "gauge", "Requests in the running batch.", [("", e.get("running", 0))])
-        metric("preemptions_total", "counter", "Sequences preempted for KV blocks (recomputed later).",
-               [("", e.get("preemptions", 0))])
-        metric("engine_steps_total", "counter", "Engine steps run.", [("", e.get("steps", 0))])
-        for h in (self.ttft, self.tpot, self.e2e):
-            out.extend(h.render())
-        out.extend(self.vllm.lines(e, self.prompt_tokens, self.generation_tokens))
-        return out
+        for name, kind, key, help in ENGINE_SERIES:
+            metric(name, kind, help, [((), e.get(key, 0))])
+        out.histogram("time_to_first_token_seconds", "Seconds from a request's arrival to its first committed token.",
+                      self.ttft)
+        out.histogram("time_per_output_token_seconds", "Per request: seconds per output token after the first.",
+                      self.tpot)
+        out.histogram("request_latency_seconds", "Seconds from a request's arrival to its end.", self.e2e)
+        return out.lines + self.vllm.lines(e, self.prompt_tokens, self.generation_tokens)
+
+
+ENGINE_SERIES = (  # (name, kind, key in the engine's snapshot, help)
+    ("kv_blocks_total", "gauge", "kv_blocks_total", "KV-cache blocks in the pool."),
+    ("kv_blocks_in_use", "gauge", "kv_blocks_in_use", "KV-cache blocks held by sequences."),
+    ("kv_blocks_free", "gauge", "kv_blocks_free", "KV-cache blocks free."),
+    ("requests_waiting", "gauge", "waiting", "Requests queued for the batch (not yet running)."),
+    ("requests_running", "gauge", "running", "Requests in the running batch."),
+    ("preemptions_total", "counter", "preemptions", "Sequences preempted for KV blocks (recomputed later)."),
+    ("engine_steps_total", "counter", "steps", "Engine steps run."),
+)
 
 
 def parse_metrics(text: str) -> dict[str, float]:

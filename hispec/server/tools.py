@@ -1,5 +1,5 @@
-"""Function calling (OpenAI's ``tools``): request checks, prompt rendering, output parsing and
-the grammar that forces a call.
+"""Function calling (OpenAI's ``tools``): prompt rendering, output parsing and the grammar that
+forces a call (the request's ``tools`` and ``tool_choice`` are checked by ``schema``).
 
 Format. Tool calls are written Hermes-style, the format of Qwen2.5, Hermes and many
 fine-tunes::
@@ -15,8 +15,8 @@ format and tool results become user messages ``<tool_response>...</tool_response
 Forcing. ``tool_choice`` "required" or a named function constrains the output with an
 llguidance grammar: ``<tool_call>`` + a JSON object whose ``name`` is one of the allowed
 functions and whose ``arguments`` match that function's ``parameters`` schema +
-``</tool_call>``, laid out as ``json.dumps`` writes it. It goes through the same masking as ``response_format``, so every strategy
-stays lossless with respect to the constrained distribution.
+``</tool_call>``, laid out as ``json.dumps`` writes it. It goes through the same masking as
+``response_format``, so every strategy stays lossless with respect to the constrained distribution.
 """
 from __future__ import annotations
 
@@ -24,8 +24,6 @@ import json
 import re
 import uuid
 from typing import Any
-
-from .protocol import bad
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _CALL = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.S)
@@ -35,80 +33,6 @@ FALLBACK_PROMPT = ("You may call one or more functions to assist with the user q
                    "For each function call, answer with a JSON object holding the function name and its "
                    "arguments inside <tool_call></tool_call> tags:\n"
                    '<tool_call>{{"name": <function-name>, "arguments": <args-json-object>}}</tool_call>')
-
-
-# ---- the request ------------------------------------------------------------------------------------
-def parse_tools(body: dict) -> list[dict]:
-    """``tools``: a list of ``{"type": "function", "function": {"name", "description"?,
-    "parameters"?}}``; returns the function objects (parameters default to any object)."""
-    tools = body.get("tools")
-    if tools is None:
-        return []
-    if not isinstance(tools, list):
-        raise bad("'tools' must be a list of function tools", "tools")
-    out, names = [], set()
-    for i, t in enumerate(tools):
-        param = f"tools[{i}]"
-        if not (isinstance(t, dict) and t.get("type") == "function" and isinstance(t.get("function"), dict)):
-            raise bad(f"{param} must be {{'type': 'function', 'function': {{'name': ...}}}}", param)
-        f = t["function"]
-        name = f.get("name")
-        if not (isinstance(name, str) and re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", name)):
-            raise bad(f"{param}.function.name must be 1-64 letters, digits, '_', '.' or '-'", f"{param}.function.name")
-        if name in names:
-            raise bad(f"{param}.function.name '{name}' is defined twice", f"{param}.function.name")
-        params = f.get("parameters", {"type": "object", "properties": {}})
-        if not isinstance(params, dict):
-            raise bad(f"{param}.function.parameters must be a JSON schema (an object)", f"{param}.function.parameters")
-        description = f.get("description")
-        if description is not None and not isinstance(description, str):
-            raise bad(f"{param}.function.description must be a string", f"{param}.function.description")
-        names.add(name)
-        out.append({"name": name, **({"description": description} if description else {}), "parameters": params})
-    return out
-
-
-def parse_tool_choice(body: dict, tools: list[dict]) -> str | None:
-    """``tool_choice``: "none", "auto", "required" or the name of the function to call
-    (``{"type": "function", "function": {"name": ...}}``); None when there are no tools."""
-    choice = body.get("tool_choice")
-    if not tools:
-        if choice not in (None, "none"):
-            raise bad("'tool_choice' needs 'tools'", "tool_choice")
-        return None
-    if choice is None:
-        return "auto"
-    if choice in ("none", "auto", "required"):
-        return choice
-    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
-        name = choice["function"].get("name")
-        if not isinstance(name, str) or name not in {t["name"] for t in tools}:
-            raise bad(f"tool_choice names function {name!r}, which is not in 'tools'", "tool_choice")
-        return name
-    raise bad("'tool_choice' must be 'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}",
-              "tool_choice")
-
-
-def history_tool_calls(m: dict, param: str) -> list[dict]:
-    """An assistant message's ``tool_calls``, as ``{"id", "name", "arguments": dict}``."""
-    calls = m.get("tool_calls")
-    if calls is None:
-        return []
-    if not isinstance(calls, list):
-        raise bad(f"{param}.tool_calls must be a list", f"{param}.tool_calls")
-    out = []
-    for j, c in enumerate(calls):
-        p = f"{param}.tool_calls[{j}]"
-        f = c.get("function") if isinstance(c, dict) else None
-        if not (isinstance(f, dict) and isinstance(f.get("name"), str)):
-            raise bad(f"{p} must be {{'id', 'type': 'function', 'function': {{'name', 'arguments'}}}}", p)
-        args = f.get("arguments", "{}")
-        try:
-            args = json.loads(args) if isinstance(args, str) else args
-        except json.JSONDecodeError:
-            raise bad(f"{p}.function.arguments must be a JSON string", f"{p}.function.arguments") from None
-        out.append({"id": c.get("id") if isinstance(c.get("id"), str) else "", "name": f["name"], "arguments": args})
-    return out
 
 
 # ---- rendering ----------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ alerts work unchanged (every series carries ``model_name``).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from .prometheus import Exposition, Histogram
 
 TIME_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -38,23 +38,6 @@ def token_buckets(max_len: int) -> tuple[int, ...]:
         scale *= 10
 
 
-@dataclass
-class Hist:
-    buckets: tuple
-    counts: list[int] = field(default_factory=list)
-    sum: float = 0.0
-    count: int = 0
-
-    def observe(self, value: float) -> None:
-        if not self.counts:
-            self.counts = [0] * len(self.buckets)
-        for i, bound in enumerate(self.buckets):
-            if value <= bound:
-                self.counts[i] += 1
-        self.sum += value
-        self.count += 1
-
-
 class VllmMetrics:
     """Updated by ``Metrics`` (under its lock); rendered as extra lines of ``/metrics``."""
 
@@ -62,16 +45,16 @@ class VllmMetrics:
         self.model_name = model_name
         self.success = dict.fromkeys(FINISH_REASONS, 0)
         self.hists = {
-            "time_to_first_token_seconds": Hist(TIME_BUCKETS),
-            "time_per_output_token_seconds": Hist(ITL_BUCKETS),
-            "inter_token_latency_seconds": Hist(ITL_BUCKETS),
-            "e2e_request_latency_seconds": Hist(REQUEST_TIME_BUCKETS),
-            "request_queue_time_seconds": Hist(REQUEST_TIME_BUCKETS),
-            "request_prefill_time_seconds": Hist(REQUEST_TIME_BUCKETS),
-            "request_decode_time_seconds": Hist(REQUEST_TIME_BUCKETS),
-            "request_inference_time_seconds": Hist(REQUEST_TIME_BUCKETS),
-            "request_prompt_tokens": Hist(token_buckets(max_model_len)),
-            "request_generation_tokens": Hist(token_buckets(max_model_len)),
+            "time_to_first_token_seconds": Histogram(TIME_BUCKETS),
+            "time_per_output_token_seconds": Histogram(ITL_BUCKETS),
+            "inter_token_latency_seconds": Histogram(ITL_BUCKETS),
+            "e2e_request_latency_seconds": Histogram(REQUEST_TIME_BUCKETS),
+            "request_queue_time_seconds": Histogram(REQUEST_TIME_BUCKETS),
+            "request_prefill_time_seconds": Histogram(REQUEST_TIME_BUCKETS),
+            "request_decode_time_seconds": Histogram(REQUEST_TIME_BUCKETS),
+            "request_inference_time_seconds": Histogram(REQUEST_TIME_BUCKETS),
+            "request_prompt_tokens": Histogram(token_buckets(max_model_len)),
+            "request_generation_tokens": Histogram(token_buckets(max_model_len)),
         }
         self.drafts = 0
         self.draft_tokens = 0
@@ -109,52 +92,31 @@ class VllmMetrics:
                     self.accepted_per_pos[j] += n
 
     def lines(self, engine: dict, prompt_tokens: int, generation_tokens: int) -> list[str]:
-        label = f'model_name="{_escape(self.model_name)}"'
-        out: list[str] = []
+        out = Exposition("vllm:", (("model_name", self.model_name),))
 
-        def metric(name: str, kind: str, help: str, samples: list[tuple[str, float]]) -> None:
-            name += "_total" if kind == "counter" else ""
-            out.append(f"# HELP vllm:{name} {help}")
-            out.append(f"# TYPE vllm:{name} {kind}")
-            for extra, value in samples:
-                labels = label + (f",{extra}" if extra else "")
-                out.append(f"vllm:{name}{{{labels}}} {_num(value)}")
+        def metric(name: str, kind: str, help: str, samples: list[tuple[tuple, float]]) -> None:
+            out.family(name + ("_total" if kind == "counter" else ""), kind, help, samples)
 
         total = engine.get("kv_blocks_total", 0)
         usage = engine.get("kv_blocks_in_use", 0) / total if total else 0.0
         metric("num_requests_running", "gauge", "Number of requests in model execution batches.",
-               [("", engine.get("running", 0))])
+               [((), engine.get("running", 0))])
         metric("num_requests_waiting", "gauge", "Number of requests waiting to be processed.",
-               [("", engine.get("waiting", 0))])
-        metric("kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.", [("", usage)])
+               [((), engine.get("waiting", 0))])
+        metric("kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.", [((), usage)])
         metric("gpu_cache_usage_perc", "gauge", "KV-cache usage (the older name). 1 means 100 percent usage.",
-               [("", usage)])
-        metric("num_preemptions", "counter", "Cumulative number of preemptions.", [("", engine.get("preemptions", 0))])
-        metric("prompt_tokens", "counter", "Number of prefill tokens processed.", [("", prompt_tokens)])
-        metric("generation_tokens", "counter", "Number of generation tokens processed.", [("", generation_tokens)])
+               [((), usage)])
+        metric("num_preemptions", "counter", "Cumulative number of preemptions.", [((), engine.get("preemptions", 0))])
+        metric("prompt_tokens", "counter", "Number of prefill tokens processed.", [((), prompt_tokens)])
+        metric("generation_tokens", "counter", "Number of generation tokens processed.", [((), generation_tokens)])
         metric("request_success", "counter", "Count of finished requests by finish reason.",
-               [(f'finished_reason="{r}"', n) for r, n in self.success.items()])
+               [((("finished_reason", r),), n) for r, n in self.success.items()])
         metric("spec_decode_num_drafts", "counter", "Number of spec decoding drafts (full-model verifications).",
-               [("", self.drafts)])
-        metric("spec_decode_num_draft_tokens", "counter", "Number of draft tokens.", [("", self.draft_tokens)])
-        metric("spec_decode_num_accepted_tokens", "counter", "Number of accepted tokens.", [("", self.accepted_tokens)])
+               [((), self.drafts)])
+        metric("spec_decode_num_draft_tokens", "counter", "Number of draft tokens.", [((), self.draft_tokens)])
+        metric("spec_decode_num_accepted_tokens", "counter", "Number of accepted tokens.", [((), self.accepted_tokens)])
         metric("spec_decode_num_accepted_tokens_per_pos", "counter", "Accepted tokens per draft position.",
-               [(f'position="{j}"', n) for j, n in enumerate(self.accepted_per_pos)])
+               [((("position", str(j)),), n) for j, n in enumerate(self.accepted_per_pos)])
         for name, h in self.hists.items():
-            out.append(f"# HELP vllm:{name} Histogram of {name.replace('_', ' ')}.")
-            out.append(f"# TYPE vllm:{name} histogram")
-            counts = h.counts or [0] * len(h.buckets)
-            for bound, n in zip(h.buckets, counts):
-                out.append(f'vllm:{name}_bucket{{{label},le="{_num(float(bound))}"}} {n}')
-            out.append(f'vllm:{name}_bucket{{{label},le="+Inf"}} {h.count}')
-            out.append(f"vllm:{name}_sum{{{label}}} {_num(float(h.sum))}")
-            out.append(f"vllm:{name}_count{{{label}}} {h.count}")
-        return out
-
-
-def _num(v: float) -> str:
-    return repr(float(v)) if isinstance(v, float) else str(v)
-
-
-def _escape(v: str) -> str:
-    return v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+            out.histogram(name, f"Histogram of {name.replace('_', ' ')}.", h)
+        return out.lines
