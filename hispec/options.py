@@ -118,7 +118,7 @@ def check_engine_args(args, **dest_of: str) -> None:
                          {o: "--" + d.replace("_", "-") for o, d in dests.items()})
 
 
-def load_settings(args) -> dict:
+def load_options(args) -> dict:
     """The model options as ``Generator.from_pretrained`` keywords, checked; sets torch's threads."""
     import torch
 
@@ -144,7 +144,7 @@ def load_generator(args, progress: bool = True):
     ``hispec.distributed.generator_from_args``)."""
     from .generate import Generator
 
-    settings = load_settings(args)
+    options = load_options(args)
     if getattr(args, "tensor_parallel_size", 1) != 1:
         raise UsageError("--tensor-parallel-size: this command loads the model in one process")
-    return Generator.from_pretrained(args.model, progress=progress, **settings)
+    return Generator.from_pretrained(args.model, progress=progress, **options)

@@ -23,21 +23,21 @@ _SAMPLES = 1024  # as hispec.model.exits samples each fingerprint tensor
 def generator_from_args(args, progress: bool = True):
     """The ``Generator`` the model and parallelism options describe: over a group of
     ``--tensor-parallel-size`` processes when N > 1, else ``options.load_generator``'s."""
-    from ..options import UsageError, load_generator, load_settings
+    from ..options import UsageError, load_generator, load_options
 
     tp = getattr(args, "tensor_parallel_size", 1)
     if tp == 1:
         return load_generator(args, progress)
-    settings = load_settings(args)  # checks the options, tp >= 1 among them
-    if settings["kv_cache_dtype"] != "auto":
+    opts = load_options(args)  # checks the options, tp >= 1 among them
+    if opts["kv_cache_dtype"] != "auto":
         raise UsageError("--kv-cache-dtype: tensor-parallel workers keep the model's dtype; leave it at auto")
-    if settings["device"].startswith("cuda") and torch.cuda.device_count() < tp:
+    if opts["device"].startswith("cuda") and torch.cuda.device_count() < tp:
         raise UsageError(f"--tensor-parallel-size {tp}: only {torch.cuda.device_count()} CUDA device(s) here")
-    if settings["allow_pickle"]:
+    if opts["allow_pickle"]:
         raise UsageError("--tensor-parallel-size reads safetensors only (each rank reads its slices); "
                          "convert pickle checkpoints first")
-    return tp_generator(args.model, tp, device=settings["device"], dtype=settings["dtype"] or torch.float32,
-                        exits=settings["exits"], threads=args.threads, progress=progress, exit_on_failure=True)
+    return tp_generator(args.model, tp, device=opts["device"], dtype=opts["dtype"] or torch.float32,
+                        exits=opts["exits"], threads=args.threads, progress=progress, exit_on_failure=True)
 
 
 def tp_generator(name_or_path: str, world_size: int, *, device: str = "cpu", dtype: torch.dtype = torch.float32,
