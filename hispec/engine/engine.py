@@ -23,7 +23,7 @@ from ..model.decoder import DecoderModel
 from ..sampling.logprobs import TokenLogprob, token_logprobs
 from ..sampling.processors import LogitsProcessor
 from ..settings import SPECULATIVE
-from .adaptive import PLAIN, SPECULATE, AdaptiveController
+from .adaptive import SPECULATE, AdaptiveController
 from .outputs import RequestOutput
 from .scheduler import Scheduler
 from .sequence import Sequence
