@@ -17,8 +17,7 @@ import time
 
 from .config import ConfigError
 from .options import (UsageError, add_model_options, add_parallel_options, add_prefill_option, add_sampling_options,
-                      add_spec_options,
-                      load_generator, sampling_from_args, spec_from_args)
+                      add_spec_options, add_strategy_option, check_engine_args, sampling_from_args, spec_from_args)
 
 # feature modules that add sub-commands: each defines register(subparsers)
 COMMAND_MODULES = ("hispec.train.commands", "hispec.bench.commands", "hispec.server.commands")
@@ -44,12 +43,11 @@ def user_errors() -> tuple[type[BaseException], ...]:
 # ---- hispec generate ----------------------------------------------------------------------
 def register_generate(sub) -> None:
     p = sub.add_parser("generate", help="generate text (streams to stdout)",
-                       description="Generate a continuation with ar, selfspec or hispec; output is identical "
-                                   "across strategies at temperature 0.")
+                       description="Generate a continuation; output is identical across strategies at "
+                                   "temperature 0.")
     p.add_argument("prompt", nargs="?", help="the prompt (or use --prompts FILE)")
     p.add_argument("--prompts", metavar="FILE", help="JSONL prompts: Spec-Bench form, {'id', 'prompt'}, GSM8K {'question'} or {'prompt_ids'}")
-    p.add_argument("--strategy", default="hispec", choices=["ar", "selfspec", "hispec"],
-                   help="decoding strategy (default: hispec)")
+    add_strategy_option(p)
     p.add_argument("--chat", dest="chat", action="store_true", default=None,
                    help="wrap the prompt in the model's chat template (default when the model has one)")
     p.add_argument("--no-chat", dest="chat", action="store_false")
@@ -74,14 +72,15 @@ def cmd_generate(args) -> int:
     if (args.prompt is None) == (args.prompts is None):
         raise UsageError("give either a PROMPT or --prompts FILE")
     params = sampling_from_args(args)
+    check_engine_args(args, max_batch_size="batch_size")
     prompts = None
     if args.prompts:
         from .data import read_prompts
         prompts = read_prompts(args.prompts)  # validate the whole file before any work
-    gen = load_generator(args)
-    spec = spec_from_args(args, gen) if args.strategy != "ar" else None
-    if args.batch_size < 1:
-        raise UsageError(f"--batch-size must be >= 1, got {args.batch_size}")
+    from .distributed import generator_from_args
+
+    gen = generator_from_args(args)
+    spec = spec_from_args(args, gen)
     if prompts is None:
         return _generate_one(gen, args, params, spec)
     if args.batch_size > 1:

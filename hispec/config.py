@@ -6,8 +6,8 @@ is given (CLI, API, server) with a message that names the field.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, fields
+from typing import Any, Callable, Mapping
 
 FAMILIES = ("llama", "qwen2", "qwen3", "opt")
 
@@ -229,6 +229,44 @@ class SpecConfig:
         return self.window + longest + 3
 
 
+# The speculation settings by name, in declaration order: every SpecConfig field but the model's
+# depth (which only validates them). Settings resolution, the exit-head manifest, the command line
+# and the tuner all read and write these.
+SPEC_FIELDS = tuple(f.name for f in fields(SpecConfig) if f.name != "num_layers")
+
+
+# ---- engine and load options: one set of checks --------------------------------------------
+QUANTIZE = ("auto", "none", "native", "int4", "int8")  # weight formats (model/load/checkpoint.py)
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")  # what the KV cache holds; auto = the model's dtype
+
+# option -> (test, what a valid value is). An option left at None is "not set" where None is allowed.
+_OPTION_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "block_size": (lambda v: v >= 1, ">= 1"),
+    "max_batch_size": (lambda v: v >= 1, ">= 1"),
+    "kv_blocks": (lambda v: v is None or v >= 1, ">= 1"),
+    "kv_memory_fraction": (lambda v: v is None or 0 < v <= 0.95, "in (0, 0.95]"),
+    "prefill_chunk": (lambda v: isinstance(v, int) and v >= 0, "an integer >= 0 (0 = whole prompts)"),
+    "threads": (lambda v: v is None or v >= 1, ">= 1"),
+    "tensor_parallel_size": (lambda v: v >= 1, ">= 1"),
+    "quantize": (lambda v: v in QUANTIZE, "one of " + ", ".join(QUANTIZE)),
+    # a name, None (= auto) or the torch dtype of a name (str(torch.bfloat16) == "torch.bfloat16")
+    "kv_cache_dtype": (lambda v: v is None or str(v).removeprefix("torch.") in KV_CACHE_DTYPES,
+                       "one of " + ", ".join(KV_CACHE_DTYPES)),
+}
+ENGINE_OPTIONS = tuple(_OPTION_RULES)
+
+
+def check_engine_options(values: Mapping[str, Any], names: Mapping[str, str] | None = None) -> None:
+    """Raise ``ConfigError`` for the first invalid value in ``values`` (option -> value, options
+    from ``ENGINE_OPTIONS``). The one set of checks for the engine's and the loader's options, used
+    by ``EngineConfig``, the engine, ``Generator``/``LLM``, the command line and the server.
+    ``names``: how the caller spells an option in the message (a command-line flag); default: as given."""
+    for option, value in values.items():
+        test, valid = _OPTION_RULES[option]
+        if not test(value):
+            raise ConfigError(f"{(names or {}).get(option, option)} must be {valid}, got {value!r}")
+
+
 @dataclass(slots=True)
 class EngineConfig:
     """How the engine batches and sizes its KV pool (one config for ``Generator``, ``LLM`` and the server).
@@ -251,16 +289,7 @@ class EngineConfig:
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK  # prompt tokens prefilled per step, all sequences together; 0 = no limit
 
     def __post_init__(self) -> None:
-        if not isinstance(self.prefill_chunk, int) or self.prefill_chunk < 0:
-            raise ConfigError(f"prefill chunk must be an integer >= 0 (0 = whole prompts), got {self.prefill_chunk}")
-        if self.block_size < 1:
-            raise ConfigError(f"block size must be >= 1, got {self.block_size}")
-        if self.max_batch_size < 1:
-            raise ConfigError(f"max batch size must be >= 1, got {self.max_batch_size}")
-        if self.kv_blocks is not None and self.kv_blocks < 1:
-            raise ConfigError(f"kv_blocks must be >= 1, got {self.kv_blocks}")
-        if self.kv_memory_fraction is not None and not 0 < self.kv_memory_fraction <= 0.95:
-            raise ConfigError(f"memory fraction must be in (0, 0.95], got {self.kv_memory_fraction}")
+        check_engine_options({f.name: getattr(self, f.name) for f in fields(self) if f.name in _OPTION_RULES})
 
     @property
     def fixed_pool(self) -> bool:

@@ -1,60 +1,29 @@
 """The library entry point for one request at a time: prompt in, committed tokens out.
 
 ``Generator`` owns the model, its tokenizer, its exit heads (``ExitSet``) and one KV pool, and
-runs each request through an engine of its own as a batch of one; a decoding strategy (``ar``,
-``selfspec``, ``hispec``) decides which layers run when. With ``adaptive=True`` the engine
+runs each request through an engine of its own as a batch of one; a decoding strategy (one of
+``settings.STRATEGIES``) decides which layers run when. With ``adaptive=True`` the engine
 decodes plainly on the steps where measured speculation does not pay (greedy only; the output
 is the same either way).
 """
 from __future__ import annotations
 
 import sys
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import torch
 
 from .cache.paged import PagedCache
-from .config import ConfigError, EngineConfig, SamplingParams, SpecConfig
-from .decode.autoregressive import Autoregressive
+from .config import ConfigError, EngineConfig, SamplingParams, SpecConfig, check_engine_options
+from .decode import make_strategy
 from .decode.base import Strategy
-from .decode.speculative import HiSpec, SelfSpec
-from .decode.stats import DecodeStats
 from .engine.adaptive import AdaptiveController
 from .engine.engine import Engine, PromptTooLongError  # noqa: F401 (PromptTooLongError re-exported)
+from .engine.outputs import GenerationOutput
 from .model.exits.attached import ExitSet
 from .model.decoder import DecoderModel
-from .settings import STRATEGIES, default_spec, resolve_spec  # noqa: F401 (default_spec re-exported)
-
-
-
-@dataclass
-class GenerationOutput:
-    prompt_token_ids: list[int]
-    token_ids: list[int]  # new tokens only (an end-of-sequence token included, as transformers does)
-    text: str
-    finish_reason: str  # "eos", "stop", "length" (max_new_tokens) or "context"
-    seconds: float
-    stats: DecodeStats = field(repr=False)
-
-    @property
-    def new_tokens(self) -> int:
-        return len(self.token_ids)
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
-
-
-def make_strategy(name: str, spec: SpecConfig | None = None, num_layers: int | None = None) -> Strategy:
-    if name == "ar":
-        return Autoregressive()
-    if name not in STRATEGIES:
-        raise ConfigError(f"unknown strategy {name!r}; choose from {', '.join(STRATEGIES)}")
-    spec = spec or default_spec(num_layers)
-    return SelfSpec(spec) if name == "selfspec" else HiSpec(spec)
+from .settings import DEFAULT_STRATEGY, default_spec, resolve_spec  # noqa: F401 (default_spec re-exported)
 
 
 class Generator:
@@ -87,6 +56,7 @@ class Generator:
         from .model.load.checkpoint import load_model
         from .model.load.registry import gguf_source, resolve_model
 
+        check_engine_options({"quantize": quantize, "kv_cache_dtype": kv_cache_dtype})
         folder = resolve_model(name_or_path, progress=progress)
         if quantize == "auto" and dtype is not None:
             quantize = "none"
@@ -130,8 +100,8 @@ class Generator:
 
     @property
     def recommended_spec(self) -> SpecConfig | None:
-        """The exit heads' recommended hispec settings."""
-        return self.exits.specs.get("hispec") if self.exits is not None else None
+        """The exit heads' recommended settings for the default strategy (hispec)."""
+        return self.exits.specs.get(DEFAULT_STRATEGY) if self.exits is not None else None
 
     @property
     def recommended_specs(self) -> dict[str, SpecConfig]:
@@ -201,7 +171,6 @@ class Generator:
             strategy = make_strategy(strategy, spec or self.spec_for(strategy), self.model.num_layers)
         engine = self._engine_for(strategy, min(len(prompt_ids) + params.max_new_tokens,
                                                 self.model.cfg.max_position_embeddings), adaptive)
-        t0 = time.perf_counter()
         request_id = engine.add_request(prompt_ids, params)
         final = None
         try:
@@ -215,20 +184,16 @@ class Generator:
             engine.abort(request_id)  # no-op once finished; frees the blocks after an error
         if final.error is not None:
             raise final.error
-        return GenerationOutput(prompt_ids, final.token_ids, final.text, final.finish_reason,
-                                time.perf_counter() - t0, final.stats)
-
-
-KV_CACHE_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}
+        return GenerationOutput.of(final)
 
 
 def kv_cache_dtype_of(value: str | torch.dtype | None) -> torch.dtype | None:
-    """A KV cache dtype option -> the dtype (None: the model's own)."""
-    if value is None or isinstance(value, torch.dtype) and value in KV_CACHE_DTYPES.values():
+    """A KV cache dtype option (a name from ``config.KV_CACHE_DTYPES``, its torch dtype, or None)
+    -> the dtype (None: the model's own)."""
+    check_engine_options({"kv_cache_dtype": value})
+    if value is None or isinstance(value, torch.dtype):
         return value
-    if value not in KV_CACHE_DTYPES:
-        raise ConfigError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {value!r}")
-    return KV_CACHE_DTYPES[value]
+    return None if value == "auto" else getattr(torch, value)
 
 
 def load_tokenizer(folder: Path):

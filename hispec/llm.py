@@ -2,47 +2,35 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from .config import DEFAULT_PREFILL_CHUNK, ConfigError, EngineConfig, SamplingParams, SpecConfig
-from .decode.stats import DecodeStats
+from .decode import make_strategy
 from .engine.engine import Engine
-from .generate import Generator, make_strategy
-
-
-@dataclass
-class BatchOutput:
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    finish_reason: str
-    seconds: float  # from submission to finish
-    time_to_first_token: float | None
-    stats: DecodeStats
-    error: str | None = None  # why it failed (finish reason "error"); the other prompts are unaffected
-
-    @property
-    def new_tokens(self) -> int:
-        return len(self.token_ids)
+from .engine.outputs import GenerationOutput
+from .generate import Generator
+from .settings import DEFAULT_STRATEGY, strategy_kind
 
 
 class LLM:
-    """``LLM("default").generate(prompts, SamplingParams(...))`` -> one ``BatchOutput`` per prompt, in order.
+    """``LLM("default").generate(prompts, SamplingParams(...))`` -> one ``GenerationOutput`` per prompt, in order
+    (a failed prompt has finish reason ``error`` and the reason in ``error``; the others are unaffected).
 
     Sequences run together in ragged batches of up to ``max_batch_size``; each one's greedy
     output equals its own batch-of-one ``ar`` output. With ``adaptive=True`` the engine decides
     per step whether speculation pays at the current batch size (see ``engine/adaptive.py``).
     """
 
-    def __init__(self, model: str | Generator = "default", strategy: str = "hispec", *, spec: SpecConfig | None = None,
-                 device: str = "cpu", dtype: torch.dtype | None = None, max_batch_size: int = 16,
-                 kv_blocks: int | None = None, kv_memory_fraction: float | None = None, block_size: int = 16,
-                 adaptive: bool = True, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+    def __init__(self, model: str | Generator = "default", strategy: str = DEFAULT_STRATEGY, *,
+                 spec: SpecConfig | None = None, device: str = "cpu", dtype: torch.dtype | None = None,
+                 max_batch_size: int = 16, kv_blocks: int | None = None, kv_memory_fraction: float | None = None,
+                 block_size: int = 16, adaptive: bool = True, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
                  kv_cache_dtype: str = "auto") -> None:
+        config = EngineConfig(block_size=block_size, max_batch_size=max_batch_size, kv_blocks=kv_blocks,
+                              kv_memory_fraction=kv_memory_fraction, adaptive=adaptive, prefill_chunk=prefill_chunk)
+        strategy_kind(strategy)  # an unknown name fails before a model is loaded
         if isinstance(model, Generator):
             if kv_cache_dtype != "auto":
                 raise ConfigError("kv_cache_dtype belongs to the model: pass it to Generator.from_pretrained")
@@ -52,8 +40,6 @@ class LLM:
         m = self.generator.model
         spec = spec or self.generator.spec_for(strategy)
         self.strategy = make_strategy(strategy, spec, m.num_layers)
-        config = EngineConfig(block_size=block_size, max_batch_size=max_batch_size, kv_blocks=kv_blocks,
-                              kv_memory_fraction=kv_memory_fraction, adaptive=adaptive, prefill_chunk=prefill_chunk)
         # the pool is sized by each generate() call for its requests
         self.engine = Engine(m, self.strategy, config, tokenizer=self.generator.tokenizer,
                              eos_ids=self.generator.eos_ids, seq_tokens=1, num_seqs=1)
@@ -65,7 +51,7 @@ class LLM:
         e.fit_pool(longest, min(e.max_batch_size, len(prompts)))
 
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None,
-                 *, chat: bool | None = None, on_output: Callable | None = None) -> list[BatchOutput]:
+                 *, chat: bool | None = None, on_output: Callable | None = None) -> list[GenerationOutput]:
         params = params or SamplingParams()
         plist = params if isinstance(params, list) else [params] * len(prompts)
         ids = [p if isinstance(p, list) else self.generator.encode_prompt(p, chat) for p in prompts]
@@ -80,7 +66,4 @@ class LLM:
                 if out.finished:
                     done[out.request_id] = out
         self.seconds = time.perf_counter() - start
-        return [BatchOutput(r, done[r].prompt_token_ids, done[r].token_ids, done[r].text, done[r].finish_reason,
-                            done[r].seconds, done[r].time_to_first_token, done[r].stats,
-                            None if done[r].error is None else f"{type(done[r].error).__name__}: {done[r].error}")
-                for r in request_ids]
+        return [GenerationOutput.of(done[r]) for r in request_ids]

@@ -3,13 +3,16 @@ library objects (a loaded ``Generator``, ``SamplingParams``, speculation overrid
 
 Every sub-command module (``cli``, ``train.commands``, ``bench.commands``, ``server.commands``)
 builds its parser from these groups; nothing imports ``hispec.cli``, which is only the entry
-point.
+point. ``--tensor-parallel-size`` is only declared here: a group of processes is loaded by
+``hispec.distributed.generator_from_args``.
 """
 from __future__ import annotations
 
 import argparse
 
-from .config import DRAFT_POLICIES, SamplingParams, SpecConfig
+from .config import (DRAFT_POLICIES, ENGINE_OPTIONS, KV_CACHE_DTYPES, QUANTIZE, SPEC_FIELDS, SamplingParams,
+                     SpecConfig, check_engine_options)
+from .settings import DEFAULT_STRATEGY, SPECULATIVE, STRATEGIES, strategies_help
 
 
 class UsageError(ValueError):
@@ -24,12 +27,12 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
     g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="weights dtype (default: float32 on cpu, bfloat16 on cuda)")
-    g.add_argument("--quantize", default="auto", choices=["auto", "none", "native", "int4", "int8"],
+    g.add_argument("--quantize", default="auto", choices=QUANTIZE,
                    help="weight format on CPU: native = a GGUF file's own 4-bit blocks on the int4 kernel; "
                         "int4 / int8 = quantize float weights (int4: groups of 32, int8: per row); none = --dtype "
                         "weights. Default auto: native for 4-bit GGUF models (the default model) where the "
                         "kernels are faster on this CPU, else none; an explicit --dtype means none")
-    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+    g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                    help="what the KV cache holds: auto = the model's dtype (float32 on cpu, also for quantized "
                         "weights); bfloat16 halves the cache's memory and the bytes attention reads per token "
                         "(K/V rounded once when written; every strategy reads the same values, so outputs stay "
@@ -60,11 +63,12 @@ def add_sampling_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
 
 
-SPEC_OPTIONS = ("draft_layer", "verify_layer", "num_draft", "window", "draft_policy", "svip_threshold",
-                "confidence_threshold")
+def add_strategy_option(group) -> None:
+    group.add_argument("--strategy", default=DEFAULT_STRATEGY, choices=STRATEGIES,
+                       help=f"decoding strategy (default: {DEFAULT_STRATEGY}); {strategies_help()}")
 
 
-def add_spec_options(p: argparse.ArgumentParser, strategies_help: str = "ar, selfspec or hispec") -> None:
+def add_spec_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("speculation")
     g.add_argument("--draft-layer", type=int, default=None, help="L_d: the draft exit (default: exit heads' or depth/8)")
     g.add_argument("--verify-layer", type=int, default=None, help="L_i: the intermediate exit (default: exit heads' or depth/4)")
@@ -93,21 +97,32 @@ def sampling_from_args(args) -> SamplingParams:
 
 
 def spec_overrides(args) -> dict:
-    """The speculation settings given on the command line (None: not given)."""
-    return {k: getattr(args, k, None) for k in SPEC_OPTIONS}
+    """The speculation settings given on the command line (None: not given, or no such option)."""
+    return {k: getattr(args, k, None) for k in SPEC_FIELDS}
 
 
-def spec_from_args(args, generator) -> SpecConfig:
-    """``args.strategy``'s settings: command-line values over the exit heads' over the defaults."""
+def spec_from_args(args, generator) -> SpecConfig | None:
+    """``args.strategy``'s settings: command-line values over the exit heads' over the defaults
+    (None for a strategy that does not speculate)."""
+    if args.strategy not in SPECULATIVE:
+        return None
     return generator.resolve_spec(args.strategy, **spec_overrides(args))
 
 
-def load_generator(args, progress: bool = True):
-    """The ``Generator`` the model options describe."""
+def check_engine_args(args, **dest_of: str) -> None:
+    """The engine and load options on the command line, through the one set of checks
+    (``config.check_engine_options``), an error naming the flag. ``dest_of``: option -> the
+    attribute of ``args`` that holds it, where they differ (``generate --batch-size``)."""
+    dests = {o: dest_of.get(o, o) for o in ENGINE_OPTIONS if hasattr(args, dest_of.get(o, o))}
+    check_engine_options({o: getattr(args, d) for o, d in dests.items()},
+                         {o: "--" + d.replace("_", "-") for o, d in dests.items()})
+
+
+def load_options(args) -> dict:
+    """The model options as ``Generator.from_pretrained`` keywords, checked; sets torch's threads."""
     import torch
 
-    from .generate import Generator
-
+    check_engine_args(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     device = args.device
@@ -116,33 +131,20 @@ def load_generator(args, progress: bool = True):
     if device not in ("cpu",) and not device.startswith("cuda"):
         raise UsageError(f"--device must be cpu or cuda, got {device!r}")
     dtype_name = args.dtype or (None if device == "cpu" else "bfloat16")  # cpu: float32 unless quantized
-    dtype = getattr(torch, dtype_name) if dtype_name else None
     if getattr(args, "no_exits", False) and args.exits:
         raise UsageError("--exits and --no-exits exclude each other")
     exits = False if getattr(args, "no_exits", False) else (args.exits or True)
-    tp = getattr(args, "tensor_parallel_size", 1)
-    kv = getattr(args, "kv_cache_dtype", "auto")
-    if tp != 1:
-        if kv != "auto":
-            raise UsageError("--kv-cache-dtype: tensor-parallel workers keep the model's dtype; leave it at auto")
-        return _load_tensor_parallel(args, tp, device, dtype or torch.float32, exits, progress)
-    gen = Generator.from_pretrained(args.model, device=device, dtype=dtype, allow_pickle=args.allow_pickle,
-                                    exits=exits, progress=progress, quantize=getattr(args, "quantize", "none"),
-                                    kv_cache_dtype=kv)
-    return gen
+    return {"device": device, "dtype": getattr(torch, dtype_name) if dtype_name else None,
+            "allow_pickle": args.allow_pickle, "exits": exits,
+            "quantize": getattr(args, "quantize", "none"), "kv_cache_dtype": getattr(args, "kv_cache_dtype", "auto")}
 
 
-def _load_tensor_parallel(args, tp: int, device: str, dtype, exits, progress: bool):
-    import torch
+def load_generator(args, progress: bool = True):
+    """The ``Generator`` the model options describe, in this process (``--tensor-parallel-size N``:
+    ``hispec.distributed.generator_from_args``)."""
+    from .generate import Generator
 
-    from .distributed import tp_generator
-
-    if tp < 1:
-        raise UsageError(f"--tensor-parallel-size must be >= 1, got {tp}")
-    if device.startswith("cuda") and torch.cuda.device_count() < tp:
-        raise UsageError(f"--tensor-parallel-size {tp}: only {torch.cuda.device_count()} CUDA device(s) here")
-    if args.allow_pickle:
-        raise UsageError("--tensor-parallel-size reads safetensors only (each rank reads its slices); "
-                         "convert pickle checkpoints first")
-    return tp_generator(args.model, tp, device=device, dtype=dtype, exits=exits, threads=args.threads,
-                        progress=progress, exit_on_failure=True)
+    options = load_options(args)
+    if getattr(args, "tensor_parallel_size", 1) != 1:
+        raise UsageError("--tensor-parallel-size: this command loads the model in one process")
+    return Generator.from_pretrained(args.model, progress=progress, **options)

@@ -1,19 +1,57 @@
-"""Speculation settings for a model: defaults, the exit heads' recommendation, user overrides.
+"""The decoding strategies hispec knows, and the speculation settings each one runs with.
 
-``resolve_spec`` is the one place where these meet (the CLI, the benchmark and the server all
+``STRATEGY_KINDS`` is the one list of strategies: every command-line ``--strategy`` choice, the
+server's, the benchmark's, ``make_strategy`` and the checks below read it. Adding a strategy is
+one line here plus its class in ``hispec/decode/``. It holds names only (no class is imported),
+so building a command-line parser does not import torch.
+
+``resolve_spec`` is the one place where settings meet (the CLI, the benchmark and the server all
 call it): a value the user gives wins; else the exit heads' recommendation for the strategy
-(the hispec one stands in for selfspec); else depth-based defaults. The result is validated
-against the model's depth.
+(the default strategy's stands in for a strategy without one); else depth-based defaults. The
+result is validated against the model's depth.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Mapping
 
-from .config import ConfigError, SpecConfig
+from .config import SPEC_FIELDS, ConfigError, SpecConfig
 
-SPEC_FIELDS = ("draft_layer", "verify_layer", "num_draft", "window", "draft_policy", "svip_threshold",
-               "confidence_threshold", "max_draft")
-STRATEGIES = ("ar", "selfspec", "hispec")
+
+@dataclass(frozen=True)
+class StrategyKind:
+    """A decoding strategy: its name, where its class is, what it needs, its ``--help`` line."""
+
+    name: str
+    impl: str  # "module:Class" in hispec.decode; built as Class() or, if speculative, Class(spec)
+    speculative: bool  # drafts and verifies: runs with a SpecConfig, and adaptive decoding may replace its steps
+    help: str
+    full_verify: bool = False  # verifies with the full model only: verify_layer defaults to the model's depth
+
+
+STRATEGY_KINDS = (
+    StrategyKind("ar", "autoregressive:Autoregressive", False, "one full-model pass per token (the reference)"),
+    StrategyKind("selfspec", "speculative:SelfSpec", True,
+                 "drafts with an early exit, verifies with the full model", full_verify=True),
+    StrategyKind("hispec", "speculative:HiSpec", True,
+                 "drafts with an early exit, verifies at an intermediate exit, then with the full model"),
+)
+STRATEGIES = tuple(k.name for k in STRATEGY_KINDS)
+SPECULATIVE = tuple(k.name for k in STRATEGY_KINDS if k.speculative)
+DEFAULT_STRATEGY = "hispec"  # the commands' default; its recommended settings stand in for a strategy's own
+_KIND = {k.name: k for k in STRATEGY_KINDS}
+
+
+def strategy_kind(name: str) -> StrategyKind:
+    """The strategy called ``name``; ``ConfigError`` if there is none."""
+    if name not in _KIND:
+        raise ConfigError(f"unknown strategy {name!r}; choose from {', '.join(STRATEGIES)}")
+    return _KIND[name]
+
+
+def strategies_help() -> str:
+    """The strategies for a ``--strategy`` help text: ``ar`` (what it does), ..."""
+    return "; ".join(f"{k.name}: {k.help}" for k in STRATEGY_KINDS)
 
 
 def default_spec(num_layers: int) -> SpecConfig:
@@ -29,18 +67,18 @@ def resolve_spec(strategy: str, num_layers: int, recommended: Mapping[str, SpecC
     """The settings ``strategy`` runs with on a ``num_layers``-deep model.
 
     ``recommended``: the exit heads' settings per strategy (``ExitSet.specs``); ``overrides``:
-    ``SpecConfig`` fields the user set (None = not set). A selfspec run without a recommendation
-    of its own verifies with the full model unless ``verify_layer`` is given.
+    ``SpecConfig`` fields the user set (None = not set). A strategy that verifies with the full
+    model only (selfspec), without a recommendation of its own, verifies with the full model
+    unless ``verify_layer`` is given.
     """
-    if strategy not in STRATEGIES:
-        raise ConfigError(f"unknown strategy {strategy!r}; choose from {', '.join(STRATEGIES)}")
+    kind = strategy_kind(strategy)
     unknown = set(overrides) - set(SPEC_FIELDS)
     if unknown:
         raise ConfigError(f"unknown speculation settings: {', '.join(sorted(unknown))}")
     recommended = recommended or {}
-    base = recommended.get(strategy) or recommended.get("hispec") or default_spec(num_layers)
+    base = recommended.get(strategy) or recommended.get(DEFAULT_STRATEGY) or default_spec(num_layers)
     fields = {k: getattr(base, k) for k in SPEC_FIELDS}
     fields.update({k: v for k, v in overrides.items() if v is not None})
-    if strategy == "selfspec" and overrides.get("verify_layer") is None and "selfspec" not in recommended:
+    if kind.full_verify and overrides.get("verify_layer") is None and strategy not in recommended:
         fields["verify_layer"] = num_layers
     return SpecConfig(**fields, num_layers=num_layers)

@@ -280,7 +280,7 @@ def prompt_kv(engine: Engine, request_id: str, length: int) -> list[torch.Tensor
     """Every layer's K and V of a sequence's first ``length`` positions."""
     from hispec.cache.kv_cache import slots_for
 
-    seq = engine._requests[request_id]
+    seq = engine.sequence(request_id)
     slots = slots_for(engine.blocks.block_table(seq.seq_id), 0, length, engine.block_size, "cpu")
     return [t for layer in range(engine.model.num_layers) for t in engine.pool.read(layer, slots)]
 
@@ -303,7 +303,7 @@ def test_chunked_prefill_gives_the_unchunked_output_and_kv(model, workload, name
         ids = [engine.add_request(p, SamplingParams(max_new_tokens=n)) for p, n in zip(prompts[:6], limits)]
         final = {o.request_id: o for o in engine.step()}  # the short ones run when the long ones arrive
         long_ids = [engine.add_request(p, SamplingParams(max_new_tokens=12)) for p in long_prompts]
-        while not engine._requests[long_ids[0]].prefilled:
+        while not engine.sequence(long_ids[0]).prefilled:
             final.update((o.request_id, o) for o in engine.step())
         kv[chunk] = prompt_kv(engine, long_ids[0], len(long_prompts[0]) - 1)
         final.update(engine.run_to_completion())
@@ -320,7 +320,7 @@ def test_running_sequences_decode_between_prefill_chunks_and_an_abort_stops_the_
     short = [engine.add_request([5 + i, 6, 7], SamplingParams(max_new_tokens=200, ignore_eos=True)) for i in range(3)]
     engine.step()
     long = engine.add_request(list(range(1, 120)) * 2, SamplingParams(max_new_tokens=4))  # 238 tokens
-    seq = engine._requests[long]
+    seq = engine.sequence(long)
     for step in range(1, 6):
         outputs = {o.request_id: o for o in engine.step()}
         assert all(outputs[r].new_token_ids for r in short)  # every stream moved on in this step

@@ -97,5 +97,5 @@ def test_pool_sizing_follows_the_config(model):
     assert fixed.blocks.num_blocks == 7
     with pytest.raises(ConfigError, match="kv_blocks"):
         EngineConfig(kv_blocks=0)
-    with pytest.raises(ConfigError, match="batch size"):
+    with pytest.raises(ConfigError, match="max_batch_size must be >= 1, got 0"):
         Engine(model, strategy, max_batch_size=0)

@@ -279,7 +279,7 @@ def test_block_kv_after_rejections_equals_a_fresh_prefill(tiny_model_dir):
     rid = engine.add_request(PROMPTS[1], SamplingParams(max_new_tokens=40, ignore_eos=True))
     for _ in range(5):
         engine.step()
-    seq = engine._requests[rid]
+    seq = engine.sequence(rid)
     ctx = seq.ctx
     rejected = sum(lv.draft_tokens - lv.accepted_tokens for lv in ctx.stats.levels.values())
     assert rejected > 0

@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 
 from hispec.config import ConfigError, SpecConfig
-from hispec.settings import default_spec, resolve_spec
+from hispec.decode import make_strategy
+from hispec.settings import SPECULATIVE, STRATEGIES, STRATEGY_KINDS, default_spec, resolve_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -34,6 +35,26 @@ def test_invalid_values_fail_with_the_field_named():
         resolve_spec("medusa", 6)
     with pytest.raises(ConfigError, match="unknown speculation settings: depth"):
         resolve_spec("hispec", 6, depth=3)
+
+
+def test_each_strategy_is_its_one_line_in_the_list():
+    """Every listed strategy builds a class of its name, with settings where it speculates; the
+    commands offer exactly the listed ones (adding a strategy is its line plus its class)."""
+    for kind in STRATEGY_KINDS:
+        strategy = make_strategy(kind.name, num_layers=12)
+        assert strategy.name == kind.name
+        assert (getattr(strategy, "spec", None) is not None) == kind.speculative == (kind.name in SPECULATIVE)
+    with pytest.raises(ConfigError, match="unknown strategy 'medusa'"):
+        make_strategy("medusa")
+    from hispec.bench.commands import DEFAULT_STRATEGIES
+    from hispec.bench.strategies import OWN_KINDS
+    from hispec.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if a.dest == "command").choices
+    for command in ("generate", "serve"):
+        choices = next(a.choices for a in sub[command]._actions if a.dest == "strategy")
+        assert tuple(choices) == STRATEGIES, command
+    assert OWN_KINDS == STRATEGIES and set(STRATEGIES) <= set(DEFAULT_STRATEGIES.split(","))
 
 
 def test_no_module_imports_the_cli():

@@ -8,8 +8,9 @@ import time
 from pathlib import Path
 
 from ..paths import portable, portable_command
+from ..settings import DEFAULT_STRATEGY, STRATEGIES
 
-DEFAULT_STRATEGIES = "ar,selfspec,hispec,hf,hf-early-exit"
+DEFAULT_STRATEGIES = ",".join((*STRATEGIES, "hf", "hf-early-exit"))
 
 EPILOG = """\
 data (--data, repeatable): a JSONL path (Spec-Bench {question_id, category, turns}, {id, prompt} or GSM8K
@@ -121,7 +122,8 @@ def cmd_summary(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from ..options import UsageError, load_generator, sampling_from_args
+    from ..distributed import generator_from_args
+    from ..options import UsageError, sampling_from_args
     from ..data import load_prompts
     from .peers import build_peers, parse_peer_python, parse_peers
     from .results import load_average
@@ -150,7 +152,7 @@ def cmd_bench(args) -> int:
         raise UsageError("--peers compares token ids: use greedy decoding (--temperature 0)")
     if args.agree_first < 1:
         raise UsageError("--agree-first must be >= 1")
-    gen = load_generator(args, progress=not args.no_progress)
+    gen = generator_from_args(args, progress=not args.no_progress)
     peers = build_peers(peer_specs, args, gen, out)
     if peers:  # SIGTERM (e.g. timeout) runs the finally below, which stops the peer processes
         import signal
@@ -173,7 +175,7 @@ def _bench(args, gen, strategies, exit_layers, categories, prompts, params, out,
         return _bench_batch_sizes(args, gen, strategies, prompts, params, batch_sizes, out, peers)
     if exit_layers is None:
         from .strategies import StrategySpec
-        exit_layers = [spec_for(StrategySpec("hispec", "hispec"), args, gen).draft_layer]
+        exit_layers = [spec_for(StrategySpec(DEFAULT_STRATEGY, DEFAULT_STRATEGY), args, gen).draft_layer]
     strategies = expand_early_exit(strategies, exit_layers)
     runners = build_runners(strategies, args, gen) + peers
     for peer in peers:
@@ -216,9 +218,9 @@ def _bench_batch_sizes(args, gen, strategies, prompts, params, batch_sizes, out:
         raise UsageError("--batch-sizes must be >= 1")
     if args.rounds < 1:
         raise UsageError("--rounds must be >= 1")
-    own = {s.label: (s.kind, spec_for(s, args, gen)) for s in strategies if s.kind in ("ar", "selfspec", "hispec")}
+    own = {s.label: (s.kind, spec_for(s, args, gen)) for s in strategies if s.kind in STRATEGIES}
     if not own:
-        raise UsageError("--batch-sizes measures ar, selfspec and hispec: name at least one in --strategies")
+        raise UsageError(f"--batch-sizes measures {', '.join(STRATEGIES)}: name at least one in --strategies")
     chat = args.chat if args.chat is not None else gen.has_chat_template()
     prompt_ids = encode_prompts(gen, prompts, chat)
     created, load_at_start = time.strftime("%Y-%m-%dT%H:%M:%S%z"), load_average()
@@ -271,7 +273,7 @@ def _exit_status(strategies: dict) -> int:
     """1 when one of hispec's own strategies failed or (greedy) changed the output; peers only warn."""
     status = 0
     for label, e in strategies.items():
-        own = e["kind"] in ("ar", "selfspec", "hispec")
+        own = e["kind"] in STRATEGIES
         if not e["available"]:
             print(f"hispec bench: {'error' if own else 'note'}: {label} did not run: {e['reason']}", file=sys.stderr)
             status |= own

@@ -1,6 +1,8 @@
 """report.md: the tables a person reads, made from results.json alone."""
 from __future__ import annotations
 
+from ..settings import STRATEGIES
+
 PHASE_ORDER = ("prefill", "draft", "intermediate_verify", "full_verify", "other")
 
 
@@ -134,7 +136,7 @@ def peers_table(strategies: dict, first_n: int) -> list[str]:
     """hispec's strategies and the peer engines side by side: speed against ``ar`` and agreement."""
     rows = []
     for label, e in strategies.items():
-        if e["kind"] not in ("ar", "selfspec", "hispec", "peer"):
+        if e["kind"] not in (*STRATEGIES, "peer"):
             continue
         name = _peer_name(label, e) if e["kind"] == "peer" else f"hispec `{label}`"
         if not e["available"]:
@@ -160,7 +162,7 @@ def peer_summary_table(results: dict, batch: dict | None = None, batch_size: str
         header += [f"batch {batch_size} tokens/s", f"vs `ar` at batch {batch_size}"]
     rows = []
     for label, e in strategies.items():
-        if e["kind"] not in ("ar", "selfspec", "hispec", "peer"):
+        if e["kind"] not in (*STRATEGIES, "peer"):
             continue
         name = _peer_name(label, e) if e["kind"] == "peer" else f"hispec `{label}`"
         a = e.get("agreement_with_ar")

@@ -30,10 +30,11 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from ..config import DRAFT_POLICIES, ConfigError, SamplingParams, SpecConfig
+from ..settings import SPECULATIVE, STRATEGIES
 
-KINDS = ("ar", "selfspec", "hispec", "hf", "hf-early-exit", "hf-lookup")
+OWN_KINDS = STRATEGIES
+KINDS = OWN_KINDS + ("hf", "hf-early-exit", "hf-lookup")
 HF_LOOKUP_TOKENS, HF_LOOKUP_NGRAM = 4, 3
-OWN_KINDS = ("ar", "selfspec", "hispec")
 SPEC_KEYS = {"d": "draft_layer", "i": "verify_layer", "k": "num_draft", "w": "window", "t": "svip_threshold",
              "c": "confidence_threshold"}
 
@@ -69,10 +70,6 @@ def _parse_one(item: str) -> StrategySpec:
         raise ConfigError(f"unknown strategy {name!r} in --strategies; choose from {', '.join(KINDS)} "
                           "(with options, e.g. hispec:svip, selfspec:d=4:k=6, hf-early-exit:8)")
     spec = StrategySpec(item, name)
-    if name in ("ar", "hf"):
-        if options:
-            raise ConfigError(f"strategy {name!r} takes no options, got {item!r}")
-        return spec
     if name == "hf-early-exit":
         if len(options) > 1 or (options and not options[0].isdigit()):
             raise ConfigError(f"hf-early-exit takes one option, the exit layer (e.g. hf-early-exit:8), got {item!r}")
@@ -83,6 +80,10 @@ def _parse_one(item: str) -> StrategySpec:
             raise ConfigError(f"hf-lookup takes one option, the tokens drafted per round (e.g. hf-lookup:4), "
                               f"got {item!r}")
         spec.lookup_tokens = int(options[0]) if options else HF_LOOKUP_TOKENS
+        return spec
+    if name not in SPECULATIVE:  # ar, hf
+        if options:
+            raise ConfigError(f"strategy {name!r} takes no options, got {item!r}")
         return spec
     for opt in options:
         if opt in DRAFT_POLICIES:
@@ -114,7 +115,7 @@ def expand_early_exit(specs: list[StrategySpec], layers: list[int]) -> list[Stra
 def spec_for(strategy: StrategySpec, args: argparse.Namespace, generator) -> SpecConfig | None:
     """The speculation settings of an own strategy (None for ``ar``): its options over the
     command line's over the exit heads' recommendation over the defaults (``resolve_spec``)."""
-    if strategy.kind not in ("selfspec", "hispec"):
+    if strategy.kind not in SPECULATIVE:
         return None
     from ..options import spec_overrides
 

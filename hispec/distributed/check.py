@@ -100,7 +100,7 @@ def kv_consistent(ref, leader, prompt: list[int], spec, steps: int) -> dict:
     rid = engine.add_request(prompt, SamplingParams(max_new_tokens=10_000, ignore_eos=True))
     for _ in range(steps):
         engine.step()
-    seq = engine._requests[rid]
+    seq = engine.sequence(rid)
     tokens, seq_id = seq.ctx.tokens, seq.seq_id
     n = len(tokens) - 1  # cached positions
     lengths = {engine.blocks.length(seq_id, L) for L in range(leader.num_layers)}

@@ -20,6 +20,26 @@ from .comm import DEFAULT_TIMEOUT_S
 _SAMPLES = 1024  # as hispec.model.exits samples each fingerprint tensor
 
 
+def generator_from_args(args, progress: bool = True):
+    """The ``Generator`` the model and parallelism options describe: over a group of
+    ``--tensor-parallel-size`` processes when N > 1, else ``options.load_generator``'s."""
+    from ..options import UsageError, load_generator, load_options
+
+    tp = getattr(args, "tensor_parallel_size", 1)
+    if tp == 1:
+        return load_generator(args, progress)
+    opts = load_options(args)  # checks the options, tp >= 1 among them
+    if opts["kv_cache_dtype"] != "auto":
+        raise UsageError("--kv-cache-dtype: tensor-parallel workers keep the model's dtype; leave it at auto")
+    if opts["device"].startswith("cuda") and torch.cuda.device_count() < tp:
+        raise UsageError(f"--tensor-parallel-size {tp}: only {torch.cuda.device_count()} CUDA device(s) here")
+    if opts["allow_pickle"]:
+        raise UsageError("--tensor-parallel-size reads safetensors only (each rank reads its slices); "
+                         "convert pickle checkpoints first")
+    return tp_generator(args.model, tp, device=opts["device"], dtype=opts["dtype"] or torch.float32,
+                        exits=opts["exits"], threads=args.threads, progress=progress, exit_on_failure=True)
+
+
 def tp_generator(name_or_path: str, world_size: int, *, device: str = "cpu", dtype: torch.dtype = torch.float32,
                  exits: str | Path | bool = True, threads: int | None = None, progress: bool = True,
                  exit_on_failure: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S):

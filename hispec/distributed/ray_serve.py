@@ -35,14 +35,14 @@ class HispecReplica:
     def __init__(self, args: argparse.Namespace) -> None:
         import torch
 
-        from ..options import load_generator
         from ..server.app import create_app
         from ..server.state import build_server_state
+        from .generator import generator_from_args
 
         if args.threads:
             torch.set_num_threads(args.threads)
         self.hispec_args = args
-        gen = load_generator(args, progress=False)
+        gen = generator_from_args(args, progress=False)
         self.hispec_state = build_server_state(args, gen)
         self.hispec_app = create_app(self.hispec_state)
 

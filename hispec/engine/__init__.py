@@ -1,4 +1,5 @@
 """Continuous batching over the paged KV cache."""
-from .engine import Engine, RequestOutput
+from .engine import Engine
+from .outputs import GenerationOutput, RequestOutput
 
-__all__ = ["Engine", "RequestOutput"]
+__all__ = ["Engine", "GenerationOutput", "RequestOutput"]

@@ -11,19 +11,20 @@ import dataclasses
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field
 
 import torch
 
 from ..cache.paged import PagedCache
-from ..config import ConfigError, EngineConfig, SamplingParams
+from ..config import ConfigError, EngineConfig, SamplingParams, check_engine_options
 from ..decode.autoregressive import Autoregressive
 from ..decode.base import DecodeContext, LayerRunner, Strategy
 from ..decode.stats import DecodeStats, phase_timer
 from ..model.decoder import DecoderModel
 from ..sampling.logprobs import TokenLogprob, token_logprobs
 from ..sampling.processors import LogitsProcessor
-from .adaptive import PLAIN, SPECULATE, AdaptiveController
+from ..settings import SPECULATIVE
+from .adaptive import SPECULATE, AdaptiveController
+from .outputs import RequestOutput
 from .scheduler import Scheduler
 from .sequence import Sequence
 
@@ -39,27 +40,6 @@ class PromptTooLongError(ValueError):
     """The prompt does not fit the model's context."""
 
 
-@dataclass
-class RequestOutput:
-    """A request's state after a step: the new committed tokens/text of this step and all so far."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    new_token_ids: list[int]
-    text: str  # committed text so far (stop strings cut)
-    text_delta: str  # text that became final in this step
-    finished: bool
-    finish_reason: str | None
-    stats: DecodeStats = field(repr=False)
-    seconds: float = 0.0  # arrival to now
-    time_to_first_token: float | None = None
-    new_logprobs: list[TokenLogprob] | None = None  # one per new token, if the request asked (params.logprobs)
-    prompt_logprobs: list[TokenLogprob | None] | None = None  # one per prompt token (the first: None), if asked
-    scheduled_at: float | None = None  # perf_counter when the request was first prefilled
-    error: Exception | None = None  # what its round raised, for finish reason "error"
-
-
 DEFAULT_SEQ_TOKENS = 1024  # tokens per sequence a pool is sized for before any request is known
 
 
@@ -67,15 +47,12 @@ def kv_blocks_for(model: DecoderModel, block_size: int, *, kv_blocks: int | None
                   memory_fraction: float | None = None, min_tokens: int = 0, num_seqs: int = 1) -> int:
     """The one KV pool sizing rule: ``kv_blocks``, or a fraction of the device's free memory, or
     enough for ``num_seqs`` sequences of ``min_tokens`` positions each (plus one spare block each)."""
+    check_engine_options({"kv_blocks": kv_blocks, "kv_memory_fraction": memory_fraction})
     if kv_blocks is not None:
-        if kv_blocks < 1:
-            raise ConfigError(f"kv_blocks must be >= 1, got {kv_blocks}")
         return kv_blocks
     cfg = model.cfg
     block_bytes = 2 * model.kv_layers * block_size * cfg.num_kv_heads * cfg.head_dim * model.kv_dtype.itemsize
     if memory_fraction is not None:
-        if not 0 < memory_fraction <= 0.95:
-            raise ConfigError(f"memory fraction must be in (0, 0.95], got {memory_fraction}")
         return max(1, int(_free_memory(model.device) * memory_fraction) // block_bytes)
     return (-(-max(min_tokens, 1) // block_size) + 1) * max(1, num_seqs)
 
@@ -89,7 +66,7 @@ def _free_memory(device: torch.device) -> int:
 
 
 class Engine:
-    """Many requests, one model, one strategy (``ar``, ``selfspec`` or ``hispec``), fixed for its life.
+    """Many requests, one model, one strategy (one of ``settings.STRATEGIES``), fixed for its life.
 
     ``config`` (or the same fields as keywords) sets the batch size, the pool size and adaptive
     speculation; ``controller`` hands in an adaptive controller that outlives the engine (the
@@ -112,7 +89,7 @@ class Engine:
         self.eos_ids = frozenset(eos_ids)
         self._ar = Autoregressive()
         self.adaptive = None
-        if self.config.adaptive and strategy.name != "ar":
+        if self.config.adaptive and strategy.name in SPECULATIVE:
             self.adaptive = controller if controller is not None else AdaptiveController()
         self._seq_ids = itertools.count()
         self._requests: dict[str, Sequence] = {}
@@ -168,8 +145,7 @@ class Engine:
 
     def set_max_batch_size(self, n: int) -> None:
         """Decode at most ``n`` sequences together from the next step on."""
-        if n < 1:
-            raise ConfigError(f"max batch size must be >= 1, got {n}")
+        check_engine_options({"max_batch_size": n})
         self._max_batch_size = self.scheduler.max_batch_size = n
 
     # ---- requests ------------------------------------------------------------------------
@@ -208,6 +184,12 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         return bool(self._requests)
+
+    def sequence(self, request_id: str) -> Sequence:
+        """The engine's state of an unfinished request (its tokens, cache position, statistics)."""
+        if request_id not in self._requests:
+            raise KeyError(f"no unfinished request {request_id!r}")
+        return self._requests[request_id]
 
     @property
     def num_waiting(self) -> int:

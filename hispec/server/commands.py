@@ -21,15 +21,15 @@ example:
 
 
 def register(subparsers) -> None:
-    from ..options import add_model_options, add_parallel_options, add_prefill_option, add_spec_options
+    from ..options import (add_model_options, add_parallel_options, add_prefill_option, add_spec_options,
+                           add_strategy_option)
 
     p = subparsers.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API",
                               description="An OpenAI-compatible HTTP server: every client's requests join one "
-                                          "continuous batch, decoded with ar, selfspec or hispec.",
+                                          "continuous batch, decoded with the chosen --strategy.",
                               epilog=SERVE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("server")
-    g.add_argument("--strategy", default="hispec", choices=["ar", "selfspec", "hispec"],
-                   help="decoding strategy (default: hispec)")
+    add_strategy_option(g)
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     g.add_argument("--port", type=int, default=8000, help="port (default: 8000; 0 = any free port)")
     g.add_argument("--api-key", default=None, metavar="KEY",
@@ -65,18 +65,13 @@ def register(subparsers) -> None:
 
 
 def _check_args(args) -> None:
-    from ..options import UsageError
+    from ..options import UsageError, check_engine_args
 
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port must be between 0 and 65535, got {args.port}")
-    if args.max_batch_size < 1:
-        raise UsageError(f"--max-batch-size must be >= 1, got {args.max_batch_size}")
+    check_engine_args(args)  # --max-batch-size, --prefill-chunk, --kv-blocks, --threads, ...
     if args.max_queue < 1:
         raise UsageError(f"--max-queue must be >= 1, got {args.max_queue}")
-    if args.prefill_chunk < 0:
-        raise UsageError(f"--prefill-chunk must be >= 0 (0 = whole prompts), got {args.prefill_chunk}")
-    if args.kv_blocks is not None and args.kv_blocks < 1:
-        raise UsageError(f"--kv-blocks must be >= 1, got {args.kv_blocks}")
     if args.shutdown_timeout < 0:
         raise UsageError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
     if args.api_key is not None and not args.api_key.strip():
@@ -103,7 +98,8 @@ def _listen(host: str, port: int):
 def cmd_serve(args) -> int:
     import signal
 
-    from ..options import UsageError, load_generator
+    from ..distributed import generator_from_args
+    from ..options import UsageError
 
     _check_args(args)
     try:
@@ -120,7 +116,7 @@ def cmd_serve(args) -> int:
     from .app import create_app
     from .state import build_server_state
 
-    gen = load_generator(args)
+    gen = generator_from_args(args)
     state = build_server_state(args, gen)
     app = create_app(state)
     sock = _listen(args.host, args.port)

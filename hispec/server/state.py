@@ -208,7 +208,7 @@ def build_server_state(args, gen) -> ServerState:
     from ..options import spec_from_args
 
     model = gen.model
-    spec = spec_from_args(args, gen) if args.strategy != "ar" else None
+    spec = spec_from_args(args, gen)
     strategy = make_strategy(args.strategy, spec, model.num_layers)
     # The engine thread detokenizes with its own copy: a Hugging Face fast tokenizer is not safe to
     # use from two threads at once, and a shared lock would stall every stream behind a huge prompt.

@@ -496,10 +496,9 @@ def cmd_tune(args) -> int:
         if k not in seen:
             seen.add(k)
             table.append(r)
-    spec_fields = ("draft_layer", "verify_layer", "num_draft", "window", "draft_policy", "svip_threshold",
-                   "confidence_threshold")
-    rec = {k: getattr(chosen["hispec"].spec, k) for k in spec_fields} if "hispec" in chosen else {}
-    rec_self = {k: getattr(chosen["selfspec"].spec, k) for k in spec_fields} if "selfspec" in chosen else {}
+    from ..config import SPEC_FIELDS
+    rec = {k: getattr(chosen["hispec"].spec, k) for k in SPEC_FIELDS} if "hispec" in chosen else {}
+    rec_self = {k: getattr(chosen["selfspec"].spec, k) for k in SPEC_FIELDS} if "selfspec" in chosen else {}
     if args.json:
         print(json.dumps({"costs": costs.to_dict(), "agreement": agree, "ar_predicted_tokens_per_s": ar_tps,
                           "table": table, "recommended": rec, "recommended_selfspec": rec_self}, indent=1))

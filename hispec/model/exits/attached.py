@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ...config import SpecConfig
+from ...settings import DEFAULT_STRATEGY
 from .head import ExitHead
 from .manifest import Manifest
 
@@ -26,5 +27,6 @@ class ExitSet:
         return cls(dict(heads), manifest, None if path is None else Path(path), specs)
 
     def spec_for(self, strategy: str) -> SpecConfig | None:
-        """The recommended settings for ``strategy`` (the hispec ones stand in for selfspec)."""
-        return self.specs.get(strategy) or self.specs.get("hispec")
+        """The recommended settings for ``strategy`` (the default strategy's, hispec's, stand in for
+        a strategy without its own)."""
+        return self.specs.get(strategy) or self.specs.get(DEFAULT_STRATEGY)

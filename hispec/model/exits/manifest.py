@@ -7,16 +7,13 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ...config import ConfigError, SpecConfig
+from ...config import SPEC_FIELDS, ConfigError, SpecConfig
 from .errors import ExitHeadError
 
 FORMAT = "hispec-exit-heads"
 FORMAT_VERSION = 1
 MANIFEST_FILE = "manifest.json"
 DESIGNS = ("linear", "block", "block-final")  # ExitHead (head.py), ExitBlock (model/exits/block.py)
-
-SPEC_FIELDS = ("draft_layer", "verify_layer", "num_draft", "window", "draft_policy", "svip_threshold",
-               "confidence_threshold")
 
 
 @dataclasses.dataclass

@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 
 from ... import envs
-from ...config import ConfigError, ModelConfig
+from ...config import ConfigError, ModelConfig, check_engine_options
 from ..decoder import DecoderModel
 
 
@@ -181,7 +181,7 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
                allow_pickle: bool = False, quantize: str = "none", gguf: str | Path | None = None) -> DecoderModel:
     """Load a Hugging Face model folder as a ``DecoderModel`` in eval mode.
 
-    ``quantize`` (see :data:`QUANTIZE`): ``native`` puts the 4-bit tensors of ``gguf`` (the file
+    ``quantize`` (see :data:`hispec.config.QUANTIZE`): ``native`` puts the 4-bit tensors of ``gguf`` (the file
     the folder was converted from) on the int4 kernel, ``int4`` / ``int8`` quantize the decoder's
     float weights, ``auto`` is ``native`` where the file has 4-bit tensors and the kernels pay on
     this CPU (``kernels.py``), else ``none``.
@@ -204,7 +204,6 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
     return model
 
 
-QUANTIZE = ("auto", "none", "native", "int4", "int8")
 # native GGUF weights also keep a dense bfloat16 copy for prompt prefill (QuantLinear.dense: +2 bytes
 # per decoder weight): on the int4 kernel always; on q4 where the CPU has bfloat16 hardware (there the
 # dense bfloat16 product of a prompt chunk ran 1.7-1.8x faster than q4's float32 panels: 64 and 256
@@ -218,8 +217,7 @@ def apply_quantization(model: DecoderModel, quantize: str, gguf: str | Path | No
     from ..kernels import cpu_has_bf16, quantized_kernels_pay
     from ..quant import ACT_DTYPE, act_dtype_of, quantize_linears
 
-    if quantize not in QUANTIZE:
-        raise ConfigError(f"unknown quantization {quantize!r}; choose from {', '.join(QUANTIZE)}")
+    check_engine_options({"quantize": quantize})
     on_cpu = model.device.type == "cpu"
     if quantize == "auto":
         pays = on_cpu and gguf is not None and quantized_kernels_pay()[0]
