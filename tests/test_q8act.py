@@ -236,7 +236,7 @@ def test_best_path_is_said_once(caplog):
         best = q8act.best_isa()
         q8act.best_isa()
     notes = [r.getMessage() for r in caplog.records]
-    assert best == ISAS[-1]
+    assert best == [i for i in ISAS if i != "vnni-emulated"][-1]
     if best == "avx512vnni":
         assert notes == []
     else:

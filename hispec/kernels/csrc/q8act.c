@@ -40,9 +40,10 @@
 #include <stdlib.h>
 #include <string.h>
 
-enum { ISA_AUTO = 0, ISA_SCALAR = 1, ISA_AVX2 = 2, ISA_VNNI256 = 3, ISA_AVX512VNNI = 4 };
+enum { ISA_AUTO = 0, ISA_SCALAR = 1, ISA_AVX2 = 2, ISA_VNNI256 = 3, ISA_AVX512VNNI = 4, ISA_VNNI_EMULATED = 5 };
 enum { FMT_Q4 = 0, FMT_Q8 = 1 };
 #define BLOCK 32
+#define PREFETCH_TILES 2 /* how many tiles ahead the weights are prefetched */
 
 static inline int block_bytes(int fmt) { return fmt == FMT_Q8 ? 32 : 16; }
 
@@ -156,6 +157,31 @@ static void scalar_matmul(const uint8_t *w, const float *d, const float *m, cons
 #undef DPBUSD256
 #pragma GCC pop_options
 
+/* The 256-bit VNNI kernel on plain AVX2, dpbusd computed by other instructions (exact): for the
+ * tests, to run that kernel's code on CPUs without VNNI. Never chosen by hs_q8a_best_isa. */
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+static inline __attribute__((always_inline)) __m256i dpbusd_emulated(__m256i src, __m256i a, __m256i b) {
+    const __m256i lo8 = _mm256_set1_epi16(0x00FF);
+    const __m256i a_even = _mm256_and_si256(a, lo8), a_odd = _mm256_srli_epi16(a, 8);  /* unsigned bytes */
+    const __m256i b_even = _mm256_srai_epi16(_mm256_slli_epi16(b, 8), 8), b_odd = _mm256_srai_epi16(b, 8);
+    return _mm256_add_epi32(src, _mm256_add_epi32(_mm256_madd_epi16(a_even, b_even), _mm256_madd_epi16(a_odd, b_odd)));
+}
+#define ISA_NAME emulated
+#define VW 8
+#define TV 2
+#define RT 4
+#define DP_VNNI 1
+#define DPBUSD256 dpbusd_emulated
+#include __FILE__
+#undef ISA_NAME
+#undef VW
+#undef TV
+#undef RT
+#undef DP_VNNI
+#undef DPBUSD256
+#pragma GCC pop_options
+
 /* AVX-512 VNNI */
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni")
@@ -177,6 +203,7 @@ int hs_q8a_isa_supported(int isa) {
     __builtin_cpu_init();
     switch (isa) {
         case ISA_SCALAR: return 1;
+        case ISA_VNNI_EMULATED:
         case ISA_AVX2: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
         case ISA_VNNI256:
             return hs_q8a_isa_supported(ISA_AVX2) &&
@@ -213,6 +240,7 @@ int hs_q8a_matmul(int fmt, const uint8_t *w, const float *d, const float *m, con
                 matmul_vl256(w, d, m, fmt, codes, dx, sx, dxs, T, N, K, y, parallel);
             break;
         case ISA_AVX2: matmul_avx2(w, d, m, fmt, codes, dx, sx, dxs, T, N, K, y, parallel); break;
+        case ISA_VNNI_EMULATED: matmul_emulated(w, d, m, fmt, codes, dx, sx, dxs, T, N, K, y, parallel); break;
         default: scalar_matmul(w, d, m, fmt, codes, dx, sx, dxs, T, N, K, y, parallel); break;
     }
     return isa;
@@ -351,15 +379,20 @@ static inline __attribute__((always_inline)) void FN(transpose16)(const uint8_t 
  * their magnitudes); d and m of the block into dbuf, mbuf [b * COLS + e]. */
 static inline __attribute__((always_inline)) void FN(expand)(const uint8_t *const *cols, const float *const *dcol,
                                                              const float *const *mcol, int64_t b, const int fmt,
-                                                             vi *buf, vi *sbuf, float *dbuf, float *mbuf) {
+                                                             vi *buf, vi *sbuf, float *dbuf, float *mbuf,
+                                                             const uint8_t *ahead, const float *dahead,
+                                                             const float *mahead) {
     const int bytes = fmt == FMT_Q8 ? 32 : 16;
     (void)sbuf;
+    if (ahead) {  /* a later tile's share of this block step (its columns are contiguous): the weight
+                   * stream is read 16 columns abreast, which the hardware prefetcher follows poorly */
+        for (int i = 0; i < COLS * bytes; i += 64) __builtin_prefetch(ahead + b * COLS * bytes + i, 0, 0);
+        __builtin_prefetch(dahead + b * COLS, 0, 0);
+        if (fmt == FMT_Q4) __builtin_prefetch(mahead + b * COLS, 0, 0);
+    }
     for (int tv = 0; tv < TV; tv++) {
         const uint8_t *src[VW];
-        for (int e = 0; e < VW; e++) {
-            src[e] = cols[tv * VW + e] + b * bytes;
-            __builtin_prefetch(src[e] + 4 * 64, 0, 0);
-        }
+        for (int e = 0; e < VW; e++) src[e] = cols[tv * VW + e] + b * bytes;
         vi V[8];
         FN(transpose16)(src, V);
         if (fmt == FMT_Q4) {
@@ -478,7 +511,11 @@ static inline __attribute__((always_inline)) void FN(run)(const uint8_t *w, cons
                 dcol[e] = in ? d + (n0 + e) * nb : zeros;
                 mcol[e] = in && fmt == FMT_Q4 ? m + (n0 + e) * nb : zeros;
             }
-            for (int64_t b = 0; b < nb; b++) FN(expand)(cols, dcol, mcol, b, fmt, buf, sbuf, dbuf, mbuf);
+            const int64_t n1 = n0 + PREFETCH_TILES * COLS;
+            const int far = n1 + COLS <= N;
+            for (int64_t b = 0; b < nb; b++)
+                FN(expand)(cols, dcol, mcol, b, fmt, buf, sbuf, dbuf, mbuf, far ? w + n1 * row_bytes : NULL,
+                           far ? d + n1 * nb : NULL, far && fmt == FMT_Q4 ? m + n1 * nb : NULL);
             for (int64_t t0 = 0; t0 < T; t0 += RT) {
                 float *yt = y + n0;
                 switch (T - t0 < RT ? T - t0 : RT) {  /* constant row counts keep the sums in registers */
