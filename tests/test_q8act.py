@@ -255,3 +255,21 @@ def test_no_compiler_falls_back_with_a_note(monkeypatch, tmp_path, caplog):
             q8act.quantize(torch.randn(1, 32))
     finally:
         q8act.library.cache_clear()
+
+
+def test_drop_in_entry_points():
+    """``hs_q8a_q4_matmul`` / ``hs_q8a_q8_matmul`` (the signatures of fused_cpu.c's hs_q4_matmul /
+    hs_q8_matmul, for the C++ layer op) give the Python entry points' bits; bfloat16 x as its float32 value."""
+    gen = torch.Generator().manual_seed(2)
+    lib = q8act.library()
+    x = activations(6, 96, gen)
+    _, qs, dm = four_bit(40, 96, "Q4_1", gen)
+    y = torch.empty(6, 40)
+    lib.hs_q8a_q4_matmul(qs.data_ptr(), dm[0].data_ptr(), dm[1].data_ptr(), x.data_ptr(), 6, 40, 96, y.data_ptr(), 1)
+    assert torch.equal(y, q8act.q4_matmul(x, qs, dm))
+    q8, d8 = eight_bit(40, 96, gen)
+    for xin in (x, x.bfloat16()):
+        lib.hs_q8a_q8_matmul(q8.data_ptr(), d8.data_ptr(), xin.data_ptr(), int(xin.dtype == torch.bfloat16), 6, 40, 96,
+                             y.data_ptr(), 1)
+        assert torch.equal(y, q8act.q8_matmul(xin.float(), q8, d8))
+

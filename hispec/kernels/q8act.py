@@ -52,6 +52,8 @@ _SIGNATURES = {
     "hs_q8a_quantize": ([_p, _i64, _i64, _p, _p, _p, _p], None),
     "hs_q8a_matmul": ([_i, _p, _p, _p, _p, _p, _p, _p, _i64, _i64, _i64, _p, _i, _i], _i),
     "hs_q8a_matmul_f32": ([_i, _p, _p, _p, _p, _i64, _i64, _i64, _p, _i, _i], _i),
+    "hs_q8a_q4_matmul": ([_p, _p, _p, _p, _i64, _i64, _i64, _p, _i], None),  # = fused_cpu.c's hs_q4_matmul
+    "hs_q8a_q8_matmul": ([_p, _p, _p, _i, _i64, _i64, _i64, _p, _i], None),  # = fused_cpu.c's hs_q8_matmul
     "hs_q8a_isa_supported": ([_i], _i),
     "hs_q8a_best_isa": ([], _i),
 }

@@ -265,6 +265,30 @@ int hs_q8a_matmul_f32(int fmt, const uint8_t *w, const float *d, const float *m,
     return ran;
 }
 
+/* Drop-in replacements with the signatures of hs_q4_matmul and hs_q8_matmul (fused_cpu.c), on the
+ * best path this CPU has: the C++ layer op can bind these in their place. x_bf: x is bfloat16 (each
+ * value widened exactly to float32 first). */
+void hs_q8a_q4_matmul(const uint8_t *qs, const float *d, const float *m, const float *x, int64_t T, int64_t N,
+                      int64_t K, float *y, int parallel) {
+    hs_q8a_matmul_f32(FMT_Q4, qs, d, m, x, T, N, K, y, ISA_AUTO, parallel);
+}
+
+void hs_q8a_q8_matmul(const int8_t *q, const float *d, const void *x, int x_bf, int64_t T, int64_t N, int64_t K,
+                      float *y, int parallel) {
+    if (!x_bf) {
+        hs_q8a_matmul_f32(FMT_Q8, (const uint8_t *)q, d, NULL, (const float *)x, T, N, K, y, ISA_AUTO, parallel);
+        return;
+    }
+    float *xf = malloc((size_t)(T * K) * sizeof(float));
+    if (!xf) return;
+    for (int64_t i = 0; i < T * K; i++) {
+        const uint32_t bits = (uint32_t)((const uint16_t *)x)[i] << 16;
+        memcpy(xf + i, &bits, sizeof bits);
+    }
+    hs_q8a_matmul_f32(FMT_Q8, (const uint8_t *)q, d, NULL, xf, T, N, K, y, ISA_AUTO, parallel);
+    free(xf);
+}
+
 #else /* ---- Q8A_BODY: one instruction set's kernel (VW lanes, TV vectors per tile, RT rows per pass) ---- */
 
 #define COLS (VW * TV)
