@@ -398,25 +398,19 @@ static inline __attribute__((always_inline)) void FN(transpose16)(const uint8_t 
     out[3] = V_UNHI64(t1, t3);
 }
 
-/* Expand block b of the tile's columns into buf[(b * 8 + v) * TV + tv] (vector v: codes 4v .. 4v+3
- * of each column, as the kernel multiplies them) and sbuf (AVX2 8-bit: the signed codes, buf holding
- * their magnitudes); d and m of the block into dbuf, mbuf [b * COLS + e]. */
-static inline __attribute__((always_inline)) void FN(expand)(const uint8_t *const *cols, const float *const *dcol,
-                                                             const float *const *mcol, int64_t b, const int fmt,
-                                                             vi *buf, vi *sbuf, float *dbuf, float *mbuf,
-                                                             const uint8_t *ahead, const float *dahead,
-                                                             const float *mahead) {
+/* Expand block b of the tile's COLS columns (column e's codes at cols + e * row_bytes, contiguous
+ * rows) into buf[(b * 8 + v) * TV + tv] (vector v: codes 4v .. 4v+3 of each column, as the kernel
+ * multiplies them) and sbuf (AVX2 8-bit: the signed codes, buf holding their magnitudes). */
+static inline __attribute__((always_inline)) void FN(expand)(const uint8_t *cols, int64_t row_bytes, int64_t b,
+                                                             const int fmt, vi *buf, vi *sbuf, const uint8_t *ahead) {
     const int bytes = fmt == FMT_Q8 ? 32 : 16;
     (void)sbuf;
-    if (ahead) {  /* a later tile's share of this block step (its columns are contiguous): the weight
-                   * stream is read 16 columns abreast, which the hardware prefetcher follows poorly */
+    if (ahead)  /* a later tile's share of this block step (its columns are contiguous): the weight
+                 * stream is read 16 columns abreast, which the hardware prefetcher follows poorly */
         for (int i = 0; i < COLS * bytes; i += 64) __builtin_prefetch(ahead + b * COLS * bytes + i, 0, 0);
-        __builtin_prefetch(dahead + b * COLS, 0, 0);
-        if (fmt == FMT_Q4) __builtin_prefetch(mahead + b * COLS, 0, 0);
-    }
     for (int tv = 0; tv < TV; tv++) {
         const uint8_t *src[VW];
-        for (int e = 0; e < VW; e++) src[e] = cols[tv * VW + e] + b * bytes;
+        for (int e = 0; e < VW; e++) src[e] = cols + (tv * VW + e) * row_bytes + b * bytes;
         vi V[8];
         FN(transpose16)(src, V);
         if (fmt == FMT_Q4) {
@@ -442,10 +436,12 @@ static inline __attribute__((always_inline)) void FN(expand)(const uint8_t *cons
 #endif
         }
     }
-    for (int e = 0; e < COLS; e++) {
-        dbuf[b * COLS + e] = dcol[e][b];
-        if (fmt == FMT_Q4) mbuf[b * COLS + e] = mcol[e][b];
-    }
+}
+
+/* The tile's scales [COLS, nb] (rows of nb) as dbuf [nb, COLS]. */
+static inline __attribute__((always_inline)) void FN(scales)(const float *src, int64_t nb, float *dst) {
+    for (int e = 0; e < COLS; e++)
+        for (int64_t b = 0; b < nb; b++) dst[b * COLS + e] = src[e * nb + b];
 }
 
 /* R (<= RT, a constant after inlining) rows t0 .. of x times the expanded tile -> y[t, n0 .. n0 + ncols). */
@@ -520,26 +516,32 @@ static inline __attribute__((always_inline)) void FN(run)(const uint8_t *w, cons
         const size_t vbytes = (size_t)(nb * 8 * TV) * sizeof(vi);
         vi *buf = aligned_alloc(64, vbytes), *sbuf = DP_VNNI ? NULL : aligned_alloc(64, vbytes);
         float *dbuf = malloc((size_t)(nb * COLS) * sizeof(float)), *mbuf = malloc((size_t)(nb * COLS) * sizeof(float));
-        /* a missing column (past N) reads zero codes and scales; its outputs are not stored */
-        float *zeros = calloc((size_t)nb, sizeof(float));
-        uint8_t *zcodes = calloc((size_t)row_bytes, 1);
+        /* the last tile, when N is not a multiple of COLS: its columns copied, the missing ones zero
+         * (zero codes and scales; their outputs are not stored) */
+        uint8_t *pad_w = NULL;
+        float *pad_d = NULL, *pad_m = NULL;
+        if (N % COLS) {
+            pad_w = calloc((size_t)(COLS * row_bytes), 1);
+            pad_d = calloc((size_t)(COLS * nb), sizeof(float));
+            pad_m = calloc((size_t)(COLS * nb), sizeof(float));
+        }
 #pragma omp for schedule(static)
         for (int64_t tile = 0; tile < tiles; tile++) {
             const int64_t n0 = tile * COLS;
             const int ncols = (int)(N - n0 < COLS ? N - n0 : COLS);
-            const uint8_t *cols[COLS];
-            const float *dcol[COLS], *mcol[COLS];
-            for (int e = 0; e < COLS; e++) {
-                const int in = e < ncols;
-                cols[e] = in ? w + (n0 + e) * row_bytes : zcodes;
-                dcol[e] = in ? d + (n0 + e) * nb : zeros;
-                mcol[e] = in && fmt == FMT_Q4 ? m + (n0 + e) * nb : zeros;
+            const uint8_t *tw = w + n0 * row_bytes;
+            const float *td = d + n0 * nb, *tm = fmt == FMT_Q4 ? m + n0 * nb : NULL;
+            if (ncols < COLS) {
+                memcpy(pad_w, tw, (size_t)(ncols * row_bytes));
+                memcpy(pad_d, td, (size_t)(ncols * nb) * sizeof(float));
+                if (fmt == FMT_Q4) memcpy(pad_m, tm, (size_t)(ncols * nb) * sizeof(float));
+                tw = pad_w, td = pad_d, tm = fmt == FMT_Q4 ? pad_m : NULL;
             }
             const int64_t n1 = n0 + PREFETCH_TILES * COLS;
-            const int far = n1 + COLS <= N;
-            for (int64_t b = 0; b < nb; b++)
-                FN(expand)(cols, dcol, mcol, b, fmt, buf, sbuf, dbuf, mbuf, far ? w + n1 * row_bytes : NULL,
-                           far ? d + n1 * nb : NULL, far && fmt == FMT_Q4 ? m + n1 * nb : NULL);
+            const uint8_t *ahead = n1 + COLS <= N ? w + n1 * row_bytes : NULL;
+            for (int64_t b = 0; b < nb; b++) FN(expand)(tw, row_bytes, b, fmt, buf, sbuf, ahead);
+            FN(scales)(td, nb, dbuf);
+            if (fmt == FMT_Q4) FN(scales)(tm, nb, mbuf);
             for (int64_t t0 = 0; t0 < T; t0 += RT) {
                 float *yt = y + n0;
                 switch (T - t0 < RT ? T - t0 : RT) {  /* constant row counts keep the sums in registers */
@@ -562,8 +564,9 @@ static inline __attribute__((always_inline)) void FN(run)(const uint8_t *w, cons
         free(sbuf);
         free(dbuf);
         free(mbuf);
-        free(zeros);
-        free(zcodes);
+        free(pad_w);
+        free(pad_d);
+        free(pad_m);
     }
 }
 
