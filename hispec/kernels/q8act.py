@@ -160,10 +160,10 @@ def _lib() -> ctypes.CDLL:
 
 def _need(t: torch.Tensor, what: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
     """``t`` as the kernel reads it (CPU, ``dtype``, ``shape``, contiguous), or a clear error."""
-    if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or t.dtype != dtype or tuple(t.shape) != shape:
+    if not isinstance(t, torch.Tensor) or t.dtype != dtype or t.shape != shape or t.device.type != "cpu":
         got = f"{t.dtype} {tuple(t.shape)} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
         raise TypeError(f"q8act: {what} must be a CPU {dtype} tensor of shape {shape}, got {got}")
-    return t.contiguous()
+    return t if t.is_contiguous() else t.contiguous()
 
 
 def _rows(x: torch.Tensor) -> tuple[int, int]:
@@ -186,8 +186,9 @@ def quantize(x: torch.Tensor) -> QActs:
     return out
 
 
-def _matmul(fmt: int, w: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, x: torch.Tensor | QActs,
-            n: int, k: int, isa: str | None) -> torch.Tensor:
+def _matmul(fmt: int, w: torch.Tensor, d: int, m: int | None, x: torch.Tensor | QActs, n: int, k: int,
+            isa: str | None) -> torch.Tensor:
+    """``y [T, N]`` for the checked weight ``w`` with scales at address ``d`` (and offsets at ``m``)."""
     if isinstance(x, QActs):
         t = x.codes.shape[0] if isinstance(x.codes, torch.Tensor) and x.codes.dim() == 2 else -1
         acts = QActs(_need(x.codes, "codes", torch.int8, (t, k)), _need(x.dx, "dx", torch.float32, (t, k // BLOCK)),
@@ -202,12 +203,11 @@ def _matmul(fmt: int, w: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, 
     if t == 0 or n == 0:
         return y
     lib, isa_id = _lib(), _isa_id(isa)
-    m_ptr = m.data_ptr() if m is not None else None
     if acts is None:
-        ran = lib.hs_q8a_matmul_f32(fmt, w.data_ptr(), d.data_ptr(), m_ptr, x.data_ptr(), t, n, k, y.data_ptr(), isa_id, 1)
+        ran = lib.hs_q8a_matmul_f32(fmt, w.data_ptr(), d, m, x.data_ptr(), t, n, k, y.data_ptr(), isa_id, 1)
     else:
-        ran = lib.hs_q8a_matmul(fmt, w.data_ptr(), d.data_ptr(), m_ptr, *(a.data_ptr() for a in acts), t, n, k,
-                                y.data_ptr(), isa_id, 1)
+        ran = lib.hs_q8a_matmul(fmt, w.data_ptr(), d, m, *(a.data_ptr() for a in acts), t, n, k, y.data_ptr(),
+                                isa_id, 1)
     if ran != isa_id:
         raise RuntimeError(f"q8act: the {ISAS[isa_id - 1]} path did not run (out of memory, or the CPU lacks it)")
     return y
@@ -224,7 +224,7 @@ def q4_matmul(x: torch.Tensor | QActs, qs: torch.Tensor, dm: torch.Tensor, isa: 
         raise ValueError(f"q8act: qs [N, K / 2] gives K = {k}, not a multiple of {BLOCK}")
     qs = _need(qs, "qs", torch.uint8, (n, k // 2))
     dm = _need(dm, "dm", torch.float32, (2, n, k // BLOCK))
-    return _matmul(FMT_Q4, qs, dm[0], dm[1], x, n, k, isa)
+    return _matmul(FMT_Q4, qs, dm.data_ptr(), dm.data_ptr() + 4 * n * (k // BLOCK), x, n, k, isa)
 
 
 def q8_matmul(x: torch.Tensor | QActs, q: torch.Tensor, d: torch.Tensor, isa: str | None = None) -> torch.Tensor:
@@ -237,4 +237,4 @@ def q8_matmul(x: torch.Tensor | QActs, q: torch.Tensor, d: torch.Tensor, isa: st
         raise ValueError(f"q8act: K = {k} must be a multiple of {BLOCK}")
     q = _need(q, "q", torch.int8, (n, k))
     d = _need(d, "d", torch.float32, (n, k // BLOCK))
-    return _matmul(FMT_Q8, q, d, None, x, n, k, isa)
+    return _matmul(FMT_Q8, q, d.data_ptr(), None, x, n, k, isa)
