@@ -14,6 +14,10 @@ Kernels:
 - ``q8act``: the 8-bit-activation integer kernels (``kernels.q8act``) on the best path this CPU
   has; ``q8act-<path>``: on another path (``avx2``, ``vnni256``, ``avx512vnni``, ``scalar``).
 
+Run from the repository root with ``PYTHONPATH=.`` to time that copy. On a machine busier than its
+cores, OpenMP's spinning threads wait out each other's time slices (steps ~10x slower for every
+kernel alike); ``OMP_WAIT_POLICY=passive`` avoids that.
+
 Prints, per kernel and row count, the median ms of one step's matmuls (the kernels and rows are
 interleaved within each repeat, so a busy machine slows all alike) and the ratio to one row.
 """

@@ -17,7 +17,7 @@ from hispec.model.quant import pack_nibbles
 pytestmark = pytest.mark.skipif(not q8act.available(), reason="no C compiler for the q8act kernels")
 
 F32 = np.float32
-SHAPES = [(37, 96), (1, 32), (50, 160), (16, 64)]  # (N, K): N not a multiple of the 16-column tile too
+SHAPES = [(37, 96), (1, 32), (50, 160), (16, 64), (24, 1536)]  # (N, K): N not a multiple of the 16-column tile too
 
 
 # ---- the reference ---------------------------------------------------------------------------------

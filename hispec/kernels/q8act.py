@@ -15,6 +15,10 @@ these operations, so they agree bit for bit, and a row's outputs depend on that 
 Against the float product with the dequantized weights, the error is the activations' rounding:
 at most half a step, ``amax / 254``, per input.
 
+``hs_q8a_q4_matmul`` / ``hs_q8a_q8_matmul`` in the library take the arguments of ``fused_cpu.c``'s
+``hs_q4_matmul`` / ``hs_q8_matmul`` (same weight tensors, float32 ``x``; bfloat16 too for 8-bit), so
+the C++ layer op can call them in their place.
+
 The library is compiled on first use by the machine's C compiler (``-O3 -march=native``), cached
 under ``$HISPEC_HOME/kernels`` by a hash of the source, flags and CPU, and loaded with ctypes;
 every path is built into it (``#pragma GCC target``) and chosen at run time by what the CPU has.
