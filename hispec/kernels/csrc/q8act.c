@@ -402,12 +402,17 @@ static inline __attribute__((always_inline)) void FN(transpose16)(const uint8_t 
  * rows) into buf[(b * 8 + v) * TV + tv] (vector v: codes 4v .. 4v+3 of each column, as the kernel
  * multiplies them) and sbuf (AVX2 8-bit: the signed codes, buf holding their magnitudes). */
 static inline __attribute__((always_inline)) void FN(expand)(const uint8_t *cols, int64_t row_bytes, int64_t b,
-                                                             const int fmt, vi *buf, vi *sbuf, const uint8_t *ahead) {
+                                                             const int fmt, vi *buf, vi *sbuf, const uint8_t *ahead,
+                                                             const float *dahead, const float *mahead) {
     const int bytes = fmt == FMT_Q8 ? 32 : 16;
     (void)sbuf;
-    if (ahead)  /* a later tile's share of this block step (its columns are contiguous): the weight
-                 * stream is read 16 columns abreast, which the hardware prefetcher follows poorly */
+    if (ahead) {  /* a later tile's share of this block step (its columns, and their scales, are
+                   * contiguous): the stream is read 16 columns abreast, which the hardware prefetcher
+                   * follows poorly */
         for (int i = 0; i < COLS * bytes; i += 64) __builtin_prefetch(ahead + b * COLS * bytes + i, 0, 0);
+        __builtin_prefetch(dahead + b * COLS, 0, 0);
+        if (fmt == FMT_Q4) __builtin_prefetch(mahead + b * COLS, 0, 0);
+    }
     for (int tv = 0; tv < TV; tv++) {
         const uint8_t *src[VW];
         for (int e = 0; e < VW; e++) src[e] = cols + (tv * VW + e) * row_bytes + b * bytes;
@@ -538,8 +543,10 @@ static inline __attribute__((always_inline)) void FN(run)(const uint8_t *w, cons
                 tw = pad_w, td = pad_d, tm = fmt == FMT_Q4 ? pad_m : NULL;
             }
             const int64_t n1 = n0 + PREFETCH_TILES * COLS;
-            const uint8_t *ahead = n1 + COLS <= N ? w + n1 * row_bytes : NULL;
-            for (int64_t b = 0; b < nb; b++) FN(expand)(tw, row_bytes, b, fmt, buf, sbuf, ahead);
+            const int far = n1 + COLS <= N;
+            const uint8_t *ahead = far ? w + n1 * row_bytes : NULL;
+            const float *dahead = far ? d + n1 * nb : NULL, *mahead = far && fmt == FMT_Q4 ? m + n1 * nb : NULL;
+            for (int64_t b = 0; b < nb; b++) FN(expand)(tw, row_bytes, b, fmt, buf, sbuf, ahead, dahead, mahead);
             FN(scales)(td, nb, dbuf);
             if (fmt == FMT_Q4) FN(scales)(tm, nb, mbuf);
             for (int64_t t0 = 0; t0 < T; t0 += RT) {
