@@ -30,6 +30,9 @@
  * them in 16 bits (8 pairs of 2 * 15 * 127 < 2^15) before widening; 8-bit codes use |q| and the
  * activations' sign flipped where q < 0 (pairs <= 2 * 128 * 127 < 2^15), widened each time.
  *
+ * A fifth path, "emulated", is the 256-bit VNNI kernel with dpbusd made of AVX2 instructions, for
+ * the tests to run that code on CPUs without VNNI (never chosen by hs_q8a_best_isa).
+ *
  * This file includes itself once per instruction set (Q8A_BODY), with that set's vector operations
  * defined and its functions compiled for it (#pragma GCC target); the CPU's support is checked at
  * run time (hs_q8a_isa_supported), so one build serves every path the CPU has. */
@@ -225,25 +228,27 @@ int hs_q8a_best_isa(void) {
 
 /* y [T, N] float32 = x @ W^T for W of format fmt (FMT_Q4: w = qs, d, m; FMT_Q8: w = q, d, m unused)
  * and x given quantized (hs_q8a_quantize). isa: ISA_AUTO (the best this CPU has) or one path.
- * Returns the path that ran, or -1 (nothing written) when the CPU lacks the one asked for. */
+ * Returns the path that ran, or -1 when the CPU lacks the one asked for (nothing written) or scratch
+ * memory could not be allocated (y incomplete). */
 int hs_q8a_matmul(int fmt, const uint8_t *w, const float *d, const float *m, const int8_t *codes, const float *dx,
                   const int32_t *sx, const float *dxs, int64_t T, int64_t N, int64_t K, float *y, int isa,
                   int parallel) {
     if (isa == ISA_AUTO) isa = hs_q8a_best_isa();
     if (!hs_q8a_isa_supported(isa)) return -1;
+    int done = 1;
     switch (isa) {
-        case ISA_AVX512VNNI: matmul_avx512vnni(w, d, m, fmt, codes, dx, sx, dxs, T, N, K, y, parallel); break;
+        case ISA_AVX512VNNI: done = matmul_avx512vnni(w, d, m, fmt, codes, dx, sx, dxs, T, N, K, y, parallel); break;
         case ISA_VNNI256:
             if (__builtin_cpu_supports("avxvnni"))
-                matmul_avxvnni(w, d, m, fmt, codes, dx, sx, dxs, T, N, K, y, parallel);
+                done = matmul_avxvnni(w, d, m, fmt, codes, dx, sx, dxs, T, N, K, y, parallel);
             else
-                matmul_vl256(w, d, m, fmt, codes, dx, sx, dxs, T, N, K, y, parallel);
+                done = matmul_vl256(w, d, m, fmt, codes, dx, sx, dxs, T, N, K, y, parallel);
             break;
-        case ISA_AVX2: matmul_avx2(w, d, m, fmt, codes, dx, sx, dxs, T, N, K, y, parallel); break;
-        case ISA_VNNI_EMULATED: matmul_emulated(w, d, m, fmt, codes, dx, sx, dxs, T, N, K, y, parallel); break;
+        case ISA_AVX2: done = matmul_avx2(w, d, m, fmt, codes, dx, sx, dxs, T, N, K, y, parallel); break;
+        case ISA_VNNI_EMULATED: done = matmul_emulated(w, d, m, fmt, codes, dx, sx, dxs, T, N, K, y, parallel); break;
         default: scalar_matmul(w, d, m, fmt, codes, dx, sx, dxs, T, N, K, y, parallel); break;
     }
-    return isa;
+    return done ? isa : -1;
 }
 
 /* x float32 [T, K] quantized here (scratch from the caller: codes [T, K], dx, sx, dxs [T, K/32]). */
@@ -511,11 +516,12 @@ static inline __attribute__((always_inline)) void FN(rows)(const vi *buf, const 
         }
 }
 
-static inline __attribute__((always_inline)) void FN(run)(const uint8_t *w, const float *d, const float *m,
+static inline __attribute__((always_inline)) int FN(run)(const uint8_t *w, const float *d, const float *m,
                                                           const int fmt, const int8_t *codes, const float *dx,
                                                           const int32_t *sx, const float *dxs, int64_t T, int64_t N,
                                                           int64_t K, float *y, int parallel) {
     const int64_t nb = K / BLOCK, row_bytes = nb * (fmt == FMT_Q8 ? 32 : 16), tiles = (N + COLS - 1) / COLS;
+    int failed = 0;  /* a thread's scratch could not be allocated: its tiles are not computed */
 #pragma omp parallel if (parallel)
     {
         const size_t vbytes = (size_t)(nb * 8 * TV) * sizeof(vi);
@@ -530,8 +536,14 @@ static inline __attribute__((always_inline)) void FN(run)(const uint8_t *w, cons
             pad_d = calloc((size_t)(COLS * nb), sizeof(float));
             pad_m = calloc((size_t)(COLS * nb), sizeof(float));
         }
+        const int ok = buf && (DP_VNNI || sbuf) && dbuf && mbuf && (N % COLS == 0 || (pad_w && pad_d && pad_m));
+        if (!ok) {
+#pragma omp atomic write
+            failed = 1;
+        }
 #pragma omp for schedule(static)
         for (int64_t tile = 0; tile < tiles; tile++) {
+            if (!ok) continue;
             const int64_t n0 = tile * COLS;
             const int ncols = (int)(N - n0 < COLS ? N - n0 : COLS);
             const uint8_t *tw = w + n0 * row_bytes;
@@ -575,15 +587,15 @@ static inline __attribute__((always_inline)) void FN(run)(const uint8_t *w, cons
         free(pad_d);
         free(pad_m);
     }
+    return !failed;
 }
 
-static void FN(matmul)(const uint8_t *w, const float *d, const float *m, const int fmt, const int8_t *codes,
-                       const float *dx, const int32_t *sx, const float *dxs, int64_t T, int64_t N, int64_t K, float *y,
-                       int parallel) {
-    if (fmt == FMT_Q4)
-        FN(run)(w, d, m, FMT_Q4, codes, dx, sx, dxs, T, N, K, y, parallel);
-    else
-        FN(run)(w, d, m, FMT_Q8, codes, dx, sx, dxs, T, N, K, y, parallel);
+/* 1, or 0 when scratch memory could not be allocated (y not fully written) */
+static int FN(matmul)(const uint8_t *w, const float *d, const float *m, const int fmt, const int8_t *codes,
+                      const float *dx, const int32_t *sx, const float *dxs, int64_t T, int64_t N, int64_t K, float *y,
+                      int parallel) {
+    if (fmt == FMT_Q4) return FN(run)(w, d, m, FMT_Q4, codes, dx, sx, dxs, T, N, K, y, parallel);
+    return FN(run)(w, d, m, FMT_Q8, codes, dx, sx, dxs, T, N, K, y, parallel);
 }
 
 #undef COLS
