@@ -1,0 +1,631 @@
+/* 8-bit-activation integer kernels for GGUF 4-bit (Q4_0, Q4_1, hispec's int4) and 8-bit (Q8_0)
+ * block weights, as hispec stores them:
+ *
+ *   4-bit: qs uint8 [N, K / 2] (per block of 32: byte j holds q[j] in its low nibble and q[j + 16]
+ *          in its high one, q in 0..15), d, m float32 [N, K / 32]:  W[n, k] = d[n, b] q[n, k] + m[n, b]
+ *          (Q4_0 is m = -8 d).
+ *   8-bit: q int8 [N, K], d float32 [N, K / 32]:                     W[n, k] = d[n, b] q[n, k]
+ *
+ * Activations x [T, K] float32 are quantized per block of 32 (hs_q8a_quantize):
+ *   amax = max |x|, dx = amax / 127, codes = rint(x * (127 / amax)) in -127..127 (0 where amax is 0),
+ *   sx = sum of the block's codes (int32), dxs = dx * (float)sx.
+ * Each output is then, blocks in order (every product below is float32, rounded once):
+ *   idot[b] = sum_j q[j] codes[j]                  exact in int32 (and exact as a float: < 2^24)
+ *   acc     = fma((float)idot[b], d[n, b] * dx[t, b], acc)
+ *   macc    = fma(m[n, b], dxs[t, b], macc)        (4-bit only: the offset times the block's x sum)
+ *   y[t, n] = acc + macc                           (8-bit: acc)
+ * Every path (scalar, AVX2 maddubs, 256-bit VNNI, AVX-512 VNNI) computes these same operations, so
+ * they give the same bits; a row's outputs depend on that row alone (not on T, the row tiling, the
+ * thread split or the vector width).
+ *
+ * The SIMD paths put output columns in vector lanes. Per tile of COLS output columns, each weight
+ * block is loaded and expanded once per call (transposed so that a 32-bit lane holds 4 consecutive
+ * codes of one column: 8 vectors per block, vector v pairing with the activation bytes 4v .. 4v+3,
+ * which are broadcast to every lane) into a small buffer, then every row of x is run against it, a
+ * few rows at a time. The threads share the tiles.
+ *
+ * Integer dot products: VNNI's dpbusd takes unsigned x signed bytes: 4-bit codes are unsigned as
+ * they are; 8-bit codes are stored as q + 128 (q ^ 0x80) and each row's block sum starts at
+ * -128 * sx. AVX2's maddubs (unsigned x signed -> saturating 16-bit pairs): 4-bit codes sum 8 of
+ * them in 16 bits (8 pairs of 2 * 15 * 127 < 2^15) before widening; 8-bit codes use |q| and the
+ * activations' sign flipped where q < 0 (pairs <= 2 * 128 * 127 < 2^15), widened each time.
+ *
+ * A fifth path, "emulated", is the 256-bit VNNI kernel with dpbusd made of AVX2 instructions, for
+ * the tests to run that code on CPUs without VNNI (never chosen by hs_q8a_best_isa).
+ *
+ * This file includes itself once per instruction set (Q8A_BODY), with that set's vector operations
+ * defined and its functions compiled for it (#pragma GCC target); the CPU's support is checked at
+ * run time (hs_q8a_isa_supported), so one build serves every path the CPU has. */
+#ifndef Q8A_BODY
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { ISA_AUTO = 0, ISA_SCALAR = 1, ISA_AVX2 = 2, ISA_VNNI256 = 3, ISA_AVX512VNNI = 4, ISA_VNNI_EMULATED = 5 };
+enum { FMT_Q4 = 0, FMT_Q8 = 1 };
+#define BLOCK 32
+#define PREFETCH_TILES 2 /* how many tiles ahead the weights are prefetched */
+
+static inline int block_bytes(int fmt) { return fmt == FMT_Q8 ? 32 : 16; }
+
+static inline int8_t clamp_code(float v) {  /* NaN -> 0 */
+    return (int8_t)(v >= -127.0f && v <= 127.0f ? v : v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : 0.0f);
+}
+
+/* x [T, K] float32 -> codes int8 [T, K], dx float32 [T, K/32], sx int32 [T, K/32], dxs float32 [T, K/32]. */
+void hs_q8a_quantize(const float *x, int64_t T, int64_t K, int8_t *codes, float *dx, int32_t *sx, float *dxs) {
+    const int64_t nb = K / BLOCK;
+    for (int64_t i = 0; i < T * nb; i++) {
+        const float *xb = x + i * BLOCK;
+        int8_t *qb = codes + i * BLOCK;
+        float amax = 0.0f;
+        for (int j = 0; j < BLOCK; j++) {
+            float a = fabsf(xb[j]);
+            amax = a > amax ? a : amax;
+        }
+        const float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        int32_t s = 0;
+        for (int j = 0; j < BLOCK; j++) {
+            qb[j] = clamp_code(nearbyintf(xb[j] * inv));
+            s += qb[j];
+        }
+        dx[i] = d;
+        sx[i] = s;
+        dxs[i] = d * (float)s;
+    }
+}
+
+/* ---- plain C: the definition of the arithmetic ---------------------------------------------- */
+static void scalar_matmul(const uint8_t *w, const float *d, const float *m, const int fmt, const int8_t *codes,
+                          const float *dx, const int32_t *sx, const float *dxs, int64_t T, int64_t N, int64_t K,
+                          float *y, int parallel) {
+    (void)sx;
+    const int64_t nb = K / BLOCK, bytes = block_bytes(fmt);
+#pragma omp parallel for schedule(static) if (parallel)
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t t = 0; t < T; t++) {
+            float acc = 0.0f, macc = 0.0f;
+            for (int64_t b = 0; b < nb; b++) {
+                const uint8_t *wb = w + (n * nb + b) * bytes;
+                const int8_t *xb = codes + t * K + b * BLOCK;
+                int32_t s = 0;
+                if (fmt == FMT_Q8)
+                    for (int j = 0; j < BLOCK; j++) s += (int32_t)(int8_t)wb[j] * xb[j];
+                else
+                    for (int j = 0; j < 16; j++) s += (wb[j] & 15) * xb[j] + (wb[j] >> 4) * xb[16 + j];
+                const float c = d[n * nb + b] * dx[t * nb + b];
+                acc = fmaf((float)s, c, acc);
+                if (fmt == FMT_Q4) macc = fmaf(m[n * nb + b], dxs[t * nb + b], macc);
+            }
+            y[t * N + n] = fmt == FMT_Q4 ? acc + macc : acc;
+        }
+}
+
+#define CAT_(a, b) a##_##b
+#define CAT(a, b) CAT_(a, b)
+#define FN(name) CAT(name, ISA_NAME)
+#define Q8A_BODY
+
+/* AVX2, maddubs */
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+#define ISA_NAME avx2
+#define VW 8
+#define TV 2
+#define RT 4
+#define DP_VNNI 0
+#include __FILE__
+#undef ISA_NAME
+#undef VW
+#undef TV
+#undef RT
+#undef DP_VNNI
+#pragma GCC pop_options
+
+/* 256-bit VNNI: AVX-VNNI (VEX) */
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,avxvnni")
+#define ISA_NAME avxvnni
+#define VW 8
+#define TV 2
+#define RT 4
+#define DP_VNNI 1
+#define DPBUSD256 _mm256_dpbusd_avx_epi32
+#include __FILE__
+#undef ISA_NAME
+#undef VW
+#undef TV
+#undef RT
+#undef DP_VNNI
+#undef DPBUSD256
+#pragma GCC pop_options
+
+/* 256-bit VNNI: AVX512-VL + AVX512-VNNI (EVEX), for AVX-512 CPUs without AVX-VNNI (Zen 4, Ice Lake) */
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,avx512f,avx512vl,avx512vnni")
+#define ISA_NAME vl256
+#define VW 8
+#define TV 2
+#define RT 4
+#define DP_VNNI 1
+#define DPBUSD256 _mm256_dpbusd_epi32
+#include __FILE__
+#undef ISA_NAME
+#undef VW
+#undef TV
+#undef RT
+#undef DP_VNNI
+#undef DPBUSD256
+#pragma GCC pop_options
+
+/* The 256-bit VNNI kernel on plain AVX2, dpbusd computed by other instructions (exact): for the
+ * tests, to run that kernel's code on CPUs without VNNI. Never chosen by hs_q8a_best_isa. */
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+static inline __attribute__((always_inline)) __m256i dpbusd_emulated(__m256i src, __m256i a, __m256i b) {
+    const __m256i lo8 = _mm256_set1_epi16(0x00FF);
+    const __m256i a_even = _mm256_and_si256(a, lo8), a_odd = _mm256_srli_epi16(a, 8);  /* unsigned bytes */
+    const __m256i b_even = _mm256_srai_epi16(_mm256_slli_epi16(b, 8), 8), b_odd = _mm256_srai_epi16(b, 8);
+    return _mm256_add_epi32(src, _mm256_add_epi32(_mm256_madd_epi16(a_even, b_even), _mm256_madd_epi16(a_odd, b_odd)));
+}
+#define ISA_NAME emulated
+#define VW 8
+#define TV 2
+#define RT 4
+#define DP_VNNI 1
+#define DPBUSD256 dpbusd_emulated
+#include __FILE__
+#undef ISA_NAME
+#undef VW
+#undef TV
+#undef RT
+#undef DP_VNNI
+#undef DPBUSD256
+#pragma GCC pop_options
+
+/* AVX-512 VNNI */
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni")
+#define ISA_NAME avx512vnni
+#define VW 16
+#define TV 1
+#define RT 8
+#define DP_VNNI 1
+#include __FILE__
+#undef ISA_NAME
+#undef VW
+#undef TV
+#undef RT
+#undef DP_VNNI
+#pragma GCC pop_options
+
+/* ---- dispatch --------------------------------------------------------------------------------- */
+int hs_q8a_isa_supported(int isa) {
+    __builtin_cpu_init();
+    switch (isa) {
+        case ISA_SCALAR: return 1;
+        case ISA_VNNI_EMULATED:
+        case ISA_AVX2: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+        case ISA_VNNI256:
+            return hs_q8a_isa_supported(ISA_AVX2) &&
+                   (__builtin_cpu_supports("avxvnni") ||
+                    (__builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni")));
+        case ISA_AVX512VNNI:
+            return hs_q8a_isa_supported(ISA_AVX2) && __builtin_cpu_supports("avx512f") &&
+                   __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+                   __builtin_cpu_supports("avx512vnni");
+        default: return 0;
+    }
+}
+
+int hs_q8a_best_isa(void) {
+    for (int isa = ISA_AVX512VNNI; isa > ISA_SCALAR; isa--)
+        if (hs_q8a_isa_supported(isa)) return isa;
+    return ISA_SCALAR;
+}
+
+/* y [T, N] float32 = x @ W^T for W of format fmt (FMT_Q4: w = qs, d, m; FMT_Q8: w = q, d, m unused)
+ * and x given quantized (hs_q8a_quantize). isa: ISA_AUTO (the best this CPU has) or one path.
+ * Returns the path that ran, or -1 when the CPU lacks the one asked for (nothing written) or scratch
+ * memory could not be allocated (y incomplete). */
+int hs_q8a_matmul(int fmt, const uint8_t *w, const float *d, const float *m, const int8_t *codes, const float *dx,
+                  const int32_t *sx, const float *dxs, int64_t T, int64_t N, int64_t K, float *y, int isa,
+                  int parallel) {
+    if (isa == ISA_AUTO) isa = hs_q8a_best_isa();
+    if (!hs_q8a_isa_supported(isa)) return -1;
+    int done = 1;
+    switch (isa) {
+        case ISA_AVX512VNNI: done = matmul_avx512vnni(w, d, m, fmt, codes, dx, sx, dxs, T, N, K, y, parallel); break;
+        case ISA_VNNI256:
+            if (__builtin_cpu_supports("avxvnni"))
+                done = matmul_avxvnni(w, d, m, fmt, codes, dx, sx, dxs, T, N, K, y, parallel);
+            else
+                done = matmul_vl256(w, d, m, fmt, codes, dx, sx, dxs, T, N, K, y, parallel);
+            break;
+        case ISA_AVX2: done = matmul_avx2(w, d, m, fmt, codes, dx, sx, dxs, T, N, K, y, parallel); break;
+        case ISA_VNNI_EMULATED: done = matmul_emulated(w, d, m, fmt, codes, dx, sx, dxs, T, N, K, y, parallel); break;
+        default: scalar_matmul(w, d, m, fmt, codes, dx, sx, dxs, T, N, K, y, parallel); break;
+    }
+    return done ? isa : -1;
+}
+
+/* x float32 [T, K] quantized here (scratch from the caller: codes [T, K], dx, sx, dxs [T, K/32]). */
+int hs_q8a_matmul_f32(int fmt, const uint8_t *w, const float *d, const float *m, const float *x, int64_t T,
+                      int64_t N, int64_t K, float *y, int isa, int parallel) {
+    const int64_t nb = K / BLOCK;
+    int8_t *codes = malloc((size_t)(T * K));
+    float *dx = malloc((size_t)(T * nb) * sizeof(float)), *dxs = malloc((size_t)(T * nb) * sizeof(float));
+    int32_t *sx = malloc((size_t)(T * nb) * sizeof(int32_t));
+    int ran = -1;
+    if (codes && dx && dxs && sx) {
+        hs_q8a_quantize(x, T, K, codes, dx, sx, dxs);
+        ran = hs_q8a_matmul(fmt, w, d, m, codes, dx, sx, dxs, T, N, K, y, isa, parallel);
+    }
+    free(codes);
+    free(dx);
+    free(dxs);
+    free(sx);
+    return ran;
+}
+
+/* Drop-in replacements with the signatures of hs_q4_matmul and hs_q8_matmul (fused_cpu.c), on the
+ * best path this CPU has: the C++ layer op can bind these in their place. x_bf: x is bfloat16 (each
+ * value widened exactly to float32 first). */
+void hs_q8a_q4_matmul(const uint8_t *qs, const float *d, const float *m, const float *x, int64_t T, int64_t N,
+                      int64_t K, float *y, int parallel) {
+    hs_q8a_matmul_f32(FMT_Q4, qs, d, m, x, T, N, K, y, ISA_AUTO, parallel);
+}
+
+void hs_q8a_q8_matmul(const int8_t *q, const float *d, const void *x, int x_bf, int64_t T, int64_t N, int64_t K,
+                      float *y, int parallel) {
+    if (!x_bf) {
+        hs_q8a_matmul_f32(FMT_Q8, (const uint8_t *)q, d, NULL, (const float *)x, T, N, K, y, ISA_AUTO, parallel);
+        return;
+    }
+    float *xf = malloc((size_t)(T * K) * sizeof(float));
+    if (!xf) return;
+    for (int64_t i = 0; i < T * K; i++) {
+        const uint32_t bits = (uint32_t)((const uint16_t *)x)[i] << 16;
+        memcpy(xf + i, &bits, sizeof bits);
+    }
+    hs_q8a_matmul_f32(FMT_Q8, (const uint8_t *)q, d, NULL, xf, T, N, K, y, ISA_AUTO, parallel);
+    free(xf);
+}
+
+#else /* ---- Q8A_BODY: one instruction set's kernel (VW lanes, TV vectors per tile, RT rows per pass) ---- */
+
+#define COLS (VW * TV)
+#if VW == 8
+#define vi __m256i
+#define vf __m256
+#define V_LOADI(p) _mm256_loadu_si256((const __m256i *)(p))
+#define V_STOREI(p, v) _mm256_storeu_si256((__m256i *)(p), v)
+#define V_AND _mm256_and_si256
+#define V_XOR _mm256_xor_si256
+#define V_SRLI16 _mm256_srli_epi16
+#define V_SET1_8 _mm256_set1_epi8
+#define V_SET1_16 _mm256_set1_epi16
+#define V_SET1_32 _mm256_set1_epi32
+#define V_ZEROI _mm256_setzero_si256
+#define V_UNLO32 _mm256_unpacklo_epi32
+#define V_UNHI32 _mm256_unpackhi_epi32
+#define V_UNLO64 _mm256_unpacklo_epi64
+#define V_UNHI64 _mm256_unpackhi_epi64
+#define V_ADD16 _mm256_add_epi16
+#define V_ADD32 _mm256_add_epi32
+#define V_MADDUBS _mm256_maddubs_epi16
+#define V_MADD16 _mm256_madd_epi16
+#define V_SIGN8 _mm256_sign_epi8
+#define V_ABS8 _mm256_abs_epi8
+#define V_DPBUSD DPBUSD256
+#define V_ZEROF _mm256_setzero_ps
+#define V_SET1F _mm256_set1_ps
+#define V_LOADF _mm256_loadu_ps
+#define V_CVT _mm256_cvtepi32_ps
+#define V_MUL _mm256_mul_ps
+#define V_ADDF _mm256_add_ps
+#define V_FMA _mm256_fmadd_ps
+/* lane j (128 bits) of the result: 16 bytes at p[j] */
+static inline __attribute__((always_inline)) vi FN(gather128)(const uint8_t *const *p) {
+    return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)p[0])),
+                                   _mm_loadu_si128((const __m128i *)p[1]), 1);
+}
+static inline __attribute__((always_inline)) void FN(store_cols)(float *y, vf v, int n) {
+    if (n >= VW) {
+        _mm256_storeu_ps(y, v);
+        return;
+    }
+    float tmp[VW];
+    _mm256_storeu_ps(tmp, v);
+    for (int i = 0; i < n; i++) y[i] = tmp[i];
+}
+#else
+#define vi __m512i
+#define vf __m512
+#define V_LOADI(p) _mm512_loadu_si512((const void *)(p))
+#define V_STOREI(p, v) _mm512_storeu_si512((void *)(p), v)
+#define V_AND _mm512_and_si512
+#define V_XOR _mm512_xor_si512
+#define V_SRLI16 _mm512_srli_epi16
+#define V_SET1_8 _mm512_set1_epi8
+#define V_SET1_16 _mm512_set1_epi16
+#define V_SET1_32 _mm512_set1_epi32
+#define V_ZEROI _mm512_setzero_si512
+#define V_UNLO32 _mm512_unpacklo_epi32
+#define V_UNHI32 _mm512_unpackhi_epi32
+#define V_UNLO64 _mm512_unpacklo_epi64
+#define V_UNHI64 _mm512_unpackhi_epi64
+#define V_ADD32 _mm512_add_epi32
+#define V_DPBUSD _mm512_dpbusd_epi32
+#define V_ZEROF _mm512_setzero_ps
+#define V_SET1F _mm512_set1_ps
+#define V_LOADF _mm512_loadu_ps
+#define V_CVT _mm512_cvtepi32_ps
+#define V_MUL _mm512_mul_ps
+#define V_ADDF _mm512_add_ps
+#define V_FMA _mm512_fmadd_ps
+static inline __attribute__((always_inline)) vi FN(gather128)(const uint8_t *const *p) {
+    __m512i v = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)p[0]));
+    v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)p[1]), 1);
+    v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)p[2]), 2);
+    return _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)p[3]), 3);
+}
+static inline __attribute__((always_inline)) void FN(store_cols)(float *y, vf v, int n) {
+    if (n >= VW)
+        _mm512_storeu_ps(y, v);
+    else
+        _mm512_mask_storeu_ps(y, (__mmask16)((1u << n) - 1), v);
+}
+#endif
+
+static inline __attribute__((always_inline)) vi FN(bcast)(const int8_t *p) {  /* 4 bytes in every 32-bit lane */
+    int32_t v;
+    memcpy(&v, p, sizeof v);
+    return V_SET1_32(v);
+}
+
+/* Dword i (bytes 4i .. 4i+3) of 16 bytes of each of VW columns, i = 0..3, column e in lane e:
+ * src[e] points at column e's 16 bytes. A[L] lane j = column 4j + L; a 4x4 transpose in each lane. */
+static inline __attribute__((always_inline)) void FN(transpose16)(const uint8_t *const *src, vi out[4]) {
+    vi A[4];
+    for (int L = 0; L < 4; L++) {
+        const uint8_t *p[VW / 4];
+        for (int j = 0; j < VW / 4; j++) p[j] = src[4 * j + L];
+        A[L] = FN(gather128)(p);
+    }
+    const vi t0 = V_UNLO32(A[0], A[1]), t1 = V_UNHI32(A[0], A[1]), t2 = V_UNLO32(A[2], A[3]),
+             t3 = V_UNHI32(A[2], A[3]);
+    out[0] = V_UNLO64(t0, t2);
+    out[1] = V_UNHI64(t0, t2);
+    out[2] = V_UNLO64(t1, t3);
+    out[3] = V_UNHI64(t1, t3);
+}
+
+/* Expand block b of the tile's COLS columns (column e's codes at cols + e * row_bytes, contiguous
+ * rows) into buf[(b * 8 + v) * TV + tv] (vector v: codes 4v .. 4v+3 of each column, as the kernel
+ * multiplies them) and sbuf (AVX2 8-bit: the signed codes, buf holding their magnitudes). */
+static inline __attribute__((always_inline)) void FN(expand)(const uint8_t *cols, int64_t row_bytes, int64_t b,
+                                                             const int fmt, vi *buf, vi *sbuf, const uint8_t *ahead,
+                                                             const float *dahead, const float *mahead) {
+    const int bytes = fmt == FMT_Q8 ? 32 : 16;
+    (void)sbuf;
+    if (ahead) {  /* a later tile's share of this block step (its columns, and their scales, are
+                   * contiguous): the stream is read 16 columns abreast, which the hardware prefetcher
+                   * follows poorly */
+        for (int i = 0; i < COLS * bytes; i += 64) __builtin_prefetch(ahead + b * COLS * bytes + i, 0, 0);
+        __builtin_prefetch(dahead + b * COLS, 0, 0);
+        if (fmt == FMT_Q4) __builtin_prefetch(mahead + b * COLS, 0, 0);
+    }
+    for (int tv = 0; tv < TV; tv++) {
+        const uint8_t *src[VW];
+        for (int e = 0; e < VW; e++) src[e] = cols + (tv * VW + e) * row_bytes + b * bytes;
+        vi V[8];
+        FN(transpose16)(src, V);
+        if (fmt == FMT_Q4) {
+            const vi mask = V_SET1_8(15);
+            for (int i = 0; i < 4; i++) {
+                V[4 + i] = V_AND(V_SRLI16(V[i], 4), mask);
+                V[i] = V_AND(V[i], mask);
+            }
+        } else {
+            for (int e = 0; e < VW; e++) src[e] += 16;
+            FN(transpose16)(src, V + 4);
+        }
+        for (int v = 0; v < 8; v++) {
+#if DP_VNNI
+            if (fmt == FMT_Q8) V[v] = V_XOR(V[v], V_SET1_8((char)0x80));  /* q + 128, unsigned */
+            V_STOREI(buf + (b * 8 + v) * TV + tv, V[v]);
+#else
+            if (fmt == FMT_Q8) {
+                V_STOREI(sbuf + (b * 8 + v) * TV + tv, V[v]);
+                V[v] = V_ABS8(V[v]);
+            }
+            V_STOREI(buf + (b * 8 + v) * TV + tv, V[v]);
+#endif
+        }
+    }
+}
+
+/* The tile's scales [COLS, nb] (rows of nb) as dbuf [nb, COLS]. */
+static inline __attribute__((always_inline)) void FN(scales)(const float *src, int64_t nb, float *dst) {
+    for (int e = 0; e < COLS; e++)
+        for (int64_t b = 0; b < nb; b++) dst[b * COLS + e] = src[e * nb + b];
+}
+
+/* R (<= RT, a constant after inlining) rows t0 .. of x times the expanded tile -> y[t, n0 .. n0 + ncols). */
+static inline __attribute__((always_inline)) void FN(rows)(const vi *buf, const vi *sbuf, const float *dbuf,
+                                                           const float *mbuf, const int8_t *codes, const float *dx,
+                                                           const int32_t *sx, const float *dxs, int64_t K,
+                                                           int64_t t0, const int R, const int fmt, float *y,
+                                                           int64_t N, int ncols) {
+    (void)sbuf;
+    (void)sx;
+    const int64_t nb = K / BLOCK;
+    vf acc[RT][TV], macc[RT][TV];
+    for (int r = 0; r < R; r++)
+        for (int tv = 0; tv < TV; tv++) acc[r][tv] = macc[r][tv] = V_ZEROF();
+    for (int64_t b = 0; b < nb; b++) {
+        vi s[RT][TV];  /* the exact block sums (int32; AVX2 4-bit: 16-bit pairs until widened) */
+        for (int r = 0; r < R; r++)
+            for (int tv = 0; tv < TV; tv++)
+                s[r][tv] = DP_VNNI && fmt == FMT_Q8 ? V_SET1_32(-128 * sx[(t0 + r) * nb + b]) : V_ZEROI();
+        for (int v = 0; v < 8; v++) {
+            vi wv[TV];
+            for (int tv = 0; tv < TV; tv++) wv[tv] = V_LOADI(buf + (b * 8 + v) * TV + tv);
+            for (int r = 0; r < R; r++) {
+                const vi xv = FN(bcast)(codes + (t0 + r) * K + b * BLOCK + 4 * v);
+                for (int tv = 0; tv < TV; tv++) {
+#if DP_VNNI
+                    s[r][tv] = V_DPBUSD(s[r][tv], wv[tv], xv);
+#else
+                    if (fmt == FMT_Q4)
+                        s[r][tv] = V_ADD16(s[r][tv], V_MADDUBS(wv[tv], xv));
+                    else
+                        s[r][tv] = V_ADD32(s[r][tv], V_MADD16(V_MADDUBS(wv[tv], V_SIGN8(xv, V_LOADI(sbuf + (b * 8 + v) * TV + tv))),
+                                                              V_SET1_16(1)));
+#endif
+                }
+            }
+        }
+        for (int tv = 0; tv < TV; tv++) {
+            const vf dv = V_LOADF(dbuf + b * COLS + tv * VW);
+            for (int r = 0; r < R; r++) {
+#if !DP_VNNI
+                if (fmt == FMT_Q4) s[r][tv] = V_MADD16(s[r][tv], V_SET1_16(1));
+#endif
+                const vf c = V_MUL(dv, V_SET1F(dx[(t0 + r) * nb + b]));
+                acc[r][tv] = V_FMA(V_CVT(s[r][tv]), c, acc[r][tv]);
+            }
+        }
+    }
+    if (fmt == FMT_Q4)
+        for (int64_t b = 0; b < nb; b++)
+            for (int tv = 0; tv < TV; tv++) {
+                const vf mv = V_LOADF(mbuf + b * COLS + tv * VW);
+                for (int r = 0; r < R; r++)
+                    macc[r][tv] = V_FMA(mv, V_SET1F(dxs[(t0 + r) * nb + b]), macc[r][tv]);
+            }
+    for (int r = 0; r < R; r++)
+        for (int tv = 0; tv < TV; tv++) {
+            const int n = ncols - tv * VW;
+            if (n <= 0) break;
+            const vf out = fmt == FMT_Q4 ? V_ADDF(acc[r][tv], macc[r][tv]) : acc[r][tv];
+            FN(store_cols)(y + (t0 + r) * N + tv * VW, out, n);
+        }
+}
+
+static inline __attribute__((always_inline)) int FN(run)(const uint8_t *w, const float *d, const float *m,
+                                                          const int fmt, const int8_t *codes, const float *dx,
+                                                          const int32_t *sx, const float *dxs, int64_t T, int64_t N,
+                                                          int64_t K, float *y, int parallel) {
+    const int64_t nb = K / BLOCK, row_bytes = nb * (fmt == FMT_Q8 ? 32 : 16), tiles = (N + COLS - 1) / COLS;
+    int failed = 0;  /* a thread's scratch could not be allocated: its tiles are not computed */
+#pragma omp parallel if (parallel)
+    {
+        const size_t vbytes = (size_t)(nb * 8 * TV) * sizeof(vi);
+        vi *buf = aligned_alloc(64, vbytes), *sbuf = DP_VNNI ? NULL : aligned_alloc(64, vbytes);
+        float *dbuf = malloc((size_t)(nb * COLS) * sizeof(float)), *mbuf = malloc((size_t)(nb * COLS) * sizeof(float));
+        /* the last tile, when N is not a multiple of COLS: its columns copied, the missing ones zero
+         * (zero codes and scales; their outputs are not stored) */
+        uint8_t *pad_w = NULL;
+        float *pad_d = NULL, *pad_m = NULL;
+        if (N % COLS) {
+            pad_w = calloc((size_t)(COLS * row_bytes), 1);
+            pad_d = calloc((size_t)(COLS * nb), sizeof(float));
+            pad_m = calloc((size_t)(COLS * nb), sizeof(float));
+        }
+        const int ok = buf && (DP_VNNI || sbuf) && dbuf && mbuf && (N % COLS == 0 || (pad_w && pad_d && pad_m));
+        if (!ok) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t tile = 0; tile < tiles; tile++) {
+            if (!ok) continue;
+            const int64_t n0 = tile * COLS;
+            const int ncols = (int)(N - n0 < COLS ? N - n0 : COLS);
+            const uint8_t *tw = w + n0 * row_bytes;
+            const float *td = d + n0 * nb, *tm = fmt == FMT_Q4 ? m + n0 * nb : NULL;
+            if (ncols < COLS) {
+                memcpy(pad_w, tw, (size_t)(ncols * row_bytes));
+                memcpy(pad_d, td, (size_t)(ncols * nb) * sizeof(float));
+                if (fmt == FMT_Q4) memcpy(pad_m, tm, (size_t)(ncols * nb) * sizeof(float));
+                tw = pad_w, td = pad_d, tm = fmt == FMT_Q4 ? pad_m : NULL;
+            }
+            const int64_t n1 = n0 + PREFETCH_TILES * COLS;
+            const int far = n1 + COLS <= N;
+            const uint8_t *ahead = far ? w + n1 * row_bytes : NULL;
+            const float *dahead = far ? d + n1 * nb : NULL, *mahead = far && fmt == FMT_Q4 ? m + n1 * nb : NULL;
+            for (int64_t b = 0; b < nb; b++) FN(expand)(tw, row_bytes, b, fmt, buf, sbuf, ahead, dahead, mahead);
+            FN(scales)(td, nb, dbuf);
+            if (fmt == FMT_Q4) FN(scales)(tm, nb, mbuf);
+            for (int64_t t0 = 0; t0 < T; t0 += RT) {
+                float *yt = y + n0;
+                switch (T - t0 < RT ? T - t0 : RT) {  /* constant row counts keep the sums in registers */
+#define ROWS_CASE(R) case R: FN(rows)(buf, sbuf, dbuf, mbuf, codes, dx, sx, dxs, K, t0, R, fmt, yt, N, ncols); break;
+                    ROWS_CASE(1)
+                    ROWS_CASE(2)
+                    ROWS_CASE(3)
+#if RT > 4
+                    ROWS_CASE(4)
+                    ROWS_CASE(5)
+                    ROWS_CASE(6)
+                    ROWS_CASE(7)
+#endif
+                    default: FN(rows)(buf, sbuf, dbuf, mbuf, codes, dx, sx, dxs, K, t0, RT, fmt, yt, N, ncols); break;
+#undef ROWS_CASE
+                }
+            }
+        }
+        free(buf);
+        free(sbuf);
+        free(dbuf);
+        free(mbuf);
+        free(pad_w);
+        free(pad_d);
+        free(pad_m);
+    }
+    return !failed;
+}
+
+/* 1, or 0 when scratch memory could not be allocated (y not fully written) */
+static int FN(matmul)(const uint8_t *w, const float *d, const float *m, const int fmt, const int8_t *codes,
+                      const float *dx, const int32_t *sx, const float *dxs, int64_t T, int64_t N, int64_t K, float *y,
+                      int parallel) {
+    if (fmt == FMT_Q4) return FN(run)(w, d, m, FMT_Q4, codes, dx, sx, dxs, T, N, K, y, parallel);
+    return FN(run)(w, d, m, FMT_Q8, codes, dx, sx, dxs, T, N, K, y, parallel);
+}
+
+#undef COLS
+#undef vi
+#undef vf
+#undef V_LOADI
+#undef V_STOREI
+#undef V_AND
+#undef V_XOR
+#undef V_SRLI16
+#undef V_SET1_8
+#undef V_SET1_16
+#undef V_SET1_32
+#undef V_ZEROI
+#undef V_UNLO32
+#undef V_UNHI32
+#undef V_UNLO64
+#undef V_UNHI64
+#undef V_ADD16
+#undef V_ADD32
+#undef V_MADDUBS
+#undef V_MADD16
+#undef V_SIGN8
+#undef V_ABS8
+#undef V_DPBUSD
+#undef V_ZEROF
+#undef V_SET1F
+#undef V_LOADF
+#undef V_CVT
+#undef V_MUL
+#undef V_ADDF
+#undef V_FMA
+#endif

@@ -1,0 +1,275 @@
+"""The 8-bit-activation kernels (hispec/kernels/q8act.py): exact agreement with a NumPy reference
+of the same arithmetic (int32 block sums, float32 roundings in the documented order), for every
+weight format and every instruction-set path this CPU runs; rows independent of each other bit for
+bit; the error against the float product of the dequantized weights within the activations' rounding;
+clear errors on bad input."""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+
+from hispec.kernels import q8act
+from hispec.model.quant import pack_nibbles
+
+pytestmark = pytest.mark.skipif(not q8act.available(), reason="no C compiler for the q8act kernels")
+
+F32 = np.float32
+SHAPES = [(37, 96), (1, 32), (50, 160), (16, 64), (24, 1536)]  # (N, K): N not a multiple of the 16-column tile too
+
+
+# ---- the reference ---------------------------------------------------------------------------------
+def fma32(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """float32 ``a * b + c`` rounded once (as C's fmaf): the product is exact in float64, the sum is
+    rounded to odd in float64 (TwoSum gives its exact error), and that rounds correctly to float32."""
+    p = a.astype(np.float64) * b.astype(np.float64)
+    c = np.broadcast_to(c.astype(np.float64), p.shape)
+    s = p + c
+    bb = s - p
+    err = (p - (s - bb)) + (c - bb)
+    even = (s.view(np.int64) & 1) == 0
+    nudge = (err != 0) & even
+    s = np.where(nudge, np.nextafter(s, np.where(err > 0, np.inf, -np.inf)), s)
+    return s.astype(F32)
+
+
+def quantize_ref(x: np.ndarray):
+    """``x [T, K]`` float32 -> codes, dx, sx, dxs as the kernel defines them."""
+    t, k = x.shape
+    xb = x.reshape(t, k // 32, 32)
+    amax = np.abs(xb).max(-1)
+    dx = (amax / F32(127)).astype(F32)
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax > 0, F32(127) / amax, F32(0)).astype(F32)
+    codes = np.clip(np.rint(xb * inv[..., None]), -127, 127).astype(np.int8)
+    sx = codes.astype(np.int32).sum(-1, dtype=np.int32)
+    dxs = (dx * sx.astype(F32)).astype(F32)
+    return codes.reshape(t, k), dx, sx, dxs
+
+
+def matmul_ref(q: np.ndarray, d: np.ndarray, m: np.ndarray | None, x: np.ndarray) -> np.ndarray:
+    """``y [T, N]``: per block the exact int32 sum of codes times ``q [N, K]`` (the weight's integers:
+    0..15 or -128..127), ``acc = fma(idot, d * dx, acc)`` and ``macc = fma(m, dxs, macc)`` in block
+    order, ``y = acc + macc`` (no ``m``: ``acc``)."""
+    codes, dx, sx, dxs = quantize_ref(x)
+    t, k = codes.shape
+    n, nb = q.shape[0], k // 32
+    idot = np.einsum("tbj,nbj->tnb", codes.reshape(t, nb, 32).astype(np.int64),
+                     q.reshape(n, nb, 32).astype(np.int64))
+    acc = np.zeros((t, n), F32)
+    macc = np.zeros((t, n), F32)
+    for b in range(nb):
+        c = (d[None, :, b] * dx[:, None, b]).astype(F32)
+        acc = fma32(idot[:, :, b].astype(F32), c, acc)
+        if m is not None:
+            macc = fma32(np.broadcast_to(m[None, :, b], (t, n)), np.broadcast_to(dxs[:, None, b], (t, n)), macc)
+    return acc + macc if m is not None else acc
+
+
+# ---- weights in hispec's stored forms ---------------------------------------------------------------
+def four_bit(n: int, k: int, kind: str, gen: torch.Generator):
+    """``q [N, K]`` in 0..15, ``qs`` (the file's nibbles), ``dm [2, N, K/32]``: Q4_0 (``m = -8 d``,
+    float16 d), Q4_1 (float16 d, m), int4 (``--quantize int4``: float32 d, m)."""
+    q = torch.randint(0, 16, (n, k), generator=gen)
+    d = torch.rand((n, k // 32), generator=gen) * 0.05 + 1e-3
+    m = -torch.rand((n, k // 32), generator=gen) * 0.4
+    if kind != "int4":
+        d = d.half().float()
+        m = (-8 * d) if kind == "Q4_0" else m.half().float()
+    return q, pack_nibbles(q), torch.stack([d, m]).contiguous()
+
+
+def eight_bit(n: int, k: int, gen: torch.Generator):
+    q = torch.randint(-128, 128, (n, k), generator=gen).to(torch.int8)
+    d = (torch.rand((n, k // 32), generator=gen) * 0.01 + 1e-4).half().float()
+    return q, d
+
+
+def activations(t: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    """Rows with blocks of very different ranges, a zero block, and an exact maximum."""
+    x = torch.randn((t, k), generator=gen) * torch.rand((t, k // 32, 1), generator=gen).repeat_interleave(32, 1).view(t, k) * 4
+    x[0, :32] = 0.0
+    if k > 32:
+        x[-1, 32:64] = torch.linspace(-3, 3, 32)
+    return x
+
+
+def run(kind: str, x, w, isa: str):
+    if kind == "Q8_0":
+        return q8act.q8_matmul(x, w[0], w[1], isa=isa)
+    return q8act.q4_matmul(x, w[1], w[2], isa=isa)
+
+
+def weights(kind: str, n: int, k: int, gen: torch.Generator):
+    return eight_bit(n, k, gen) if kind == "Q8_0" else four_bit(n, k, kind, gen)
+
+
+def reference(kind: str, x: torch.Tensor, w) -> np.ndarray:
+    if kind == "Q8_0":
+        return matmul_ref(w[0].numpy(), w[1].numpy(), None, x.numpy())
+    return matmul_ref(w[0].numpy(), w[2][0].numpy(), w[2][1].numpy(), x.numpy())
+
+
+KINDS = ["Q4_0", "Q4_1", "int4", "Q8_0"]
+ISAS = q8act.supported_isas()
+
+
+# ---- tests ---------------------------------------------------------------------------------------------
+def test_reference_fma_rounds_once():
+    a = np.array([1 + 2 ** -23, 3.0, 0.1], F32)
+    b = np.array([1 - 2 ** -23, 1 / 3, 10.0], F32)
+    c = np.array([-1.0, -1.0, -1.0], F32)
+    exact = [float(x) * float(y) + float(z) for x, y, z in zip(a, b, c)]  # float64: exact for these
+    assert fma32(a, b, c).tolist() == np.array(exact, F32).tolist()
+    assert fma32(a[:1], b[:1], c[:1])[0] == F32(-2 ** -46)  # a * b rounded first would give 0
+
+
+def test_quantize_matches_reference():
+    gen = torch.Generator().manual_seed(1)
+    x = activations(7, 160, gen)
+    got = q8act.quantize(x)
+    want = quantize_ref(x.numpy())
+    for g, w, name in zip(got, want, ("codes", "dx", "sx", "dxs")):
+        assert np.array_equal(g.numpy(), w), name
+    assert got.codes.abs().max() == 127 and (got.dx[0, 0] == 0 and got.sx[0, 0] == 0)
+    # each row alone
+    assert all(torch.equal(q8act.quantize(x[i:i + 1]).codes[0], got.codes[i]) for i in range(7))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_exact_against_reference(kind, isa, n, k):
+    gen = torch.Generator().manual_seed(n * 1000 + k)
+    w = weights(kind, n, k, gen)
+    x = activations(19, k, gen)
+    y = run(kind, x, w, isa)
+    assert y.shape == (19, n) and y.dtype == torch.float32
+    assert np.array_equal(y.numpy(), reference(kind, x, w))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_rows_independent_and_paths_agree(kind):
+    """Rows 1..19 in one call equal each row alone, bit for bit, on every path; all paths agree."""
+    gen = torch.Generator().manual_seed(7)
+    n, k = 53, 128
+    w = weights(kind, n, k, gen)
+    x = activations(19, k, gen)
+    first = None
+    for isa in ISAS:
+        alone = torch.cat([run(kind, x[i:i + 1], w, isa) for i in range(19)])
+        for t in range(1, 20):
+            assert torch.equal(run(kind, x[:t], w, isa), alone[:t]), (isa, t)
+        if first is not None:
+            assert torch.equal(alone, first), isa
+        first = alone
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_quantized_input_and_float_input_agree(kind):
+    gen = torch.Generator().manual_seed(3)
+    w = weights(kind, 40, 96, gen)
+    x = activations(5, 96, gen)
+    assert torch.equal(run(kind, q8act.quantize(x), w, None), run(kind, x, w, None))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_error_within_activation_rounding(kind):
+    """Against ``x @ W.T`` with the dequantized weights (float64), each output is off by at most the
+    activations' rounding, half a step (``amax / 254``) per input times ``|w|``, plus float32 sums."""
+    gen = torch.Generator().manual_seed(11)
+    n, k = 64, 192
+    w = weights(kind, n, k, gen)
+    x = activations(6, k, gen)
+    if kind == "Q8_0":
+        wf = w[0].double() * w[1].double().repeat_interleave(32, 1)
+    else:
+        wf = w[0].double() * w[2][0].double().repeat_interleave(32, 1) + w[2][1].double().repeat_interleave(32, 1)
+    exact = x.double() @ wf.T
+    step = (x.abs().view(6, k // 32, 32).amax(-1) / 254).double().repeat_interleave(32, 1)  # [T, K]
+    bound = step @ wf.abs().T + 1e-5 * (x.double().abs() @ wf.abs().T)
+    err = (run(kind, x, w, None).double() - exact).abs()
+    assert (err <= bound).all(), (err / bound).max()
+    assert err.max() > 0  # the activations are rounded: the test can see a difference
+
+
+def test_bad_input_raises_clearly():
+    gen = torch.Generator().manual_seed(0)
+    q, qs, dm = four_bit(16, 64, "Q4_1", gen)
+    x = torch.randn(2, 64)
+    with pytest.raises(TypeError, match="x must be a CPU torch.float32"):
+        q8act.q4_matmul(x.double(), qs, dm)
+    with pytest.raises(ValueError, match="x has K = 32"):
+        q8act.q4_matmul(torch.randn(2, 32), qs, dm)
+    with pytest.raises(TypeError, match="qs must be a CPU torch.uint8"):
+        q8act.q4_matmul(x, qs.to(torch.int8), dm)
+    with pytest.raises(TypeError, match=r"dm must be a CPU torch.float32 tensor of shape \(2, 16, 2\)"):
+        q8act.q4_matmul(x, qs, dm[:, :, :1])
+    with pytest.raises(ValueError, match="multiple of 32"):
+        q8act.quantize(torch.randn(2, 40))
+    with pytest.raises(TypeError, match="2-D"):
+        q8act.quantize(torch.randn(64))
+    q8, d8 = eight_bit(16, 64, gen)
+    with pytest.raises(TypeError, match="d must be a CPU torch.float32"):
+        q8act.q8_matmul(x, q8, d8.half())
+    with pytest.raises(TypeError, match="codes must be"):
+        q8act.q8_matmul(q8act.QActs(*(a[:, :1] for a in q8act.quantize(x))), q8, d8)
+    with pytest.raises(ValueError, match="unknown path"):
+        q8act.q8_matmul(x, q8, d8, isa="sse9")
+    missing = [i for i in q8act.ISAS if i not in ISAS]
+    if missing:
+        with pytest.raises(ValueError, match=f"cannot run the {missing[0]} path"):
+            q8act.q8_matmul(x, q8, d8, isa=missing[0])
+
+
+def test_empty_rows():
+    gen = torch.Generator().manual_seed(0)
+    q, qs, dm = four_bit(16, 64, "Q4_0", gen)
+    assert q8act.q4_matmul(torch.empty(0, 64), qs, dm).shape == (0, 16)
+
+
+def test_best_path_is_said_once(caplog):
+    q8act.best_isa.cache_clear()
+    with caplog.at_level(logging.INFO, logger="hispec.kernels.q8act"):
+        best = q8act.best_isa()
+        q8act.best_isa()
+    notes = [r.getMessage() for r in caplog.records]
+    assert best == [i for i in ISAS if i != "vnni-emulated"][-1]
+    if best == "avx512vnni":
+        assert notes == []
+    else:
+        assert len(notes) == 1 and f"the {best} path" in notes[0]
+
+
+def test_no_compiler_falls_back_with_a_note(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("HISPEC_HOME", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    q8act.library.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="hispec.kernels.q8act"):
+            assert q8act.library() is None
+        assert any("unavailable" in r.getMessage() for r in caplog.records)
+        with pytest.raises(RuntimeError, match="not built"):
+            q8act.quantize(torch.randn(1, 32))
+    finally:
+        q8act.library.cache_clear()
+
+
+def test_drop_in_entry_points():
+    """``hs_q8a_q4_matmul`` / ``hs_q8a_q8_matmul`` (the signatures of fused_cpu.c's hs_q4_matmul /
+    hs_q8_matmul, for the C++ layer op) give the Python entry points' bits; bfloat16 x as its float32 value."""
+    gen = torch.Generator().manual_seed(2)
+    lib = q8act.library()
+    x = activations(6, 96, gen)
+    _, qs, dm = four_bit(40, 96, "Q4_1", gen)
+    y = torch.empty(6, 40)
+    lib.hs_q8a_q4_matmul(qs.data_ptr(), dm[0].data_ptr(), dm[1].data_ptr(), x.data_ptr(), 6, 40, 96, y.data_ptr(), 1)
+    assert torch.equal(y, q8act.q4_matmul(x, qs, dm))
+    q8, d8 = eight_bit(40, 96, gen)
+    for xin in (x, x.bfloat16()):
+        lib.hs_q8a_q8_matmul(q8.data_ptr(), d8.data_ptr(), xin.data_ptr(), int(xin.dtype == torch.bfloat16), 6, 40, 96,
+                             y.data_ptr(), 1)
+        assert torch.equal(y, q8act.q8_matmul(xin.float(), q8, d8))
+
