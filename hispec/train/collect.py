@@ -213,19 +213,24 @@ class ShardWriter:
 
 
 def collect(model, seqs: Iterable[Seq], folder: Path, cfg: TrainConfig, meta: dict, budget: int | None = None,
-            budget_of: str = "positions", log=None) -> dict:
+            budget_of: str = "positions", max_seconds: float | None = None, log=None) -> dict:
     """Teacher passes over ``seqs`` = ``(record index, ids, first reply row)`` in a fixed order,
     resuming after the records already in ``folder``; stops once the folder holds ``budget``
-    ``positions`` (or ``reply_positions``: ``budget_of``; None: all records). Returns the meta."""
+    ``positions`` (or ``reply_positions``: ``budget_of``; None: all records), or after
+    ``max_seconds`` (what was collected is written; a rerun continues). Returns the meta."""
     writer = ShardWriter(folder, {"format": FORMAT, **meta, "config": cfg.collection()})
     done = writer.meta["records_done"]
     teacher = TeacherPass(model, cfg)
     todo = ((r, ids[:cfg.max_tokens], f) for r, ids, f in seqs
             if r >= done and MIN_TOKENS <= min(len(ids), cfg.max_tokens) and f < min(len(ids), cfg.max_tokens))
-    t0 = time.perf_counter()
+    t0 = start = time.perf_counter()
     last = done
     for batch in batches(todo, cfg.teacher_batch_tokens):
         if budget is not None and writer.meta[budget_of] + writer.pending(budget_of) >= budget:
+            break
+        if max_seconds is not None and time.perf_counter() - start >= max_seconds:
+            if log:
+                log(f"{folder}: stopped after {max_seconds:g} s (--max-seconds); run again to continue")
             break
         writer.add(batch, teacher([ids for _, ids, _ in batch]))
         last = batch[-1][0] + 1

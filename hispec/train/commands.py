@@ -95,6 +95,8 @@ def register(sub) -> None:
     p.add_argument("--topk", type=int, default=32, help="teacher log-probs kept per position (default 32)")
     p.add_argument("--max-tokens", type=int, default=512, help="positions per conversation (default 512)")
     p.add_argument("--max-positions", type=int, default=None, help="stop when the folder holds this many")
+    p.add_argument("--max-seconds", type=float, default=None,
+                   help="stop collecting after this long (what was collected is kept; run again to continue)")
     p.add_argument("--batch-tokens", type=int, default=4096, help="positions per teacher pass (default 4096)")
     _add_teacher_precision(p)
     p.add_argument("--seed", type=int, default=0, help="record order")
@@ -292,14 +294,15 @@ def cmd_collect_exits(args) -> int:
     cfg = TrainConfig(tuple(layers), topk=args.topk, max_tokens=args.max_tokens, teacher_batch_tokens=args.batch_tokens,
                       teacher_precision=args.teacher_precision, max_new_tokens=args.max_new_tokens,
                       generate_batch=args.batch_size)
-    meta = _collect(gen, records, Path(args.out), cfg, args.mode, summary, command, args.max_positions, "positions")
+    meta = _collect(gen, records, Path(args.out), cfg, args.mode, summary, command, args.max_positions, "positions",
+                    args.max_seconds)
     _say(f"{args.out}: {meta['positions']} positions ({meta['reply_positions']} in replies) from "
          f"{meta['sequences']} conversations, {meta['positions_per_s']} positions/s")
     return 0
 
 
 def _collect(gen, records, folder: Path, cfg, mode: str, summary: dict, command: str, budget: int | None,
-             budget_of: str) -> dict:
+             budget_of: str, max_seconds: float | None = None) -> dict:
     """One data folder: teacher passes over the records' replies (``teacher``) or over the
     model's own continuations of their prompts (``self``), resuming where the folder stopped."""
     from ..model.exits import model_identity
@@ -311,7 +314,7 @@ def _collect(gen, records, folder: Path, cfg, mode: str, summary: dict, command:
             "dtype": str(gen.model.dtype).removeprefix("torch.")}
     if mode == "self":
         meta["source"] = {"continuations": {"max_new_tokens": cfg.max_new_tokens, "greedy": True}}
-    return collect(gen.model, seqs, folder, cfg, meta, budget, budget_of, log=_say)
+    return collect(gen.model, seqs, folder, cfg, meta, budget, budget_of, max_seconds, log=_say)
 
 
 # ---- distill-exits --------------------------------------------------------------------------
