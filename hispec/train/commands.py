@@ -13,28 +13,34 @@ from ..paths import portable
 from .config import PRECISIONS, TEACHER_PRECISIONS
 
 
-def register(sub) -> None:
+def _command(sub, name: str, func, help: str, description: str) -> argparse.ArgumentParser:
+    """A subcommand with the model options, registered for ``_command_line``."""
     from ..options import add_model_options
 
-    p = sub.add_parser("probe", help="per-layer agreement with the final layer (table + PNG)",
-                       description="Top-1/top-5 agreement of every exit layer with the final layer over the "
-                                   "model's own greedy continuations of the prompts.")
+    p = sub.add_parser(name, help=help, description=description)
     add_model_options(p)
+    p.set_defaults(func=func)
+    _PARSERS[name] = p
+    return p
+
+
+def register(sub) -> None:
+    p = _command(sub, "probe", cmd_probe, help="per-layer agreement with the final layer (table + PNG)",
+                 description="Top-1/top-5 agreement of every exit layer with the final layer over the "
+                             "model's own greedy continuations of the prompts.")
     p.add_argument("--data", required=True, metavar="FILE", help="prompts (JSONL, or a named source)")
     p.add_argument("--limit", type=int, default=16, help="number of prompts (default 16)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--max-prompt-tokens", type=int, default=1024)
     p.add_argument("--out", metavar="PNG", default=None, help="write the agreement curve here")
     p.add_argument("--json", action="store_true", help="print the table as JSON")
-    p.set_defaults(func=cmd_probe)
-    _PARSERS["probe"] = p
 
-    p = sub.add_parser("train-exits", help="collect data and distil exits in one command (base model frozen)",
-                       description="The whole exit pipeline in one resumable command: teacher passes over reference "
-                                   "replies and/or the model's own greedy continuations (made by the engine), then "
-                                   "distillation of an exit at each layer (the same collector and distiller as "
-                                   "collect-exits and distill-exits).")
-    add_model_options(p)
+    p = _command(sub, "train-exits", cmd_train_exits,
+                 help="collect data and distil exits in one command (base model frozen)",
+                 description="The whole exit pipeline in one resumable command: teacher passes over reference "
+                             "replies and/or the model's own greedy continuations (made by the engine), then "
+                             "distillation of an exit at each layer (the same collector and distiller as "
+                             "collect-exits and distill-exits).")
     p.set_defaults(quantize="none")  # exits are distilled from the float32 reference; they run on any weights
     p.add_argument("--layers", required=True, help="exit layers, e.g. 4,8")
     _add_data_options(p)
@@ -75,15 +81,13 @@ def register(sub) -> None:
                    help="exits to keep at the other layers (e.g. the shipped heads): the set written to --out "
                         "holds them beside the new ones")
     p.add_argument("--no-progress", action="store_true")
-    p.set_defaults(func=cmd_train_exits)
-    _PARSERS["train-exits"] = p
 
-    p = sub.add_parser("collect-exits", help="distillation data for exits: batched teacher passes, in shards",
-                       description="Teacher passes over chat-formatted conversations (prompt + reply, or prompt + the "
-                                   "model's own greedy continuation with --mode self): the states entering the exit "
-                                   "layers and the final layer's top-k log-probs at every position, in resumable "
-                                   "shards (run again with the same --out to continue).")
-    add_model_options(p)
+    p = _command(sub, "collect-exits", cmd_collect_exits,
+                 help="distillation data for exits: batched teacher passes, in shards",
+                 description="Teacher passes over chat-formatted conversations (prompt + reply, or prompt + the "
+                             "model's own greedy continuation with --mode self): the states entering the exit "
+                             "layers and the final layer's top-k log-probs at every position, in resumable "
+                             "shards (run again with the same --out to continue).")
     p.add_argument("--layers", required=True, help="layers whose input states are kept, e.g. 2,4,8 (0: the embeddings; the layer count: the final state, for exits that read it)")
     _add_data_options(p)
     p.add_argument("--out", required=True, metavar="DIR", help="the shard folder (large: keep it out of a package)")
@@ -100,14 +104,12 @@ def register(sub) -> None:
     p.add_argument("--batch-tokens", type=int, default=4096, help="positions per teacher pass (default 4096)")
     _add_teacher_precision(p)
     p.add_argument("--seed", type=int, default=0, help="record order")
-    p.set_defaults(func=cmd_collect_exits)
-    _PARSERS["collect-exits"] = p
 
-    p = sub.add_parser("distill-exits", help="train exits (block or linear) on collect-exits shards, resumable",
-                       description="Distil exits from the teacher shards of `hispec collect-exits` (KL to the final "
-                                   "layer's top-k + a small cross-entropy on its argmax), base model frozen; "
-                                   "checkpoints let a stopped run continue bit-identically (--resume).")
-    add_model_options(p)
+    p = _command(sub, "distill-exits", cmd_distill_exits,
+                 help="train exits (block or linear) on collect-exits shards, resumable",
+                 description="Distil exits from the teacher shards of `hispec collect-exits` (KL to the final "
+                             "layer's top-k + a small cross-entropy on its argmax), base model frozen; "
+                             "checkpoints let a stopped run continue bit-identically (--resume).")
     p.add_argument("--data", required=True, nargs="+", metavar="DIR",
                    help="collect-exits folders (several: their sequences together, e.g. teacher-forced replies "
                         "and the model's own continuations)")
@@ -129,14 +131,11 @@ def register(sub) -> None:
     p.add_argument("--keep", default=None, metavar="DIR",
                    help="exits to keep at the other layers (e.g. the shipped heads' deep linear head): the set "
                         "written to --out holds them beside the new ones")
-    p.set_defaults(func=cmd_distill_exits)
-    _PARSERS["distill-exits"] = p
 
-    p = sub.add_parser("tune", help="choose L_d, L_i, N_d, N_i and the draft policy by measurement",
-                       description="Measure per-phase costs and exit agreement on calibration prompts, predict "
-                                   "tokens/s of every configuration, check the best end to end, and write the "
-                                   "winner into the heads' manifest.")
-    add_model_options(p)
+    p = _command(sub, "tune", cmd_tune, help="choose L_d, L_i, N_d, N_i and the draft policy by measurement",
+                 description="Measure per-phase costs and exit agreement on calibration prompts, predict "
+                             "tokens/s of every configuration, check the best end to end, and write the "
+                             "winner into the heads' manifest.")
     p.add_argument("--data", required=True, metavar="FILE", help="calibration prompts")
     p.add_argument("--limit", type=int, default=12)
     p.add_argument("--max-new-tokens", type=int, default=96)
@@ -149,8 +148,6 @@ def register(sub) -> None:
     p.add_argument("--no-write", action="store_true", help="do not write the manifest")
     p.add_argument("--prune", action="store_true", help="keep only the heads the chosen settings use")
     p.add_argument("--json", action="store_true")
-    p.set_defaults(func=cmd_tune)
-    _PARSERS["tune"] = p
 
 
 # ---- helpers --------------------------------------------------------------------------------
