@@ -63,7 +63,7 @@ def register(sub) -> None:
     p.add_argument("--max-response-tokens", type=int, default=384)
     p.add_argument("--batch-size", type=int, default=16, help="prompts the engine continues together")
     p.add_argument("--teacher-batch-tokens", type=int, default=2048, help="positions per teacher pass")
-    _add_teacher_precision(p)
+    _add_teacher_precision(p, "model")  # the shipped heads' recipe: the float32 reference
     _add_exit_options(p, design="linear", init="zero", vocab=0)
     p.add_argument("--vocab-layers", default=None,
                    help="the layers that get the restricted vocabulary (default: all of --layers)")
@@ -102,7 +102,7 @@ def register(sub) -> None:
     p.add_argument("--max-seconds", type=float, default=None,
                    help="stop collecting after this long (what was collected is kept; run again to continue)")
     p.add_argument("--batch-tokens", type=int, default=4096, help="positions per teacher pass (default 4096)")
-    _add_teacher_precision(p)
+    _add_teacher_precision(p, "bfloat16")
     p.add_argument("--seed", type=int, default=0, help="record order")
 
     p = _command(sub, "distill-exits", cmd_distill_exits,
@@ -159,11 +159,11 @@ def _add_data_options(p) -> None:
                    help="prompts never to train on (e.g. the Spec-Bench file you evaluate on)")
 
 
-def _add_teacher_precision(p) -> None:
-    p.add_argument("--teacher-precision", default="bfloat16", choices=list(TEACHER_PRECISIONS),
-                   help="bfloat16 (default): on CPU the teacher's linear layers run as dense bfloat16 matrices of "
-                        "the model's own weights (quantized ones dequantized), ~2-3x faster than the int4 decode "
-                        "kernel at prefill; model: the model's own kernels (on a GPU: always the model's own)")
+def _add_teacher_precision(p, default: str) -> None:
+    p.add_argument("--teacher-precision", default=default, choices=list(TEACHER_PRECISIONS),
+                   help="bfloat16: on CPU the teacher's linear layers run as dense bfloat16 matrices of the model's "
+                        "own weights (quantized ones dequantized), ~2-3x faster than the int4 decode kernel at "
+                        f"prefill; model: the model's own kernels (on a GPU: always the model's own); default {default}")
 
 
 def _add_exit_options(p, design: str, init: str, vocab: int) -> None:
