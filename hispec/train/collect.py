@@ -217,7 +217,8 @@ def collect(model, seqs: Iterable[Seq], folder: Path, cfg: TrainConfig, meta: di
     """Teacher passes over ``seqs`` = ``(record index, ids, first reply row)`` in a fixed order,
     resuming after the records already in ``folder``; stops once the folder holds ``budget``
     ``positions`` (or ``reply_positions``: ``budget_of``; None: all records), or after
-    ``max_seconds`` (what was collected is written; a rerun continues). Returns the meta."""
+    the first batch that ends ``max_seconds`` after the start (what was collected is written; a
+    rerun continues). Returns the meta."""
     writer = ShardWriter(folder, {"format": FORMAT, **meta, "config": cfg.collection()})
     done = writer.meta["records_done"]
     teacher = TeacherPass(model, cfg)
@@ -228,10 +229,6 @@ def collect(model, seqs: Iterable[Seq], folder: Path, cfg: TrainConfig, meta: di
     for batch in batches(todo, cfg.teacher_batch_tokens):
         if budget is not None and writer.meta[budget_of] + writer.pending(budget_of) >= budget:
             break
-        if max_seconds is not None and time.perf_counter() - start >= max_seconds:
-            if log:
-                log(f"{folder}: stopped after {max_seconds:g} s (--max-seconds); run again to continue")
-            break
         writer.add(batch, teacher([ids for _, ids, _ in batch]))
         last = batch[-1][0] + 1
         if writer.pending("positions") >= cfg.shard_positions:
@@ -241,6 +238,10 @@ def collect(model, seqs: Iterable[Seq], folder: Path, cfg: TrainConfig, meta: di
                 m = writer.meta
                 log(f"{folder}: {m['positions']} positions ({m['reply_positions']} in replies), "
                     f"{m['records_done']} records, {m['positions_per_s']} positions/s")
+        if max_seconds is not None and time.perf_counter() - start >= max_seconds:
+            if log:
+                log(f"{folder}: stopped after {max_seconds:g} s (--max-seconds); run again to continue")
+            break
     writer.flush(last, time.perf_counter() - t0)
     return writer.meta
 

@@ -294,7 +294,7 @@ def cmd_collect_exits(args) -> int:
     meta = _collect(gen, records, Path(args.out), cfg, args.mode, summary, command, args.max_positions, "positions",
                     args.max_seconds)
     _say(f"{args.out}: {meta['positions']} positions ({meta['reply_positions']} in replies) from "
-         f"{meta['sequences']} conversations, {meta['positions_per_s']} positions/s")
+         f"{meta['sequences']} conversations, {meta.get('positions_per_s', 0)} positions/s")
     return 0
 
 
