@@ -4,16 +4,19 @@
 # Steps (each under its own time limit; the exit pipeline of hispec/train, the same commands as on CPU):
 #   1. on-policy data: the engine continues the prompts greedily (the model's own text), and one
 #      teacher pass per batch keeps the states entering the exit layer and the final layer's top-32
-#      (hispec collect-exits --mode self; it stops itself after COLLECT_SECONDS, keeping what it has)
+#      (hispec collect-exits --mode self; it stops itself after COLLECT_SECONDS, keeping what it has;
+#      the distillation and the check are expected to take about a minute each on one GPU, not yet
+#      measured on one; the step limits cap the whole run at 8 minutes)
 #   2. distillation of a block per exit layer, bfloat16 autocast on the GPU (hispec distill-exits),
 #      written with the kept exits (KEEP, default the shipped ones) into $GPU_DISTILL_OUT/exits
 #   3. the check: the written exits load with the model, and selfspec / hispec give ar's tokens
 # Settings (environment; defaults for the default model on one GPU):
 #   GPU_DISTILL_OUT (gpu-distill-out)  MODEL (default)  DEVICE (cuda)  LAYERS (4)
 #   DATA ("sharegpt humaneval": pip install 'hispec[bench]')  HOLDOUT (none: the Spec-Bench file you evaluate on)
-#   COLLECT_SECONDS (300)  MAX_NEW_TOKENS (256)  BATCH_SIZE (64: prompts continued together)
+#   COLLECT_SECONDS (240)  MAX_NEW_TOKENS (256)  BATCH_SIZE (64: prompts continued together)
 #   TEACHER_BATCH_TOKENS (16384)  VOCAB (8192)  EPOCHS (2)  BATCH_TOKENS (8192)  LR (1e-3)
 #   KEEP (hispec/exits/smollm2-135m-instruct; empty: none)  CHECK_TOKENS (48)
+#   time limits: collection COLLECT_SECONDS + 60, DISTILL_SECONDS (120), CHECK_SECONDS (60): 8 minutes in all
 # The collection resumes: run the script again to collect more and train afresh on all of it.
 # Then, on the CPU the exits are meant for: hispec tune --model default --exits $GPU_DISTILL_OUT/exits ...
 set -uo pipefail
@@ -25,7 +28,7 @@ DEVICE=${DEVICE:-cuda}
 LAYERS=${LAYERS:-4}
 DATA=${DATA:-sharegpt humaneval}
 HOLDOUT=${HOLDOUT:-}
-COLLECT_SECONDS=${COLLECT_SECONDS:-300}
+COLLECT_SECONDS=${COLLECT_SECONDS:-240}
 MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-256}
 BATCH_SIZE=${BATCH_SIZE:-64}
 TEACHER_BATCH_TOKENS=${TEACHER_BATCH_TOKENS:-16384}
@@ -35,6 +38,8 @@ BATCH_TOKENS=${BATCH_TOKENS:-8192}
 LR=${LR:-1e-3}
 KEEP=${KEEP-hispec/exits/smollm2-135m-instruct}
 CHECK_TOKENS=${CHECK_TOKENS:-48}
+CHECK_SECONDS=${CHECK_SECONDS:-60}
+DISTILL_SECONDS=${DISTILL_SECONDS:-120}
 mkdir -p "$OUT"
 SUMMARY="$OUT/summary.txt"
 : > "$SUMMARY"
@@ -70,18 +75,18 @@ N_LAYERS=$("$PY" -c "import json, sys; from hispec.model.load.registry import re
 print(json.loads((resolve_model(sys.argv[1]) / 'config.json').read_text())['num_hidden_layers'])" "$MODEL") || exit 2
 
 # ---- 1. on-policy data ---------------------------------------------------------------------------
-step collect $(( COLLECT_SECONDS + 120 )) "${HISPEC[@]}" collect-exits --model "$MODEL" --device "$DEVICE" --quantize none --mode self \
+step collect $(( COLLECT_SECONDS + 60 )) "${HISPEC[@]}" collect-exits --model "$MODEL" --device "$DEVICE" --quantize none --mode self \
   --layers "$LAYERS,$N_LAYERS" --data "${DATA_ARGS[@]}" "${HOLDOUT_ARGS[@]}" --out "$OUT/own" \
   --max-new-tokens "$MAX_NEW_TOKENS" --batch-size "$BATCH_SIZE" --batch-tokens "$TEACHER_BATCH_TOKENS" \
   --max-seconds "$COLLECT_SECONDS" || exit 1
 
 # ---- 2. distillation -----------------------------------------------------------------------------
-step distill 180 "${HISPEC[@]}" distill-exits --model "$MODEL" --device "$DEVICE" --quantize none --data "$OUT/own" --layers "$LAYERS" \
+step distill "$DISTILL_SECONDS" "${HISPEC[@]}" distill-exits --model "$MODEL" --device "$DEVICE" --quantize none --data "$OUT/own" --layers "$LAYERS" \
   --design block --init zero --vocab "$VOCAB" --epochs "$EPOCHS" --batch-tokens "$BATCH_TOKENS" --lr "$LR" \
   --precision auto --out "$OUT/exits" --work "$OUT/work" "${KEEP_ARGS[@]}" || exit 1
 
 # ---- 3. the written exits load and decode losslessly ---------------------------------------------
-step check 120 "$PY" - "$MODEL" "$DEVICE" "$OUT/exits" "$CHECK_TOKENS" <<'EOF' || exit 1
+step check "$CHECK_SECONDS" "$PY" - "$MODEL" "$DEVICE" "$OUT/exits" "$CHECK_TOKENS" <<'EOF' || exit 1
 """The exits load with the model (identity checked), and greedy selfspec / hispec from the new
 exit layers give exactly ar's tokens."""
 import sys

@@ -40,7 +40,7 @@ def test_gpu_distill_script_writes_lossless_exits_on_cpu(tiny_text_model_dir, tm
     env = {"GPU_DISTILL_OUT": str(out), "MODEL": str(tiny_text_model_dir), "DEVICE": "cpu", "LAYERS": "2",
            "DATA": str(prompts_file(tmp_path / "prompts.jsonl", 40)), "KEEP": "", "COLLECT_SECONDS": "120",
            "MAX_NEW_TOKENS": "24", "BATCH_SIZE": "8", "TEACHER_BATCH_TOKENS": "512", "VOCAB": "64", "EPOCHS": "2",
-           "BATCH_TOKENS": "256", "CHECK_TOKENS": "12"}
+           "BATCH_TOKENS": "256", "CHECK_TOKENS": "12", "DISTILL_SECONDS": "300", "CHECK_SECONDS": "300"}
     done = run_script(env)
     assert done.returncode == 0, done.stdout + done.stderr
     summary = (out / "summary.txt").read_text()
