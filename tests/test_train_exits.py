@@ -145,6 +145,25 @@ def test_train_exits_cli_trains_saves_and_resumes(tiny_model_dir, tmp_path, caps
     assert heads[2].restricted and heads[2].vocab_ids.numel() == 64
 
 
+def test_train_exits_cli_distils_a_block_on_own_continuations(tiny_model_dir, tmp_path, capsys):
+    """One command, the block recipe: the engine's continuations (--mode self), held-out agreement
+    on the model's continuations of other prompts (--eval-data), sequence batches, epochs."""
+    data = write_id_data(tmp_path / "data.jsonl", 24)
+    held = write_id_data(tmp_path / "held.jsonl", 6, seed=9)
+    out = tmp_path / "block"
+    assert main(["train-exits", "--model", str(tiny_model_dir("llama")), "--layers", "2", "--data", str(data),
+                 "--mode", "self", "--eval-data", str(held), "--eval-max-new-tokens", "16", "--design", "block",
+                 "--vocab", "64", "--steps", "0", "--epochs", "2", "--batch-tokens", "256", "--max-new-tokens", "24",
+                 "--out", str(out), "--threads", "1", "--no-progress"]) == 0
+    manifest = E.read_manifest(out)
+    assert manifest.design["kind"] == "block" and manifest.design["init"] == "zero"
+    assert set(manifest.data["collected"]) == {"own"} and manifest.data["heldout"].startswith("held.jsonl")
+    assert manifest.training["config"]["batches"] == "sequences" and manifest.training["config"]["ce_weight"] == 0.2
+    assert 0 < manifest.agreement["2"]["heldout_positions"] <= 6 * 16
+    heads, _ = E.load_heads(out, load_model(tiny_model_dir("llama")))
+    assert heads[2].kind == "block"
+
+
 def test_train_exits_rejects_bad_layers(tiny_model_dir, tmp_path, capsys):
     data = write_id_data(tmp_path / "data.jsonl", 4)
     rc = main(["train-exits", "--model", str(tiny_model_dir("llama")), "--layers", "2,6", "--data", str(data),
