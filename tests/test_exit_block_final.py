@@ -7,8 +7,10 @@ import torch
 
 from hispec.model.exits.block import ExitBlock
 from hispec.model.load.checkpoint import load_model
-from hispec.train import seqdistill as S
+from hispec.train import collect as C
+from hispec.train import distill as S
 from hispec.train import teacher as T
+from hispec.train.config import TrainConfig
 
 from test_exit_blocks import encoded, tiny, train_and_measure  # noqa: F401 (tiny: a fixture)
 
@@ -17,8 +19,8 @@ from test_exit_blocks import encoded, tiny, train_and_measure  # noqa: F401 (tin
 def shards(tiny, tmp_path_factory):
     folder = tmp_path_factory.mktemp("teacher-final")
     n = tiny.num_layers
-    cfg = T.TeacherConfig((0, 2, n), topk=8, max_tokens=48, batch_tokens=256, shard_positions=300)
-    T.collect(tiny, encoded(40), folder, cfg, {"model": "tiny"})
+    cfg = TrainConfig((0, 2, n), topk=8, max_tokens=48, teacher_batch_tokens=256, shard_positions=300)
+    C.collect(tiny, encoded(40), folder, cfg, {"model": "tiny"})
     return folder
 
 
@@ -27,7 +29,8 @@ def test_teacher_keeps_the_embeddings_and_the_final_states(tiny, shards):
     data = S.load_sequences(shards, 2, final_layer=n)
     _, ids, _ = encoded(40)[0]
     ids = torch.tensor(ids[:48])
-    capture, final = T.packed_forward(tiny, ids, [len(ids)], (0, 2, n))
+    with torch.inference_mode():
+        capture, final, _ = T.layer_pass(tiny, [ids.tolist()], (0, 2, n))
     assert torch.allclose(capture[0], tiny.embed(ids, torch.arange(len(ids))), atol=1e-6)
     assert torch.equal(capture[n], final)
     assert torch.allclose(data.final[:len(ids)].float(), final.float(), atol=2e-3)

@@ -10,8 +10,10 @@ import torch
 
 from hispec.model.exits.block import ExitBlock
 from hispec.model.load.checkpoint import load_model
-from hispec.train import seqdistill as S
+from hispec.train import collect as C
+from hispec.train import distill as S
 from hispec.train import teacher as T
+from hispec.train.config import TrainConfig
 
 
 def encoded(n: int, seed: int = 0, vocab: int = 128) -> list[tuple[int, list[int], int]]:
@@ -33,8 +35,8 @@ def tiny(tiny_model_dir):
 @pytest.fixture(scope="module")
 def shards(tiny, tmp_path_factory):
     folder = tmp_path_factory.mktemp("teacher")
-    cfg = T.TeacherConfig((2, 3), topk=8, max_tokens=48, batch_tokens=256, shard_positions=300)
-    meta = T.collect(tiny, encoded(40), folder, cfg, {"model": "tiny"})
+    cfg = TrainConfig((2, 3), topk=8, max_tokens=48, teacher_batch_tokens=256, shard_positions=300)
+    meta = C.collect(tiny, encoded(40), folder, cfg, {"model": "tiny"})
     return folder, meta
 
 
@@ -45,15 +47,15 @@ def test_teacher_shards_match_a_plain_forward_and_resume(tiny, shards, tmp_path)
     assert data.num_sequences == 40 and data.num_positions == meta["positions"]
     # the first sequence's targets equal a fresh single-sequence teacher pass
     _, ids, _ = encoded(40)[0]
-    one = T.TeacherPass(tiny, T.TeacherConfig((2,), topk=8, max_tokens=48, batch_tokens=64))([ids[:48]])
+    one = T.TeacherPass(tiny, TrainConfig((2,), topk=8, max_tokens=48, teacher_batch_tokens=64))([ids[:48]])
     n = len(ids[:48])
     assert torch.allclose(one["h.2"].float(), data.hidden[:n].float(), atol=2e-3)
     assert torch.equal(one["top_ids"][:, 0].long(), data.top_ids[:n, 0])
     # stopping early and continuing gives the same folder contents
-    cfg = T.TeacherConfig((2, 3), topk=8, max_tokens=48, batch_tokens=256, shard_positions=300)
-    part = T.collect(tiny, encoded(40), tmp_path / "t", cfg, {"model": "tiny"}, max_positions=400)
+    cfg = TrainConfig((2, 3), topk=8, max_tokens=48, teacher_batch_tokens=256, shard_positions=300)
+    part = C.collect(tiny, encoded(40), tmp_path / "t", cfg, {"model": "tiny"}, budget=400)
     assert part["records_done"] < 40
-    full = T.collect(tiny, encoded(40), tmp_path / "t", cfg, {"model": "tiny"})
+    full = C.collect(tiny, encoded(40), tmp_path / "t", cfg, {"model": "tiny"})
     assert full["positions"] == meta["positions"] and full["records_done"] == 40
     again = S.load_sequences(tmp_path / "t", 3)
     assert torch.equal(again.top_ids, S.load_sequences(folder, 3).top_ids)
@@ -78,12 +80,12 @@ def engine_path(model, seqs: list[list[int]], layer: int) -> tuple[torch.Tensor,
     return capture[layer], model.final_logits(final)
 
 
-def test_packed_teacher_pass_equals_the_engine_path(tiny):
-    """The teacher's packed prefill (no KV cache, one causal SDPA per sequence) computes what the
-    engine's paged path computes, so a drift from DecoderLayer.forward cannot go unnoticed."""
+def test_teacher_pass_equals_the_engine_path(tiny):
+    """The teacher pass runs the model's own layers through the engine's runner: its states and
+    top-k are what the engine's paged path computes."""
     seqs = [ids for _, ids, _ in encoded(3, seed=4)]
     h, logits = engine_path(tiny, seqs, 2)
-    out = T.TeacherPass(tiny, T.TeacherConfig((2,), topk=8, precision="model"))(seqs)
+    out = T.TeacherPass(tiny, TrainConfig((2,), topk=8, teacher_precision="model"))(seqs)
     assert torch.allclose(out["h.2"].float(), h.half().float(), atol=2e-3)
     want = torch.log_softmax(logits.float(), -1).topk(8, dim=-1)
     assert torch.equal(out["top_ids"].long(), want.indices)
@@ -91,25 +93,26 @@ def test_packed_teacher_pass_equals_the_engine_path(tiny):
     assert torch.equal(out["tokens"].long(), torch.tensor([t for ids in seqs for t in ids]))
 
 
-def test_bfloat16_teacher_is_close_and_its_top_k_exact(tiny):
-    """The default CPU teacher runs dense bfloat16 matrices of the same weights: states within
-    bfloat16 rounding, and the top-k log-probs computed exactly (float32) for the candidates."""
+def test_bfloat16_teacher_runs_the_models_prefill_path(tiny_model_dir):
+    """``teacher_precision="bfloat16"`` runs the model's own prefill path: a quantized layer's dense
+    bfloat16 prefill weights where it has them (close to the decode kernels, not equal); on float
+    weights it is the decode path itself."""
+    from hispec.model.quant import QuantLinear
+
     seqs = [ids for _, ids, _ in encoded(3, seed=5)]
-    exact = T.TeacherPass(tiny, T.TeacherConfig((2,), topk=8, precision="model"))(seqs)
-    fast = T.TeacherPass(tiny, T.TeacherConfig((2,), topk=8, precision="bfloat16"))
-    assert isinstance(fast.model.layers[0].qkv_proj, T.DenseLinear) and fast.head is not None
-    assert not isinstance(tiny.layers[0].qkv_proj, T.DenseLinear)  # the served model is left alone
-    out = fast(seqs)
-    rel = (out["h.2"].float() - exact["h.2"].float()).norm(dim=-1) / exact["h.2"].float().norm(dim=-1)
-    assert rel.max() < 0.02
-    assert (out["top_ids"][:, 0] == exact["top_ids"][:, 0]).float().mean() > 0.9
-    # ExactTopK against float32 logits of the same (bfloat16 teacher) final states
-    with torch.no_grad():
-        _, final = T.packed_forward(fast.model, torch.tensor(seqs[0]), [len(seqs[0])], ())
-        want = torch.log_softmax(tiny.final_logits(final).float(), -1).topk(8, dim=-1)
-        logp, ids = fast.head(fast.model, final, 8)
-    assert torch.equal(ids, want.indices)
-    assert torch.allclose(logp, want.values, atol=1e-3)
+    model = load_model(tiny_model_dir("llama"))
+    runs = {p: T.TeacherPass(model, TrainConfig((2,), topk=8, teacher_precision=p))(seqs) for p in ("model", "bfloat16")}
+    assert all(torch.equal(runs["model"][k], runs["bfloat16"][k]) for k in runs["model"])
+    gen = Generator.from_pretrained(str(tiny_model_dir("llama")), exits=False, quantize="int4", progress=False)
+    quant = [m for m in gen.model.modules() if isinstance(m, QuantLinear)]
+    assert quant
+    for m in quant:  # as the loader gives GGUF layers: the same values as one dense bfloat16 matrix
+        m.dense = m.dequantize().to(torch.bfloat16)
+    exact = T.TeacherPass(gen.model, TrainConfig((2,), topk=8, teacher_precision="model"))(seqs)
+    fast = T.TeacherPass(gen.model, TrainConfig((2,), topk=8, teacher_precision="bfloat16"))(seqs)
+    rel = (fast["h.2"].float() - exact["h.2"].float()).norm(dim=-1) / exact["h.2"].float().norm(dim=-1)
+    assert 0 < rel.max() < 0.05
+    assert (fast["top_ids"][:, 0] == exact["top_ids"][:, 0]).float().mean() > 0.9
 
 
 def test_collected_meta_has_no_machine_paths(tiny, tmp_path):
@@ -119,8 +122,8 @@ def test_collected_meta_has_no_machine_paths(tiny, tmp_path):
     data.write_text("{}\n")
     meta = {"model": "tiny", "data": {"sources": {str(data): 3, "sharegpt": 2}, "held_out": [str(data)]},
             "command": f"hispec collect-exits --data {data} sharegpt --out {tmp_path / 'out'}"}
-    cfg = T.TeacherConfig((2,), topk=8, max_tokens=48, batch_tokens=256)
-    T.collect(tiny, encoded(4), tmp_path / "out", cfg, meta)
+    cfg = TrainConfig((2,), topk=8, max_tokens=48, teacher_batch_tokens=256)
+    C.collect(tiny, encoded(4), tmp_path / "out", cfg, meta)
     text = (tmp_path / "out" / "meta.json").read_text()
     assert str(tmp_path) not in text and "train.jsonl#sha256:" in text and "--out out" in text
     # a folder written before the scrub (absolute paths) comes out clean when resumed
@@ -129,8 +132,8 @@ def test_collected_meta_has_no_machine_paths(tiny, tmp_path):
     old["config"].pop("precision")  # folders from before it were collected on the model's own kernels
     (tmp_path / "out" / "meta.json").write_text(json.dumps(old))
     with pytest.raises(ValueError, match="another config"):
-        T.collect(tiny, encoded(8), tmp_path / "out", cfg, meta)
-    T.collect(tiny, encoded(8), tmp_path / "out", dataclasses.replace(cfg, precision="model"), meta)
+        C.collect(tiny, encoded(8), tmp_path / "out", cfg, meta)
+    C.collect(tiny, encoded(8), tmp_path / "out", dataclasses.replace(cfg, teacher_precision="model"), meta)
     assert str(tmp_path) not in (tmp_path / "out" / "meta.json").read_text()
 
 

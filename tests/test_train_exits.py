@@ -15,7 +15,10 @@ from hispec.cli import main
 from hispec.generate import Generator
 from hispec.model import exits as E
 from hispec.model.load.checkpoint import load_model
+from hispec.config import SamplingParams
+from hispec.train import collect as C
 from hispec.train import distill as D
+from hispec.train.config import TrainConfig
 from hispec.train.sources import TextRecord, drop_holdout, load_source
 
 
@@ -32,50 +35,73 @@ def write_id_data(path: Path, n: int, seed: int = 0) -> Path:
     return path
 
 
-def test_training_lowers_the_loss_and_raises_agreement(tiny_model_dir, tmp_path):
-    model = load_model(tiny_model_dir("llama"))
+def collected(model, tmp_path, layers: tuple[int, ...], records, mode: str, precision: str = "bfloat16") -> Path:
+    """A data folder of ``records``: teacher-forced replies or the engine's own continuations."""
     gen = Generator(model)
-    layers = (1, 3)
-    cfg = D.CollectConfig(layers, mode="both", max_new_tokens=24, batch_size=8, shard_tokens=400)
-    meta = D.collect_cache(gen, id_records(48), tmp_path / "cache", cfg, {"records": 48}, progress=False)
-    assert meta["tokens"]["self"] > 0 and meta["tokens"]["teacher"] > 0 and meta["shards"] > 1
-    data = D.load_token_data(tmp_path / "cache", list(layers))
-    heads = E.new_heads(model, list(layers))
-    remaps = {L: None for L in layers}
-
-    def loss(L):
-        with torch.no_grad():
-            return float(D.distill_loss(heads[L], data.hidden[L].float(), data.top_ids, data.top_logp, remaps[L]))
-
-    before = {L: (loss(L), D.agreement(heads[L], model, data.hidden[L], data.top_ids)["top1"]) for L in layers}
-    D.train_heads(heads, data, D.TrainConfig(steps=60, batch_tokens=128, lr=3e-3, ls_init=False, warmup=5),
-                  progress=False)
-    for L in layers:
-        after_loss = loss(L)
-        after_top1 = D.agreement(heads[L], model, data.hidden[L], data.top_ids)["top1"]
-        assert after_loss < before[L][0] - 0.05, (L, before[L], after_loss)
-        assert after_top1 > before[L][1], (L, before[L], after_top1)
+    cfg = TrainConfig(tuple(layers), topk=8, max_tokens=64, max_new_tokens=24, generate_batch=8,
+                      teacher_batch_tokens=256, shard_positions=400, teacher_precision=precision)
+    seqs = (C.continuations if mode == "self" else C.encode_records)(gen, records, cfg)
+    C.collect(model, seqs, tmp_path / mode, cfg, {"model": "tiny"})
+    return tmp_path / mode
 
 
-def test_least_squares_start_beats_the_identity(tiny_model_dir):
+def test_training_linear_heads_lowers_the_loss_and_raises_agreement(tiny_model_dir, tmp_path):
     model = load_model(tiny_model_dir("llama"))
+    folders = [collected(model, tmp_path, (1, 3, 6), id_records(48), mode) for mode in ("teacher", "self")]
+    meta = C.read_meta(folders[1])
+    assert meta["shards"] > 1 and meta["reply_positions"] > 0
+    cfg = TrainConfig(steps=60, batches="tokens", batch_tokens=128, lr=3e-3, warmup=5, ce_weight=0.0)
+    for L in (1, 3):
+        data = D.load_folders(folders, L, final_layer=model.num_layers)
+        head = E.new_heads(model, [L])[L]
+
+        def measure():
+            with torch.no_grad():
+                rows = data.reply_rows()
+                batch = D.batch_of(data, rows, cfg, model.device)
+                return float(D.loss_terms(head, batch, None, 0.0)[0]), D.agreement(head, data)["top1"]
+
+        before = measure()
+        state = D.train(head, data, cfg)
+        after = measure()
+        assert state.step == 60
+        assert after[0] < before[0] - 0.05 and after[1] > before[1], (L, before, after)
+
+
+def test_own_continuations_are_the_engines_greedy_tokens(tiny_model_dir, tmp_path):
+    """On-policy data comes from the engine: each sequence is the prompt and the tokens ``ar``
+    generates, and the teacher's argmax (on the model's own kernels) at every reply row is the next
+    of them."""
+    model = load_model(tiny_model_dir("llama"))
+    records = id_records(6)
+    folder = collected(model, tmp_path, (2,), records, "self", precision="model")
     gen = Generator(model)
-    cap = D.C.Capture((2,), 8)
-    D.C.self_generate(model, [(i, list(r.prompt_ids)) for i, r in enumerate(id_records(16))], (2,), cap, 24,
-                      gen.eos_ids)
-    rows = cap.take()
-    data = D.TokenData({2: rows["h.2"]}, rows["h.final"], rows["top_ids"].long(), rows["top_logp"].float(),
-                       rows["kind"], rows["seq"])
+    data = D.load_sequences(folder, 2)
+    shard = C.read_shard(C.shard_paths(folder)[0], ["tokens", "offsets"])
+    for s in range(data.num_sequences):
+        prompt = list(records[int(data.record[s])].prompt_ids)
+        ids = shard["tokens"][int(shard["offsets"][s]):int(shard["offsets"][s + 1])].tolist()
+        want = gen.generate(prompt, SamplingParams(max_new_tokens=24)).token_ids
+        assert ids == prompt + want[:-1]
+        first, a = int(data.first[s]), int(data.offsets[s])
+        assert data.top_ids[a + first:a + len(ids), 0].tolist() == want[:len(ids) - first]
+
+
+def test_least_squares_start_beats_the_identity(tiny_model_dir, tmp_path):
+    model = load_model(tiny_model_dir("llama"))
+    folder = collected(model, tmp_path, (2, 6), id_records(16), "self")
+    data = D.load_sequences(folder, 2, final_layer=model.num_layers)
     head = E.new_heads(model, [2])[2]
-    before = D.agreement(head, model, data.hidden[2], data.top_ids)["top1"]
-    D.least_squares_init(head, data.hidden[2], data.final)
-    assert D.agreement(head, model, data.hidden[2], data.top_ids)["top1"] > before
+    before = D.agreement(head, data)["top1"]
+    rows = data.reply_rows()
+    D.least_squares_init(head, data.hidden[rows], data.final[rows])
+    assert D.agreement(head, data)["top1"] > before
 
 
 def test_frequent_vocab_covers_the_common_tokens():
     top_ids = torch.tensor([[5, 1], [5, 2], [7, 1], [9, 3]])
-    data = D.TokenData({}, None, top_ids, torch.zeros(4, 2), torch.zeros(4, dtype=torch.uint8),
-                       torch.zeros(4, dtype=torch.int32))
+    data = D.SeqData(torch.zeros(4, 2), top_ids, torch.zeros(4, 2), torch.tensor([0, 4]), torch.tensor([0]),
+                     torch.tensor([0]))
     ids = D.frequent_vocab(data, 2, 16, always=[0])
     assert ids.tolist() == [0, 5]
     assert D.vocab_coverage(data, ids, 16) == 0.5
@@ -107,14 +133,35 @@ def test_train_exits_cli_trains_saves_and_resumes(tiny_model_dir, tmp_path, caps
     text = capsys.readouterr().out
     assert "before -> after" in text
     manifest = E.read_manifest(out)
-    assert manifest.layers == [2, 4] and manifest.training["steps"] == 30
-    assert manifest.design["vocab"] == {"2": 64, "4": 64}
+    steps = lambda m: {L: r["steps"] for L, r in m.training["per_layer"].items()}  # noqa: E731
+    assert manifest.layers == [2, 4] and steps(manifest) == {"2": 30, "4": 30}
+    assert manifest.design["vocab"] == {"2": 64, "4": 64} and manifest.design["kind"] == "linear"
     assert set(manifest.agreement) == {"2", "4"}
-    assert manifest.data["train"]["tokens"] > 0 and "train-exits" in manifest.training["command"]
+    assert manifest.data["positions"]["2"] > 0 and "train-exits" in manifest.training["command"]
+    assert set(manifest.data["collected"]) == {"teacher", "own"}
     assert main(args[:args.index("--steps") + 1] + ["40"] + args[args.index("--steps") + 2:] + ["--resume"]) == 0
-    assert E.read_manifest(out).training["steps"] == 40
+    assert steps(E.read_manifest(out)) == {"2": 40, "4": 40}
     heads, _ = E.load_heads(out, load_model(tiny_model_dir("llama")))
     assert heads[2].restricted and heads[2].vocab_ids.numel() == 64
+
+
+def test_train_exits_cli_distils_a_block_on_own_continuations(tiny_model_dir, tmp_path, capsys):
+    """One command, the block recipe: the engine's continuations (--mode self), held-out agreement
+    on the model's continuations of other prompts (--eval-data), sequence batches, epochs."""
+    data = write_id_data(tmp_path / "data.jsonl", 24)
+    held = write_id_data(tmp_path / "held.jsonl", 6, seed=9)
+    out = tmp_path / "block"
+    assert main(["train-exits", "--model", str(tiny_model_dir("llama")), "--layers", "2", "--data", str(data),
+                 "--mode", "self", "--eval-data", str(held), "--eval-max-new-tokens", "16", "--design", "block",
+                 "--vocab", "64", "--steps", "0", "--epochs", "2", "--batch-tokens", "256", "--max-new-tokens", "24",
+                 "--out", str(out), "--threads", "1", "--no-progress"]) == 0
+    manifest = E.read_manifest(out)
+    assert manifest.design["kind"] == "block" and manifest.design["init"] == "zero"
+    assert set(manifest.data["collected"]) == {"own"} and manifest.data["heldout"].startswith("held.jsonl")
+    assert manifest.training["config"]["batches"] == "sequences" and manifest.training["config"]["ce_weight"] == 0.2
+    assert 0 < manifest.agreement["2"]["heldout_positions"] <= 6 * 16
+    heads, _ = E.load_heads(out, load_model(tiny_model_dir("llama")))
+    assert heads[2].kind == "block"
 
 
 def test_train_exits_rejects_bad_layers(tiny_model_dir, tmp_path, capsys):

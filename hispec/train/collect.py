@@ -1,200 +1,209 @@
-"""Collect what exit heads learn from, once: hidden states at candidate exit layers and the
-final layer's next-token distribution (top-k), over the model's own greedy continuations
-(self-distillation) and/or teacher-forced reference text.
+"""The one collector: sequences in (teacher-forced replies, or the model's own greedy
+continuations made by the engine), teacher passes over them (``teacher.py``), shards out.
 
-Training then runs on this cache only; the 135M-parameter base model is not run again.
-Costs on a 2-core CPU (SmolLM2-135M, float32): teacher forcing is one batched forward pass
-per sequence; self-generation is one step per new token (batched over prompts, so the
-weights are streamed once per step for the whole batch).
+Exits learn from whole sequences (a block attends over every earlier position; a linear head
+reads one position), so every exit command collects the same data: per position, the states
+entering the chosen layers and the final layer's top-k log-probabilities of the next token.
 
-A cache folder holds ``meta.json`` and shards ``shard-NNNNN.safetensors`` with, per token:
+A data folder holds ``meta.json`` and shards ``shard-NNNNN.safetensors``; per shard, for ``S``
+sequences of ``N`` positions in all:
 
-- ``h.{L}``     ``[N, H]`` float16: hidden state entering layer ``L`` (the exit after ``L`` layers)
-- ``h.final``   ``[N, H]`` float16: the last layer's output (before the final norm)
-- ``top_ids``   ``[N, K]`` int32 and ``top_logp`` ``[N, K]`` float16: the final top-k log-probs
-- ``kind``      ``[N]`` uint8: 0 = self-generated, 1 = teacher-forced
-- ``seq``       ``[N]`` int32: the record index (for held-out splits by sequence)
+- ``offsets``  ``[S + 1]`` int64: sequence ``s`` is rows ``offsets[s] .. offsets[s + 1] - 1``
+- ``first``    ``[S]`` int32: the first row (within its sequence) whose next token is reply text
+- ``record``   ``[S]`` int32: the record index (for held-out splits by record)
+- ``tokens``   ``[N]`` int32: the input token ids
+- ``h.{L}``    ``[N, H]`` float16: the hidden state entering layer ``L``
+- ``top_ids``  ``[N, K]`` int32, ``top_logp`` ``[N, K]`` float16: the final layer's top-k
+  log-probabilities of the next token at each position (every position is a target)
+
+``meta.json`` records how many records were consumed, so an interrupted collection resumes
+where it stopped (``collect`` with the same folder); records are processed in a fixed order.
 """
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import shlex
+import time
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 
-from ..cache.block_manager import BlockManager
-from ..cache.kv_cache import KVPool, SeqChunk
-from ..decode.base import LayerRunner
-from ..model.decoder import DecoderModel
+from .config import TrainConfig
+from .sources import TextRecord
+from .teacher import TeacherPass
 
-SELF, TEACHER = 0, 1
-
-
-@dataclass
-class Capture:
-    """Per-token training rows, built up over many calls."""
-
-    layers: tuple[int, ...]
-    topk: int
-
-    def __post_init__(self) -> None:
-        self.rows: dict[str, list[torch.Tensor]] = {}
-
-    def add(self, hidden: dict[int, torch.Tensor], final_h: torch.Tensor, logits: torch.Tensor,
-            kind: int, seq: int | torch.Tensor) -> None:
-        # hidden[L]: [n, H]; final_h: [n, H]; logits: [n, V]
-        logp = torch.log_softmax(logits.float(), dim=-1)
-        top = logp.topk(self.topk, dim=-1)
-        n = final_h.shape[0]
-        parts = {f"h.{L}": hidden[L].to(torch.float16) for L in self.layers}
-        parts.update({"h.final": final_h.to(torch.float16), "top_ids": top.indices.to(torch.int32),
-                      "top_logp": top.values.to(torch.float16),
-                      "kind": torch.full((n,), kind, dtype=torch.uint8),
-                      "seq": (seq.to(torch.int32) if isinstance(seq, torch.Tensor)
-                              else torch.full((n,), seq, dtype=torch.int32))})
-        for k, v in parts.items():
-            self.rows.setdefault(k, []).append(v)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(t.shape[0] for t in self.rows.get("kind", []))
-
-    def take(self) -> dict[str, torch.Tensor]:
-        out = {k: torch.cat(v).contiguous() for k, v in self.rows.items()}
-        self.rows = {}
-        return out
+FORMAT = "hispec-distill-sequences"
+MIN_TOKENS = 16  # shorter sequences teach little and would crowd a batch
+Seq = tuple[int, list[int], int]  # (record index, token ids, first reply row)
 
 
-class LayerTap:
-    """The engine's layer runner over a private KV pool, with its capture hook on the tapped
-    layers: ragged batches in, the hidden states entering each tapped layer and after the last
-    layer out."""
+# ---- sequences ------------------------------------------------------------------------------------
+def encode_record(gen, rec: TextRecord, max_prompt_tokens: int, max_response_tokens: int
+                  ) -> tuple[list[int] | None, list[int] | None]:
+    """(prompt ids, response ids) in the model's chat format; prompt None if it is too long."""
+    if rec.prompt_ids is not None:
+        prompt = list(rec.prompt_ids)
+        response = list(rec.response_ids)[:max_response_tokens] if rec.response_ids else None
+        return (prompt if len(prompt) <= max_prompt_tokens else None), response
+    prompt = gen.encode_prompt(rec.prompt)
+    if len(prompt) > max_prompt_tokens:
+        return None, None
+    if rec.response is None:
+        return prompt, None
+    tok = gen.tokenizer
+    if gen.has_chat_template():
+        full = tok.apply_chat_template([{"role": "user", "content": rec.prompt},
+                                        {"role": "assistant", "content": rec.response}], tokenize=False)
+        ids = tok(full, add_special_tokens=False)["input_ids"]
+        response = ids[len(prompt):] if ids[:len(prompt)] == prompt else tok(rec.response, add_special_tokens=False)["input_ids"]
+    else:
+        response = tok(rec.response, add_special_tokens=False)["input_ids"]
+    return prompt, response[:max_response_tokens] or None
 
-    def __init__(self, model: DecoderModel, layers: tuple[int, ...], capacity_tokens: int, block_size: int = 16):
-        self.model, self.layers = model, tuple(sorted(set(layers)))
-        cfg = model.cfg
-        self.num_blocks = -(-capacity_tokens // block_size) + 1
-        self.blocks = BlockManager(self.num_blocks, block_size, cfg.num_layers, model.kv_layers - cfg.num_layers)
-        self.pool = KVPool(model.kv_layers, self.num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
-                           model.kv_dtype, model.device)
-        self.runner = LayerRunner(model, self.blocks, self.pool)
 
-    def forward(self, chunks: list[SeqChunk], token_ids: torch.Tensor, keep: torch.Tensor | None = None
-                ) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
-        """Hidden states at the tapped layers and after the last one, for the rows ``keep`` only
-        (all rows if None; a long prefill keeps just what it needs, not every layer's states)."""
-        items, a = [], 0
-        for c in chunks:
-            items.append((c.seq_id, c.start, token_ids[a:a + c.num_tokens]))
-            a += c.num_tokens
-        capture = {L: None for L in self.layers}
-        h = torch.cat(self.runner.forward_many(items, 0, self.model.num_layers, capture))
-        taps = {L: (t if keep is None else t[keep]) for L, t in capture.items()}
-        return taps, (h if keep is None else h[keep])
+def encode_records(gen, records: list[TextRecord], cfg: TrainConfig, start: int = 0) -> Iterator[Seq]:
+    """Teacher-forced sequences: ``(record index, prompt + reply ids, first reply row)`` in the
+    model's chat format, for the records from ``start`` that have a reply and a short enough prompt."""
+    for i in range(start, len(records)):
+        prompt, reply = encode_record(gen, records[i], cfg.max_prompt_tokens, cfg.max_tokens)
+        if prompt is not None and reply:
+            yield i, (prompt + reply)[:cfg.max_tokens], len(prompt) - 1
+
+
+def continuations(gen, records: list[TextRecord], cfg: TrainConfig, start: int = 0) -> Iterator[Seq]:
+    """On-policy sequences: each prompt (records from ``start``) and the model's own greedy
+    continuation, made by the engine ``cfg.generate_batch`` prompts at a time (lazily: a
+    collection that stops early generates no more). The last new token is left out (nothing
+    after it is generated), so every reply row's next token is the model's own choice."""
+    todo = []
+    for i in range(start, len(records)):
+        prompt, _ = encode_record(gen, records[i], cfg.max_prompt_tokens, 0)
+        if prompt is not None:
+            todo.append((i, prompt))
+        if len(todo) == cfg.generate_batch or (todo and i == len(records) - 1):
+            new = greedy_continuations(gen.model, [p for _, p in todo], cfg.max_new_tokens, gen.eos_ids,
+                                       cfg.generate_batch)
+            for (rec, prompt), y in zip(todo, new):
+                yield rec, (prompt + y[:-1])[:cfg.max_tokens], len(prompt) - 1
+            todo = []
 
 
 @torch.inference_mode()
-def teacher_forced(model: DecoderModel, seqs: list[tuple[int, list[int], int]], layers: tuple[int, ...],
-                   capture: Capture, logits_chunk: int = 256) -> None:
-    """``seqs``: (record index, token ids, first position whose *next* token is a target).
-    One ragged forward pass for all of them."""
-    total = sum(len(t) for _, t, _ in seqs)
-    tap = LayerTap(model, layers, total + 16 * len(seqs))
-    chunks = []
-    for sid, (_, toks, _) in enumerate(seqs):
-        tap.blocks.add_sequence(sid)
-        chunks.append(SeqChunk(sid, 0, len(toks)))
-    ids = torch.tensor([t for _, toks, _ in seqs for t in toks], dtype=torch.long, device=model.device)
-    spans, offset, kept = [], 0, 0
-    for _, toks, first in seqs:  # rows whose next token is a target (the last token's next is unknown)
-        spans.append((offset + first, offset + len(toks) - 1))
-        offset += len(toks)
-    keep = torch.cat([torch.arange(a, b) for a, b in spans]).to(model.device)
-    taps, final = tap.forward(chunks, ids, keep)
-    for (rec, _, _), (a0, b0) in zip(seqs, spans):
-        lo, hi = kept, kept + (b0 - a0)
-        for a in range(lo, hi, logits_chunk):
-            b = min(hi, a + logits_chunk)
-            capture.add({L: taps[L][a:b] for L in tap.layers}, final[a:b], model.final_logits(final[a:b]),
-                        TEACHER, rec)
-        kept = hi
+def greedy_continuations(model, prompts: list[list[int]], max_new_tokens: int, eos_ids, batch_size: int = 16
+                         ) -> list[list[int]]:
+    """The model's greedy continuation of each prompt, decoded by the engine (plain ``ar``,
+    continuous batching of up to ``batch_size`` sequences): the same tokens ``hispec generate``
+    gives. Stops at an end-of-sequence id (included) or after ``max_new_tokens``."""
+    from ..config import EngineConfig, SamplingParams
+    from ..decode.autoregressive import Autoregressive
+    from ..engine.engine import Engine
+
+    if not prompts:
+        return []
+    longest = min(max(map(len, prompts)) + max_new_tokens, model.cfg.max_position_embeddings)
+    engine = Engine(model, Autoregressive(), EngineConfig(max_batch_size=batch_size, adaptive=False),
+                    eos_ids=frozenset(eos_ids), seq_tokens=longest, num_seqs=min(batch_size, len(prompts)))
+    params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)
+    ids = [engine.add_request(list(p), params) for p in prompts]
+    done = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                if out.error is not None:
+                    raise out.error
+                done[out.request_id] = out.token_ids
+    return [list(done[r]) for r in ids]
 
 
-@torch.inference_mode()
-def self_generate(model: DecoderModel, prompts: list[tuple[int, list[int]]], layers: tuple[int, ...],
-                  capture: Capture, max_new_tokens: int, eos_ids: frozenset[int]) -> dict[int, list[int]]:
-    """Greedy continuations of a batch of prompts, recording every step's states. Returns the
-    new tokens per record index."""
-    tap = LayerTap(model, layers, sum(len(p) + max_new_tokens + 16 for _, p in prompts))
-    chunks = []
-    for sid, (_, p) in enumerate(prompts):
-        tap.blocks.add_sequence(sid)
-        chunks.append(SeqChunk(sid, 0, len(p)))
-    ids = torch.tensor([t for _, p in prompts for t in p], dtype=torch.long, device=model.device)
-    last = torch.tensor([sum(len(p) for _, p in prompts[:i + 1]) - 1 for i in range(len(prompts))])
-    taps, final = tap.forward(chunks, ids, last.to(model.device))
-    lengths = [len(p) for _, p in prompts]
-    out: dict[int, list[int]] = {rec: [] for rec, _ in prompts}
-    active = list(range(len(prompts)))
-    while active:
-        logits = model.final_logits(final)  # [B, V]
-        nxt = logits.argmax(-1)
-        capture.add(taps, final, logits, SELF, torch.tensor([prompts[s][0] for s in active]))
-        keep = []
-        for row, sid in enumerate(active):
-            new = out[prompts[sid][0]]
-            new.append(int(nxt[row]))
-            if new[-1] not in eos_ids and len(new) < max_new_tokens:
-                keep.append(row)
-        if not keep:
-            break
-        active = [active[r] for r in keep]
-        taps, final = tap.forward([SeqChunk(s, lengths[s], 1) for s in active], nxt[keep])
-        for s in active:
-            lengths[s] += 1
-    return out
+def batches(seqs: Iterable[Seq], batch_tokens: int) -> Iterator[list[Seq]]:
+    """Group ``(record, ids, first)`` into batches of at most ``batch_tokens`` positions."""
+    batch, n = [], 0
+    for s in seqs:
+        if batch and n + len(s[1]) > batch_tokens:
+            yield batch
+            batch, n = [], 0
+        batch.append(s)
+        n += len(s[1])
+    if batch:
+        yield batch
 
 
-class CacheWriter:
-    """Shards on disk plus a resumable progress record."""
+# ---- shards ---------------------------------------------------------------------------------------
+def portable_meta(value):
+    """``value`` (a meta.json tree) with no absolute path of this machine: paths and the paths in
+    command lines are recorded as :func:`hispec.paths.portable` records them (relative to the
+    current directory, else a file's name and hash)."""
+    from ..paths import portable, portable_command
+
+    if isinstance(value, dict):
+        return {portable_meta(k): portable_meta(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [portable_meta(v) for v in value]
+    if not isinstance(value, str) or "/" not in value:
+        return value
+    if " " in value:  # a command line
+        try:
+            return portable_command(shlex.split(value))
+        except ValueError:
+            return value
+    return portable(value) if Path(value).is_absolute() else value
+
+
+class ShardWriter:
+    """Shards plus ``meta.json`` (progress, totals, timings), written atomically."""
 
     def __init__(self, folder: Path, meta: dict) -> None:
-        self.folder = folder
-        folder.mkdir(parents=True, exist_ok=True)
-        meta_file = folder / "meta.json"
-        if meta_file.is_file():
-            old = json.loads(meta_file.read_text())
-            for key in ("topk", "model"):
+        self.folder = Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        f = self.folder / "meta.json"
+        if f.is_file():
+            old = portable_meta(json.loads(f.read_text()))
+            old["config"] = {"precision": "model", **old.get("config", {})}  # older folders: the model's kernels
+            for key in ("format", "model", "config"):
                 if old.get(key) != meta.get(key):
-                    raise ValueError(f"cache {folder} was made with {key}={old.get(key)!r}, not "
-                                     f"{meta.get(key)!r}: use another --cache folder")
-            missing = sorted(set(meta["layers"]) - set(old["layers"]))
-            if missing:
-                raise ValueError(f"cache {folder} holds the layers {old['layers']}, not {missing}: "
-                                 "use another --cache folder")
-            meta = {**meta, "layers": old["layers"], "done": old.get("done", {}), "shards": old.get("shards", 0),
-                    "tokens": old.get("tokens", {"self": 0, "teacher": 0}), "seconds": old.get("seconds", {})}
+                    raise ValueError(f"{folder} was collected with another {key} ({old.get(key)!r}); "
+                                     "use another folder to collect with these settings")
+            meta = old
         else:
-            meta = {**meta, "done": {}, "shards": 0, "tokens": {"self": 0, "teacher": 0}}
+            meta = {**portable_meta(meta), "records_done": 0, "shards": 0, "positions": 0, "reply_positions": 0,
+                    "sequences": 0, "seconds": 0.0}
         self.meta = meta
+        self._pending: list[tuple[list[Seq], dict]] = []
         self._save_meta()
 
-    def done(self, phase: str) -> int:
-        return int(self.meta["done"].get(phase, 0))
+    def add(self, batch: list[Seq], rows: dict[str, torch.Tensor]) -> None:
+        self._pending.append((batch, rows))
 
-    def write(self, tensors: dict[str, torch.Tensor], phase: str, done: int, seconds: float) -> None:
+    def pending(self, key: str) -> int:
+        """Positions (``positions``) or reply positions (``reply_positions``) not yet written."""
+        seqs = [s for b, _ in self._pending for s in b]
+        return sum(len(ids) - (f if key == "reply_positions" else 0) for _, ids, f in seqs)
+
+    def flush(self, records_done: int, seconds: float) -> None:
+        """Write the pending batches as one shard and record the progress."""
+        if not self._pending:
+            return
+        seqs = [s for b, _ in self._pending for s in b]
+        lengths = torch.tensor([len(ids) for _, ids, _ in seqs])
+        tensors = {k: torch.cat([r[k] for _, r in self._pending]).contiguous() for k in self._pending[0][1]}
+        tensors.update(offsets=torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]),
+                       first=torch.tensor([f for _, _, f in seqs], dtype=torch.int32),
+                       record=torch.tensor([r for r, _, _ in seqs], dtype=torch.int32))
         n = self.meta["shards"]
-        save_file(tensors, str(self.folder / f"shard-{n:05d}.safetensors"))
-        kind = tensors["kind"]
-        self.meta["tokens"]["self"] += int((kind == SELF).sum())
-        self.meta["tokens"]["teacher"] += int((kind == TEACHER).sum())
-        self.meta["done"][phase] = done
-        self.meta["shards"] = n + 1
-        self.meta.setdefault("seconds", {})
-        self.meta["seconds"][phase] = round(self.meta["seconds"].get(phase, 0.0) + seconds, 1)
+        tmp = self.folder / f"shard-{n:05d}.safetensors.tmp"
+        save_file(tensors, str(tmp))
+        tmp.replace(self.folder / f"shard-{n:05d}.safetensors")
+        m = self.meta
+        m["shards"], m["records_done"] = n + 1, records_done
+        m["positions"] += int(lengths.sum())
+        m["reply_positions"] += int(sum(len(ids) - f for _, ids, f in seqs))
+        m["sequences"] += len(seqs)
+        m["seconds"] = round(m["seconds"] + seconds, 1)
+        m["positions_per_s"] = round(m["positions"] / max(m["seconds"], 1e-9), 1)
+        self._pending = []
         self._save_meta()
 
     def _save_meta(self) -> None:
@@ -203,26 +212,60 @@ class CacheWriter:
         tmp.replace(self.folder / "meta.json")
 
 
+def collect(model, seqs: Iterable[Seq], folder: Path, cfg: TrainConfig, meta: dict, budget: int | None = None,
+            budget_of: str = "positions", max_seconds: float | None = None, log=None) -> dict:
+    """Teacher passes over ``seqs`` = ``(record index, ids, first reply row)`` in a fixed order,
+    resuming after the records already in ``folder``; stops once the folder holds ``budget``
+    ``positions`` (or ``reply_positions``: ``budget_of``; None: all records), or after
+    the first batch that ends ``max_seconds`` after the start (what was collected is written; a
+    rerun continues). Returns the meta."""
+    writer = ShardWriter(folder, {"format": FORMAT, **meta, "config": cfg.collection()})
+    done = writer.meta["records_done"]
+    teacher = TeacherPass(model, cfg)
+    todo = ((r, ids[:cfg.max_tokens], f) for r, ids, f in seqs
+            if r >= done and MIN_TOKENS <= min(len(ids), cfg.max_tokens) and f < min(len(ids), cfg.max_tokens))
+    t0 = start = time.perf_counter()
+    last = done
+    for batch in batches(todo, cfg.teacher_batch_tokens):
+        if budget is not None and writer.meta[budget_of] + writer.pending(budget_of) >= budget:
+            break
+        writer.add(batch, teacher([ids for _, ids, _ in batch]))
+        last = batch[-1][0] + 1
+        if writer.pending("positions") >= cfg.shard_positions:
+            writer.flush(last, time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            if log:
+                m = writer.meta
+                log(f"{folder}: {m['positions']} positions ({m['reply_positions']} in replies), "
+                    f"{m['records_done']} records, {m['positions_per_s']} positions/s")
+        if max_seconds is not None and time.perf_counter() - start >= max_seconds:
+            if log:
+                log(f"{folder}: stopped after {max_seconds:g} s (--max-seconds); run again to continue")
+            break
+    writer.flush(last, time.perf_counter() - t0)
+    return writer.meta
+
+
+# ---- reading --------------------------------------------------------------------------------------
 def read_meta(folder: Path) -> dict:
     f = Path(folder) / "meta.json"
     if not f.is_file():
-        raise FileNotFoundError(f"{folder} is not a hidden-state cache (no meta.json)")
-    return json.loads(f.read_text())
+        raise FileNotFoundError(f"{folder} holds no distillation data (no meta.json)")
+    meta = json.loads(f.read_text())
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"{folder} is not a sequence-distillation folder (format {meta.get('format')!r})")
+    return meta
 
 
-def iter_shards(folder: Path) -> Iterator[dict[str, torch.Tensor]]:
-    meta = read_meta(folder)
-    for n in range(meta["shards"]):
-        yield load_file(str(Path(folder) / f"shard-{n:05d}.safetensors"))
+def records_done(folder: Path) -> int:
+    """Records a folder has consumed (0 for a new folder): where a resumed collection starts."""
+    return read_meta(folder)["records_done"] if (Path(folder) / "meta.json").is_file() else 0
 
 
-def load_cache(folder: Path, keys: list[str] | None = None) -> dict[str, torch.Tensor]:
-    """Concatenate the chosen tensors of every shard (all of them if ``keys`` is None)."""
-    parts: dict[str, list[torch.Tensor]] = {}
-    for shard in iter_shards(folder):
-        for k, v in shard.items():
-            if keys is None or k in keys:
-                parts.setdefault(k, []).append(v)
-    if not parts:
-        raise ValueError(f"cache {folder} is empty")
-    return {k: torch.cat(v) for k, v in parts.items()}
+def shard_paths(folder: Path) -> list[Path]:
+    return [Path(folder) / f"shard-{n:05d}.safetensors" for n in range(read_meta(folder)["shards"])]
+
+
+def read_shard(path: Path, keys: list[str]) -> dict[str, torch.Tensor]:
+    with safe_open(str(path), "pt") as f:
+        return {k: f.get_tensor(k) for k in keys}

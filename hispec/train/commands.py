@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import json
 import shlex
 import sys
@@ -11,109 +10,115 @@ import time
 from pathlib import Path
 
 from ..paths import portable
+from .config import PRECISIONS, TEACHER_PRECISIONS
+
+
+def _command(sub, name: str, func, help: str, description: str) -> argparse.ArgumentParser:
+    """A subcommand with the model options, registered for ``_command_line``."""
+    from ..options import add_model_options
+
+    p = sub.add_parser(name, help=help, description=description)
+    add_model_options(p)
+    p.set_defaults(func=func)
+    _PARSERS[name] = p
+    return p
 
 
 def register(sub) -> None:
-    from ..options import add_model_options
-
-    p = sub.add_parser("probe", help="per-layer agreement with the final layer (table + PNG)",
-                       description="Top-1/top-5 agreement of every exit layer with the final layer over the "
-                                   "model's own greedy continuations of the prompts.")
-    add_model_options(p)
+    p = _command(sub, "probe", cmd_probe, help="per-layer agreement with the final layer (table + PNG)",
+                 description="Top-1/top-5 agreement of every exit layer with the final layer over the "
+                             "model's own greedy continuations of the prompts.")
     p.add_argument("--data", required=True, metavar="FILE", help="prompts (JSONL, or a named source)")
     p.add_argument("--limit", type=int, default=16, help="number of prompts (default 16)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--max-prompt-tokens", type=int, default=1024)
     p.add_argument("--out", metavar="PNG", default=None, help="write the agreement curve here")
     p.add_argument("--json", action="store_true", help="print the table as JSON")
-    p.set_defaults(func=cmd_probe)
-    _PARSERS["probe"] = p
 
-    p = sub.add_parser("train-exits", help="train exit heads by distillation (base model frozen)",
-                       description="Distil exit heads at the given layers from the final layer's distribution, "
-                                   "on the model's own generations and/or teacher-forced reference text.")
-    add_model_options(p)
-    p.set_defaults(quantize="none")  # heads are distilled from the float32 reference; they run on any weights
+    p = _command(sub, "train-exits", cmd_train_exits,
+                 help="collect data and distil exits in one command (base model frozen)",
+                 description="The whole exit pipeline in one resumable command: teacher passes over reference "
+                             "replies and/or the model's own greedy continuations (made by the engine), then "
+                             "distillation of an exit at each layer (the same collector and distiller as "
+                             "collect-exits and distill-exits).")
+    p.set_defaults(quantize="none")  # exits are distilled from the float32 reference; they run on any weights
     p.add_argument("--layers", required=True, help="exit layers, e.g. 4,8")
-    p.add_argument("--data", required=True, nargs="+", metavar="FILE",
-                   help="JSONL files or named sources (sharegpt[:N[:OFFSET]], humaneval)")
-    p.add_argument("--holdout", nargs="*", default=[], metavar="FILE",
-                   help="prompts never to train on (e.g. the Spec-Bench file you evaluate on)")
+    _add_data_options(p)
     p.add_argument("--eval-data", default=None, metavar="FILE",
-                   help="held-out prompts for the before/after summary (default: 5%% of the training records)")
+                   help="held-out prompts, continued by the model, for the before/after agreement "
+                        "(default: every 20th training record)")
     p.add_argument("--eval-limit", type=int, default=32)
     p.add_argument("--eval-max-new-tokens", type=int, default=128)
     p.add_argument("--out", required=True, metavar="DIR", help="where heads.safetensors + manifest.json go")
     p.add_argument("--work", default=None, metavar="DIR",
-                   help="hidden-state caches and checkpoints (default: OUT/work; large: keep it out of a package)")
-    p.add_argument("--cache", default=None, metavar="DIR", help="the training cache (default: WORK/cache)")
+                   help="data folders and checkpoints (default: OUT/work; large: keep it out of a package)")
+    p.add_argument("--cache", default=None, metavar="DIR",
+                   help="the data folders' parent (default: WORK/cache): teacher/ (replies) and own/ (continuations)")
     p.add_argument("--mode", default="both", choices=["self", "teacher", "both"],
-                   help="self-generated continuations, teacher-forced responses, or both (default)")
-    p.add_argument("--self-tokens", type=int, default=None, help="budget of self-generated tokens")
-    p.add_argument("--teacher-tokens", type=int, default=None, help="budget of teacher-forced tokens")
-    p.add_argument("--max-new-tokens", type=int, default=128, help="per self-generated continuation")
+                   help="the model's own continuations, teacher-forced replies, or both (default)")
+    p.add_argument("--self-tokens", type=int, default=None, help="budget of continuation (reply) positions")
+    p.add_argument("--teacher-tokens", type=int, default=None, help="budget of teacher-forced reply positions")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="per continuation")
     p.add_argument("--max-prompt-tokens", type=int, default=256)
     p.add_argument("--max-response-tokens", type=int, default=384)
-    p.add_argument("--batch-size", type=int, default=16, help="prompts generated together")
-    p.add_argument("--vocab", type=int, default=0,
-                   help="restrict the heads to the K most frequent tokens (FR-Spec); 0 = full vocabulary")
+    p.add_argument("--batch-size", type=int, default=16, help="prompts the engine continues together")
+    p.add_argument("--teacher-batch-tokens", type=int, default=2048, help="positions per teacher pass")
+    _add_teacher_precision(p, "model")  # the shipped heads' recipe: the float32 reference
+    _add_exit_options(p, design="linear", init="zero", vocab=0)
     p.add_argument("--vocab-layers", default=None,
                    help="the layers that get the restricted vocabulary (default: all of --layers)")
-    p.add_argument("--steps", type=int, default=2000)
-    p.add_argument("--batch-tokens", type=int, default=512)
+    p.add_argument("--steps", type=int, default=2000, help="optimizer steps per exit (0: --epochs instead)")
+    p.add_argument("--epochs", type=float, default=2.0, help="passes over the data when --steps is 0")
+    p.add_argument("--batch-tokens", type=int, default=None,
+                   help="positions per step (default: 512 for linear heads, 4096 padded positions for blocks)")
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--ce-weight", type=float, default=None,
+                   help="weight of the CE on the teacher's argmax (default: 0 for linear heads, 0.2 for blocks)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--resume", action="store_true", help="continue an interrupted run (cache and training)")
-    p.add_argument("--no-ls-init", action="store_true", help="start from the identity, not least squares")
+    p.add_argument("--resume", action="store_true", help="continue an interrupted run (data and training)")
+    p.add_argument("--no-ls-init", action="store_true", help="linear heads: start from the identity, not least squares")
+    p.add_argument("--keep", default=None, metavar="DIR",
+                   help="exits to keep at the other layers (e.g. the shipped heads): the set written to --out "
+                        "holds them beside the new ones")
     p.add_argument("--no-progress", action="store_true")
-    p.set_defaults(func=cmd_train_exits)
-    _PARSERS["train-exits"] = p
 
-    p = sub.add_parser("collect-exits", help="distillation data for exit blocks: batched teacher passes, in shards",
-                       description="Teacher-forced passes over chat-formatted conversations (prompt + reply): the "
-                                   "states entering the exit layers and the final layer's top-k log-probs at every "
-                                   "position, in resumable shards (run again with the same --out to continue).")
-    add_model_options(p)
+    p = _command(sub, "collect-exits", cmd_collect_exits,
+                 help="distillation data for exits: batched teacher passes, in shards",
+                 description="Teacher passes over chat-formatted conversations (prompt + reply, or prompt + the "
+                             "model's own greedy continuation with --mode self): the states entering the exit "
+                             "layers and the final layer's top-k log-probs at every position, in resumable "
+                             "shards (run again with the same --out to continue).")
     p.add_argument("--layers", required=True, help="layers whose input states are kept, e.g. 2,4,8 (0: the embeddings; the layer count: the final state, for exits that read it)")
-    p.add_argument("--data", required=True, nargs="+", metavar="FILE",
-                   help="JSONL files or named sources with replies (sharegpt[:N[:OFFSET]], humaneval)")
-    p.add_argument("--holdout", nargs="*", default=[], metavar="FILE", help="prompts never to train on")
+    _add_data_options(p)
     p.add_argument("--out", required=True, metavar="DIR", help="the shard folder (large: keep it out of a package)")
+    p.add_argument("--mode", default="teacher", choices=["teacher", "self"],
+                   help="teacher (default): the records' replies; self: the model's own greedy continuations of "
+                        "the prompts, made by the engine")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="per continuation (--mode self)")
+    p.add_argument("--batch-size", type=int, default=16, help="prompts the engine continues together (--mode self)")
     p.add_argument("--topk", type=int, default=32, help="teacher log-probs kept per position (default 32)")
     p.add_argument("--max-tokens", type=int, default=512, help="positions per conversation (default 512)")
     p.add_argument("--max-positions", type=int, default=None, help="stop when the folder holds this many")
+    p.add_argument("--max-seconds", type=float, default=None,
+                   help="stop collecting after this long (what was collected is kept; run again to continue)")
     p.add_argument("--batch-tokens", type=int, default=4096, help="positions per teacher pass (default 4096)")
-    p.add_argument("--teacher-precision", default="bfloat16", choices=["bfloat16", "model"],
-                   help="bfloat16 (default): on CPU the teacher's linear layers run as dense bfloat16 matrices of "
-                        "the model's own weights (quantized ones dequantized), ~2-3x faster than the int4 decode "
-                        "kernel at prefill; model: the model's own kernels")
+    _add_teacher_precision(p, "bfloat16")
     p.add_argument("--seed", type=int, default=0, help="record order")
-    p.set_defaults(func=cmd_collect_exits)
-    _PARSERS["collect-exits"] = p
 
-    p = sub.add_parser("distill-exits", help="train exits (block or linear) on collect-exits shards, resumable",
-                       description="Distil exits from the teacher shards of `hispec collect-exits` (KL to the final "
-                                   "layer's top-k + a small cross-entropy on its argmax), base model frozen; "
-                                   "checkpoints let a stopped run continue bit-identically (--resume).")
-    add_model_options(p)
+    p = _command(sub, "distill-exits", cmd_distill_exits,
+                 help="train exits (block or linear) on collect-exits shards, resumable",
+                 description="Distil exits from the teacher shards of `hispec collect-exits` (KL to the final "
+                             "layer's top-k + a small cross-entropy on its argmax), base model frozen; "
+                             "checkpoints let a stopped run continue bit-identically (--resume).")
     p.add_argument("--data", required=True, nargs="+", metavar="DIR",
                    help="collect-exits folders (several: their sequences together, e.g. teacher-forced replies "
                         "and the model's own continuations)")
     p.add_argument("--layers", required=True, help="exit layers, e.g. 4 or 2,4 (their states must be in --data)")
-    p.add_argument("--design", default="block", choices=["block", "block-final", "linear"],
-                   help="block: one decoder layer over the exit states; block-final: that block also reads the "
-                        "previous position's final state (needs the final states in --data); linear: a per-token head")
-    p.add_argument("--init", default="copy", choices=["copy", "zero"],
-                   help="block start: a copy of the last decoder layer, or that copy with zeroed output projections")
-    p.add_argument("--vocab", type=int, default=8192, help="restricted output vocabulary (0 = full)")
+    _add_exit_options(p, design="block", init="copy", vocab=8192)
     p.add_argument("--epochs", type=float, default=2.0)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--batch-tokens", type=int, default=4096, help="padded positions per step")
     p.add_argument("--ce-weight", type=float, default=0.2)
-    p.add_argument("--precision", default="auto", choices=["auto", "float32", "bfloat16"],
-                   help="training step precision: bfloat16 autocast (float32 weights and optimizer state) or "
-                        "float32; auto (default): bfloat16 where the hardware multiplies it (AVX512-BF16/AMX "
-                        "CPUs, CUDA), 2-3x faster there")
     p.add_argument("--max-positions", type=int, default=None, help="train on the first N training positions of --data (the held-out records stay "
                         "those of the whole folder, so runs on growing N compare on the same positions)")
     p.add_argument("--heldout-every", type=int, default=50, help="hold out every N-th record (default 50)")
@@ -126,14 +131,11 @@ def register(sub) -> None:
     p.add_argument("--keep", default=None, metavar="DIR",
                    help="exits to keep at the other layers (e.g. the shipped heads' deep linear head): the set "
                         "written to --out holds them beside the new ones")
-    p.set_defaults(func=cmd_distill_exits)
-    _PARSERS["distill-exits"] = p
 
-    p = sub.add_parser("tune", help="choose L_d, L_i, N_d, N_i and the draft policy by measurement",
-                       description="Measure per-phase costs and exit agreement on calibration prompts, predict "
-                                   "tokens/s of every configuration, check the best end to end, and write the "
-                                   "winner into the heads' manifest.")
-    add_model_options(p)
+    p = _command(sub, "tune", cmd_tune, help="choose L_d, L_i, N_d, N_i and the draft policy by measurement",
+                 description="Measure per-phase costs and exit agreement on calibration prompts, predict "
+                             "tokens/s of every configuration, check the best end to end, and write the "
+                             "winner into the heads' manifest.")
     p.add_argument("--data", required=True, metavar="FILE", help="calibration prompts")
     p.add_argument("--limit", type=int, default=12)
     p.add_argument("--max-new-tokens", type=int, default=96)
@@ -146,11 +148,40 @@ def register(sub) -> None:
     p.add_argument("--no-write", action="store_true", help="do not write the manifest")
     p.add_argument("--prune", action="store_true", help="keep only the heads the chosen settings use")
     p.add_argument("--json", action="store_true")
-    p.set_defaults(func=cmd_tune)
-    _PARSERS["tune"] = p
 
 
 # ---- helpers --------------------------------------------------------------------------------
+
+def _add_data_options(p) -> None:
+    p.add_argument("--data", required=True, nargs="+", metavar="FILE",
+                   help="JSONL files or named sources (sharegpt[:N[:OFFSET]], humaneval)")
+    p.add_argument("--holdout", nargs="*", default=[], metavar="FILE",
+                   help="prompts never to train on (e.g. the Spec-Bench file you evaluate on)")
+
+
+def _add_teacher_precision(p, default: str) -> None:
+    p.add_argument("--teacher-precision", default=default, choices=list(TEACHER_PRECISIONS),
+                   help="bfloat16: on CPU the teacher's linear layers run as dense bfloat16 matrices of the model's "
+                        "own weights (quantized ones dequantized), ~2-3x faster than the int4 decode kernel at "
+                        f"prefill; model: the model's own kernels (on a GPU: always the model's own); default {default}")
+
+
+def _add_exit_options(p, design: str, init: str, vocab: int) -> None:
+    p.add_argument("--design", default=design, choices=["block", "block-final", "linear"],
+                   help=f"block: one decoder layer over the exit states; block-final: that block also reads the "
+                        f"previous position's final state (needs the final states); linear: a per-token head "
+                        f"(default {design})")
+    p.add_argument("--init", default=init, choices=["copy", "zero"],
+                   help=f"block start: a copy of the last decoder layer, or that copy with zeroed output "
+                        f"projections (default {init})")
+    p.add_argument("--vocab", type=int, default=vocab,
+                   help=f"restrict the exits to the K most frequent tokens (FR-Spec); 0 = full vocabulary "
+                        f"(default {vocab})")
+    p.add_argument("--precision", default="auto", choices=list(PRECISIONS),
+                   help="training step precision: bfloat16 autocast (float32 weights and optimizer state) or "
+                        "float32; auto (default): bfloat16 where the hardware multiplies it (AVX512-BF16/AMX "
+                        "CPUs, CUDA), 2-3x faster there")
+
 def _layers(text: str | None) -> list[int] | None:
     if not text:
         return None
@@ -164,7 +195,7 @@ def _layers(text: str | None) -> list[int] | None:
 
 def _prompt_ids(gen, specs: list[str], limit: int | None, max_prompt_tokens: int) -> list[list[int]]:
     from ..options import UsageError
-    from .distill import encode_record
+    from .collect import encode_record
     from .sources import load_sources
 
     records, _ = load_sources(specs)
@@ -245,9 +276,8 @@ def cmd_probe(args) -> int:
 # ---- collect-exits --------------------------------------------------------------------------
 def cmd_collect_exits(args) -> int:
     from ..options import UsageError, load_generator
-    from ..model.exits import model_identity
+    from .config import TrainConfig
     from .sources import load_sources
-    from .teacher import TeacherConfig, collect, encode_records
 
     layers = _layers(args.layers)
     command = _command_line(args, "collect-exits")
@@ -258,23 +288,39 @@ def cmd_collect_exits(args) -> int:
         raise UsageError(f"--layers must be between 0 (the embeddings) and {n} (the final state) for this "
                          f"{n}-layer model, got {args.layers}")
     records, summary = load_sources(args.data, args.holdout, shuffle_seed=args.seed)
-    cfg = TeacherConfig(tuple(layers), topk=args.topk, max_tokens=args.max_tokens, batch_tokens=args.batch_tokens,
-                        precision=args.teacher_precision)
+    cfg = TrainConfig(tuple(layers), topk=args.topk, max_tokens=args.max_tokens, teacher_batch_tokens=args.batch_tokens,
+                      teacher_precision=args.teacher_precision, max_new_tokens=args.max_new_tokens,
+                      generate_batch=args.batch_size)
+    meta = _collect(gen, records, Path(args.out), cfg, args.mode, summary, command, args.max_positions, "positions",
+                    args.max_seconds)
+    _say(f"{args.out}: {meta['positions']} positions ({meta['reply_positions']} in replies) from "
+         f"{meta['sequences']} conversations, {meta.get('positions_per_s', 0)} positions/s")
+    return 0
+
+
+def _collect(gen, records, folder: Path, cfg, mode: str, summary: dict, command: str, budget: int | None,
+             budget_of: str, max_seconds: float | None = None) -> dict:
+    """One data folder: teacher passes over the records' replies (``teacher``) or over the
+    model's own continuations of their prompts (``self``), resuming where the folder stopped."""
+    from ..model.exits import model_identity
+    from .collect import collect, continuations, encode_records, records_done
+
+    start = records_done(folder)
+    seqs = (continuations if mode == "self" else encode_records)(gen, records, cfg, start)
     meta = {"model": model_identity(gen.model)["weights_sha256"], "data": summary, "command": command,
             "dtype": str(gen.model.dtype).removeprefix("torch.")}
-    meta = collect(gen.model, encode_records(gen, records, args.max_tokens), Path(args.out), cfg, meta,
-                   args.max_positions, log=_say)
-    _say(f"{args.out}: {meta['positions']} positions ({meta['reply_positions']} in replies) from "
-         f"{meta['sequences']} conversations, {meta['positions_per_s']} positions/s")
-    return 0
+    if mode == "self":
+        meta["source"] = {"continuations": {"max_new_tokens": cfg.max_new_tokens, "greedy": True}}
+    return collect(gen.model, seqs, folder, cfg, meta, budget, budget_of, max_seconds, log=_say)
 
 
 # ---- distill-exits --------------------------------------------------------------------------
 def cmd_distill_exits(args) -> int:
     from ..options import UsageError, load_generator
-    from ..model.exits import Manifest, model_identity, new_heads, save_heads
-    from . import seqdistill as S
-    from .teacher import read_meta
+    from ..model.exits import model_identity
+    from .collect import read_meta
+    from .config import TrainConfig, resolve_precision
+    from .distill import distill_layers
 
     layers = _layers(args.layers)
     command = _command_line(args, "distill-exits")
@@ -287,55 +333,43 @@ def cmd_distill_exits(args) -> int:
         if meta.get("model") != model_identity(model)["weights_sha256"]:
             raise UsageError(f"{f} was collected with another model")
     work = Path(args.work) if args.work else Path(args.out) / "work"
-    cfg = S.TrainConfig(epochs=args.epochs, batch_tokens=args.batch_tokens, lr=args.lr, ce_weight=args.ce_weight,
-                        seed=args.seed, eval_every=args.eval_every,
-                        precision=S.resolve_precision(args.precision, model.device))
-    exits, agreement, training, positions = {}, {}, {}, {}
-    for L in layers or []:
-        final = model.num_layers if args.design == "block-final" else None
-        try:
-            data = S.load_folders(folders, L, final_layer=final)
-        except ValueError as e:
-            raise UsageError(str(e)) from None
-        train, held = data.split(args.heldout_every)
-        del data
-        if args.max_positions is not None:
-            train = train.leading(args.max_positions)
-        vocab = {L: S.frequent_vocab(train, args.vocab, model.cfg.vocab_size)} if args.vocab else None
-        exit_ = new_heads(model, [L], vocab, design=args.design, init=args.init)[L]
-        before = S.agreement(exit_, held)
-        _say(f"layer {L}: {train.num_positions} training positions ({train.num_sequences} conversations), "
-             f"held-out top-1 before {before['top1']:.4f}")
-        state = S.train(exit_, train, cfg, work / f"layer-{L}", args.resume, held, args.max_steps, log=_say)
-        after = S.agreement(exit_, held)
-        if args.design == "block-final":
-            after.update(S.feedback_agreement(exit_, held))
-            _say(f"layer {L}: held-out top-1 with the exact final state {after['top1']:.4f}; feeding back its own "
-                 f"state (a round's later drafts) {after['top1_fed_back']:.4f}, "
-                 f"{after['top1_fed_back_given_previous']:.4f} where the draft before was right")
-        exits[L] = exit_
-        positions[str(L)] = train.num_positions
-        agreement[str(L)] = {"top1_before": round(before["top1"], 4), "top1_after": round(after["top1"], 4),
-                             "top5_after": round(after["top5"], 4), "heldout_positions": after["positions"],
-                             **{k: round(v, 4) for k, v in after.items() if k.startswith("top1_fed")}}
-        training[str(L)] = {"steps": state.step, "positions_seen": state.positions_seen,
-                            "seconds": round(state.seconds, 1), "curve": state.curve, "loss": state.losses[-5:]}
-        del train, held  # one layer's states at a time: 3.7M positions of one layer hold ~7 GB
-        gc.collect()
-    manifest = Manifest(model_identity(model, args.model), layers, {"kind": args.design, "init": args.init},
-                        data={"folder": folders[0].name if len(folders) == 1 else [f.name for f in folders],
-                              "positions": positions,
-                              "collect": metas[0].get("command") if len(folders) == 1 else [m.get("command") for m in metas],
-                              "heldout_every": args.heldout_every},
-                        training={"command": command, "config": dataclasses.asdict(cfg), "per_layer": training},
-                        agreement=agreement)
+    cfg = TrainConfig(epochs=args.epochs, batch_tokens=args.batch_tokens, lr=args.lr, ce_weight=args.ce_weight,
+                      seed=args.seed, eval_every=args.eval_every,
+                      precision=resolve_precision(args.precision, model.device))
+    try:
+        exits, results = distill_layers(model, folders, layers or [], cfg, args.design, args.init, args.vocab,
+                                        heldout_every=args.heldout_every, max_positions=args.max_positions,
+                                        work=work, resume=args.resume, max_steps=args.max_steps, log=_say)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    data = {"folder": folders[0].name if len(folders) == 1 else [f.name for f in folders],
+            "positions": {str(L): r.positions for L, r in results.items()},
+            "collect": metas[0].get("command") if len(folders) == 1 else [m.get("command") for m in metas],
+            "heldout_every": args.heldout_every}
+    _save_exits(args, model, exits, results, data, cfg, command)
+    return 0
+
+
+def _save_exits(args, model, exits: dict, results: dict, data: dict, cfg, command: str) -> None:
+    """The exits and their manifest in ``args.out`` (with the exits of ``args.keep`` beside them)."""
+    from ..model.exits import Manifest, model_identity, save_heads
+
+    added = sum(e.num_added_params() for e in exits.values())
+    design = {"kind": args.design, "added_params": added,
+              "added_fraction": round(added / sum(p.numel() for p in model.parameters()), 5)}
+    if args.design != "linear":
+        design["init"] = args.init
+    manifest = Manifest(model_identity(model, args.model), sorted(exits), design, data=data,
+                        training={"command": command, "config": cfg.training(),
+                                  "per_layer": {str(L): r.training for L, r in results.items()}},
+                        agreement={str(L): r.agreement for L, r in results.items()})
     if args.keep:
         _keep_exits(args.keep, model, exits, manifest)
     save_heads(args.out, exits, manifest)
     size = (Path(args.out) / "heads.safetensors").stat().st_size
     _say(f"wrote {args.out} ({size / 1e6:.1f} MB): " + ", ".join(
-        f"layer {L} top-1 {a['top1_before']:.3f} -> {a['top1_after']:.3f}" for L, a in agreement.items()))
-    return 0
+        f"layer {L} top-1 {r.agreement['top1_before']:.3f} -> {r.agreement['top1_after']:.3f}"
+        for L, r in results.items()))
 
 
 def _keep_exits(folder: str, model, exits: dict, manifest) -> None:
@@ -357,12 +391,9 @@ def _keep_exits(folder: str, model, exits: dict, manifest) -> None:
 
 # ---- train-exits ----------------------------------------------------------------------------
 def cmd_train_exits(args) -> int:
-    import torch
-
     from ..options import UsageError, load_generator
-    from ..model.exits import Manifest, model_identity, new_heads, save_heads
-    from .distill import (CollectConfig, TrainConfig, agreement, collect_cache, frequent_vocab,
-                          heldout_mask, load_token_data, train_heads, vocab_coverage)
+    from .config import TrainConfig, resolve_precision
+    from .distill import distill_layers
     from .sources import load_sources
 
     layers = _layers(args.layers)
@@ -373,77 +404,66 @@ def cmd_train_exits(args) -> int:
     n = model.num_layers
     if not layers or any(not 1 <= L < n for L in layers):
         raise UsageError(f"--layers must be between 1 and {n - 1} for this {n}-layer model, got {args.layers}")
-    out = Path(args.out)
-    work = Path(args.work) if args.work else out / "work"
-    cache_dir = Path(args.cache) if args.cache else work / "cache"
-    if (cache_dir / "meta.json").is_file() and not args.resume and args.cache is None:
-        raise UsageError(f"{cache_dir} exists: pass --resume to continue it, or another --out/--work")
     vocab_layers = _layers(args.vocab_layers) or layers
     if not set(vocab_layers) <= set(layers):
         raise UsageError(f"--vocab-layers {args.vocab_layers} must be among --layers {args.layers}")
+    out = Path(args.out)
+    work = Path(args.work) if args.work else out / "work"
+    cache = Path(args.cache) if args.cache else work / "cache"
+    if cache.is_dir() and any(cache.glob("*/meta.json")) and not args.resume and args.cache is None:
+        raise UsageError(f"{cache} exists: pass --resume to continue it, or another --out/--work")
     records, summary = load_sources(args.data, args.holdout, shuffle_seed=args.seed)
     if not records:
         raise UsageError("no training records left after removing the held-out prompts")
-    show = not args.no_progress
     _say(f"{summary['records']} training records ({summary['with_response']} with a response); "
          f"{summary['dropped_as_held_out']} dropped as held out")
-    cfg = CollectConfig(tuple(layers), mode=args.mode, max_prompt_tokens=args.max_prompt_tokens,
-                        max_new_tokens=args.max_new_tokens, max_response_tokens=args.max_response_tokens,
-                        self_tokens=args.self_tokens, teacher_tokens=args.teacher_tokens,
-                        batch_size=args.batch_size)
-    meta = collect_cache(gen, records, cache_dir, cfg, summary, progress=show)
-    data = load_token_data(cache_dir, layers)
-    if data.num_tokens == 0:
-        raise UsageError("the data gave no training tokens")
+    linear = args.design == "linear"
+    cfg = TrainConfig(
+        layers=tuple(sorted(set(layers) | ({n} if linear or args.design == "block-final" else set()))),
+        max_prompt_tokens=args.max_prompt_tokens,
+        max_tokens=args.max_prompt_tokens + max(args.max_response_tokens, args.max_new_tokens),
+        max_new_tokens=args.max_new_tokens, generate_batch=args.batch_size,
+        teacher_batch_tokens=args.teacher_batch_tokens, teacher_precision=args.teacher_precision,
+        steps=args.steps or None, epochs=args.epochs, batches="tokens" if linear else "sequences",
+        batch_tokens=args.batch_tokens or (512 if linear else 4096), lr=args.lr,
+        ce_weight=args.ce_weight if args.ce_weight is not None else (0.0 if linear else 0.2),
+        min_lr_ratio=0.1 if linear else 0.05, warmup=50 if linear else 20, weight_decay=0.0 if linear else 0.01,
+        checkpoint_every=200 if linear else 50, seed=args.seed, ls_init=linear and not args.no_ls_init,
+        precision=resolve_precision(args.precision, model.device))
+    folders, metas = [], {}
+    for mode, name, budget in (("teacher", "teacher", args.teacher_tokens), ("self", "own", args.self_tokens)):
+        if args.mode in (mode, "both"):
+            folders.append(cache / name)
+            metas[name] = _collect(gen, records, cache / name, cfg, mode, summary, command, budget, "reply_positions")
+    if not any(m["reply_positions"] for m in metas.values()):
+        raise UsageError("the data gave no training positions")
+    held_folders = None
     if args.eval_data:
-        eval_dir = work / "eval-cache"
         eval_records, eval_summary = load_sources([args.eval_data])
-        ecfg = CollectConfig(tuple(layers), mode="self", max_prompt_tokens=max(args.max_prompt_tokens, 2048),
-                             max_new_tokens=args.eval_max_new_tokens, batch_size=16)
-        collect_cache(gen, eval_records[:args.eval_limit], eval_dir, ecfg, eval_summary, progress=show)
-        train, held = data, load_token_data(eval_dir, layers, with_final=False)
-    else:
-        mask = heldout_mask(data, 0.05, args.seed)
-        train, held = data.select(~mask), data.select(mask)
-    vocab = None
-    if args.vocab:
-        eos = sorted(gen.eos_ids)
-        ids = frequent_vocab(train, args.vocab, model.cfg.vocab_size, always=eos)
-        vocab = {L: ids for L in vocab_layers}
-        _say(f"vocabulary restricted to {ids.numel()} tokens: they cover "
-             f"{vocab_coverage(train, ids, model.cfg.vocab_size):.3f} of the final layer's greedy tokens "
-             f"(training), {vocab_coverage(held, ids, model.cfg.vocab_size):.3f} (held out)")
-    torch.manual_seed(args.seed)
-    heads = new_heads(model, layers, vocab)
-    before = {L: agreement(None, model, held.hidden[L], held.top_ids) for L in layers}
-    tcfg = TrainConfig(steps=args.steps, batch_tokens=args.batch_tokens, lr=args.lr, seed=args.seed,
-                       ls_init=not args.no_ls_init)
-    state = train_heads(heads, train, tcfg, checkpoint_dir=work / "checkpoint", resume=args.resume,
-                        heldout=held, progress=show, log=_say)
-    after = {L: agreement(heads[L], model, held.hidden[L], held.top_ids) for L in layers}
-    added = sum(h.num_added_params() for h in heads.values())
-    manifest = Manifest(
-        base_model=model_identity(model, name=args.model),
-        layers=layers,
-        design={"kind": "linear", "added_params": added,
-                "added_fraction": round(added / sum(p.numel() for p in model.parameters()), 5)},
-        data={**summary, "cache": {k: meta.get(k) for k in ("tokens", "seconds")}, "train": train.summary(),
-              "heldout": {**held.summary(), "from": portable(args.eval_data) or "5% of the training records"}},
-        training={"command": command, "steps": state.step, "seed": args.seed, "lr": args.lr,
-                  "batch_tokens": args.batch_tokens, "seconds": round(state.seconds, 1),
-                  "final_loss": {L: v[-1] for L, v in state.losses.items() if v}},
-        agreement={str(L): {"top1_before": round(before[L]["top1"], 4), "top5_before": round(before[L]["top5"], 4),
-                            "top1_after": round(after[L]["top1"], 4), "top5_after": round(after[L]["top5"], 4)}
-                   for L in layers},
-    )
-    save_heads(out, heads, manifest)
-    print(f"held-out agreement with the final layer ({held.num_tokens} positions), before -> after:")
+        ecfg = dataclasses.replace(cfg, max_prompt_tokens=max(args.max_prompt_tokens, 2048),
+                                   max_tokens=max(args.max_prompt_tokens, 2048) + args.eval_max_new_tokens,
+                                   max_new_tokens=args.eval_max_new_tokens)
+        _collect(gen, eval_records[:args.eval_limit], work / "eval", ecfg, "self", eval_summary, command, None,
+                 "positions")
+        held_folders = [work / "eval"]
+    try:
+        exits, results = distill_layers(model, folders, layers, cfg, args.design, args.init, args.vocab, vocab_layers,
+                                        always=sorted(gen.eos_ids), heldout_every=20, held_folders=held_folders,
+                                        work=work / "checkpoints", resume=args.resume, log=_say)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    data = {**summary, "collected": {k: {f: m.get(f) for f in ("positions", "reply_positions", "sequences", "seconds")}
+                                     for k, m in metas.items()},
+            "positions": {str(L): r.positions for L, r in results.items()},
+            "heldout": portable(args.eval_data) or "every 20th training record"}
+    _save_exits(args, model, exits, results, data, cfg, command)
+    print("held-out agreement with the final layer, before -> after:")
     print(f"{'layer':>5}  {'top-1':>15}  {'top-5':>15}")
-    for L in layers:
-        print(f"{L:>5}  {before[L]['top1']:>6.3f} -> {after[L]['top1']:.3f}  "
-              f"{before[L]['top5']:>6.3f} -> {after[L]['top5']:.3f}")
-    print(f"wrote {out}/heads.safetensors and manifest.json ({added} added parameters); "
-          f"next: hispec tune --model {args.model} --exits {out} --data PROMPTS")
+    for L, r in results.items():
+        a = r.agreement
+        print(f"{L:>5}  {a['top1_before']:>6.3f} -> {a['top1_after']:.3f}  "
+              f"{a['top5_before']:>6.3f} -> {a['top5_after']:.3f}")
+    print(f"next: hispec tune --model {args.model} --exits {out} --data PROMPTS")
     return 0
 
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 
-from . import collect as C
-from .teacher import exit_logits_along
+from .collect import greedy_continuations
+from .teacher import layer_pass
 
 
 @dataclass
@@ -30,26 +30,23 @@ class LayerAgreement:
 @torch.inference_mode()
 def probe(model, prompts: list[list[int]], max_new_tokens: int, eos_ids, batch_size: int = 4
           ) -> tuple[list[LayerAgreement], int]:
-    """Agreement of every exit layer ``1 .. num_layers - 1``; also returns the number of positions."""
+    """Agreement of every exit layer ``1 .. num_layers - 1``; also returns the number of positions.
+    The continuations come from the engine; each is then run once through the model's layers
+    (the teacher pass), every exit read as decoding reads it (a block over its own K/V)."""
     layers = tuple(range(1, model.num_layers))
     hits = {L: [0, 0, 0, 0] for L in layers}
     total = 0
-    for a in range(0, len(prompts), batch_size):
-        cap = C.Capture(layers, 1)
-        batch = list(enumerate(prompts[a:a + batch_size]))
-        new = C.self_generate(model, batch, layers, cap, max_new_tokens, frozenset(eos_ids))
-        rows = cap.take()
-        want = rows["top_ids"][:, 0].long()
+    for p, y in zip(prompts, greedy_continuations(model, prompts, max_new_tokens, eos_ids, batch_size)):
+        if not y:
+            continue
+        first = len(p) - 1
+        states, _, runner = layer_pass(model, [p + y[:-1]], layers)
+        want = torch.tensor(y, device=model.device)  # the final layer's greedy tokens
         total += want.shape[0]
-        # trained exits as decoding runs them (a block attends over its own K/V of the sequence),
-        # in the row order of the capture: step by step, the batch's active sequences
-        views = [exit_logits_along(model, p + new[s][:-1], len(p) - 1, sorted(model.exits)) for s, p in batch]
-        order = [(s, t) for t in range(max(len(v) for v in new.values())) for s, _ in batch if t < len(new[s])]
         for L in layers:
-            h = rows[f"h.{L}"].to(model.dtype)
-            outs = [model.final_logits(h)]
+            outs = [model.final_logits(states[L][first:])]
             if L in model.exits:
-                outs.append(torch.stack([views[s][L][t] for s, t in order]))
+                outs.append(runner.exit_logits([(0, first, states[L][first:])], L))
             for j, logits in enumerate(outs):
                 top5 = logits.topk(5, dim=-1).indices
                 hits[L][2 * j] += int((top5[:, 0] == want).sum())

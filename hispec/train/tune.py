@@ -30,7 +30,7 @@ from ..config import SpecConfig
 from ..decode.base import LayerRunner
 from ..decode.policies import DraftConfidence, DraftPolicy, make_policy
 from ..engine.engine import EngineConfig
-from . import collect as C
+from .collect import greedy_continuations
 from .teacher import exit_logits_along
 
 
@@ -156,20 +156,16 @@ def collect_traces(model, prompts: list[list[int]], layers: list[int], max_new_t
     """Greedy continuations of ``prompts`` and every exit's argmax/entropy/top-1 probability along
     them, computed as decoding computes them (exit blocks attend over their own K/V)."""
     traces = []
-    for a in range(0, len(prompts), batch_size):
-        batch = list(enumerate(prompts[a:a + batch_size]))
-        new = C.self_generate(model, batch, (), C.Capture((), 1), max_new_tokens, frozenset(eos_ids))
-        for s, p in batch:
-            y = new[s]
-            views = exit_logits_along(model, p + y[:-1], len(p) - 1, layers)
-            am, ent, top1 = {}, {}, {}
-            for L in layers:
-                logits = views[L].float()
-                am[L] = logits.argmax(-1).tolist()
-                q = torch.softmax(logits, -1)
-                ent[L] = (-(q * q.clamp_min(1e-30).log()).sum(-1)).tolist()
-                top1[L] = q.max(-1).values.tolist()
-            traces.append(Trace(y, am, ent, top1))
+    for p, y in zip(prompts, greedy_continuations(model, prompts, max_new_tokens, eos_ids, batch_size)):
+        views = exit_logits_along(model, p + y[:-1], len(p) - 1, layers)
+        am, ent, top1 = {}, {}, {}
+        for L in layers:
+            logits = views[L].float()
+            am[L] = logits.argmax(-1).tolist()
+            q = torch.softmax(logits, -1)
+            ent[L] = (-(q * q.clamp_min(1e-30).log()).sum(-1)).tolist()
+            top1[L] = q.max(-1).values.tolist()
+        traces.append(Trace(y, am, ent, top1))
     return traces
 
 

