@@ -16,19 +16,8 @@ mkdir -p "$OUT"
 SUMMARY="$OUT/summary.txt"
 : > "$SUMMARY"
 START=$(date +%s)
-hispec() { "$PY" -c 'import sys; from hispec.cli import main; sys.exit(main())' "$@"; }
-note() { echo "$*" | tee -a "$SUMMARY"; }
+source scripts/steps.sh  # HISPEC (this checkout's CLI), note, step
 
-step() {  # step NAME LIMIT_S COMMAND...: run with a time limit, log to $OUT/NAME.log, record the status
-  local name=$1 limit=$2; shift 2
-  local t0=$(date +%s)
-  echo "== $name (limit ${limit}s)" >&2
-  timeout --kill-after=10 "$limit" "$@" > "$OUT/$name.log" 2>&1
-  local rc=$?
-  local status=PASS; [ $rc -ne 0 ] && status="FAIL (exit $rc$([ $rc -eq 124 ] && echo ', timed out'))"
-  note "$(printf '%-28s %-26s %4ss' "$name" "$status" $(( $(date +%s) - t0 )))"
-  return $rc
-}
 
 if ! "$PY" -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then
   echo "gpu-check: no CUDA device visible to torch; nothing to check" >&2
@@ -51,7 +40,7 @@ cat > "$OUT/prompts.jsonl" <<'EOF'
 {"id": "story", "prompt": "Tell a short story about a robot learning to paint."}
 {"id": "math", "prompt": "A train travels 120 km in 1.5 hours. What is its average speed? Explain."}
 EOF
-step bench-default-bf16 150 hispec bench --model default --device cuda --dtype bfloat16 --data "$OUT/prompts.jsonl" \
+step bench-default-bf16 150 "${HISPEC[@]}" bench --model default --device cuda --dtype bfloat16 --data "$OUT/prompts.jsonl" \
   --strategies ar,selfspec,hispec,hf --max-new-tokens 128 --warmup 1 --no-plots --no-progress --out "$OUT/bench-default"
 
 # ---- 3. a random model of Llama-3-8B's shape (speed only) ----------------------------------
@@ -95,13 +84,13 @@ for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json
 EOF
 BENCH_BIG=(--device cuda --dtype bfloat16 --data "$OUT/prompts.jsonl" --limit 3 --strategies ar,selfspec,hispec
            --max-new-tokens 64 --ignore-eos --no-exits --warmup 1 --no-plots --no-progress)
-[ -f "$BIG/config.json" ] && step bench-8b-shape-bf16 180 hispec bench --model "$BIG" "${BENCH_BIG[@]}" --out "$OUT/bench-8b"
+[ -f "$BIG/config.json" ] && step bench-8b-shape-bf16 180 "${HISPEC[@]}" bench --model "$BIG" "${BENCH_BIG[@]}" --out "$OUT/bench-8b"
 
 # ---- 4. tensor parallelism over NCCL (two or more GPUs) ------------------------------------
 if [ "$NGPU" -ge 2 ]; then
   step tp2-check-default 150 "$PY" -m hispec.distributed.check default --tp 2 --device cuda --dtype bfloat16 \
     --shipped-exits --max-new-tokens 32
-  [ -f "$BIG/config.json" ] && step bench-8b-shape-tp2 180 hispec bench --model "$BIG" "${BENCH_BIG[@]}" \
+  [ -f "$BIG/config.json" ] && step bench-8b-shape-tp2 180 "${HISPEC[@]}" bench --model "$BIG" "${BENCH_BIG[@]}" \
     --tensor-parallel-size 2 --out "$OUT/bench-8b-tp2"
 else
   note "$(printf '%-28s %s' tp2-check-default 'SKIP (one GPU: tensor parallelism needs two)')"

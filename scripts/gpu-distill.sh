@@ -44,21 +44,8 @@ mkdir -p "$OUT"
 SUMMARY="$OUT/summary.txt"
 : > "$SUMMARY"
 START=$(date +%s)
-# this checkout's hispec (an array: `timeout` runs programs, not shell functions)
-HISPEC=("$PY" -c 'import sys; from hispec.cli import main; sys.exit(main())')
-note() { echo "$*" | tee -a "$SUMMARY"; }
+source scripts/steps.sh  # HISPEC (this checkout's CLI), note, step
 
-step() {  # step NAME LIMIT_S COMMAND...: run with a time limit, log to $OUT/NAME.log, record the status
-  local name=$1 limit=$2; shift 2
-  local t0=$(date +%s)
-  echo "== $name (limit ${limit}s)" >&2
-  timeout --kill-after=10 "$limit" "$@" > "$OUT/$name.log" 2>&1
-  local rc=$?
-  local status=PASS; [ $rc -ne 0 ] && status="FAIL (exit $rc$([ $rc -eq 124 ] && echo ', timed out'))"
-  note "$(printf '%-16s %-26s %4ss' "$name" "$status" $(( $(date +%s) - t0 )))"
-  [ $rc -ne 0 ] && tail -n 20 "$OUT/$name.log" >&2
-  return $rc
-}
 
 if [ "$DEVICE" = cuda ] && ! "$PY" -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then
   echo "gpu-distill: no CUDA device visible to torch (DEVICE=cpu runs the same steps on the CPU, slowly)" >&2
