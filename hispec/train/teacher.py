@@ -92,7 +92,7 @@ def teacher_model(model, precision: str):
         raise ValueError(f"unknown teacher precision {precision!r}; choose from {', '.join(PRECISIONS)}")
     if precision == "model" or model.device.type != "cpu":
         return model
-    from ..model.quant import QuantLinear
+    from ..kernels.quant import QuantLinear
 
     dense = copy.copy(model)  # shallow: the copies below replace linear layers, nothing is shared mutably
     dense._modules = dict(model._modules)
@@ -105,7 +105,7 @@ def teacher_model(model, precision: str):
 
 def _densify(module: nn.Module) -> nn.Module:
     """``module`` (a shallow copy) with every linear child replaced by a :class:`DenseLinear`."""
-    from ..model.quant import QuantLinear
+    from ..kernels.quant import QuantLinear
 
     module._modules = dict(module._modules)
     for name, child in list(module._modules.items()):
@@ -163,7 +163,7 @@ def packed_forward(model, tokens: torch.Tensor, lengths: list[int], layers: tupl
     causal positions of the default model's 9 heads)."""
     positions = torch.cat([torch.arange(n) for n in lengths]).to(tokens.device)  # [N]
     h = model.embed(tokens, positions)  # [N, H]
-    rope = model._rope(positions)
+    rope = model.rope(positions)
     bounds = [0, *torch.tensor(lengths).cumsum(0).tolist()]
     capture = {}
     gqa = model.cfg.num_kv_heads != model.cfg.num_heads
@@ -177,7 +177,7 @@ def packed_forward(model, tokens: torch.Tensor, lengths: list[int], layers: tupl
             is_causal=True, enable_gqa=gqa)[0].transpose(0, 1) for a, b in zip(bounds, bounds[1:])])  # [N, Hq, D]
         att = att.reshape(h.shape[0], layer.q_size)
         h = h + layer.o_proj(att.to(layer.act_dtype or h.dtype))
-        h = h + layer._mlp(layer.post_norm(h, layer.act_dtype))
+        h = h + layer.mlp(layer.post_norm(h, layer.act_dtype))
     if len(model.layers) in layers:  # the final state (entering the final norm)
         capture[len(model.layers)] = h
     return capture, h
@@ -193,7 +193,7 @@ class ExactTopK:
     ``log(sum_exact(candidates) + sum_bf16(rest))``."""
 
     def __init__(self, model, margin: int = 8, rows: int = 16) -> None:
-        from ..model.quant import QuantLinear
+        from ..kernels.quant import QuantLinear
 
         head = model.lm_head
         quantized = isinstance(head, QuantLinear)
