@@ -112,7 +112,8 @@ def op_path() -> Path:
     """Where the torch op for these sources, this torch version, this CPU and library is built."""
     import torch
 
-    return build_dir() / f"hispec_op-{_key([OP_SOURCE, *_library_files()], ' '.join(CXX_FLAGS), torch.__version__, library_key())}.so"
+    key = _key([OP_SOURCE, *_library_files()], " ".join(CXX_FLAGS), torch.__version__, library_key())
+    return build_dir() / f"hispec_op-{key}.so"
 
 
 def build_op() -> Path:

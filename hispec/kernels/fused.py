@@ -26,7 +26,8 @@ import torch
 
 from .binding import available, library
 
-PARALLEL_MIN_WORK = 1 << 15  # query-key multiply-adds of a call from which the threads share it (SmolLM2, one token: ~57 keys)
+# query-key multiply-adds of a call from which the threads share it (SmolLM2, one token: ~57 keys)
+PARALLEL_MIN_WORK = 1 << 15
 
 
 def _bf(t: torch.Tensor) -> int:

@@ -27,7 +27,9 @@ from .layer_op import LayerPlans, OpRanges
 from .matmul import SMALL_ROWS, Linear, panel_rows, small_route
 from .quant import ACT_DTYPE, QuantLinear
 
-SDPA_MIN_QUERIES = 256  # CPU: from here SDPA's fused kernel is as fast as the batched matmuls, and leaner (model/decoder.py's attend; the op leaves such chunks to it)
+# CPU: a sequence's queries from which attention takes SDPA's fused kernel (model/decoder.py's attend:
+# as fast as the batched matmuls there, and leaner); the op leaves such chunks to that path
+SDPA_MIN_QUERIES = 256
 
 
 def matmul_plan(m: nn.Module | None, act_dtype: torch.dtype | None, prefill: bool = False,
@@ -237,7 +239,8 @@ class FastPath:
         made = None
         if (model.inv_freq is not None and model.project_in is None and model.project_out is None
                 and emb.device.type == "cpu" and emb.dtype == torch.float32 and emb.is_contiguous()
-                and not isinstance(norm, nn.LayerNorm) and norm.weight.dtype == torch.float32 and norm.weight.is_contiguous()
+                and not isinstance(norm, nn.LayerNorm)  # an RMSNorm: the model's other norm kind
+                and norm.weight.dtype == torch.float32 and norm.weight.is_contiguous()
                 and model.layers[0].fusable() and layer_op.layers_op() is not None):
             planned = matmul_plan(head, None, batched=batched)
             if planned is not None:

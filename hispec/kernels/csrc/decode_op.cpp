@@ -82,7 +82,7 @@ at::Tensor run_matmul(int64_t kind, const at::Tensor& x, const at::Tensor& w, co
 // Where the op's time goes, summed per part while profiling is on (scripts/profile-decode.py): the
 // wall time of each call, measured where it runs, so that a decode step splits into its matmuls,
 // its other kernels and what is outside the op (the engine's Python, sampling). The order is
-// fused.py's PROFILE_PARTS.
+// layer_op.py's PROFILE_PARTS.
 enum Part { MATMUL, ATTENTION, ROPE_CACHE, NORM, SILU_MUL, RESIDUAL, SETUP, PARTS };
 bool profiling = false;
 double part_seconds[PARTS] = {};
@@ -135,8 +135,8 @@ void add_into(float* h, const at::Tensor& delta, int64_t n) {
     }
 }
 
-// A range of layers as the op runs it: their plans, flattened (DecoderLayer.layer_plan;
-// fused.LayerPlans), and their cache layers in one KV pool. Made once per range and pool and held
+// A range of layers as the op runs it: their plans, flattened (plan.py's layer_plan;
+// layer_op.LayerPlans), and their cache layers in one KV pool. Made once per range and pool and held
 // between calls, so that a decoding step hands over one object instead of ~360 tensors (their
 // conversion cost ~0.2-0.3 ms per call on a Zen 3). Per layer l (index i): k_pools[i], v_pools[i]: its cache
 // (float32 or bfloat16);
@@ -266,7 +266,7 @@ struct Head : torch::CustomClassHolder {
 // The same kernels and inputs as the step taken op by op (embedding rows, RoPE rows of the tables
 // ``cos, ssin [P, D]``, decode_layers, rms_norm, the head's matmul), so the same bits; what it
 // saves is a dozen tensors and calls made per step in Python. Attention shares the threads from
-// ``parallel_min_keys`` keys in all (the B sequences' positions + 1), as fused.py decides it.
+// ``parallel_min_keys`` keys in all (the B sequences' positions + 1), as layer_op.py decides it.
 at::Tensor decode_step(const std::vector<int64_t>& tokens, const std::vector<int64_t>& positions,
                        const std::vector<int64_t>& tables, int64_t block_size, const at::Tensor& cos_table,
                        const at::Tensor& ssin_table, int64_t parallel_min_keys, const c10::intrusive_ptr<Range>& range,
