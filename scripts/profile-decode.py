@@ -5,7 +5,7 @@
                                      [--tokens 64] [--threads 2] [--repeats 3] [--no-fused]
 
 Times every matmul with a wall clock during generation: the linear layers called from Python
-(``Linear.forward``, ``QuantLinear._mm``: exit heads, the eager path) and, inside the C++ op that
+(``Linear.forward``, ``QuantLinear.mm``: exit heads, the eager path) and, inside the C++ op that
 runs a decode step or a range of layers in one call, each matmul kernel call it makes
 (``layer_op.profile``: decoder linears and the output head). The rest of the wall time is "outside
 the matmuls": the op's other kernels, timed the same way (attention, RoPE and the cache write,
@@ -56,9 +56,9 @@ def main() -> None:
             return out
         return wrapper
 
-    # the kernel call itself: the fused layers call QuantLinear._mm directly
+    # the kernel call itself: the fused layers call QuantLinear.mm directly
     matmul.Linear.forward = timed(matmul.Linear.forward, in_mm)
-    quant.QuantLinear._mm = timed(quant.QuantLinear._mm, in_mm)
+    quant.QuantLinear.mm = timed(quant.QuantLinear.mm, in_mm)
     # the C++ op's calls as a whole (with their Python glue): what its parts leave is its own overhead
     layer_op.decode_step = timed(layer_op.decode_step, in_op)
     layer_op.decode_steps = timed(layer_op.decode_steps, in_op)

@@ -201,7 +201,7 @@ class QuantLinear(nn.Module):
         # x: [..., K] -> [..., N] in x's dtype (int4x2, q8: float32 for float32 input)
         rows = x if x.dim() == 2 else x.reshape(-1, self.in_features)  # [T, K]
         want = self.input_dtype
-        out = self._mm(rows if rows.dtype == want or (want == torch.float32 and rows.dtype == ACT_DTYPE)
+        out = self.mm(rows if rows.dtype == want or (want == torch.float32 and rows.dtype == ACT_DTYPE)
                        else rows.to(want))
         if out.dtype != x.dtype:
             out = out.to(x.dtype)
@@ -212,17 +212,19 @@ class QuantLinear(nn.Module):
     def prefill_mm(self, rows: torch.Tensor) -> torch.Tensor:
         """``rows [T, K]`` (in ``input_dtype``) of prompt tokens: on the dense bfloat16 prefill
         weights where the layer has them (int4; q4 on CPUs with bfloat16 hardware, its float32 rows
-        cast to bfloat16, output bfloat16), else the q4 kernel's float32 panels (q4), else as ``_mm``."""
+        cast to bfloat16, output bfloat16), else the q4 kernel's float32 panels (q4), else as ``mm``."""
         if self.kernel == "q4" and self.dense is not None:
             return torch.nn.functional.linear(rows.to(torch.bfloat16), self.dense)
         if self.kernel == "q4":
             return fused.q4_matmul(rows.float() if rows.dtype != torch.float32 else rows, self.qweight, self.qparams,
                                    panels=True)
         if self.dense is None:
-            return self._mm(rows)
+            return self.mm(rows)
         return torch.nn.functional.linear(rows, self.dense)
 
-    def _mm(self, rows: torch.Tensor) -> torch.Tensor:
+    def mm(self, rows: torch.Tensor) -> torch.Tensor:
+        """The kernel on ``rows [T, K]`` already in ``input_dtype`` -> ``[T, N]`` (no bias, no casts:
+        what ``forward`` wraps, and what the fused layer path calls directly)."""
         if self.kernel == "int4":
             return torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.qweight, self.group, self.qparams)
         if self.kernel == "int8":
@@ -231,9 +233,9 @@ class QuantLinear(nn.Module):
             return fused.q8_matmul(rows.contiguous(), self.qweight, self.qparams)
         if self.kernel == "q4":
             return fused.q4_matmul(rows.float() if rows.dtype != torch.float32 else rows, self.qweight, self.qparams)
-        mm = torch.ops.aten._weight_int4pack_mm_for_cpu  # int4x2: the two halves summed in float32
-        out = mm(rows, self.qweight[0], self.group, self.qparams[0]).float()
-        return out.add_(mm(rows, self.qweight[1], self.group, self.qparams[1]))
+        int4 = torch.ops.aten._weight_int4pack_mm_for_cpu  # int4x2: the two halves summed in float32
+        out = int4(rows, self.qweight[0], self.group, self.qparams[0]).float()
+        return out.add_(int4(rows, self.qweight[1], self.group, self.qparams[1]))
 
     def _int4_codes(self, part: int | None = None) -> torch.Tensor:
         """The stored ``q [N, K]`` (0..15, float32), read back through the kernel itself (identity

@@ -226,7 +226,7 @@ class DecoderLayer(nn.Module):
         for prompt tokens its dense prefill weights where it has them), else the module. Looked up
         on each call (cheap), so replaced modules are always seen."""
         act = self.act_dtype or torch.float32
-        return tuple((m.prefill_mm if prefill else m._mm)
+        return tuple((m.prefill_mm if prefill else m.mm)
                      if type(m) is QuantLinear and m.bias is None and m.input_dtype == act else m
                      for m in self.projections())
 
