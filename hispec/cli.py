@@ -165,7 +165,7 @@ def print_stats(out, file, kernels: str | None = None) -> None:
 
 def kernels_of(gen) -> str | None:
     """Which kernels the generator's model runs on (None for a model this cannot inspect)."""
-    from .model.kernels import describe
+    from .kernels.select import describe
 
     model = getattr(gen, "model", None)
     return describe(model) if hasattr(model, "layers") and hasattr(model, "weight_format") else None

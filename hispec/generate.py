@@ -66,16 +66,16 @@ class Generator:
                            gguf=gguf)
         model.kv_cache_dtype = kv_cache_dtype_of(kv_cache_dtype)
         if model.device.type == "cpu":
-            from .model import fused
+            from .kernels import layer_op
 
-            fused.prebuild(say=(lambda msg: print(msg, file=sys.stderr, flush=True)) if progress else None)
+            layer_op.prebuild(say=(lambda msg: print(msg, file=sys.stderr, flush=True)) if progress else None)
         gen = cls(model, load_tokenizer(folder))
         gen.model_path = folder
         if exits is not False:
             from .model.exits import attach_exits
             attach_exits(gen, None if exits is True else exits)
         if model.device.type == "cpu":
-            from .model import matmul
+            from .kernels import matmul
 
             matmul.choose_routes(gen.model)  # timed at load, not in the first prefill
         return gen

@@ -5,9 +5,9 @@
                                      [--tokens 64] [--threads 2] [--repeats 3] [--no-fused]
 
 Times every matmul with a wall clock during generation: the linear layers called from Python
-(``Linear.forward``, ``QuantLinear._mm``: exit heads, the eager path) and, inside the C++ op that
+(``Linear.forward``, ``QuantLinear.mm``: exit heads, the eager path) and, inside the C++ op that
 runs a decode step or a range of layers in one call, each matmul kernel call it makes
-(``fused.profile``: decoder linears and the output head). The rest of the wall time is "outside
+(``layer_op.profile``: decoder linears and the output head). The rest of the wall time is "outside
 the matmuls": the op's other kernels, timed the same way (attention, RoPE and the cache write,
 norms, the gated activation, the residual add, the step's setup), the op's own overhead
 (``op_other``: its calls' wall time less those parts: tensor allocation, checks, argument
@@ -42,7 +42,7 @@ def main() -> None:
 
     from hispec.config import SamplingParams
     from hispec.generate import Generator
-    from hispec.model import fused, matmul, quant
+    from hispec.kernels import layer_op, matmul, quant
 
     gen = Generator.from_pretrained(args.model, quantize=args.quantize, kv_cache_dtype=args.kv_cache_dtype,
                                     progress=False)
@@ -56,24 +56,24 @@ def main() -> None:
             return out
         return wrapper
 
-    # the kernel call itself: the fused layers call QuantLinear._mm directly
+    # the kernel call itself: the fused layers call QuantLinear.mm directly
     matmul.Linear.forward = timed(matmul.Linear.forward, in_mm)
-    quant.QuantLinear._mm = timed(quant.QuantLinear._mm, in_mm)
+    quant.QuantLinear.mm = timed(quant.QuantLinear.mm, in_mm)
     # the C++ op's calls as a whole (with their Python glue): what its parts leave is its own overhead
-    fused.decode_step = timed(fused.decode_step, in_op)
-    fused.decode_steps = timed(fused.decode_steps, in_op)
-    fused.decode_layers = timed(fused.decode_layers, in_op)
+    layer_op.decode_step = timed(layer_op.decode_step, in_op)
+    layer_op.decode_steps = timed(layer_op.decode_steps, in_op)
+    layer_op.decode_layers = timed(layer_op.decode_layers, in_op)
     ids = gen.encode_prompt(args.prompt)
     print(f"{args.model} ({gen.model.weight_format} weights, KV cache {str(gen.model.kv_dtype)[6:]}, "
           f"{'eager' if args.no_fused else 'fused'} path, {args.threads} threads), {len(ids)} prompt tokens, "
           f"{args.tokens} new tokens")
     def run(strategy: str, tokens: int) -> tuple[float, dict, dict]:
         in_mm[0] = in_op[0] = 0.0
-        fused.profile(True)
+        layer_op.profile(True)
         t0 = time.perf_counter()
         out = gen.generate(ids, SamplingParams(max_new_tokens=tokens, ignore_eos=True), strategy)
         wall = time.perf_counter() - t0
-        parts = {part: seconds for part, (seconds, _) in fused.profile(False).items()}
+        parts = {part: seconds for part, (seconds, _) in layer_op.profile(False).items()}
         in_op_parts = sum(parts.values())
         parts["matmul"] = parts.get("matmul", 0.0) + in_mm[0]
         parts["op_other"] = in_op[0] - in_op_parts

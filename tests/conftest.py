@@ -90,15 +90,15 @@ def one_torch_thread():
 def four_bit_kernel(monkeypatch):
     """``four_bit_kernel(kind)``: 4-bit weights built from now on use ``kind`` (``q4`` or ``int4``)
     instead of the one timed faster on this CPU."""
-    from hispec.model import kernels
+    from hispec.kernels import quant
 
     def use(kind: str) -> None:
         if kind == "q4":
-            from hispec.model import fused
+            from hispec.kernels import fused
             if not fused.available():
                 pytest.skip("the q4 kernel needs the fused CPU kernels (a C compiler)")
         monkeypatch.setenv("HISPEC_Q4_KERNEL", kind)
-        kernels.four_bit_kernel.cache_clear()
+        quant.four_bit_kernel.cache_clear()
 
     yield use
-    kernels.four_bit_kernel.cache_clear()
+    quant.four_bit_kernel.cache_clear()

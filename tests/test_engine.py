@@ -74,16 +74,16 @@ def test_rounds_of_several_greedy_tokens_equal_one_token_rounds(model, workload,
     """``ar`` taking up to ``greedy_steps`` greedy tokens per round in one op call gives the ids of
     one-token rounds: alone, batched, with EOS and token limits falling inside a round, under a pool
     small enough to preempt; and the text of one-token rounds with stop strings."""
-    from hispec.model import fused
+    from hispec.kernels import layer_op
 
-    if fused.layers_op() is None:
+    if layer_op.layers_op() is None:
         pytest.skip("no C++ compiler or torch headers: no op to run several steps in")
     prompts, limits, _, eos = workload
     monkeypatch.setattr(Autoregressive, "greedy_steps", 1)
     _, single = run_engine(model, "ar", prompts, limits, eos, 5, kv_blocks=400)
     calls = []
-    runs = fused.decode_steps
-    monkeypatch.setattr(fused, "decode_steps", lambda *a: calls.append(a[-2]) or runs(*a))
+    runs = layer_op.decode_steps
+    monkeypatch.setattr(layer_op, "decode_steps", lambda *a: calls.append(a[-2]) or runs(*a))
     for steps, batch_size, kv_blocks in ((4, 1, 400), (4, 5, 400), (3, 16, 60), (8, 16, 400)):
         monkeypatch.setattr(Autoregressive, "greedy_steps", steps)
         engine, got = run_engine(model, "ar", prompts, limits, eos, batch_size, kv_blocks=kv_blocks)

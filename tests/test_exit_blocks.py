@@ -97,7 +97,7 @@ def test_bfloat16_teacher_runs_the_models_prefill_path(tiny_model_dir):
     """``teacher_precision="bfloat16"`` runs the model's own prefill path: a quantized layer's dense
     bfloat16 prefill weights where it has them (close to the decode kernels, not equal); on float
     weights it is the decode path itself."""
-    from hispec.model.quant import QuantLinear
+    from hispec.kernels.quant import QuantLinear
 
     seqs = [ids for _, ids, _ in encoded(3, seed=5)]
     model = load_model(tiny_model_dir("llama"))
@@ -154,7 +154,7 @@ def test_dense_block_equals_the_paged_block(tiny):
     rows = []
     for a, b in ((0, 12), (12, 13), (13, 20)):  # a prefill, one step, a window
         batch = AttentionBatch([SeqChunk(0, a, b - a)], blocks, tiny.device)
-        rows.append(block.forward_paged(h[0, a:b], batch, pool, tiny._rope(batch.positions)))
+        rows.append(block.forward_paged(h[0, a:b], batch, pool, tiny.rope(batch.positions)))
     assert torch.allclose(torch.cat(rows), dense, atol=1e-4)
 
 
@@ -191,11 +191,11 @@ def test_zero_init_block_starts_at_the_shared_head_exit(tiny):
 
 
 def test_training_precision_follows_the_hardware(monkeypatch):
-    from hispec.model import kernels
+    from hispec.kernels import select
 
     cpu = torch.device("cpu")
     for has, want in ((True, "bfloat16"), (False, "float32")):
-        monkeypatch.setattr(kernels, "cpu_has_bf16", lambda has=has: has)
+        monkeypatch.setattr(select, "cpu_has_bf16", lambda has=has: has)
         assert S.resolve_precision("auto", cpu) == want
     assert S.resolve_precision("float32", cpu) == "float32" and S.resolve_precision("bfloat16", cpu) == "bfloat16"
     with pytest.raises(ValueError, match="precision"):
@@ -316,7 +316,7 @@ def test_a_quantized_model_drafts_on_int4_exits(tiny_model_dir):
     """On the quantized CPU kernels a block decodes with an int4 copy of its layer and a restricted
     exit with int4 output rows (the stored weights unchanged); the output still equals ``ar``'s."""
     from hispec.model.exits import ExitSet
-    from hispec.model.quant import QuantLinear
+    from hispec.kernels.quant import QuantLinear
 
     gen = Generator.from_pretrained(str(tiny_model_dir("llama")), exits=False, quantize="int4", progress=False)
     model = gen.model

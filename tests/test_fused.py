@@ -1,7 +1,8 @@
-"""The fused CPU kernels (hispec/model/fused.py): each agrees with the eager PyTorch computation
+"""The fused CPU kernels (hispec/kernels/: fused.py, layer_op.py, plan.py): each agrees with the eager PyTorch computation
 it replaces, computes every row independently of the others in its call (what keeps batched
 verification bit-identical to one-token decoding), rounds to bfloat16 exactly as PyTorch does,
 and the model really runs on them."""
+import gc
 import platform
 import shutil
 
@@ -10,7 +11,7 @@ import torch
 
 from hispec.cache.block_manager import BlockManager
 from hispec.cache.kv_cache import AttentionBatch, KVPool, SeqChunk
-from hispec.model import fused
+from hispec.kernels import build, fused, layer_op, plan
 from hispec.model.decoder import DecoderLayer, RMSNorm, apply_rope
 
 pytestmark = pytest.mark.skipif(not fused.available(), reason="no C compiler: the eager path runs instead")
@@ -170,9 +171,9 @@ def test_model_runs_on_the_fused_kernels(tiny_model_dir, monkeypatch):
 
     gen = Generator.from_pretrained(str(tiny_model_dir("llama")), exits=False, progress=False)
     calls = []
-    for name in ("paged_attention", "decode_layers"):  # a layer at a time, or a range of layers in one call
-        real = getattr(fused, name)
-        monkeypatch.setattr(fused, name, lambda *a, real=real, **k: calls.append(1) or real(*a, **k))
+    for module, name in ((fused, "paged_attention"), (layer_op, "decode_layers")):  # a layer at a time, or a range
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, real=real, **k: calls.append(1) or real(*a, **k))
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
     prompt = list(range(3, 20))
     with_kernels = gen.generate(prompt, params, "ar")
@@ -194,7 +195,7 @@ def test_model_runs_on_the_fused_kernels(tiny_model_dir, monkeypatch):
 @pytest.fixture
 def small_route(monkeypatch):
     """``small_route(name)``: float32 products of up to SMALL_ROWS rows take route ``name``."""
-    from hispec.model import matmul
+    from hispec.kernels import matmul
 
     def use(name: str) -> None:
         monkeypatch.setenv("HISPEC_SMALL_MATMUL", name)
@@ -210,7 +211,7 @@ def tiny_on_kernels(tiny_model_dir, four_bit_kernel, small_route, quantize: str)
     the layer op cannot be built."""
     from hispec.generate import Generator
 
-    if fused.layers_op() is None:
+    if layer_op.layers_op() is None:
         pytest.skip("no C++ compiler or torch headers: the layers run one by one")
     if quantize in ("int4", "q4"):
         four_bit_kernel(quantize)
@@ -227,7 +228,7 @@ def test_layer_op_equals_the_per_layer_path(tiny_model_dir, four_bit_kernel, sma
     states and K/V bit for bit, for float32 (on each decode-sized route), int4 (on PyTorch's int4
     kernel or hispec's q4) and int8 weights, on a ragged batch (above SMALL_ROWS rows, float32 weights
     take the panel kernel where this CPU serves them with it)."""
-    from hispec.model.matmul import panel_rows
+    from hispec.kernels.matmul import panel_rows
 
     gen = tiny_on_kernels(tiny_model_dir, four_bit_kernel, small_route, quantize)
     quantize = quantize.split(":")[0]
@@ -239,7 +240,7 @@ def test_layer_op_equals_the_per_layer_path(tiny_model_dir, four_bit_kernel, sma
         for i in range(n):
             pool.k[i].copy_(rand(*pool.k[i].shape)), pool.v[i].copy_(rand(*pool.v[i].shape))
         h = rand(sum(counts), cfg.hidden_size)
-        plans = model._layer_plans(h, 0, n, model._rope(batch.positions), batch, pool)
+        plans = plan.fast_path(model).layer_plans(h, 0, n, model.rope(batch.positions), batch, pool)
         if quantize == "none" and sum(counts) > 4 and panel_rows() == 0:
             assert plans is None  # more rows than SMALL_ROWS take oneDNN (this CPU), in Python
             continue
@@ -249,7 +250,7 @@ def test_layer_op_equals_the_per_layer_path(tiny_model_dir, four_bit_kernel, sma
             per_layer.k[i].copy_(pool.k[i]), per_layer.v[i].copy_(pool.v[i])
         with torch.no_grad():
             one_call = model.run_layers(h, 1, n, batch, pool)
-            rope = model._rope(batch.positions)
+            rope = model.rope(batch.positions)
             ref = h
             for i in range(1, n):
                 ref = model.layers[i](ref, i, rope, batch, per_layer)
@@ -283,11 +284,11 @@ def test_layer_op_prefill_on_dense_weights_equals_the_per_layer_path(tiny_model_
         for p in pools:
             p.k[i].copy_(k), p.v[i].copy_(v)
     h = rand(14, cfg.hidden_size)
-    assert model._layer_plans(h, 0, n, model._rope(batch.positions), batch, pools[0]) is not None
-    assert fused.MM_DENSE_BF16 in model._plans_for(0, n, True, True)[0].kinds or quantize == "int4"
+    assert plan.fast_path(model).layer_plans(h, 0, n, model.rope(batch.positions), batch, pools[0]) is not None
+    assert layer_op.MM_DENSE_BF16 in plan.fast_path(model).plans_for(0, n, True, True)[0].kinds or quantize == "int4"
     with torch.no_grad():
         one_call = model.run_layers(h, 0, n, batch, pools[0])
-        rope, ref = model._rope(batch.positions), h
+        rope, ref = model.rope(batch.positions), h
         for i in range(n):
             ref = model.layers[i](ref, i, rope, batch, pools[1])
     assert torch.equal(one_call, ref)
@@ -298,53 +299,53 @@ def test_layer_op_prefill_on_dense_weights_equals_the_per_layer_path(tiny_model_
 def test_layer_plan_follows_replaced_projections(tiny_model_dir):
     """A projection replaced after the plan was made (e.g. quantization) is planned anew."""
     from hispec.generate import Generator
-    from hispec.model.quant import QuantLinear
+    from hispec.kernels.quant import QuantLinear
 
-    if fused.layers_op() is None:
+    if layer_op.layers_op() is None:
         pytest.skip("no C++ compiler or torch headers")
     gen = Generator.from_pretrained(str(tiny_model_dir("llama")), exits=False, quantize="none", progress=False)
     layer = gen.model.layers[0]
-    from hispec.model.matmul import small_route
+    from hispec.kernels.matmul import small_route
 
-    kind = {"wxt": fused.MM_FLOAT, "linear": fused.MM_FLOAT_LINEAR, "panel": fused.MM_PANEL}[small_route()]
-    assert layer.layer_plan()[2] == [kind] * 4
+    kind = {"wxt": layer_op.MM_FLOAT, "linear": layer_op.MM_FLOAT_LINEAR, "panel": layer_op.MM_PANEL}[small_route()]
+    assert plan.layer_plan(layer)[2] == [kind] * 4
     weight = layer.o_proj.weight
     if small_route() == "panel":  # a float32 weight changed in place: the plan's panel copy is remade
-        before = layer.layer_plan()[1][2].clone()
+        before = plan.layer_plan(layer)[1][2].clone()
         with torch.no_grad():
             weight.mul_(2)
-        assert torch.equal(layer.layer_plan()[1][2], 2 * before)
+        assert torch.equal(plan.layer_plan(layer)[1][2], 2 * before)
     layer.o_proj = QuantLinear.from_float(weight, "int4", kernel="int4")
-    assert layer.layer_plan() is None  # int4 wants bfloat16 activations, this layer runs float32 ones
+    assert plan.layer_plan(layer) is None  # int4 wants bfloat16 activations, this layer runs float32 ones
     layer.o_proj = QuantLinear.from_float(weight, "int4", kernel="q4")  # q4 reads float32 ones
-    assert layer.layer_plan()[2][1] == fused.MM_Q4
+    assert plan.layer_plan(layer)[2][1] == layer_op.MM_Q4
 
 
 def test_range_plans_follow_the_layers(tiny_model_dir, small_route):
     """The model keeps each layer range's flattened plans between steps; a weight changed in place,
     a replaced projection or a replaced layer is seen at the next step."""
     from hispec.generate import Generator
-    from hispec.model.quant import QuantLinear
+    from hispec.kernels.quant import QuantLinear
 
-    if fused.layers_op() is None:
+    if layer_op.layers_op() is None:
         pytest.skip("no C++ compiler or torch headers")
     small_route("panel")
     gen = Generator.from_pretrained(str(tiny_model_dir("llama")), exits=False, quantize="none", progress=False)
     model, n = gen.model, gen.model.num_layers
-    plans, has_float = model._plans_for(0, n, False, False)
-    assert has_float and plans.kinds[:4] == [fused.MM_PANEL] * 4
-    assert model._plans_for(0, n, False, False)[0] is plans  # kept
+    plans, has_float = plan.fast_path(model).plans_for(0, n, False, False)
+    assert has_float and plans.kinds[:4] == [layer_op.MM_PANEL] * 4
+    assert plan.fast_path(model).plans_for(0, n, False, False)[0] is plans  # kept
     before = plans.weights[2].clone()  # layer 0's o_proj, in panels
     with torch.no_grad():
         model.layers[0].o_proj.weight.mul_(2)
-    again = model._plans_for(0, n, False, False)[0]
+    again = plan.fast_path(model).plans_for(0, n, False, False)[0]
     assert again is not plans and torch.equal(again.weights[2], 2 * before)
     model.layers[1].o_proj = QuantLinear.from_float(model.layers[1].o_proj.weight, "int4", kernel="q4")
-    assert model._plans_for(0, n, False, False)[0].kinds[4 + 1] == fused.MM_Q4
+    assert plan.fast_path(model).plans_for(0, n, False, False)[0].kinds[4 + 1] == layer_op.MM_Q4
     model.layers[1].o_proj = QuantLinear.from_float(model.layers[1].o_proj.weight, "int4", kernel="int4")
-    assert model._plans_for(0, n, False, False)[0] is None  # int4 wants bfloat16 activations
+    assert plan.fast_path(model).plans_for(0, n, False, False)[0] is None  # int4 wants bfloat16 activations
     model.layers[1] = type(model.layers[0])(model.cfg)  # a fresh float32 layer
-    assert model._plans_for(0, n, False, False)[0] is not None
+    assert plan.fast_path(model).plans_for(0, n, False, False)[0] is not None
 
 
 def test_op_ranges_go_with_the_pool_and_the_plans(tiny_model_dir):
@@ -353,24 +354,28 @@ def test_op_ranges_go_with_the_pool_and_the_plans(tiny_model_dir):
     pool it was made for."""
     from hispec.generate import Generator
 
-    if fused.layers_op() is None:
+    if layer_op.layers_op() is None:
         pytest.skip("no C++ compiler or torch headers")
     gen = Generator.from_pretrained(str(tiny_model_dir("llama")), exits=False, quantize="none", progress=False)
     model, cfg, n = gen.model, gen.model.cfg, gen.model.num_layers
-    plans = model._plans_for(0, n, False, False)[0]
+    plans = plan.fast_path(model).plans_for(0, n, False, False)[0]
     pools = [KVPool(n, 8, 4, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu") for _ in range(2)]
-    first = fused.op_range(plans, pools[0], 0, n, cfg, False)
-    assert fused.op_range(plans, pools[0], 0, n, cfg, False) is first
-    assert fused.op_range(plans, pools[1], 0, n, cfg, False) is not first
-    tail = model._plans_for(1, n, False, False)[0]
-    assert fused.op_range(tail, pools[0], 1, n, cfg, False) is not first
-    remade = fused.LayerPlans.of([layer.layer_plan() for layer in model.layers])
-    assert fused.op_range(remade, pools[0], 0, n, cfg, False) is not first
+    ranges = plan.fast_path(model).ranges
+    first = ranges.get(plans, pools[0], 0, n, cfg, False)
+    assert ranges.get(plans, pools[0], 0, n, cfg, False) is first
+    assert ranges.get(plans, pools[1], 0, n, cfg, False) is not first
+    tail = plan.fast_path(model).plans_for(1, n, False, False)[0]
+    assert ranges.get(tail, pools[0], 1, n, cfg, False) is not first
+    remade = layer_op.LayerPlans.of([plan.layer_plan(layer) for layer in model.layers])
+    assert ranges.get(remade, pools[0], 0, n, cfg, False) is not first
     batch, _, _ = paged_case([0], [1], hq=cfg.num_heads, hkv=cfg.num_kv_heads, d=cfg.head_dim)
     h = rand(1, cfg.hidden_size)
     with torch.no_grad():
-        fused.decode_layers(h, plans, model._rope(batch.positions), batch, pools[1], 0, n, cfg, False)
+        layer_op.decode_layers(h, ranges.get(plans, pools[1], 0, n, cfg, False), model.rope(batch.positions), batch, cfg)
     assert pools[1].k[0].abs().sum() > 0 and pools[0].k[0].abs().sum() == 0  # the pool it was given
+    del pools[1]  # the handles go with their pool
+    gc.collect()
+    assert len(ranges._by_pool) == 1
 
 
 @pytest.mark.parametrize("kernel", ["int4", "q4"])
@@ -424,11 +429,11 @@ def test_kernels_are_built_at_load_not_in_the_first_decode_step(tiny_model_dir, 
     from hispec.generate import Generator
 
     built = []
-    monkeypatch.setattr(fused, "layers_op", lambda: built.append(1))
-    monkeypatch.setattr(fused, "_build_dir", lambda: tmp_path)
+    monkeypatch.setattr(layer_op, "layers_op", lambda: built.append(1))
+    monkeypatch.setattr(build, "build_dir", lambda: tmp_path)
     Generator.from_pretrained(str(tiny_model_dir("llama")), exits=False, progress=True)
     assert built and "building hispec's CPU kernels" in capsys.readouterr().err
-    fused._layers_path().touch()
+    build.op_path().touch()
     Generator.from_pretrained(str(tiny_model_dir("llama")), exits=False, progress=True)
     assert len(built) == 2 and "building" not in capsys.readouterr().err
 
@@ -446,11 +451,12 @@ def test_plain_c_fallback_gives_the_same_bits(tmp_path):
     if cc is None:
         pytest.skip("no C compiler")
     lib_path = tmp_path / "baseline.so"
-    flags = [f if f != "-march=native" else "-march=x86-64" for f in fused.FLAGS]
-    subprocess.run([cc, *flags, str(fused.SOURCE), "-o", str(lib_path), "-lm"], check=True, capture_output=True)
+    flags = [f if f != "-march=native" else "-march=x86-64" for f in build.FLAGS]
+    subprocess.run([cc, *flags, *map(str, build.c_sources()), "-o", str(lib_path), "-lm"], check=True,
+                   capture_output=True)
     base = ctypes.CDLL(str(lib_path))
     from hispec.model.load.gguf_weights import _blocks, _q8_blocks
-    from hispec.model.quant import QuantLinear
+    from hispec.kernels.quant import QuantLinear
     from test_quant import _gguf_blocks
 
     g = torch.Generator().manual_seed(5)
@@ -485,12 +491,12 @@ def test_plain_c_fallback_gives_the_same_bits(tmp_path):
 
 def test_layer_op_on_an_empty_range_returns_its_input():
     """An empty range (no layers, no cache layers) hands ``h`` back instead of reading a first layer."""
-    if fused.layers_op() is None:
+    if layer_op.layers_op() is None:
         pytest.skip("no C++ compiler or torch headers")
     empty = torch.classes.hispec_fused.Range([], [], [], [], [], [], 2, 1, 1e-5, False)
     h, rows = rand(1, 8), rand(1, 4)
     one = torch.ones(1, dtype=torch.int32)
-    out = fused.layers_op()(h, rows, rows, torch.zeros(1, dtype=torch.long), one[None], one - 1, one, 4, False, empty)
+    out = layer_op.layers_op()(h, rows, rows, torch.zeros(1, dtype=torch.long), one[None], one - 1, one, 4, False, empty)
     assert torch.equal(out, h)
 
 
@@ -501,13 +507,13 @@ def test_rope_table_rows_equal_the_rows_computed_alone(tiny_model_dir):
 
     model = Generator.from_pretrained(str(tiny_model_dir("llama")), exits=False, quantize="none", progress=False).model
     for positions in (torch.tensor([0]), torch.tensor([5, 1023, 1024, 3000, 2]), torch.arange(40, 47)):
-        cos, ssin = model._rope(positions)
+        cos, ssin = model.rope(positions)
         for i, p in enumerate(positions.tolist()):
             alone = model._rope_rows(torch.tensor([p]))
             assert torch.equal(cos[i, 0], alone[0][0]) and torch.equal(ssin[i, 0], alone[1][0])
     assert model._rope_table[0].shape[0] == 4096
     model.to(torch.bfloat16)
-    assert model._rope(torch.tensor([7]))[0].dtype == torch.bfloat16
+    assert model.rope(torch.tensor([7]))[0].dtype == torch.bfloat16
 
 
 @pytest.mark.parametrize("quantize", ["none:wxt", "none:linear", "none:panel", "int4", "q4", "int8", "q8 head"])
@@ -520,8 +526,8 @@ def test_decode_step_equals_the_general_path(tiny_model_dir, four_bit_kernel, sm
     lengths whose blocks interleave, on float32 (each decode-sized route; 6 rows: the batched route),
     int4 / q4 / int8 weights and a Q8_0 output head, over a float32 or a bfloat16 KV cache."""
     from hispec.decode.base import LayerRunner
-    from hispec.model.matmul import panel_rows
-    from hispec.model.quant import QuantLinear
+    from hispec.kernels.matmul import panel_rows
+    from hispec.kernels.quant import QuantLinear
 
     q8_head = quantize == "q8 head"
     quantize = "none:wxt" if q8_head else quantize
@@ -631,14 +637,14 @@ def test_profiling_counts_the_op_calls(tiny_model_dir, four_bit_kernel, small_ro
     gen = tiny_on_kernels(tiny_model_dir, four_bit_kernel, small_route, "int4")
     params = SamplingParams(max_new_tokens=4, ignore_eos=True)
     gen.generate([1, 2, 3], params)  # warm-up
-    fused.profile(True)
+    layer_op.profile(True)
     gen.generate([1, 2, 3], params)
-    parts = fused.profile(False)
-    assert list(parts) == list(fused.PROFILE_PARTS)
+    parts = layer_op.profile(False)
+    assert list(parts) == list(layer_op.PROFILE_PARTS)
     steps, n = 3, gen.model.num_layers  # the first token comes from the prompt's pass
     per_step = {"matmul": 4 * n + 1, "attention": n, "rope_cache": n, "norm": 2 * n + 1, "silu_mul": n,
                 "residual": n, "setup": 1}
     for part, (seconds, calls) in parts.items():
         assert calls >= steps * per_step[part] and seconds > 0, part
     gen.generate([1, 2, 3], params)
-    assert all(v == (0.0, 0) for v in fused.profile(False).values())
+    assert all(v == (0.0, 0) for v in layer_op.profile(False).values())

@@ -425,7 +425,7 @@ def test_native_weights_are_the_files_own(tmp_path, qtype):
     """``--quantize native``: the 4-bit tensors run on the int4 kernel with the file's exact
     values (``source_weight``), the others stay float32; logits stay close to the float32 copy."""
     from hispec.model.load.checkpoint import apply_quantization, load_model
-    from hispec.model.quant import QuantLinear
+    from hispec.kernels.quant import QuantLinear
 
     model = _tiny_hf_model(tie=False)
     src = tmp_path / "tiny.gguf"

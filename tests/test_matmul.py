@@ -1,12 +1,12 @@
-"""hispec.model.matmul.linear: the CPU fast paths compute F.linear (up to float rounding)."""
+"""hispec.kernels.matmul.linear: the CPU fast paths compute F.linear (up to float rounding)."""
 import copy
 
 import pytest
 import torch
 from torch.nn import functional as F
 
-from hispec.model import fused, matmul
-from hispec.model.matmul import SMALL_ROWS, Linear, linear
+from hispec.kernels import fused, matmul
+from hispec.kernels.matmul import SMALL_ROWS, Linear, linear
 
 
 @pytest.mark.parametrize("route", matmul.ROUTES)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from hispec.kernels import q8act
-from hispec.model.quant import pack_nibbles
+from hispec.kernels.quant import pack_nibbles
 
 pytestmark = pytest.mark.skipif(not q8act.available(), reason="no C compiler for the q8act kernels")
 

@@ -1,4 +1,4 @@
-"""Quantized linear layers (hispec.model.quant), GGUF blocks read natively, kernel choice."""
+"""Quantized linear layers (hispec.kernels.quant), GGUF blocks read natively, kernel choice."""
 from __future__ import annotations
 
 import gguf
@@ -7,9 +7,9 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from hispec.model import fused, kernels
+from hispec.kernels import fused, quant, select
 from hispec.model.load.gguf_weights import _blocks, _q8_blocks
-from hispec.model.quant import ACT_DTYPE, QuantLinear, quantize_linears
+from hispec.kernels.quant import ACT_DTYPE, QuantLinear, quantize_linears
 
 
 def _x(rows: int, k: int, seed: int = 0) -> torch.Tensor:
@@ -119,19 +119,19 @@ def test_q4_kernel_multiplies_the_files_values_each_row_alone(kind):
 def test_four_bit_kernel_choice(monkeypatch):
     """HISPEC_Q4_KERNEL forces the 4-bit kernel; otherwise both are timed once per process and
     layers built without a kernel named take the choice."""
-    kernels.four_bit_kernel.cache_clear()
+    quant.four_bit_kernel.cache_clear()
     try:
         for forced in ("q4", "int4"):
             monkeypatch.setenv("HISPEC_Q4_KERNEL", forced)
-            kernels.four_bit_kernel.cache_clear()
-            assert kernels.four_bit_kernel()[0] == forced
+            quant.four_bit_kernel.cache_clear()
+            assert quant.four_bit_kernel()[0] == forced
             assert QuantLinear.from_float(torch.randn(32, 64), "int4").kernel == forced
         monkeypatch.delenv("HISPEC_Q4_KERNEL")
-        kernels.four_bit_kernel.cache_clear()
-        kind, why = kernels.four_bit_kernel()
+        quant.four_bit_kernel.cache_clear()
+        kind, why = quant.four_bit_kernel()
         assert kind in ("q4", "int4") and "us" in why
     finally:
-        kernels.four_bit_kernel.cache_clear()
+        quant.four_bit_kernel.cache_clear()
 
 
 @needs_fused
@@ -140,25 +140,25 @@ def test_four_bit_kernel_choice_is_kept_for_later_loads(monkeypatch, tmp_path):
     again (the same command gives the same text from one run to the next on a noisy machine)."""
     monkeypatch.setenv("HISPEC_HOME", str(tmp_path))
     monkeypatch.delenv("HISPEC_Q4_KERNEL", raising=False)
-    kernels.four_bit_kernel.cache_clear()
+    quant.four_bit_kernel.cache_clear()
     try:
-        first = kernels.four_bit_kernel()[0]
+        first = quant.four_bit_kernel()[0]
         saved = list((tmp_path / "kernels").glob("four_bit-*.json"))
         assert len(saved) == 1
-        monkeypatch.setattr(kernels, "format_timings", lambda: pytest.fail("timed again"))
-        kernels.four_bit_kernel.cache_clear()
-        kind, why = kernels.four_bit_kernel()
+        monkeypatch.setattr(quant, "format_timings", lambda: pytest.fail("timed again"))
+        quant.four_bit_kernel.cache_clear()
+        kind, why = quant.four_bit_kernel()
         assert kind == first and "earlier load" in why
         other = "q4" if first == "int4" else "int4"  # what the file says is what runs
         saved[0].write_text(saved[0].read_text().replace(f'"{first}"', f'"{other}"'))
-        kernels.four_bit_kernel.cache_clear()
-        assert kernels.four_bit_kernel()[0] == other
+        quant.four_bit_kernel.cache_clear()
+        assert quant.four_bit_kernel()[0] == other
         saved[0].write_text("not json")  # a damaged file: timed again
-        monkeypatch.setattr(kernels, "format_timings", lambda: {"q4": 1.0})
-        kernels.four_bit_kernel.cache_clear()
-        assert kernels.four_bit_kernel()[0] == "q4"
+        monkeypatch.setattr(quant, "format_timings", lambda: {"q4": 1.0})
+        quant.four_bit_kernel.cache_clear()
+        assert quant.four_bit_kernel()[0] == "q4"
     finally:
-        kernels.four_bit_kernel.cache_clear()
+        quant.four_bit_kernel.cache_clear()
 
 
 def test_q8_blocks_as_two_int4_halves():
@@ -198,35 +198,35 @@ def test_quantize_linears_replaces_every_linear_in_any_module():
 
 @pytest.fixture
 def fresh_choice():
-    kernels.quantized_kernels_pay.cache_clear()
+    select.quantized_kernels_pay.cache_clear()
     yield
-    kernels.quantized_kernels_pay.cache_clear()
+    select.quantized_kernels_pay.cache_clear()
 
 
 def test_avx512_uses_the_quantized_kernels_without_timing(monkeypatch, fresh_choice):
-    monkeypatch.setattr(kernels, "cpu_capability", lambda: "AVX512")
-    monkeypatch.setattr(kernels, "time_matmuls", lambda: pytest.fail("no timing needed"))
-    assert kernels.quantized_kernels_pay()[0]
+    monkeypatch.setattr(select, "cpu_capability", lambda: "AVX512")
+    monkeypatch.setattr(select, "time_matmuls", lambda: pytest.fail("no timing needed"))
+    assert select.quantized_kernels_pay()[0]
 
 
 @pytest.mark.parametrize("quant,dense,pays", [(1.0, 2.0, True), (1.0, 1.1, False), (3.0, 1.0, False)])
 def test_other_cpus_time_both_and_keep_float32_unless_quantized_wins(monkeypatch, fresh_choice, quant, dense, pays):
-    monkeypatch.setattr(kernels, "cpu_capability", lambda: "AVX2")
-    monkeypatch.setattr(kernels, "time_matmuls", lambda: (quant, dense))
-    ok, why = kernels.quantized_kernels_pay()
+    monkeypatch.setattr(select, "cpu_capability", lambda: "AVX2")
+    monkeypatch.setattr(select, "time_matmuls", lambda: (quant, dense))
+    ok, why = select.quantized_kernels_pay()
     assert ok is pays and "AVX2" in why
 
 
 def test_missing_kernel_keeps_float32(monkeypatch, fresh_choice):
     def missing():
         raise RuntimeError("no int4 kernel")
-    monkeypatch.setattr(kernels, "cpu_capability", lambda: "DEFAULT")
-    monkeypatch.setattr(kernels, "time_matmuls", missing)
-    assert kernels.quantized_kernels_pay()[0] is False
+    monkeypatch.setattr(select, "cpu_capability", lambda: "DEFAULT")
+    monkeypatch.setattr(select, "time_matmuls", missing)
+    assert select.quantized_kernels_pay()[0] is False
 
 
 def test_timing_runs_here():
-    quant, dense = kernels.time_matmuls()
-    assert quant > 0 and dense > 0
-    assert set(kernels.format_timings()) >= {"float32", kernels.four_bit_kernel()[0]}
+    quantized, dense = select.time_matmuls()
+    assert quantized > 0 and dense > 0
+    assert set(quant.format_timings()) >= {"float32", quant.four_bit_kernel()[0]}
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernels.fused import KernelBatch
 from .block_manager import BlockManager
 
 
@@ -26,7 +27,6 @@ class KVPool:
         shape = (num_kv_heads, num_blocks * block_size, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.op_ranges: dict = {}  # the fused layer op's handles on these layers (model.fused.op_range)
 
     @property
     def bytes_per_block(self) -> int:
@@ -137,10 +137,8 @@ class AttentionBatch:
         return self._masks
 
     def kernel(self, i: int | None = None):
-        """The fused attention kernel's metadata (``model/fused.py``) for every chunk, or chunk ``i``."""
+        """The fused attention kernel's metadata (``kernels/fused.py``) for every chunk, or chunk ``i``."""
         if i not in self._kernel:
-            from ..model.fused import KernelBatch
-
             idx = range(len(self.chunks)) if i is None else [i]
             self._kernel[i] = KernelBatch([self._tables[j] for j in idx], [self.chunks[j].start for j in idx],
                                           [self.chunks[j].num_tokens for j in idx], self._block_size)

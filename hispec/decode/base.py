@@ -123,7 +123,7 @@ class LayerRunner:
         for c in chunks:
             assert self.blocks.length(c.seq_id, block.kv_layer) == c.start, \
                 f"exit block K/V holds {self.blocks.length(c.seq_id, block.kv_layer)} positions, expected {c.start}"
-        block.write_kv(h, batch, self.pool, self.model._rope(batch.positions))
+        block.write_kv(h, batch, self.pool, self.model.rope(batch.positions))
         for c in chunks:
             self.blocks.set_filled(c.seq_id, block.kv_layer, block.kv_layer + 1, c.start + c.num_tokens)
 
@@ -140,7 +140,7 @@ class LayerRunner:
             assert self.blocks.length(c.seq_id, block.kv_layer) >= c.start + c.num_tokens, \
                 "an exit block's logits need its K/V of these positions (run them through the exit layer first)"
         batch = AttentionBatch(chunks, self.blocks, self.model.device)
-        return block.forward_paged(h, batch, self.pool, self.model._rope(batch.positions))
+        return block.forward_paged(h, batch, self.pool, self.model.rope(batch.positions))
 
     def truncate(self, seq_id: int, length: int) -> None:
         """Roll every layer of the sequence back to at most ``length`` positions."""

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..model.matmul import linear
+from ..kernels.matmul import linear
 from .comm import Comm, split_range
 
 

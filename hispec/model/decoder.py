@@ -14,7 +14,6 @@ The model only computes; it never decides what to generate. Decoding strategies 
 from __future__ import annotations
 
 import math
-import operator
 
 import torch
 import torch.nn.functional as F
@@ -22,9 +21,10 @@ from torch import nn
 
 from ..cache.kv_cache import AttentionBatch, KVPool
 from ..config import ConfigError, ModelConfig
-from . import fused
-from .matmul import SMALL_ROWS, Linear, linear, panel_rows, small_route
-from .quant import ACT_DTYPE, QuantLinear
+from ..kernels import fused
+from ..kernels.matmul import Linear
+from ..kernels.plan import SDPA_MIN_QUERIES, fast_path
+from ..kernels.quant import QuantLinear
 
 
 class RMSNorm(nn.Module):
@@ -108,7 +108,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
 # to this many) are attended one by one, each over exactly its own context, as in one-token
 # decoding: every strategy then computes each token bit for bit as ``ar`` does.
 EXACT_MAX_QUERIES = 32
-SDPA_MIN_QUERIES = 256  # CPU: from here the fused kernel is as fast as the batched matmuls, and leaner
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -133,39 +132,6 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
         scores = scores.view(hkv, g, T, c).masked_fill(~mask, float("-inf")).view(hkv, g * T, c)
     out = torch.bmm(scores.float().softmax(-1).to(v.dtype), v.transpose(0, 1))  # [Hkv, G*T, D]
     return out.view(hkv, g, T, d).permute(2, 0, 1, 3).reshape(T, hq, d)
-
-
-def matmul_plan(m: nn.Module | None, act_dtype: torch.dtype | None, prefill: bool = False,
-                batched: bool = False) -> tuple | None:
-    """How ``fused_layers.cpp`` runs the matmul module ``m`` on inputs of ``act_dtype`` (None: float32),
-    ``(weight, parameters, kind, group)``, or None where it cannot (a bias, another module or dtype):
-    the same kernel and inputs as ``m.forward`` takes. ``prefill``: prompt tokens (QuantLinear's
-    dense prefill weights where it has them, on a q4 layer's float32 inputs cast to bfloat16 as
-    ``QuantLinear.prefill_mm`` casts them); ``batched``: more than SMALL_ROWS rows (float32
-    weights: the panel kernel, as ``Linear.forward`` takes it up to ``panel_rows()`` rows; None
-    where it takes oneDNN)."""
-    if type(m) is QuantLinear and m.bias is None:
-        if act_dtype == ACT_DTYPE and prefill and m.dense is not None:
-            return m.dense, m.dense, fused.MM_DENSE, 0  # the second is a placeholder
-        if m.kernel in ("int4", "int8") and act_dtype == ACT_DTYPE:
-            return m.qweight, m.qparams, fused.MM_INT4 if m.kernel == "int4" else fused.MM_INT8, m.group if m.kernel == "int4" else 0
-        if m.kernel == "q4" and act_dtype in (None, torch.float32):
-            if prefill and m.dense is not None:
-                return m.dense, m.dense, fused.MM_DENSE_BF16, 0  # the second is a placeholder
-            return m.qweight, m.qparams, fused.MM_Q4_PANELS if prefill else fused.MM_Q4, m.group
-        if m.kernel == "q8" and act_dtype in (None, torch.float32):
-            return m.qweight, m.qparams, fused.MM_Q8, 0
-        return None
-    if (type(m) is Linear and m.bias is None and m.weight.dtype == torch.float32 and m.weight.is_contiguous()
-            and act_dtype in (None, torch.float32)):
-        # as Linear.forward: on <= SMALL_ROWS rows the timed route, above it the panel kernel or oneDNN
-        panel = m.panel() if (panel_rows() > 0 if batched else small_route() == "panel") else None
-        if batched and panel is None:
-            return None
-        if panel is not None:
-            return panel, m.weight, fused.MM_PANEL, m.out_features  # the second is a placeholder
-        return m.weight, m.weight, fused.MM_FLOAT_LINEAR if small_route() == "linear" else fused.MM_FLOAT, 0
-    return None
 
 
 _PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
@@ -197,80 +163,50 @@ class DecoderLayer(nn.Module):
         # run on the quantized kernels (set by loader.apply_quantization), so the norms hand
         # them bfloat16 directly and their outputs stay bfloat16 into the next kernel
         self.act_dtype: torch.dtype | None = None
-        self._fusable: bool | None = None  # decided on first use (see _fused)
-        self._plan: dict[tuple, tuple] = {}  # layer_plan per (prefill, batched): (float32 weight versions, plan or False)
+        self._fusable: bool | None = None  # decided on first use (see fusable)
 
     _PLANNED = _PROJECTIONS + ("input_norm", "post_norm", "act_dtype")
 
     def __setattr__(self, name: str, value) -> None:
         if name in DecoderLayer._PLANNED:  # a replaced projection (quantization) or activation dtype
-            self._forget_plans()
+            self._replanned()
         super().__setattr__(name, value)
 
     def _apply(self, fn, *args, **kwargs):  # .to() / .float() may replace buffers the plan holds
-        self._forget_plans()
+        self._replanned()
         return super()._apply(fn, *args, **kwargs)
 
     def projections(self) -> tuple:
         """The four matmul modules a plan covers (None where this family has not got one: OPT's MLP)."""
         return tuple(getattr(self, name, None) for name in _PROJECTIONS)
 
-    def _forget_plans(self) -> None:
-        """Drop the plans; ``plan_epoch`` counts the drops (DecoderModel's range plans follow it)."""
-        self.__dict__["_plan"] = {}
+    def _replanned(self) -> None:
+        """Count up ``plan_epoch``: what the CPU fast path planned for this layer (``kernels.plan``)
+        no longer holds."""
         self.__dict__["plan_epoch"] = self.__dict__.get("plan_epoch", 0) + 1
 
-    def layer_plan(self, prefill: bool = False, batched: bool = False) -> tuple | None:
-        """What ``fused.decode_layers`` needs of this layer, ``(norms, weights, kinds, groups)``,
-        or None when the layer cannot run there (not fusable; a bias; a matmul other than float32
-        ``Linear`` or q4 ``QuantLinear`` on float32 activations or int4/int8 ``QuantLinear`` on
-        bfloat16 ones).
-        ``prefill``: for prompt tokens (QuantLinear's dense prefill weights where it has them);
-        ``batched``: for more than SMALL_ROWS tokens (float32 weights: the panel kernel, as
-        ``Linear.forward`` takes it up to ``panel_rows()`` rows; None where it takes oneDNN)."""
-        versions = tuple(m.weight._version for m in self.projections() if type(m) is Linear)  # a float32 weight changed in place: its panel copy is remade
-        key = (prefill, batched)
-        if self._plan.get(key, (None,))[0] != versions:
-            self._plan[key] = (versions, self._make_plan(prefill, batched) or False)
-        return self._plan[key][1] or None
-
-    def _make_plan(self, prefill: bool, batched: bool = False) -> tuple | None:
-        if not (self._fusable or (self._fusable is None and self._fused_kind())) or fused.layers_op() is None:
-            return None
-        norms = [self.input_norm.weight, self.post_norm.weight]
-        if any(w.dtype != torch.float32 or not w.is_contiguous() for w in norms):
-            return None
-        weights, kinds, groups = [], [], []
-        for m in self.projections():
-            planned = matmul_plan(m, self.act_dtype, prefill, batched)
-            if planned is None:
-                return None
-            weights += planned[:2]
-            kinds.append(planned[2])
-            groups.append(planned[3])
-        return norms, weights, kinds, groups
-
-    def _fused_kind(self) -> bool:
-        cfg = self.cfg
-        self._fusable = (cfg.family != "opt" and self.q_norm is None and cfg.hidden_act == "silu"
-                         and isinstance(self.input_norm, RMSNorm) and fused.available())
+    def fusable(self) -> bool:
+        """Whether this layer's kind runs on the fused CPU kernels (a Llama-style layer: RMSNorm,
+        RoPE, SiLU gate, no q/k norm; kernels built), decided on first use."""
+        if self._fusable is None:
+            cfg = self.cfg
+            self._fusable = (cfg.family != "opt" and self.q_norm is None and cfg.hidden_act == "silu"
+                             and isinstance(self.input_norm, RMSNorm) and fused.available())
         return self._fusable
 
     def forward(self, h: torch.Tensor, layer: int, rope: tuple[torch.Tensor, torch.Tensor] | None,
                 batch: AttentionBatch, pool: KVPool) -> torch.Tensor:
         # h: [T, H] (the residual stream stays in the model's dtype)
-        if self._fused(h, rope, pool, layer):
+        if self.runs_fused(h, rope, pool, layer):
             return self._forward_fused(h, layer, rope, batch, pool)
         h = h + self._attention(self.input_norm(h, self.act_dtype), layer, rope, batch, pool)
-        return h + self._mlp(self.post_norm(h, self.act_dtype))
+        return h + self.mlp(self.post_norm(h, self.act_dtype))
 
-    # ---- the fused CPU path (model/fused.py) ------------------------------------------------
-    def _fused(self, h: torch.Tensor, rope, pool: KVPool, layer: int) -> bool:
+    # ---- the fused CPU path (kernels/fused.py) ----------------------------------------------
+    def runs_fused(self, h: torch.Tensor, rope, pool: KVPool, layer: int) -> bool:
         """Whether this call runs on the fused CPU kernels: float32 residual stream and pool on the
-        CPU, a Llama-style layer (RMSNorm, RoPE, SiLU gate, no q/k norm), kernels built."""
-        if self._fusable is None:
-            self._fused_kind()
-        return (self._fusable and rope is not None and h.dtype == torch.float32 and h.device.type == "cpu"
+        CPU, a fusable layer (see ``fusable``)."""
+        return (self.fusable() and rope is not None and h.dtype == torch.float32 and h.device.type == "cpu"
                 and pool.k[layer].dtype in fused.KV_DTYPES and self.input_norm.weight.dtype == torch.float32
                 and not (torch.is_grad_enabled() and (h.requires_grad or self.input_norm.weight.requires_grad)))
 
@@ -290,7 +226,7 @@ class DecoderLayer(nn.Module):
         for prompt tokens its dense prefill weights where it has them), else the module. Looked up
         on each call (cheap), so replaced modules are always seen."""
         act = self.act_dtype or torch.float32
-        return tuple((m.prefill_mm if prefill else m._mm)
+        return tuple((m.prefill_mm if prefill else m.mm)
                      if type(m) is QuantLinear and m.bias is None and m.input_dtype == act else m
                      for m in self.projections())
 
@@ -318,7 +254,7 @@ class DecoderLayer(nn.Module):
                 out[lo:hi] = fused.paged_attention(q[lo:hi], kp, vp, batch.kernel(i), dt)
         return out
 
-    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
         if self.cfg.family == "opt":
             return self.fc2(self.act(self.fc1(x)))
         gate, up = self.gate_up_proj(x).split(self.cfg.intermediate_size, dim=-1)
@@ -342,7 +278,7 @@ class DecoderLayer(nn.Module):
 
     def write_kv(self, h: torch.Tensor, layer: int, rope, batch: AttentionBatch, pool: KVPool) -> None:
         """Only this layer's K/V for the input ``h [T, H]`` (e.g. positions whose output nobody reads)."""
-        if self._fused(h, rope, pool, layer):
+        if self.runs_fused(h, rope, pool, layer):
             x = fused.rms_norm(h, self.input_norm.weight, self.input_norm.eps, self.act_dtype or h.dtype)
             self._rope_write(self.qkv_proj(x), layer, rope, batch, pool, queries=False)
             return
@@ -373,14 +309,6 @@ class DecoderLayer(nn.Module):
         return self.o_proj(out if self.act_dtype is None else out.to(self.act_dtype))
 
 
-def _module_tensors(m: nn.Module) -> list[torch.Tensor]:
-    """``m``'s parameters and buffers: read from its own dicts when it has no submodules (a
-    linear layer; ~10x cheaper than ``m.parameters()``, which a decode step would pay each time)."""
-    if m._modules:
-        return [*m.parameters(), *m.buffers()]
-    return [t for t in (*m._parameters.values(), *m._buffers.values()) if t is not None]
-
-
 class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -403,10 +331,8 @@ class DecoderModel(nn.Module):
         else:
             inv_freq = rope_inv_freq(cfg)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
-        self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None  # see _rope
+        self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None  # see rope_table
         self.exits: dict[int, nn.Module] = {}  # trained exits by layer; see model/exits/, exit_block.py
-        self._range_plans: dict[tuple, tuple] = {}  # see _plans_for
-        self._head_ops: dict[bool, tuple] = {}  # see _step_head
         self.weight_format = "none"  # or "native" / "int4" / "int8": see loader.apply_quantization
         self.kv_cache_dtype: torch.dtype | None = None  # what KV pools for this model hold; None: the model's dtype
 
@@ -451,7 +377,7 @@ class DecoderModel(nn.Module):
             h = h + self.embed_positions(positions + self.cfg.learned_pos_offset)
         return h
 
-    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``(cos, signed sin)`` ``[T, 1, D]`` of ``positions [T]`` (see ``apply_rope``). On the CPU,
         rows of a table of positions ``0 ..`` (grown by doubling) instead of ~8 tensor ops per
         step: the same values (each element is computed by the same element-wise kernels)."""
@@ -460,11 +386,11 @@ class DecoderModel(nn.Module):
         if positions.device.type != "cpu":
             cos, sin = self._rope_rows(positions)
         else:
-            table = self._cpu_rope_table(int(positions.max()))
+            table = self.rope_table(int(positions.max()))
             cos, sin = table[0].index_select(0, positions), table[1].index_select(0, positions)
         return cos[:, None, :], sin[:, None, :]  # [T, 1, D]
 
-    def _cpu_rope_table(self, last: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def rope_table(self, last: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(cos, signed sin)`` ``[P, D]`` of positions ``0 .. P - 1``, ``P > last`` (grown by doubling)."""
         table = self._rope_table
         if table is None or table[0].dtype != self.dtype or table[0].shape[0] <= last:
@@ -483,58 +409,13 @@ class DecoderModel(nn.Module):
     def run_layers(self, h: torch.Tensor, start: int, end: int, batch: AttentionBatch, pool: KVPool) -> torch.Tensor:
         """Run decoder layers ``[start, end)`` on ``h [T, H]`` (the input to layer ``start``)."""
         assert 0 <= start <= end <= self.cfg.num_layers, (start, end)
-        rope = self._rope(batch.positions)
-        plans = self._layer_plans(h, start, end, rope, batch, pool)
-        if plans is not None:  # the whole range in one call (fused_layers.cpp), same values
-            bf16 = self.layers[start].act_dtype == ACT_DTYPE
-            return fused.decode_layers(h, plans, rope, batch, pool, start, end, self.cfg, bf16)
+        rope = self.rope(batch.positions)
+        out = fast_path(self).run_layers(h, start, end, rope, batch, pool)  # one C++ call where it can, same values
+        if out is not None:
+            return out
         for layer in range(start, end):
             h = self.layers[layer](h, layer, rope, batch, pool)
         return h
-
-    def _layer_plans(self, h: torch.Tensor, start: int, end: int, rope, batch: AttentionBatch,
-                     pool: KVPool) -> fused.LayerPlans | None:
-        """The layers' plans when ``[start, end)`` can run in one ``fused.decode_layers`` call:
-        every layer planned with one activation dtype, chunks below SDPA_MIN_QUERIES tokens (longer
-        ones take SDPA), on float32 weights at most as many tokens as the panel kernel serves
-        (``panel_rows()``; more take oneDNN, in Python), and the per-layer fused path's own
-        conditions (float32 residual stream and pool on the CPU)."""
-        if start == end or not self.layers[start]._fused(h, rope, pool, start) or not fused.layers_op():
-            return None
-        if any(c.num_tokens >= SDPA_MIN_QUERIES for c in batch.chunks):
-            return None
-        plans, has_float = self._plans_for(start, end, batch.prefill, h.shape[0] > SMALL_ROWS)
-        if plans is None or (has_float and h.shape[0] > max(panel_rows(), SMALL_ROWS)):
-            return None
-        if pool.k[start].dtype not in fused.KV_DTYPES:  # a pool holds one dtype
-            return None
-        return plans
-
-    def _plans_for(self, start: int, end: int, prefill: bool, batched: bool) -> tuple:
-        """``(LayerPlans or None, whether any matmul is on float32 weights)`` of layers ``[start, end)``,
-        kept per range: checked on each call against the layers themselves (the same objects, their
-        ``plan_epoch``: projections, activation dtype, ``.to()``) and the versions of their float32
-        weights (changed in place: the panel copies are remade), which is cheaper than asking 30
-        layers for their plans at every decoding step."""
-        key = (start, end, prefill, batched)
-        layers = list(self.layers._modules.values())[start:end]
-        hit = self._range_plans.get(key)
-        if hit is not None:  # (list equality, in C: the same layer objects, epochs and versions)
-            objs, epochs, weights, versions, result = hit
-            if (layers == objs and [layer.plan_epoch for layer in layers] == epochs
-                    and [w._version for w in weights] == versions):
-                return result
-        plans = [layer.layer_plan(prefill, batched) for layer in layers]
-        acts = {layer.act_dtype for layer in layers}
-        if any(p is None for p in plans) or len(acts) != 1:
-            result = (None, False)
-        else:
-            flat = fused.LayerPlans.of(plans)
-            result = (flat, bool(set(fused.MM_FLOAT_KINDS) & set(flat.kinds)))
-        weights = [m.weight for layer in layers for m in layer.projections() if type(m) is Linear]
-        self._range_plans[key] = (layers, [layer.plan_epoch for layer in layers], weights,
-                                  [w._version for w in weights], result)
-        return result
 
     def decode_step(self, tokens: list[int], positions: list[int], tables: list[list[int]],
                     pool: KVPool) -> torch.Tensor | None:
@@ -544,12 +425,7 @@ class DecoderModel(nn.Module):
         ``run_layers`` and ``final_logits`` one after the other. None where that call does not
         apply (then nothing was written): not a RoPE model on the fused CPU path with float32
         embeddings and residual stream, layers or head not planned, exit blocks with K/V."""
-        op = self._step_op(len(tokens), pool)
-        if op is None:
-            return None
-        plans, head, bf16 = op
-        return fused.decode_step(tokens, positions, tables, self._cpu_rope_table(max(positions)), plans, head, pool,
-                                 self.cfg, bf16)
+        return fast_path(self).decode_step(tokens, positions, tables, pool)
 
     def decode_greedy(self, tokens: list[int], positions: list[int], tables: list[list[int]], pool: KVPool,
                       steps: int, eos: list[int]) -> torch.Tensor | None:
@@ -557,47 +433,7 @@ class DecoderModel(nn.Module):
         then the argmax of each row, as ``sampler.argmax`` picks it, and again) -> ``[B, s]`` int64,
         ``s <= steps``: fewer once every sequence has chosen one of ``eos``. The K/V of positions
         ``positions[b] .. + s - 1`` are written. None where ``decode_step`` does not apply."""
-        op = self._step_op(len(tokens), pool)
-        if op is None:
-            return None
-        plans, head, bf16 = op
-        rope = self._cpu_rope_table(max(positions) + steps - 1)
-        return fused.decode_steps(tokens, positions, tables, rope, plans, head, pool, self.cfg, bf16, steps, eos)
-
-    def _step_op(self, batch_size: int, pool: KVPool) -> tuple | None:
-        """``(layer plans, op head, bfloat16 activations)`` for a decode step of ``batch_size``
-        sequences in one op call, or None where it does not apply (see ``decode_step``)."""
-        batched = batch_size > SMALL_ROWS
-        head = self._step_head(batched)
-        if (head is None or pool.k[0].dtype not in fused.KV_DTYPES or pool.k[0].device.type != "cpu"
-                or any(getattr(e, "has_kv", False) for e in self.exits.values()) or torch.is_grad_enabled()
-                and self.embed_tokens.weight.requires_grad):
-            return None
-        plans, has_float = self._plans_for(0, self.num_layers, False, batched)
-        if plans is None or (has_float and batch_size > max(panel_rows(), SMALL_ROWS)):
-            return None
-        return plans, head, self.layers[0].act_dtype == ACT_DTYPE
-
-    def _step_head(self, batched: bool):
-        """``fused.op_head`` of this model's embeddings, final norm and output head (its matmul as
-        for more than SMALL_ROWS rows if ``batched``), kept while they are the same tensors at the
-        same versions; None where ``decode_step`` does not apply."""
-        emb, norm, head = self.embed_tokens.weight, self.norm, self.lm_head
-        tensors = [emb, norm.weight, *_module_tensors(head)]
-        hit = self._head_ops.get(batched)
-        if (hit is not None and hit[0] is head and len(tensors) == len(hit[1])
-                and all(map(operator.is_, tensors, hit[1])) and [t._version for t in tensors] == hit[2]):
-            return hit[3]
-        made = None
-        if (self.inv_freq is not None and self.project_in is None and self.project_out is None and emb.device.type == "cpu"
-                and emb.dtype == torch.float32 and emb.is_contiguous() and isinstance(norm, RMSNorm)
-                and norm.weight.dtype == torch.float32 and norm.weight.is_contiguous()
-                and self.layers[0]._fused_kind() and fused.layers_op() is not None):
-            planned = matmul_plan(head, None, batched=batched)
-            if planned is not None:
-                made = fused.op_head(emb, norm.weight, *planned, norm.eps)
-        self._head_ops[batched] = (head, tensors, [t._version for t in tensors], made)
-        return made
+        return fast_path(self).decode_greedy(tokens, positions, tables, pool, steps, eos)
 
     def final_logits(self, h: torch.Tensor) -> torch.Tensor:
         """The model's own output head on the last hidden state ``[T, H]`` -> ``[T, V]``."""

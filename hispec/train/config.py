@@ -74,6 +74,6 @@ def resolve_precision(precision: str, device: torch.device) -> str:
         return precision
     if device.type == "cuda":
         return "bfloat16" if torch.cuda.is_bf16_supported() else "float32"
-    from ..model.kernels import cpu_has_bf16
+    from ..kernels.select import cpu_has_bf16
 
     return "bfloat16" if device.type == "cpu" and cpu_has_bf16() else "float32"

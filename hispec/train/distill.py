@@ -247,7 +247,7 @@ def _d(head, batch: dict[str, torch.Tensor], dtype) -> torch.Tensor | None:
 
 
 def dense_rope(model, length: int, device):
-    return model._rope(torch.arange(length, device=device))
+    return model.rope(torch.arange(length, device=device))
 
 
 def subset_remap(head) -> torch.Tensor | None:
@@ -316,7 +316,7 @@ def fed_back_layer(layer, x_exact: torch.Tensor, x_fed: torch.Tensor, rope) -> t
     p, po = (s - m).exp(), (own - m).exp()
     a = (p @ v1 + po * v2) / (p.sum(-1, keepdim=True) + po)  # [B, Hq, T, D]
     x = x_fed + layer.o_proj(a.transpose(1, 2).reshape(B, T, layer.q_size))
-    return x + layer._mlp(layer.post_norm(x))
+    return x + layer.mlp(layer.post_norm(x))
 
 
 @torch.no_grad()

@@ -39,7 +39,7 @@ from torch import nn
 from ...cache.kv_cache import AttentionBatch, KVPool
 from .head import SharedOutput
 from ..decoder import DecoderLayer, RMSNorm
-from ..quant import act_dtype_of, float_state_dict, quantize_linears
+from ...kernels.quant import act_dtype_of, float_state_dict, quantize_linears
 
 INITS = ("copy", "zero")
 
@@ -123,4 +123,4 @@ class ExitBlock(SharedOutput):
         a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
                                            enable_gqa=cfg.num_kv_heads != cfg.num_heads)  # [B, Hq, T, D]
         x = x + layer.o_proj(a.transpose(1, 2).reshape(B, T, layer.q_size))
-        return x + layer._mlp(layer.post_norm(x))
+        return x + layer.mlp(layer.post_norm(x))

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from ..decoder import RMSNorm
-from ..matmul import Linear, linear
+from ...kernels.matmul import Linear, linear
 
 # base model -> {(subset hash, device, dtype): the subset's rows of its output head [K, H]}
 _SUBSET_ROWS: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
@@ -101,7 +101,7 @@ class SharedOutput(nn.Module):
         """The subset rows as an int4 ``QuantLinear`` (group 32) when the model's output head is
         quantized and on the CPU, else None. A draft exit's logits only steer drafting (what is
         kept is what the full model verifies), and this reads a quarter of the float32 rows."""
-        from ..quant import QuantLinear, quantizable
+        from ...kernels.quant import QuantLinear, quantizable
 
         if not isinstance(self.base.lm_head, QuantLinear):
             return None

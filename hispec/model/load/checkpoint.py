@@ -184,7 +184,7 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
     ``quantize`` (see :data:`hispec.config.QUANTIZE`): ``native`` puts the 4-bit tensors of ``gguf`` (the file
     the folder was converted from) on the int4 kernel, ``int4`` / ``int8`` quantize the decoder's
     float weights, ``auto`` is ``native`` where the file has 4-bit tensors and the kernels pay on
-    this CPU (``kernels.py``), else ``none``.
+    this CPU (``kernels/select.py``), else ``none``.
     """
     path = Path(path)
     if not path.is_dir():
@@ -214,8 +214,8 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
 def apply_quantization(model: DecoderModel, quantize: str, gguf: str | Path | None = None) -> str:
     """Put the decoder's linear layers on the quantized kernels as ``quantize`` asks; returns the
     format chosen (``model.weight_format``)."""
-    from ..kernels import cpu_has_bf16, quantized_kernels_pay
-    from ..quant import ACT_DTYPE, act_dtype_of, quantize_linears
+    from ...kernels.quant import ACT_DTYPE, act_dtype_of, quantize_linears
+    from ...kernels.select import cpu_has_bf16, quantized_kernels_pay
 
     check_engine_options({"quantize": quantize})
     on_cpu = model.device.type == "cpu"

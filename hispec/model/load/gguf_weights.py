@@ -1,4 +1,4 @@
-"""A GGUF file's own quantized blocks as :class:`~hispec.model.quant.QuantLinear` layers.
+"""A GGUF file's own quantized blocks as :class:`~hispec.kernels.quant.QuantLinear` layers.
 
 ``gguf_convert`` writes a float32 copy of a GGUF model (the reference). This module reads the
 same file's 4-bit tensors without dequantizing them and puts them on the int4 kernel, so the
@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..quant import QuantLinear
+from ...kernels.quant import QuantLinear
 
 BLOCK = 32
 # our fused layer -> its GGUF parts, in the order the float loader fuses them

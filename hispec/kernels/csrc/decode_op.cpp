@@ -1,15 +1,16 @@
-// A range of decoder layers in one call (hispec/model/fused.py, ``decode_layers``).
+// A range of decoder layers in one call (hispec/kernels/layer_op.py, ``decode_layers``), and whole
+// decode steps.
 //
-// The fused Python path (DecoderLayer._forward_fused) makes ~10 calls per layer: four matmuls
-// through the PyTorch dispatcher and six kernels of fused_cpu.c through ctypes, each with its
-// argument checks and tensor allocations; on a 135M-parameter model that Python work costs as
-// much as the matmuls themselves at batch 1. This op runs the same sequence of calls from C++:
-// the same ATen matmul kernels with the same inputs, and the very same compiled kernels of
-// fused_cpu.c (their addresses are handed over once by ``bind``), so its results are bit for
-// bit those of the Python path.
+// The fused Python path (DecoderLayer's per-layer fused forward) makes ~10 calls per layer: four
+// matmuls through the PyTorch dispatcher and six kernels through ctypes, each with its argument
+// checks and tensor allocations; on a 135M-parameter model that Python work costs as much as the
+// matmuls themselves at batch 1. This op runs the same sequence of calls from C++: the same ATen
+// matmul kernels with the same inputs, and the very same compiled kernels (hispec_kernels.h,
+// linked to the library ctypes loaded: one copy in the process), so its results are bit for bit
+// those of the Python path.
 //
 // Built on first use with the machine's C++ compiler against the installed torch's headers,
-// cached beside the C kernels, loaded with torch.ops.load_library.
+// cached beside the C library (hispec/kernels/build.py), loaded with torch.ops.load_library.
 #include <ATen/ATen.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
@@ -33,56 +34,9 @@
 #include <tuple>
 #include <vector>
 
+#include "hispec_kernels.h"
+
 namespace {
-
-using rms_norm_fn = void (*)(const float*, const float*, int64_t, int64_t, float, void*, int);
-using add_rms_norm_fn = void (*)(const float*, const void*, int, const float*, int64_t, int64_t, float, float*,
-                                 void*, int);
-using silu_mul_fn = void (*)(const void*, int, int64_t, int64_t, void*, int);
-using rope_write_fn = void (*)(const void*, int, const float*, const float*, const int64_t*, int64_t, int64_t,
-                               int64_t, int64_t, int64_t, void*, void*, int, float*);
-using paged_attention_fn = void (*)(const float*, const void*, const void*, int, const int32_t*, int64_t,
-                                    const int32_t*, const int32_t*, int64_t, int64_t, int64_t, int64_t, int64_t,
-                                    int64_t, float, void*, int, int);
-using q4_matmul_fn = void (*)(const uint8_t*, const float*, const float*, const float*, int64_t, int64_t, int64_t,
-                              float*, int);
-
-rms_norm_fn rms_norm = nullptr;
-add_rms_norm_fn add_rms_norm = nullptr;
-silu_mul_fn silu_mul = nullptr;
-rope_write_fn rope_write = nullptr;
-paged_attention_fn paged_attention = nullptr;
-q4_matmul_fn q4_matmul = nullptr;
-q4_matmul_fn q4_panel_matmul = nullptr;
-using panel_matmul_fn = void (*)(const float*, int64_t, int64_t, const float*, int64_t, float*, int);
-panel_matmul_fn panel_matmul = nullptr;
-using q8_matmul_fn = void (*)(const int8_t*, const float*, const void*, int, int64_t, int64_t, int64_t, float*, int);
-q8_matmul_fn q8_matmul = nullptr;
-
-// matmul kinds, as fused.py's MM_KINDS
-constexpr int64_t MM_FLOAT = 0;  // float32 weight [N, K]: (W @ x.T).T, one row padded to two (matmul.linear)
-constexpr int64_t MM_INT4 = 1;   // aten._weight_int4pack_mm_for_cpu(x, packed, group, scales_zeros)
-constexpr int64_t MM_INT8 = 2;   // aten._weight_int8pack_mm(x, q, scales)
-constexpr int64_t MM_DENSE = 3;  // x @ W.T with a dense weight in x's dtype (QuantLinear.dense, prompt chunks)
-constexpr int64_t MM_FLOAT_LINEAR = 4;  // float32 weight [N, K]: x @ W.T (matmul.linear where that route wins)
-constexpr int64_t MM_Q4 = 5;  // GGUF 4-bit nibbles [N, K / 2] and d, m [2, N, K / 32] on fused_cpu.c's q4 kernel
-constexpr int64_t MM_Q4_PANELS = 6;  // the same weights rebuilt in float32 panels (prompt chunks)
-constexpr int64_t MM_PANEL = 7;  // float32 weight packed in panels (matmul.Linear.panel); group = N
-constexpr int64_t MM_Q8 = 8;  // GGUF Q8_0 q [N, K] int8 and d [N, K / 32] float32 on fused_cpu.c's q8 kernel (output heads)
-constexpr int64_t MM_DENSE_BF16 = 9;  // x (float32) cast to bfloat16 @ W.T, W dense bfloat16 (q4 layers' prompt chunks)
-
-void bind(std::vector<int64_t> addresses) {
-    TORCH_CHECK(addresses.size() == 9, "bind: expected the addresses of the 9 kernels");
-    rms_norm = reinterpret_cast<rms_norm_fn>(addresses[0]);
-    add_rms_norm = reinterpret_cast<add_rms_norm_fn>(addresses[1]);
-    silu_mul = reinterpret_cast<silu_mul_fn>(addresses[2]);
-    rope_write = reinterpret_cast<rope_write_fn>(addresses[3]);
-    paged_attention = reinterpret_cast<paged_attention_fn>(addresses[4]);
-    q4_matmul = reinterpret_cast<q4_matmul_fn>(addresses[5]);
-    q4_panel_matmul = reinterpret_cast<q4_matmul_fn>(addresses[6]);
-    panel_matmul = reinterpret_cast<panel_matmul_fn>(addresses[7]);
-    q8_matmul = reinterpret_cast<q8_matmul_fn>(addresses[8]);
-}
 
 int is_bf(const at::Tensor& t) { return t.scalar_type() == at::kBFloat16 ? 1 : 0; }
 
@@ -96,27 +50,27 @@ at::Tensor& output(at::Tensor& out, const at::Tensor& x, int64_t n) {
 // x [T, K] -> [T, N]; hispec's kernels write into ``out`` (see output), ATen's return a new tensor.
 at::Tensor run_matmul(int64_t kind, const at::Tensor& x, const at::Tensor& w, const at::Tensor& p, int64_t group,
                   at::Tensor& out) {
-    if (kind == MM_INT4) return INT4_MM(x, w, group, p);
-    if (kind == MM_INT8) return INT8_MM(x, w, p);
-    if (kind == MM_DENSE || kind == MM_FLOAT_LINEAR) return at::linear(x, w);
-    if (kind == MM_DENSE_BF16) return at::linear(x.to(at::kBFloat16), w);
-    if (kind == MM_PANEL) {  // x is contiguous: every input here is a buffer this op wrote
+    if (kind == HS_MM_INT4) return INT4_MM(x, w, group, p);
+    if (kind == HS_MM_INT8) return INT8_MM(x, w, p);
+    if (kind == HS_MM_DENSE || kind == HS_MM_FLOAT_LINEAR) return at::linear(x, w);
+    if (kind == HS_MM_DENSE_BF16) return at::linear(x.to(at::kBFloat16), w);
+    if (kind == HS_MM_PANEL) {  // x is contiguous: every input here is a buffer this op wrote
         at::Tensor& y = output(out, x, group);
-        panel_matmul(x.data_ptr<float>(), x.size(0), x.size(1), w.data_ptr<float>(), group, y.data_ptr<float>(), 1);
+        hs_panel_matmul(x.data_ptr<float>(), x.size(0), x.size(1), w.data_ptr<float>(), group, y.data_ptr<float>(), 1);
         return y;
     }
-    if (kind == MM_Q4 || kind == MM_Q4_PANELS) {  // p [2, N, K / 32]: d, then m
+    if (kind == HS_MM_Q4 || kind == HS_MM_Q4_PANELS) {  // p [2, N, K / 32]: d, then m
         at::Tensor& y = output(out, x, w.size(0));
-        const auto fn = kind == MM_Q4 ? q4_matmul : q4_panel_matmul;
+        const auto fn = kind == HS_MM_Q4 ? hs_q4_matmul : hs_q4_panel_matmul;
         TORCH_CHECK(p.is_contiguous() && p.size(0) == 2, "q4 parameters: contiguous [2, N, K / 32]");
         const float* d = p.data_ptr<float>();
         fn(w.data_ptr<uint8_t>(), d, d + p.size(1) * p.size(2), x.data_ptr<float>(), x.size(0), w.size(0), x.size(1),
            y.data_ptr<float>(), 1);
         return y;
     }
-    if (kind == MM_Q8) {
+    if (kind == HS_MM_Q8) {
         at::Tensor& y = output(out, x, w.size(0));
-        q8_matmul(w.data_ptr<int8_t>(), p.data_ptr<float>(), x.data_ptr(), is_bf(x), x.size(0), w.size(0), x.size(1),
+        hs_q8_matmul(w.data_ptr<int8_t>(), p.data_ptr<float>(), x.data_ptr(), is_bf(x), x.size(0), w.size(0), x.size(1),
                   y.data_ptr<float>(), 1);
         return y;
     }
@@ -128,13 +82,13 @@ at::Tensor run_matmul(int64_t kind, const at::Tensor& x, const at::Tensor& w, co
 // Where the op's time goes, summed per part while profiling is on (scripts/profile-decode.py): the
 // wall time of each call, measured where it runs, so that a decode step splits into its matmuls,
 // its other kernels and what is outside the op (the engine's Python, sampling). The order is
-// fused.py's PROFILE_PARTS.
+// layer_op.py's PROFILE_PARTS.
 enum Part { MATMUL, ATTENTION, ROPE_CACHE, NORM, SILU_MUL, RESIDUAL, SETUP, PARTS };
 bool profiling = false;
 double part_seconds[PARTS] = {};
 int64_t part_calls[PARTS] = {};
 
-// Times its scope into ``part`` while profiling is on: ``{ Timed t(NORM); rms_norm(...); }``.
+// Times its scope into ``part`` while profiling is on: ``{ Timed t(NORM); hs_rms_norm(...); }``.
 struct Timed {
     Part part;
     std::chrono::steady_clock::time_point t0;
@@ -181,8 +135,8 @@ void add_into(float* h, const at::Tensor& delta, int64_t n) {
     }
 }
 
-// A range of layers as the op runs it: their plans, flattened (DecoderLayer.layer_plan;
-// fused.LayerPlans), and their cache layers in one KV pool. Made once per range and pool and held
+// A range of layers as the op runs it: their plans, flattened (plan.py's layer_plan;
+// layer_op.LayerPlans), and their cache layers in one KV pool. Made once per range and pool and held
 // between calls, so that a decoding step hands over one object instead of ~360 tensors (their
 // conversion cost ~0.2-0.3 ms per call on a Zen 3). Per layer l (index i): k_pools[i], v_pools[i]: its cache
 // (float32 or bfloat16);
@@ -218,7 +172,6 @@ at::Tensor decode_layers(const at::Tensor& h_in, const at::Tensor& cos, const at
                          const at::Tensor& slots, const at::Tensor& tables, const at::Tensor& seq,
                          const at::Tensor& lengths, int64_t block_size, bool parallel,
                          const c10::intrusive_ptr<Range>& range) {
-    TORCH_CHECK(rms_norm != nullptr, "decode_layers: kernels not bound");
     const int64_t n = range->layers();
     const auto& norms = range->norms;
     const auto& weights = range->weights;
@@ -251,18 +204,18 @@ at::Tensor decode_layers(const at::Tensor& h_in, const at::Tensor& cos, const at
         };
         {
             Timed t(NORM);
-            rms_norm(h, norms[2 * i].data_ptr<float>(), T, H, e, x.data_ptr(), out_bf);
+            hs_rms_norm(h, norms[2 * i].data_ptr<float>(), T, H, e, x.data_ptr(), out_bf);
         }
         const at::Tensor qkv = mm(0, x).contiguous();  // [T, (Hq + 2 Hkv) D]
         {
             Timed t(ROPE_CACHE);
-            rope_write(qkv.data_ptr(), is_bf(qkv), cos.data_ptr<float>(), ssin.data_ptr<float>(),
+            hs_rope_write(qkv.data_ptr(), is_bf(qkv), cos.data_ptr<float>(), ssin.data_ptr<float>(),
                        slots.data_ptr<int64_t>(), T, num_heads, num_kv_heads, D, kp.size(1), kp.data_ptr(),
                        vp.data_ptr(), is_bf(kp), q.data_ptr<float>());
         }
         {
             Timed t(ATTENTION);
-            paged_attention(q.data_ptr<float>(), kp.data_ptr(), vp.data_ptr(), is_bf(kp), tables.data_ptr<int32_t>(),
+            hs_paged_attention(q.data_ptr<float>(), kp.data_ptr(), vp.data_ptr(), is_bf(kp), tables.data_ptr<int32_t>(),
                             tables.size(1), seq.data_ptr<int32_t>(), lengths.data_ptr<int32_t>(), T, num_heads,
                             kp.size(0), kp.size(1), D, block_size, scale, att.data_ptr(), out_bf, parallel ? 1 : 0);
         }
@@ -270,7 +223,7 @@ at::Tensor decode_layers(const at::Tensor& h_in, const at::Tensor& cos, const at
         float* h2 = hs[i % 2].data_ptr<float>();
         {
             Timed t(NORM);
-            add_rms_norm(h, o.data_ptr(), is_bf(o), norms[2 * i + 1].data_ptr<float>(), T, H, e, h2, x2.data_ptr(),
+            hs_add_rms_norm(h, o.data_ptr(), is_bf(o), norms[2 * i + 1].data_ptr<float>(), T, H, e, h2, x2.data_ptr(),
                          out_bf);
         }
         const at::Tensor gu = mm(2, x2).contiguous();  // [T, 2 I]
@@ -278,7 +231,7 @@ at::Tensor decode_layers(const at::Tensor& h_in, const at::Tensor& cos, const at
         if (!a.defined() || a.size(1) != I) a = at::empty({T, I}, aopt);
         {
             Timed t(SILU_MUL);
-            silu_mul(gu.data_ptr(), is_bf(gu), T, I, a.data_ptr(), out_bf);
+            hs_silu_mul(gu.data_ptr(), is_bf(gu), T, I, a.data_ptr(), out_bf);
         }
         const at::Tensor down = mm(3, a).contiguous();  // [T, H]
         {
@@ -313,7 +266,7 @@ struct Head : torch::CustomClassHolder {
 // The same kernels and inputs as the step taken op by op (embedding rows, RoPE rows of the tables
 // ``cos, ssin [P, D]``, decode_layers, rms_norm, the head's matmul), so the same bits; what it
 // saves is a dozen tensors and calls made per step in Python. Attention shares the threads from
-// ``parallel_min_keys`` keys in all (the B sequences' positions + 1), as fused.py decides it.
+// ``parallel_min_keys`` keys in all (the B sequences' positions + 1), as layer_op.py decides it.
 at::Tensor decode_step(const std::vector<int64_t>& tokens, const std::vector<int64_t>& positions,
                        const std::vector<int64_t>& tables, int64_t block_size, const at::Tensor& cos_table,
                        const at::Tensor& ssin_table, int64_t parallel_min_keys, const c10::intrusive_ptr<Range>& range,
@@ -352,7 +305,7 @@ at::Tensor decode_step(const std::vector<int64_t>& tokens, const std::vector<int
     at::Tensor x = at::empty({B, H}, fopt), logits;
     {
         Timed t(NORM);
-        rms_norm(out.data_ptr<float>(), head->norm.data_ptr<float>(), B, H, static_cast<float>(head->eps), x.data_ptr(),
+        hs_rms_norm(out.data_ptr<float>(), head->norm.data_ptr<float>(), B, H, static_cast<float>(head->eps), x.data_ptr(),
                  0);
     }
     return matmul(head->kind, x, head->weight, head->params, head->group, logits).contiguous();
@@ -419,7 +372,6 @@ TORCH_LIBRARY(hispec_fused, m) {
                                              std::vector<at::Tensor>, std::vector<int64_t>, std::vector<int64_t>,
                                              int64_t, int64_t, double, bool>());
     m.class_<Head>("Head").def(torch::init<at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t, int64_t, double>());
-    m.def("bind(int[] addresses) -> ()", bind);
     m.def("profile(bool on) -> (float[], int[])", profile);
     m.def("decode_layers(Tensor h, Tensor cos, Tensor ssin, Tensor slots, Tensor tables, Tensor seq, Tensor lengths, "
           "int block_size, bool parallel, __torch__.torch.classes.hispec_fused.Range range) -> Tensor",

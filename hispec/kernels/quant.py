@@ -8,7 +8,7 @@ Two kernels ship with PyTorch (no extra package):
 - ``int8``: ``aten._weight_int8pack_mm(x, q, s)`` with ``W[n, k] = q[n, k] * s[n]`` (``q`` int8,
   one scale per output row).
 
-Two more are hispec's own (``fused_cpu.c``, compiled for the machine's CPU like the other fused
+Two more are hispec's own (``csrc/gguf.c``, compiled for the machine's CPU like the other fused
 kernels), both on a GGUF file's blocks as stored, with float32 activations:
 
 - ``q4``: ``W[n, k] = d[n, b] * q[n, k] + m[n, b]`` (Q4_0 / Q4_1, or ``--quantize int4`` of a float
@@ -18,7 +18,7 @@ kernels), both on a GGUF file's blocks as stored, with float32 activations:
   float32 panels (the file's values) for hispec's panel kernel: float32 products run ~2.4x faster
   than 16-bit ones there (AVX2, 256 rows); on CPUs with bfloat16 hardware they run on a dense
   bfloat16 copy (``dense``, 1.7-1.8x faster than the panels on a Zen 4). Which of ``q4`` and ``int4`` runs the 4-bit
-  weights is decided by timing both at load (``kernels.four_bit_kernel``): on CPUs without
+  weights is decided by timing both at load (:func:`four_bit_kernel`): on CPUs without
   bfloat16 hardware (AVX2) ``q4`` is the faster.
 - ``q8``: a GGUF Q8_0 weight ``W[n, k] = d[n, k / 32] * q[n, k]`` as stored in the file, times
   float32 activations. It runs the default model's output head (49,152 x 576) in ~1.7 ms per
@@ -46,12 +46,18 @@ beside the kernel's copy), so fingerprints and reference paths see what is in th
 """
 from __future__ import annotations
 
+import functools
+import json
+import os
+from pathlib import Path
 
 import torch
 from torch import nn
 
 from .. import envs
-from . import fused
+from . import build, fused
+from .matmul import linear
+from .timing import interleaved_medians
 
 ACT_DTYPE = torch.bfloat16
 GROUP = 32  # GGUF's block size, and the default group of --quantize int4
@@ -119,11 +125,10 @@ class QuantLinear(nn.Module):
                   bias: torch.Tensor | None = None, source: str = "", kernel: str | None = None) -> "QuantLinear":
         """``W = d * q + m`` with ``q [N, K]`` in 0..15 and ``d, m [N, K / group]`` float32, on the
         ``kernel`` given (``q4``, ``int4``) or else the faster of the two on this CPU
-        (:func:`~hispec.model.kernels.four_bit_kernel`). ``int4`` gets ``scale = d``,
+        (:func:`four_bit_kernel`). ``int4`` gets ``scale = d``,
         ``zero = m + 8 d`` rounded to bfloat16; ``q4`` (groups of 32) keeps ``d`` and ``m`` in float32."""
         n, k = q.shape
         if kernel is None:
-            from .kernels import four_bit_kernel
             kernel = four_bit_kernel()[0] if group == 32 else "int4"
         if kernel == "q4":
             return cls("q4", k, n, pack_nibbles(q), torch.stack([d.float(), m.float()]).contiguous(), group, bias, source)
@@ -196,7 +201,7 @@ class QuantLinear(nn.Module):
         # x: [..., K] -> [..., N] in x's dtype (int4x2, q8: float32 for float32 input)
         rows = x if x.dim() == 2 else x.reshape(-1, self.in_features)  # [T, K]
         want = self.input_dtype
-        out = self._mm(rows if rows.dtype == want or (want == torch.float32 and rows.dtype == ACT_DTYPE)
+        out = self.mm(rows if rows.dtype == want or (want == torch.float32 and rows.dtype == ACT_DTYPE)
                        else rows.to(want))
         if out.dtype != x.dtype:
             out = out.to(x.dtype)
@@ -207,17 +212,19 @@ class QuantLinear(nn.Module):
     def prefill_mm(self, rows: torch.Tensor) -> torch.Tensor:
         """``rows [T, K]`` (in ``input_dtype``) of prompt tokens: on the dense bfloat16 prefill
         weights where the layer has them (int4; q4 on CPUs with bfloat16 hardware, its float32 rows
-        cast to bfloat16, output bfloat16), else the q4 kernel's float32 panels (q4), else as ``_mm``."""
+        cast to bfloat16, output bfloat16), else the q4 kernel's float32 panels (q4), else as ``mm``."""
         if self.kernel == "q4" and self.dense is not None:
             return torch.nn.functional.linear(rows.to(torch.bfloat16), self.dense)
         if self.kernel == "q4":
             return fused.q4_matmul(rows.float() if rows.dtype != torch.float32 else rows, self.qweight, self.qparams,
                                    panels=True)
         if self.dense is None:
-            return self._mm(rows)
+            return self.mm(rows)
         return torch.nn.functional.linear(rows, self.dense)
 
-    def _mm(self, rows: torch.Tensor) -> torch.Tensor:
+    def mm(self, rows: torch.Tensor) -> torch.Tensor:
+        """The kernel on ``rows [T, K]`` already in ``input_dtype`` -> ``[T, N]`` (no bias, no casts:
+        what ``forward`` wraps, and what the fused layer path calls directly)."""
         if self.kernel == "int4":
             return torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.qweight, self.group, self.qparams)
         if self.kernel == "int8":
@@ -226,9 +233,9 @@ class QuantLinear(nn.Module):
             return fused.q8_matmul(rows.contiguous(), self.qweight, self.qparams)
         if self.kernel == "q4":
             return fused.q4_matmul(rows.float() if rows.dtype != torch.float32 else rows, self.qweight, self.qparams)
-        mm = torch.ops.aten._weight_int4pack_mm_for_cpu  # int4x2: the two halves summed in float32
-        out = mm(rows, self.qweight[0], self.group, self.qparams[0]).float()
-        return out.add_(mm(rows, self.qweight[1], self.group, self.qparams[1]))
+        int4 = torch.ops.aten._weight_int4pack_mm_for_cpu  # int4x2: the two halves summed in float32
+        out = int4(rows, self.qweight[0], self.group, self.qparams[0]).float()
+        return out.add_(int4(rows, self.qweight[1], self.group, self.qparams[1]))
 
     def _int4_codes(self, part: int | None = None) -> torch.Tensor:
         """The stored ``q [N, K]`` (0..15, float32), read back through the kernel itself (identity
@@ -321,3 +328,78 @@ def float_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
         if m.bias is not None:
             state[prefix + "bias"] = m.bias
     return state
+
+
+# ---- which 4-bit kernel runs on this CPU ------------------------------------------------------
+@functools.lru_cache(maxsize=1)
+def format_timings(reps: int = 5) -> dict[str, float]:
+    """Median seconds of one row times 12 weights of a SmolLM2 MLP's size (85 MB, more than a cache
+    holds, so they are read from memory as in a decode step) for each weight format this machine
+    runs, timed once per process, interleaved: ``float32``, ``q4`` (where hispec's kernels are
+    built) and ``int4`` (where PyTorch has its kernel). :func:`four_bit_kernel` and
+    ``select.quantized_kernels_pay`` read these."""
+    g = torch.Generator().manual_seed(0)
+    weights = [torch.randn(3072, 576, generator=g) * 0.02 for _ in range(12)]
+    x = torch.randn(1, 576, generator=g)
+    xb = x.to(torch.bfloat16)
+    fns = {"float32": lambda: [linear(x, w) for w in weights]}
+    if fused.available():
+        q4 = [QuantLinear.from_float(w, "int4", kernel="q4") for w in weights]
+        fns["q4"] = lambda: [q(x) for q in q4]
+    try:
+        int4 = [QuantLinear.from_float(w, "int4", kernel="int4") for w in weights]
+        fns["int4"] = lambda: [q(xb) for q in int4]
+    except RuntimeError:  # PyTorch's int4 kernel is missing on this build / CPU
+        pass
+    with torch.no_grad():
+        return interleaved_medians(fns, reps, warmup=1)
+
+
+FOUR_BIT = ("q4", "int4")
+INT4_MARGIN = 0.85  # int4 must take at most this fraction of q4's time
+
+
+@functools.lru_cache(maxsize=1)
+def four_bit_kernel() -> tuple[str, str]:
+    """(the kernel 4-bit weights run on, why), decided once per process: ``HISPEC_Q4_KERNEL=q4|int4``
+    if set; ``int4`` (PyTorch's) when hispec's compiled kernels are unavailable; else the faster
+    in :func:`format_timings`, ``int4`` only if it wins clearly (``INT4_MARGIN``): ``q4`` reads float32
+    activations (its tokens equal float32 ``ar``'s where ``int4``'s bfloat16 ones drift), and a
+    coin-flip between near-equal timings made the kernel change from one load to the next on a
+    busy machine. The timed choice is kept on disk (``_four_bit_choice_file``) and reused by later
+    loads on this machine: even past the margin, a noisy machine chose differently from one run
+    to the next (seen on a Zen 4), and with it the text of the same command. On CPUs without
+    bfloat16 hardware (AVX2) ``q4`` wins; with it (AVX-512 BF16) it depends on the CPU."""
+    forced = envs.HISPEC_Q4_KERNEL
+    if forced in FOUR_BIT:
+        return forced, f"HISPEC_Q4_KERNEL={forced}"
+    if not fused.available():
+        return "int4", "hispec's compiled kernels unavailable"
+    path = _four_bit_choice_file()
+    try:
+        saved = json.loads(path.read_text())
+        if saved.get("kernel") in FOUR_BIT:
+            return saved["kernel"], f"{saved.get('why', '')} (timed at an earlier load; delete {path.name} in {path.parent} to time again)"
+    except (OSError, ValueError, AttributeError):
+        pass
+    med = format_timings()
+    if "int4" not in med:
+        best, why = "q4", "PyTorch's int4 kernel unavailable"
+    else:
+        best = "int4" if med["int4"] < INT4_MARGIN * med["q4"] else "q4"
+        why = f"q4 {med['q4'] * 1e6 / 12:.0f} us vs int4 {med['int4'] * 1e6 / 12:.0f} us per matmul"
+    try:  # written whole or not at all (concurrent loads)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"kernel": best, "why": why}))
+        os.replace(tmp, path)
+    except OSError:
+        pass
+    return best, why
+
+
+def _four_bit_choice_file() -> Path:
+    """Where :func:`four_bit_kernel`'s timed choice is kept, per build of the C kernels (source,
+    flags, CPU) and torch version: timed once per machine, so that the same command gives the same text from one load to the next
+    (the kernels' bfloat16 and float32 activations round differently)."""
+    return build.build_dir() / f"four_bit-{build.library_key()}-torch{torch.__version__}.json"

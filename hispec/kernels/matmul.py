@@ -74,6 +74,7 @@ from torch.nn import functional as F
 
 from .. import envs
 from . import fused
+from .timing import interleaved_medians
 
 
 SMALL_ROWS = 4
@@ -131,8 +132,6 @@ def panel_rows() -> int:
         return PANEL_ROWS if forced == "panel" else 0
     if not (PREPACK and fused.available()):
         return 0
-    from .kernels import interleaved_medians
-
     g = torch.Generator().manual_seed(0)
     weights = [torch.randn(3072, 576, generator=g) for _ in range(8)]
     with torch.no_grad():
@@ -162,8 +161,6 @@ def small_route() -> str:
     forced = envs.HISPEC_SMALL_MATMUL
     if forced in ROUTES:
         return forced
-    from .kernels import interleaved_medians
-
     g = torch.Generator().manual_seed(0)
     weights = [torch.randn(3072, 576, generator=g) for _ in range(8)]
     x = torch.randn(1, 576, generator=g)

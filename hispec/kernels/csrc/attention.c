@@ -1,0 +1,240 @@
+/* Paged attention over the KV pools (hispec_kernels.h). */
+#include "simd.h"
+
+/* s[j] = fast_exp(s[j] - m) for j < n. */
+static void exp_shifted(float *s, int64_t n, float m) {
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+        v8 x = fast_exp8(load8(s + j) - m);
+        memcpy(s + j, &x, sizeof x);
+    }
+    for (; j < n; j++) s[j] = fast_exp(s[j] - m);
+}
+
+/* Paged attention, a tile of up to QUERY_TILE consecutive query tokens of one sequence and one KV
+ * head at a time: the G query heads of each token that share KV head kvh ("rows" r = qi * G + g).
+ * Each key and value row is read once per tile and used by all its rows while it is in L1 (a
+ * prompt chunk's queries share their context), instead of once per query. Each row's arithmetic
+ * is that of the row alone, in the same order (scores key by key, softmax over its own length,
+ * values accumulated key by key), so a query's output does not depend on the tile it falls in. */
+#define QUERY_TILE 8
+
+/* One KV head of a pool [Hkv, S, D] (float32, or bfloat16 if bf), its rows from element ``head``
+ * on, read as float32 rows: a float32 pool's rows are used where they lie, a bfloat16 pool's are
+ * converted (exactly) into a buffer first, so the arithmetic on them is the same either way and a
+ * bfloat16 cache only halves the bytes attention reads. The head's rows are contiguous: a
+ * sequence's blocks stream from memory (with the heads interleaved per slot, a head's rows 768
+ * bytes apart, attention over 16 sequences of 260 positions took 1.4x as long). */
+typedef struct { const void *base; int bf; int64_t head, D, bs; } kv_head;
+
+/* Row ``off`` of block ``blk``: in the pool, or converted into buf[D]. */
+static inline const float *kv_row(kv_head p, int64_t blk, int64_t off, float *buf) {
+    int64_t at = p.head + (blk * p.bs + off) * p.D;
+    if (!p.bf) return (const float *)p.base + at;
+    load_row(p.base, 1, at, p.D, buf);
+    return buf;
+}
+
+/* The first n rows of block ``blk``: a pointer to them, the distance between rows in *stride (in
+ * the pool, or converted into buf[n * D]). */
+static inline const float *kv_rows(kv_head p, int64_t blk, int64_t n, float *buf, int64_t *stride) {
+    int64_t at = p.head + blk * p.bs * p.D;
+    *stride = p.D;
+    if (!p.bf) return (const float *)p.base + at;
+    load_row(p.base, 1, at, n * p.D, buf);
+    return buf;
+}
+
+#if defined(__AVX512F__)
+/* Each register's 16 lanes summed, for 16 registers at once: lane i of the result is the sum of
+ * a[i]'s lanes by hsum16's tree (lane l + lane l + 8, then + l + 4, then (0 + 2) + (1 + 3)), the
+ * same for every i, so a sum does not depend on its place among the 16. */
+static inline __m512 hsum16x16(__m512 a[16]) {
+    __m512 b[8], c[4], d[2];
+    for (int i = 0; i < 8; i++)  /* per key: 16 lanes -> 8 (l + l + 8); two keys per register */
+        b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
+    for (int i = 0; i < 4; i++)  /* 8 -> 4 (l + l + 4); four keys per register, one per 128-bit quarter */
+        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
+    for (int i = 0; i < 2; i++)  /* 4 -> 2 (l + l + 2) */
+        d[i] = _mm512_add_ps(_mm512_shuffle_ps(c[2 * i], c[2 * i + 1], 0x44),
+                             _mm512_shuffle_ps(c[2 * i], c[2 * i + 1], 0xEE));
+    __m512 e = _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], 0x88), _mm512_shuffle_ps(d[0], d[1], 0xDD));  /* 2 -> 1 */
+    /* e's lanes hold the keys in the order the shuffles left them: put key i in lane i */
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    return _mm512_permutexvar_ps(order, e);
+}
+
+/* tile_scores with 16 keys at a time (D a multiple of 16): each key's 16 lane sums as dot() makes
+ * them (products added in d order per lane), the 16 keys' lanes summed together (hsum16x16), so
+ * every score has dot()'s bits. */
+static inline __attribute__((always_inline)) void tile_scores16(const float *q, int64_t Hq, kv_head kp,
+                                                               const int32_t *table, const int32_t *len, int nq,
+                                                               int64_t lmax, int64_t bs, int64_t G, const int64_t D,
+                                                               float scale, float *scores, float *buf) {
+    static const float zeros[128];  /* the keys past the last: D <= 128 */
+    const float *keys[16];
+    for (int64_t j0 = 0; j0 < lmax; j0 += 16) {
+        int64_t n = lmax - j0 < 16 ? lmax - j0 : 16;
+        for (int64_t i = 0; i < 16; i++) {
+            int64_t j = j0 + i;
+            keys[i] = i < n ? kv_row(kp, table[j / bs], j % bs, buf + i * D) : zeros;
+        }
+        for (int qi = 0; qi < nq; qi++) {
+            if (j0 >= len[qi]) continue;
+            for (int64_t g = 0; g < G; g++) {
+                const float *qr = q + qi * Hq * D + g * D;
+                __m512 acc[16];
+                for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
+                for (int64_t c = 0; c < D; c += 16) {
+                    __m512 qc = _mm512_loadu_ps(qr + c);
+                    for (int i = 0; i < 16; i++) acc[i] = _mm512_add_ps(acc[i], _mm512_mul_ps(qc, _mm512_loadu_ps(keys[i] + c)));
+                }
+                __m512 sum = _mm512_mul_ps(hsum16x16(acc), _mm512_set1_ps(scale));
+                _mm512_mask_storeu_ps(scores + (qi * G + g) * lmax + j0, (__mmask16)((1u << n) - 1u), sum);
+            }
+        }
+    }
+}
+#endif
+
+/* scores[r * lmax + j] = (q_r . k_j) * scale for every row r of the tile and key j < len[qi]. */
+static inline __attribute__((always_inline)) void tile_scores(const float *q, int64_t Hq, kv_head kp,
+                                                             const int32_t *table, const int32_t *len, int nq,
+                                                             int64_t lmax, int64_t bs, int64_t G, const int64_t D,
+                                                             float scale, float *scores, float *buf) {
+    for (int64_t j0 = 0; j0 < lmax; j0 += bs) {  /* one block of the table at a time */
+        int64_t n = lmax - j0 < bs ? lmax - j0 : bs, stride;  /* stride: between consecutive slots */
+        const float *k = kv_rows(kp, table[j0 / bs], n, buf, &stride);
+        for (int64_t j = j0; j < j0 + n; j++, k += stride)
+            for (int qi = 0; qi < nq; qi++) {
+                if (j >= len[qi]) continue;
+                const float *qr = q + qi * Hq * D;
+                for (int64_t g = 0; g < G; g++) scores[(qi * G + g) * lmax + j] = dot(qr + g * D, k, D) * scale;
+            }
+    }
+}
+
+/* The rows' scores in place -> softmax over each row's own keys. */
+static void tile_softmax(float *scores, const int32_t *len, int nq, int64_t G, int64_t lmax) {
+    for (int64_t r = 0; r < nq * G; r++) {
+        float *s = scores + r * lmax, m = -INFINITY, sum = 0.0f;
+        int64_t n = len[r / G];
+        for (int64_t j = 0; j < n; j++) m = s[j] > m ? s[j] : m;
+        exp_shifted(s, n, m);
+        for (int64_t j = 0; j < n; j++) sum += s[j];
+        for (int64_t j = 0; j < n; j++) s[j] /= sum;
+    }
+}
+
+/* acc[r] += sum_j p_r[j] v_j, one block of the table at a time (its values stay in L1 for every
+ * row); D a constant (64, 128) keeps a row's sums in registers within a block. */
+static inline __attribute__((always_inline)) void tile_values(const float *scores, kv_head vp,
+                                                             const int32_t *table, const int32_t *len, int nq,
+                                                             int64_t lmax, int64_t bs, int64_t G, const int64_t D,
+                                                             float *acc, float *buf) {
+    memset(acc, 0, (size_t)(nq * G * D) * sizeof(float));
+    for (int64_t j0 = 0; j0 < lmax; j0 += bs) {
+        int64_t stride;
+        const float *vb = kv_rows(vp, table[j0 / bs], lmax - j0 < bs ? lmax - j0 : bs, buf, &stride);
+        for (int64_t r = 0; r < nq * G; r++) {
+            int64_t n = len[r / G] - j0;
+            n = n < bs ? n : bs;
+            const float *p = scores + r * lmax + j0, *v = vb;
+            float *a = acc + r * D;
+#if defined(__AVX512F__)
+            if (D % 64 == 0) {  /* 64 columns at a time: 4 AVX-512 registers of sums (the same lanes' sums) */
+                for (int64_t c = 0; c < D; c += 64) {
+                    __m512 s[4];
+                    for (int i = 0; i < 4; i++) s[i] = _mm512_loadu_ps(a + c + i * 16);
+                    const float *vc = v + c;
+                    for (int64_t j = 0; j < n; j++, vc += stride) {
+                        __m512 pj = _mm512_set1_ps(p[j]);
+                        for (int i = 0; i < 4; i++) s[i] = _mm512_add_ps(s[i], _mm512_mul_ps(pj, _mm512_loadu_ps(vc + i * 16)));
+                    }
+                    for (int i = 0; i < 4; i++) _mm512_storeu_ps(a + c + i * 16, s[i]);
+                }
+            } else
+#endif
+            if (D % 64 == 0) {  /* 64 columns at a time: 8 AVX2 registers of sums */
+                for (int64_t c = 0; c < D; c += 64) {
+                    v8 s[8];
+                    for (int i = 0; i < 8; i++) s[i] = load8(a + c + i * 8);
+                    const float *vc = v + c;
+                    for (int64_t j = 0; j < n; j++, vc += stride)
+                        for (int i = 0; i < 8; i++) s[i] += p[j] * load8(vc + i * 8);
+                    memcpy(a + c, s, sizeof s);
+                }
+            } else {
+                for (int64_t j = 0; j < n; j++, v += stride)
+                    for (int64_t d = 0; d < D; d++) a[d] += p[j] * v[d];
+            }
+        }
+    }
+}
+
+/* buf: room for max(bs, 16) rows of D floats (a bfloat16 pool's rows, converted). */
+static void attend_tile(const float *q, int64_t Hq, kv_head kp, kv_head vp, const int32_t *table, const int32_t *len,
+                        int nq, int64_t bs, int64_t G, int64_t D, float scale, float *scores, float *acc, float *buf) {
+    int64_t lmax = 0;
+    for (int qi = 0; qi < nq; qi++) lmax = len[qi] > lmax ? len[qi] : lmax;
+#if defined(__AVX512F__)
+    if (D == 64) tile_scores16(q, Hq, kp, table, len, nq, lmax, bs, G, 64, scale, scores, buf);
+    else if (D == 128) tile_scores16(q, Hq, kp, table, len, nq, lmax, bs, G, 128, scale, scores, buf);
+#else
+    if (D == 64) tile_scores(q, Hq, kp, table, len, nq, lmax, bs, G, 64, scale, scores, buf);
+    else if (D == 128) tile_scores(q, Hq, kp, table, len, nq, lmax, bs, G, 128, scale, scores, buf);
+#endif
+    else tile_scores(q, Hq, kp, table, len, nq, lmax, bs, G, D, scale, scores, buf);
+    tile_softmax(scores, len, nq, G, lmax);
+    if (D == 64) tile_values(scores, vp, table, len, nq, lmax, bs, G, 64, acc, buf);
+    else if (D == 128) tile_values(scores, vp, table, len, nq, lmax, bs, G, 128, acc, buf);
+    else tile_values(scores, vp, table, len, nq, lmax, bs, G, D, acc, buf);
+}
+
+/* Paged attention of T query tokens q[T, Hq, D]: token t belongs to sequence seq[t] (a row of
+ * tables[B, max_blocks]) and sees that sequence's first len[t] positions (itself included).
+ * out[T, Hq, D] float32 or bfloat16. Work is split over (query tile, KV head) pairs, a tile being
+ * up to QUERY_TILE consecutive tokens of one sequence, so each KV head's keys and values are read
+ * from memory once per tile (at a decode step attention waits on those reads: splitting a KV
+ * head's query heads over the threads instead, each reading the head's K/V, took 1.1-1.4x as long
+ * with SmolLM2's 3 KV heads on 2 threads, at 230 and 1,000 positions). With fewer such pairs than
+ * threads (one sequence, one KV head), over (tile, query head) ones, so that every thread has work
+ * (each head's arithmetic is its own either way). The pools [Hkv, S, D] are float32, or bfloat16
+ * if kv_bf (the same arithmetic on the values they hold). */
+void hs_paged_attention(const float *q, const void *kpool, const void *vpool, int kv_bf, const int32_t *tables,
+                        int64_t max_blocks, const int32_t *seq, const int32_t *len, int64_t T, int64_t Hq,
+                        int64_t Hkv, int64_t S, int64_t D, int64_t bs, float scale, void *out, int out_bf,
+                        int parallel) {
+    int64_t G = Hq / Hkv, ntiles = 0;
+    int64_t *first = malloc((size_t)(T + 1) * sizeof(int64_t));  /* first token of each tile */
+    for (int64_t t = 0; t < T; t++)
+        if (t == 0 || seq[t] != seq[t - 1] || t - first[ntiles - 1] >= QUERY_TILE) first[ntiles++] = t;
+    first[ntiles] = T;
+#ifdef _OPENMP
+    const int64_t threads = parallel ? omp_get_max_threads() : 1;
+#else
+    const int64_t threads = 1;
+#endif
+    int64_t parts = ntiles * Hkv < threads ? G : 1, hg = G / parts;  /* items per group, heads per item */
+#pragma omp parallel for schedule(dynamic) if (parallel)
+    for (int64_t p = 0; p < ntiles * Hkv * parts; p++) {
+        int64_t tile = p / (Hkv * parts), kvh = p / parts % Hkv, h0 = kvh * G + p % parts * hg;  /* first head */
+        int64_t t0 = first[tile], lmax = 0;
+        int nq = (int)(first[tile + 1] - t0);
+        for (int qi = 0; qi < nq; qi++) lmax = len[t0 + qi] > lmax ? len[t0 + qi] : lmax;
+        float *scores = malloc((size_t)(nq * hg * lmax) * sizeof(float));
+        float *acc = malloc((size_t)(nq * hg * D) * sizeof(float));
+        float *buf = kv_bf ? malloc((size_t)((bs > 16 ? bs : 16) * D) * sizeof(float)) : NULL;
+        kv_head kp = {kpool, kv_bf, kvh * S * D, D, bs}, vp = {vpool, kv_bf, kvh * S * D, D, bs};
+        attend_tile(q + (t0 * Hq + h0) * D, Hq, kp, vp, tables + (int64_t)seq[t0] * max_blocks, len + t0, nq, bs,
+                    hg, D, scale, scores, acc, buf);
+        for (int qi = 0; qi < nq; qi++)
+            store_row(out, out_bf, ((t0 + qi) * Hq + h0) * D, hg * D, acc + qi * hg * D);
+        free(scores);
+        free(acc);
+        free(buf);
+    }
+    free(first);
+}

@@ -1,0 +1,81 @@
+/* hispec's CPU kernels: every function the library exports, and the enums its users share.
+ *
+ * This header is the one place a kernel's signature is written: the C files implement it, the
+ * torch op (decode_op.cpp) includes it and links the same library, and the ctypes bindings
+ * (hispec/kernels/binding.py) are generated from the prototypes below. Keep each prototype on
+ * its own statement, with parameter types among: int, int64_t, float and pointers.
+ *
+ * Every function computes each row (token) with the same code whatever the number of rows in
+ * the call, so one-token decoding and batched verification agree bit for bit. Tensors are
+ * contiguous, row-major; "bf" flags say a buffer holds bfloat16 (uint16) instead of float32.
+ */
+#ifndef HISPEC_KERNELS_H
+#define HISPEC_KERNELS_H
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* How the torch op runs one matmul of a layer plan (hispec/kernels/plan.py) on x [T, K] -> [T, N]. */
+enum hs_matmul_kind {
+    HS_MM_FLOAT = 0,         /* float32 weight [N, K]: (W @ x.T).T, one row padded to two (matmul.linear) */
+    HS_MM_INT4 = 1,          /* aten._weight_int4pack_mm_for_cpu(x, packed, group, scales_zeros) */
+    HS_MM_INT8 = 2,          /* aten._weight_int8pack_mm(x, q, scales) */
+    HS_MM_DENSE = 3,         /* x @ W.T with a dense weight in x's dtype (QuantLinear.dense, prompt chunks) */
+    HS_MM_FLOAT_LINEAR = 4,  /* float32 weight [N, K]: x @ W.T (matmul.linear where that route wins) */
+    HS_MM_Q4 = 5,            /* GGUF 4-bit nibbles [N, K / 2] and d, m [2, N, K / 32] on hs_q4_matmul */
+    HS_MM_Q4_PANELS = 6,     /* the same weights rebuilt in float32 panels (hs_q4_panel_matmul: prompt chunks) */
+    HS_MM_PANEL = 7,         /* float32 weight packed in panels (hs_panel_matmul); group = N */
+    HS_MM_Q8 = 8,            /* GGUF Q8_0 q [N, K] int8 and d [N, K / 32] float32 on hs_q8_matmul (output heads) */
+    HS_MM_DENSE_BF16 = 9,    /* x (float32) cast to bfloat16 @ W.T, W dense bfloat16 (q4 layers' prompt chunks) */
+};
+
+/* ---- norm_rope.c ---- */
+/* out[T, D] = rms_norm(x[T, D]) * w, in float32 or bfloat16 (out_bf) */
+void hs_rms_norm(const float *x, const float *w, int64_t T, int64_t D, float eps, void *out, int out_bf);
+/* h_out = h + delta (delta float32 or bfloat16); out = rms_norm(h_out) * w. All [T, D]. */
+void hs_add_rms_norm(const float *h, const void *delta, int delta_bf, const float *w, int64_t T, int64_t D,
+                     float eps, float *h_out, void *out, int out_bf);
+/* out[T, I] = silu(gate) * up for gate_up[T, 2I] = [gate | up] */
+void hs_silu_mul(const void *gu, int in_bf, int64_t T, int64_t I, void *out, int out_bf);
+/* RoPE on q and k of qkv[T, (Hq + 2 Hkv) * D]; K/V written at slots[T] of the pools [Hkv, S, D];
+ * rotated queries to q_out[T, Hq, D] (NULL: K/V only) */
+void hs_rope_write(const void *qkv, int in_bf, const float *cos_, const float *ssin, const int64_t *slots,
+                   int64_t T, int64_t Hq, int64_t Hkv, int64_t D, int64_t S, void *kpool, void *vpool, int kv_bf,
+                   float *q_out);
+
+/* ---- attention.c ---- */
+/* q[T, Hq, D] over the pools [Hkv, S, D] through block tables[B, max_blocks]: token t of sequence
+ * seq[t] sees its first len[t] positions -> out[T, Hq * D] */
+void hs_paged_attention(const float *q, const void *kpool, const void *vpool, int kv_bf, const int32_t *tables,
+                        int64_t max_blocks, const int32_t *seq, const int32_t *len, int64_t T, int64_t Hq,
+                        int64_t Hkv, int64_t S, int64_t D, int64_t bs, float scale, void *out, int out_bf,
+                        int parallel);
+
+/* ---- panel.c ---- */
+/* output columns per panel of hs_panel_pack's layout on this build */
+int64_t hs_panel_width(void);
+/* w[N, K] -> out[ceil(N / P), K, P], zero-padded (P = hs_panel_width()) */
+void hs_panel_pack(const float *w, int64_t N, int64_t K, float *out);
+/* y[M, N] = x[M, K] W[N, K]^T for packed = hs_panel_pack(W) */
+void hs_panel_matmul(const float *x, int64_t M, int64_t K, const float *packed, int64_t N, float *y, int parallel);
+
+/* ---- gguf.c ---- */
+/* y[T, N] = x[T, K] (float32 or bfloat16) W^T, W = d * q a GGUF Q8_0 weight (q int8 [N, K], d [N, K / 32]) */
+void hs_q8_matmul(const int8_t *q, const float *d, const void *x, int x_bf, int64_t T, int64_t N, int64_t K,
+                  float *y, int parallel);
+/* y[T, N] = x[T, K] W^T, W = d * q + m a GGUF Q4_0 / Q4_1 weight (nibbles qs [N, K / 2], d, m [N, K / 32]);
+ * 16-bit activations (decode steps) */
+void hs_q4_matmul(const uint8_t *qs, const float *d, const float *m, const float *x, int64_t T, int64_t N,
+                  int64_t K, float *y, int parallel);
+/* the same product on the weights rebuilt in float32 panels (prompt chunks) */
+void hs_q4_panel_matmul(const uint8_t *qs, const float *d, const float *m, const float *x, int64_t T, int64_t N,
+                        int64_t K, float *y, int parallel);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

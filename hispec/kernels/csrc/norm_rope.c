@@ -1,0 +1,88 @@
+/* Norms, the gated activation, and RoPE with the KV cache write (hispec_kernels.h). */
+#include "simd.h"
+
+/* y = x * rsqrt(mean(x^2) + eps) * w for one row of n floats (y may alias x). */
+static void rms_row(const float *x, const float *w, int64_t n, float eps, float *y) {
+    float r = 1.0f / sqrtf(dot(x, x, n) / (float)n + eps);
+    for (int64_t i = 0; i < n; i++) y[i] = (x[i] * r) * w[i];
+}
+
+/* out[T, D] = rms_norm(x[T, D]) * w */
+void hs_rms_norm(const float *x, const float *w, int64_t T, int64_t D, float eps, void *out, int out_bf) {
+    float *y = malloc((size_t)D * sizeof(float));
+    for (int64_t t = 0; t < T; t++) {
+        rms_row(x + t * D, w, D, eps, y);
+        store_row(out, out_bf, t * D, D, y);
+    }
+    free(y);
+}
+
+/* h_out = h + delta (delta float32 or bfloat16); out = rms_norm(h_out) * w. All [T, D]. */
+void hs_add_rms_norm(const float *h, const void *delta, int delta_bf, const float *w, int64_t T, int64_t D,
+                     float eps, float *h_out, void *out, int out_bf) {
+    float *y = malloc((size_t)D * sizeof(float));
+    for (int64_t t = 0; t < T; t++) {
+        load_row(delta, delta_bf, t * D, D, y);
+        float *hr = h_out + t * D;
+        const float *hi = h + t * D;
+        for (int64_t i = 0; i < D; i++) hr[i] = hi[i] + y[i];
+        rms_row(hr, w, D, eps, y);
+        store_row(out, out_bf, t * D, D, y);
+    }
+    free(y);
+}
+
+/* out[T, I] = silu(gate) * up for gate_up[T, 2I] = [gate | up]; rows shared by the threads from
+ * SILU_PARALLEL_MIN outputs (a prompt chunk; one token's are too few to pay for the hand-over). */
+#define SILU_PARALLEL_MIN (1 << 16)
+void hs_silu_mul(const void *gu, int in_bf, int64_t T, int64_t I, void *out, int out_bf) {
+#pragma omp parallel if (T * I >= SILU_PARALLEL_MIN)
+    {
+        float *g = malloc((size_t)(2 * I) * sizeof(float));
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < T; t++) {
+            load_row(gu, in_bf, t * 2 * I, 2 * I, g);
+            int64_t i = 0;
+            for (; i + 8 <= I; i += 8) {  /* the scalar line below, 8 lanes at a time */
+                v8 x = load8(g + i), y = x / (1.0f + fast_exp8(-x)) * load8(g + I + i);
+                memcpy(g + i, &y, sizeof y);
+            }
+            for (; i < I; i++) g[i] = g[i] / (1.0f + fast_exp(-g[i])) * g[I + i];
+            store_row(out, out_bf, t * I, I, g);
+        }
+        free(g);
+    }
+}
+
+/* A KV pool is [Hkv, S, D] per layer (S slots): each KV head's rows in slot order, so that a
+ * sequence's consecutive blocks are one stretch of memory per head, which is how attention reads
+ * them (one head's keys, then its values). The offset of slot ``slot``'s row of head h: */
+static inline int64_t kv_offset(int64_t slot, int64_t h, int64_t S, int64_t D) { return (h * S + slot) * D; }
+
+/* Rotate the query and key heads of qkv[T, (Hq + 2 Hkv) * D] (rotate-half RoPE with
+ * cos[T, D] and ssin[T, D] = [-sin, sin]: y = x * cos + swap_halves(x) * ssin), write keys
+ * and values to the pools [Hkv, S, D] (float32, or bfloat16 if kv_bf: rounded to nearest even, as
+ * PyTorch casts) at slots[T], and the rotated queries to q_out[T, Hq, D] (float32; q_out
+ * may be NULL to write K/V only). */
+void hs_rope_write(const void *qkv, int in_bf, const float *cos_, const float *ssin, const int64_t *slots,
+                   int64_t T, int64_t Hq, int64_t Hkv, int64_t D, int64_t S, void *kpool, void *vpool, int kv_bf,
+                   float *q_out) {
+    int64_t width = (Hq + 2 * Hkv) * D, half = D / 2;
+    float *row = malloc((size_t)(width + D) * sizeof(float)), *key = row + width;  /* key: a rotated key head */
+    for (int64_t t = 0; t < T; t++) {
+        load_row(qkv, in_bf, t * width, width, row);
+        const float *c = cos_ + t * D, *s = ssin + t * D;
+        for (int64_t h = q_out ? 0 : Hq; h < Hq + Hkv; h++) {
+            const float *x = row + h * D;
+            float *dst = h < Hq ? q_out + (t * Hq + h) * D : key;
+            for (int64_t i = 0; i < half; i++) {
+                dst[i] = x[i] * c[i] + x[i + half] * s[i];
+                dst[i + half] = x[i + half] * c[i + half] + x[i] * s[i + half];
+            }
+            if (h >= Hq) store_row(kpool, kv_bf, kv_offset(slots[t], h - Hq, S, D), D, key);
+        }
+        for (int64_t h = 0; h < Hkv; h++)
+            store_row(vpool, kv_bf, kv_offset(slots[t], h, S, D), D, row + (Hq + Hkv + h) * D);
+    }
+    free(row);
+}

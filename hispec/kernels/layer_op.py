@@ -1,0 +1,165 @@
+"""The torch op (``csrc/decode_op.cpp``): a range of decoder layers, a whole decode step, or
+several greedy steps in one call, on the same kernels as the per-layer path (same bits).
+
+The op holds what it runs between calls: a ``Range`` (the layers' plans, flattened as
+:class:`LayerPlans`, and their cache layers in one KV pool) and a ``Head`` (embeddings, final
+norm, output head). Ranges are kept by :class:`OpRanges` (owned by the model's fast path,
+``plan.py``), per pool and plans object.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import weakref
+from typing import NamedTuple
+
+import torch
+
+from .. import envs
+from . import build, fused
+from .binding import enum, library
+
+log = logging.getLogger(__name__)
+
+# how the op runs each matmul of a plan: hs_matmul_kind in csrc/hispec_kernels.h, read from there
+MATMUL_KINDS = {name.removeprefix("HS_MM_"): value for name, value in enum("hs_matmul_kind").items()}
+MM_FLOAT, MM_INT4, MM_INT8, MM_DENSE, MM_FLOAT_LINEAR, MM_Q4, MM_Q4_PANELS, MM_PANEL, MM_Q8, MM_DENSE_BF16 = (
+    MATMUL_KINDS[k] for k in ("FLOAT", "INT4", "INT8", "DENSE", "FLOAT_LINEAR", "Q4", "Q4_PANELS", "PANEL", "Q8",
+                              "DENSE_BF16"))
+MM_FLOAT_KINDS = (MM_FLOAT, MM_FLOAT_LINEAR, MM_PANEL)  # float32 weights: as matmul.small_route()
+
+
+@functools.lru_cache(maxsize=1)
+def layers_op():
+    """``torch.ops.hispec_fused.decode_layers`` (a range of decoder layers in one call, on the
+    same kernels as the per-layer path), or None: no C kernels, no C++ compiler or torch headers,
+    or ``HISPEC_FUSED_LAYERS=0``. Built once per source, torch version and CPU (~15 s)."""
+    if library() is None or not envs.HISPEC_FUSED_LAYERS:
+        return None
+    try:
+        torch.ops.load_library(str(build.build_op()))
+    except (OSError, RuntimeError) as e:
+        log.warning("fused layer op unavailable, running the fused kernels layer by layer: %s", e)
+        return None
+    return torch.ops.hispec_fused.decode_layers
+
+
+def prebuild(say=None) -> None:
+    """Build (or load) the kernels now rather than in the first decode step, so the first
+    generation's time is not a compiler's. ``say(msg)`` is told when a build is about to run."""
+    if not envs.HISPEC_FUSED:
+        return
+    if say is not None and library() is not None and not build.op_path().exists():
+        say("building hispec's CPU kernels for this CPU (once, ~15 s)")
+    layers_op()
+
+
+class LayerPlans(NamedTuple):
+    """The plans of a range of layers (``plan.layer_plan``), flattened as the C++ op takes them."""
+
+    norms: list
+    weights: list
+    kinds: list
+    groups: list
+
+    @classmethod
+    def of(cls, plans: list) -> "LayerPlans":
+        flat = cls([], [], [], [])
+        for p in plans:
+            for part, values in zip(flat, p):
+                part += values
+        return flat
+
+
+class OpRanges:
+    """``torch.classes.hispec_fused.Range`` handles: a range's plans and a pool's cache layers
+    ``[start, end)`` as the op holds them between calls. Kept per pool, weakly (they go with the
+    pool), and per plans object: plans made anew (new weights) get a new one (the entry holds its
+    plans, so their id stays theirs)."""
+
+    PER_POOL = 16  # ranges a pool keeps (layer ranges x prompt/decode/batched plans); more: made anew
+
+    def __init__(self) -> None:
+        self._by_pool: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+    def get(self, plans: LayerPlans, pool, start: int, end: int, cfg, bf16_acts: bool):
+        held = self._by_pool.setdefault(pool, {})
+        key = (id(plans), start, end, bf16_acts)
+        hit = held.get(key)
+        if hit is None:
+            if len(held) >= self.PER_POOL:
+                held.clear()
+            made = torch.classes.hispec_fused.Range(pool.k[start:end], pool.v[start:end], plans.norms, plans.weights,
+                                                    plans.kinds, plans.groups, cfg.num_heads, cfg.num_kv_heads,
+                                                    cfg.norm_eps, bf16_acts)
+            hit = held[key] = (plans, made)
+        return hit[1]
+
+
+def decode_layers(h: torch.Tensor, op_range, rope, batch, cfg) -> torch.Tensor:
+    """Run the layers of ``op_range`` (``OpRanges.get``) on ``h [T, H]`` float32 in one call
+    (writing their K/V into its pool); bit-identical to running them one by one on the kernels.
+    ``batch``: the call's ``AttentionBatch``."""
+    meta = batch.kernel()
+    cos, ssin = (r.view(r.shape[0], r.shape[-1]) for r in rope)  # [T, D]
+    parallel = meta.keys * cfg.num_heads * cfg.head_dim >= fused.PARALLEL_MIN_WORK
+    return layers_op()(h.contiguous(), cos.contiguous(), ssin.contiguous(), batch.write_slots, meta.tables, meta.seq,
+                       meta.lengths, meta.block_size, parallel, op_range)
+
+
+def op_head(embed: torch.Tensor, norm: torch.Tensor, weight: torch.Tensor, params: torch.Tensor, kind: int,
+            group: int, eps: float):
+    """``torch.classes.hispec_fused.Head``: what ``decode_step`` runs besides the layers, the token
+    embeddings ``[V, H]`` and final RMSNorm weight ``[H]`` (float32) and the output head (a matmul
+    of ``kind`` on ``weight`` and ``params``, as in a layer plan)."""
+    return torch.classes.hispec_fused.Head(embed, norm, weight, params, kind, group, eps)
+
+
+def _flat_tables(tables: list[list[int]]) -> list[int]:
+    """Block tables as one row-major list, each padded with block 0 to the longest."""
+    width = max(len(t) for t in tables)
+    return [b for t in tables for b in (t + [0] * (width - len(t)) if len(t) < width else t)]
+
+
+def parallel_min_keys(cfg) -> int:
+    """Keys (the sequences' positions + 1, summed) from which a decode step's attention shares the
+    threads: ``keys * num_heads * head_dim >= fused.PARALLEL_MIN_WORK``, as ``decode_layers`` decides it."""
+    return -(-fused.PARALLEL_MIN_WORK // (cfg.num_heads * cfg.head_dim))
+
+
+def decode_step(tokens: list[int], positions: list[int], tables: list[list[int]], rope_table, op_range, head,
+                block_size: int, cfg) -> torch.Tensor:
+    """One decoding step of B sequences in one call: ``tokens[b]`` at ``positions[b]`` (sequence b's
+    block table ``tables[b]``) through every layer (``op_range`` of all layers), the final norm and
+    the output head (``head = op_head(...)``) -> logits ``[B, V]`` float32. ``rope_table``:
+    ``(cos, signed sin)`` ``[P, D]`` float32 with ``P > max(positions)``. The same bits as the step
+    taken call by call (embedding, ``decode_layers``, the norm and the head's kernel)."""
+    return torch.ops.hispec_fused.decode_step(tokens, positions, _flat_tables(tables), block_size, rope_table[0],
+                                              rope_table[1], parallel_min_keys(cfg), op_range, head)
+
+
+def decode_steps(tokens: list[int], positions: list[int], tables: list[list[int]], rope_table, op_range, head,
+                 block_size: int, cfg, steps: int, eos: list[int]) -> torch.Tensor:
+    """Up to ``steps`` greedy steps in one call: ``decode_step``, the argmax of each row (as
+    ``torch.argmax``), those tokens at the next positions, ... -> the chosen tokens ``[B, s]``
+    int64, ``s <= steps`` (it stops once every row has chosen one of ``eos``). The same tokens as
+    ``s`` calls of ``decode_step`` with an argmax between them. ``tables[b]`` and ``rope_table``
+    must cover ``positions[b] + steps - 1``."""
+    return torch.ops.hispec_fused.decode_steps(tokens, positions, _flat_tables(tables), block_size, rope_table[0],
+                                               rope_table[1], steps, eos, parallel_min_keys(cfg), op_range, head)
+
+
+PROFILE_PARTS = ("matmul", "attention", "rope_cache", "norm", "silu_mul", "residual", "setup")
+
+
+def profile(on: bool) -> dict[str, tuple[float, int]]:
+    """Time the C++ op's calls per part (wall clock around each call) while ``on``; returns each
+    part's ``(seconds, calls)`` summed since the previous call and starts again from zero. The
+    parts (PROFILE_PARTS): the matmuls (decoder linears, output head), paged attention, RoPE with
+    the cache write, the RMSNorms (with their residual adds), the gated activation, the residual add
+    after the MLP, and a decode step's setup (embeddings, RoPE rows, block tables). Empty when the
+    op is unavailable."""
+    if layers_op() is None:
+        return {}
+    seconds, calls = torch.ops.hispec_fused.profile(on)
+    return {part: (s, c) for part, s, c in zip(PROFILE_PARTS, seconds, calls)}

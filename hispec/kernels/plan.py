@@ -1,0 +1,260 @@
+"""The CPU fast path: which of a model's layers the torch op (``layer_op.py``) can run, and how.
+
+The model (``model/decoder.py``) stays the reference PyTorch computation; this module plans, for
+a model with those layers, the calls that give the same bits in fewer steps:
+
+- :func:`matmul_plan`: how the op runs one matmul module (its weight, parameters and kind);
+- :func:`layer_plan`: a layer's norms and four matmuls, or None where the op cannot run it;
+- :class:`FastPath` (one per model, :func:`fast_path`): a range of layers in one op call
+  (``run_layers``), a whole decode step (``decode_step``) or several greedy ones
+  (``decode_greedy``), with the plans kept while the layers and weights they read stay the same,
+  and the op's handles on each KV pool (``OpRanges``).
+
+A model's layers are read, not imported (this package sits below ``model``): a layer offers
+``projections()``, ``input_norm``, ``post_norm``, ``act_dtype``, ``plan_epoch`` (counted up
+whenever a planned attribute is replaced), ``fusable()`` and ``runs_fused(h, rope, pool, i)``.
+"""
+from __future__ import annotations
+
+import operator
+import weakref
+
+import torch
+from torch import nn
+
+from . import fused, layer_op
+from .layer_op import LayerPlans, OpRanges
+from .matmul import SMALL_ROWS, Linear, panel_rows, small_route
+from .quant import ACT_DTYPE, QuantLinear
+
+# CPU: a sequence's queries from which attention takes SDPA's fused kernel (model/decoder.py's attend:
+# as fast as the batched matmuls there, and leaner); the op leaves such chunks to that path
+SDPA_MIN_QUERIES = 256
+
+
+def matmul_plan(m: nn.Module | None, act_dtype: torch.dtype | None, prefill: bool = False,
+                batched: bool = False) -> tuple | None:
+    """How ``decode_op.cpp`` runs the matmul module ``m`` on inputs of ``act_dtype`` (None: float32),
+    ``(weight, parameters, kind, group)``, or None where it cannot (a bias, another module or dtype):
+    the same kernel and inputs as ``m.forward`` takes. ``prefill``: prompt tokens (QuantLinear's
+    dense prefill weights where it has them, on a q4 layer's float32 inputs cast to bfloat16 as
+    ``QuantLinear.prefill_mm`` casts them); ``batched``: more than SMALL_ROWS rows (float32
+    weights: the panel kernel, as ``Linear.forward`` takes it up to ``panel_rows()`` rows; None
+    where it takes oneDNN)."""
+    if type(m) is QuantLinear and m.bias is None:
+        if act_dtype == ACT_DTYPE and prefill and m.dense is not None:
+            return m.dense, m.dense, layer_op.MM_DENSE, 0  # the second is a placeholder
+        if m.kernel in ("int4", "int8") and act_dtype == ACT_DTYPE:
+            return (m.qweight, m.qparams, layer_op.MM_INT4 if m.kernel == "int4" else layer_op.MM_INT8,
+                    m.group if m.kernel == "int4" else 0)
+        if m.kernel == "q4" and act_dtype in (None, torch.float32):
+            if prefill and m.dense is not None:
+                return m.dense, m.dense, layer_op.MM_DENSE_BF16, 0  # the second is a placeholder
+            return m.qweight, m.qparams, layer_op.MM_Q4_PANELS if prefill else layer_op.MM_Q4, m.group
+        if m.kernel == "q8" and act_dtype in (None, torch.float32):
+            return m.qweight, m.qparams, layer_op.MM_Q8, 0
+        return None
+    if (type(m) is Linear and m.bias is None and m.weight.dtype == torch.float32 and m.weight.is_contiguous()
+            and act_dtype in (None, torch.float32)):
+        # as Linear.forward: on <= SMALL_ROWS rows the timed route, above it the panel kernel or oneDNN
+        panel = m.panel() if (panel_rows() > 0 if batched else small_route() == "panel") else None
+        if batched and panel is None:
+            return None
+        if panel is not None:
+            return panel, m.weight, layer_op.MM_PANEL, m.out_features  # the second is a placeholder
+        return m.weight, m.weight, layer_op.MM_FLOAT_LINEAR if small_route() == "linear" else layer_op.MM_FLOAT, 0
+    return None
+
+
+# layer -> {(prefill, batched): (plan_epoch, float32 weight versions, plan or False)}
+_layer_plans: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
+
+
+def _float_weights(layer: nn.Module) -> list[torch.Tensor]:
+    return [m.weight for m in layer.projections() if type(m) is Linear]
+
+
+def layer_plan(layer: nn.Module, prefill: bool = False, batched: bool = False) -> tuple | None:
+    """What ``layer_op.decode_layers`` needs of a decoder layer, ``(norms, weights, kinds, groups)``,
+    or None when the layer cannot run there (not fusable; a bias; a matmul other than float32
+    ``Linear`` or q4 ``QuantLinear`` on float32 activations or int4/int8 ``QuantLinear`` on
+    bfloat16 ones). ``prefill``: for prompt tokens (QuantLinear's dense prefill weights where it
+    has them); ``batched``: for more than SMALL_ROWS tokens (float32 weights: the panel kernel, as
+    ``Linear.forward`` takes it up to ``panel_rows()`` rows; None where it takes oneDNN). Kept
+    until the layer's ``plan_epoch`` moves or a float32 weight changes in place (its panel copy is
+    remade)."""
+    state = (layer.plan_epoch, tuple(w._version for w in _float_weights(layer)))
+    held = _layer_plans.setdefault(layer, {})
+    key = (prefill, batched)
+    hit = held.get(key)
+    if hit is None or hit[0] != state:
+        hit = held[key] = (state, _make_layer_plan(layer, prefill, batched) or False)
+    return hit[1] or None
+
+
+def _make_layer_plan(layer: nn.Module, prefill: bool, batched: bool) -> tuple | None:
+    if not layer.fusable() or layer_op.layers_op() is None:
+        return None
+    norms = [layer.input_norm.weight, layer.post_norm.weight]
+    if any(w.dtype != torch.float32 or not w.is_contiguous() for w in norms):
+        return None
+    weights, kinds, groups = [], [], []
+    for m in layer.projections():
+        planned = matmul_plan(m, layer.act_dtype, prefill, batched)
+        if planned is None:
+            return None
+        weights += planned[:2]
+        kinds.append(planned[2])
+        groups.append(planned[3])
+    return norms, weights, kinds, groups
+
+
+def _module_tensors(m: nn.Module) -> list[torch.Tensor]:
+    """``m``'s parameters and buffers: read from its own dicts when it has no submodules (a
+    linear layer; ~10x cheaper than ``m.parameters()``, which a decode step would pay each time)."""
+    if m._modules:
+        return [*m.parameters(), *m.buffers()]
+    return [t for t in (*m._parameters.values(), *m._buffers.values()) if t is not None]
+
+
+class FastPath:
+    """A model's calls of the torch op: its range plans, its op heads and its handles on KV pools
+    (one per model, :func:`fast_path`). Holds the model weakly."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self._model = weakref.ref(model)
+        self.ranges = OpRanges()  # the op's handles on each pool's cache layers
+        self._range_plans: dict[tuple, tuple] = {}  # see plans_for
+        self._head_ops: dict[bool, tuple] = {}  # see step_head
+
+    @property
+    def model(self) -> nn.Module:
+        return self._model()
+
+    # ---- a range of layers ------------------------------------------------------------------
+    def layer_plans(self, h: torch.Tensor, start: int, end: int, rope, batch, pool) -> LayerPlans | None:
+        """The layers' plans when ``[start, end)`` can run in one ``layer_op.decode_layers`` call:
+        every layer planned with one activation dtype, chunks below SDPA_MIN_QUERIES tokens (longer
+        ones take SDPA), on float32 weights at most as many tokens as the panel kernel serves
+        (``panel_rows()``; more take oneDNN, in Python), and the per-layer fused path's own
+        conditions (float32 residual stream and pool on the CPU)."""
+        layers = self.model.layers
+        if start == end or not layers[start].runs_fused(h, rope, pool, start) or not layer_op.layers_op():
+            return None
+        if any(c.num_tokens >= SDPA_MIN_QUERIES for c in batch.chunks):
+            return None
+        plans, has_float = self.plans_for(start, end, batch.prefill, h.shape[0] > SMALL_ROWS)
+        if plans is None or (has_float and h.shape[0] > max(panel_rows(), SMALL_ROWS)):
+            return None
+        if pool.k[start].dtype not in fused.KV_DTYPES:  # a pool holds one dtype
+            return None
+        return plans
+
+    def plans_for(self, start: int, end: int, prefill: bool, batched: bool) -> tuple:
+        """``(LayerPlans or None, whether any matmul is on float32 weights)`` of layers ``[start, end)``,
+        kept per range: checked on each call against the layers themselves (the same objects, their
+        ``plan_epoch``: projections, activation dtype, ``.to()``) and the versions of their float32
+        weights (changed in place: the panel copies are remade), which is cheaper than asking 30
+        layers for their plans at every decoding step."""
+        key = (start, end, prefill, batched)
+        layers = list(self.model.layers._modules.values())[start:end]
+        hit = self._range_plans.get(key)
+        if hit is not None:  # (list equality, in C: the same layer objects, epochs and versions)
+            objs, epochs, weights, versions, result = hit
+            if (layers == objs and [layer.plan_epoch for layer in layers] == epochs
+                    and [w._version for w in weights] == versions):
+                return result
+        plans = [layer_plan(layer, prefill, batched) for layer in layers]
+        acts = {layer.act_dtype for layer in layers}
+        if any(p is None for p in plans) or len(acts) != 1:
+            result = (None, False)
+        else:
+            flat = LayerPlans.of(plans)
+            result = (flat, bool(set(layer_op.MM_FLOAT_KINDS) & set(flat.kinds)))
+        weights = [w for layer in layers for w in _float_weights(layer)]
+        self._range_plans[key] = (layers, [layer.plan_epoch for layer in layers], weights,
+                                  [w._version for w in weights], result)
+        return result
+
+    def run_layers(self, h: torch.Tensor, start: int, end: int, rope, batch, pool) -> torch.Tensor | None:
+        """Layers ``[start, end)`` on ``h [T, H]`` in one op call (writing their K/V into ``pool``),
+        the same values as layer by layer; None where the range cannot run there (nothing written)."""
+        plans = self.layer_plans(h, start, end, rope, batch, pool)
+        if plans is None:
+            return None
+        bf16 = self.model.layers[start].act_dtype == ACT_DTYPE
+        op_range = self.ranges.get(plans, pool, start, end, self.model.cfg, bf16)
+        return layer_op.decode_layers(h, op_range, rope, batch, self.model.cfg)
+
+    # ---- whole decode steps -------------------------------------------------------------------
+    def decode_step(self, tokens: list[int], positions: list[int], tables: list[list[int]],
+                    pool) -> torch.Tensor | None:
+        """``DecoderModel.decode_step`` in one op call, or None where it does not apply."""
+        op = self.step_op(len(tokens), pool)
+        if op is None:
+            return None
+        op_range, head = op
+        return layer_op.decode_step(tokens, positions, tables, self.model.rope_table(max(positions)), op_range, head,
+                                    pool.block_size, self.model.cfg)
+
+    def decode_greedy(self, tokens: list[int], positions: list[int], tables: list[list[int]], pool, steps: int,
+                      eos: list[int]) -> torch.Tensor | None:
+        """``DecoderModel.decode_greedy`` in one op call, or None where it does not apply."""
+        op = self.step_op(len(tokens), pool)
+        if op is None:
+            return None
+        op_range, head = op
+        rope = self.model.rope_table(max(positions) + steps - 1)
+        return layer_op.decode_steps(tokens, positions, tables, rope, op_range, head, pool.block_size,
+                                     self.model.cfg, steps, eos)
+
+    def step_op(self, batch_size: int, pool) -> tuple | None:
+        """``(op range of every layer, op head)`` for a decode step of ``batch_size`` sequences in
+        one op call, or None where it does not apply: not a RoPE model on the fused CPU path with
+        float32 embeddings and residual stream, layers or head not planned, exit blocks with K/V."""
+        model = self.model
+        batched = batch_size > SMALL_ROWS
+        head = self.step_head(batched)
+        if (head is None or pool.k[0].dtype not in fused.KV_DTYPES or pool.k[0].device.type != "cpu"
+                or any(getattr(e, "has_kv", False) for e in model.exits.values()) or torch.is_grad_enabled()
+                and model.embed_tokens.weight.requires_grad):
+            return None
+        plans, has_float = self.plans_for(0, model.num_layers, False, batched)
+        if plans is None or (has_float and batch_size > max(panel_rows(), SMALL_ROWS)):
+            return None
+        bf16 = model.layers[0].act_dtype == ACT_DTYPE
+        return self.ranges.get(plans, pool, 0, model.num_layers, model.cfg, bf16), head
+
+    def step_head(self, batched: bool):
+        """``layer_op.op_head`` of the model's embeddings, final norm and output head (its matmul as
+        for more than SMALL_ROWS rows if ``batched``), kept while they are the same tensors at the
+        same versions; None where ``decode_step`` does not apply."""
+        model = self.model
+        emb, norm, head = model.embed_tokens.weight, model.norm, model.lm_head
+        tensors = [emb, norm.weight, *_module_tensors(head)]
+        hit = self._head_ops.get(batched)
+        if (hit is not None and hit[0] is head and len(tensors) == len(hit[1])
+                and all(map(operator.is_, tensors, hit[1])) and [t._version for t in tensors] == hit[2]):
+            return hit[3]
+        made = None
+        if (model.inv_freq is not None and model.project_in is None and model.project_out is None
+                and emb.device.type == "cpu" and emb.dtype == torch.float32 and emb.is_contiguous()
+                and not isinstance(norm, nn.LayerNorm)  # an RMSNorm: the model's other norm kind
+                and norm.weight.dtype == torch.float32 and norm.weight.is_contiguous()
+                and model.layers[0].fusable() and layer_op.layers_op() is not None):
+            planned = matmul_plan(head, None, batched=batched)
+            if planned is not None:
+                made = layer_op.op_head(emb, norm.weight, *planned, norm.eps)
+        self._head_ops[batched] = (head, tensors, [t._version for t in tensors], made)
+        return made
+
+
+_fast_paths: "weakref.WeakKeyDictionary[nn.Module, FastPath]" = weakref.WeakKeyDictionary()
+
+
+def fast_path(model: nn.Module) -> FastPath:
+    """The model's :class:`FastPath` (made on first use, kept while the model lives)."""
+    path = _fast_paths.get(model)
+    if path is None:
+        path = _fast_paths[model] = FastPath(model)
+    return path
