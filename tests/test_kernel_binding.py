@@ -13,7 +13,7 @@ def _defined() -> set[str]:
     """The ``hs_`` functions the C files define with external linkage (not ``static``)."""
     found = set()
     for path in build.c_sources():
-        found |= set(re.findall(r"^(?:void|int64_t)\s+(hs_\w+)\s*\(", path.read_text(), re.M))
+        found |= set(re.findall(r"^(?:void|int64_t|int)\s+(hs_\w+)\s*\(", path.read_text(), re.M))
     return found
 
 

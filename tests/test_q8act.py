@@ -5,13 +5,14 @@ bit; the error against the float product of the dequantized weights within the a
 clear errors on bad input."""
 from __future__ import annotations
 
+import ctypes
 import logging
 
 import numpy as np
 import pytest
 import torch
 
-from hispec.kernels import q8act
+from hispec.kernels import binding, q8act
 from hispec.kernels.quant import pack_nibbles
 
 pytestmark = pytest.mark.skipif(not q8act.available(), reason="no C compiler for the q8act kernels")
@@ -244,21 +245,32 @@ def test_best_path_is_said_once(caplog):
 
 
 def test_no_compiler_falls_back_with_a_note(monkeypatch, tmp_path, caplog):
+    """q8act is part of the one C library: without a compiler there is none, said once, and a call says why."""
     monkeypatch.setenv("HISPEC_HOME", str(tmp_path))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
-    q8act.library.cache_clear()
+    binding.library.cache_clear()
     try:
-        with caplog.at_level(logging.WARNING, logger="hispec.kernels.q8act"):
-            assert q8act.library() is None
+        with caplog.at_level(logging.WARNING, logger="hispec.kernels.binding"):
+            assert q8act.library() is None and not q8act.available()
         assert any("unavailable" in r.getMessage() for r in caplog.records)
         with pytest.raises(RuntimeError, match="not built"):
             q8act.quantize(torch.randn(1, 32))
     finally:
-        q8act.library.cache_clear()
+        binding.library.cache_clear()
+
+
+def test_one_library_and_binding_table():
+    """The q8act functions are the one library's, typed from the header (no second build or table)."""
+    assert q8act.library() is binding.library()
+    table = binding.signatures()
+    p, i64, i = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    assert table["hs_q8a_matmul"] == ([i, p, p, p, p, p, p, p, i64, i64, i64, p, i, i], i)
+    assert table["hs_q8a_q4_matmul"] == table["hs_q4_matmul"] and table["hs_q8a_q8_matmul"] == table["hs_q8_matmul"]
+    assert table["hs_q8a_best_isa"] == ([], i)
 
 
 def test_drop_in_entry_points():
-    """``hs_q8a_q4_matmul`` / ``hs_q8a_q8_matmul`` (the signatures of fused_cpu.c's hs_q4_matmul /
+    """``hs_q8a_q4_matmul`` / ``hs_q8a_q8_matmul`` (the signatures of gguf.c's hs_q4_matmul /
     hs_q8_matmul, for the C++ layer op) give the Python entry points' bits; bfloat16 x as its float32 value."""
     gen = torch.Generator().manual_seed(2)
     lib = q8act.library()

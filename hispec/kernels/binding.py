@@ -19,7 +19,7 @@ log = logging.getLogger(__name__)
 
 # C parameter / return types the header may use -> ctypes (every pointer is a c_void_p)
 _SCALARS = {"int": ctypes.c_int, "int64_t": ctypes.c_int64, "float": ctypes.c_float}
-_PROTOTYPE = re.compile(r"^(void|int64_t)\s+(hs_\w+)\s*\(([^)]*)\)\s*;", re.M | re.S)
+_PROTOTYPE = re.compile(r"^(void|int64_t|int)\s+(hs_\w+)\s*\(([^)]*)\)\s*;", re.M | re.S)
 _COMMENT = re.compile(r"/\*.*?\*/", re.S)
 
 

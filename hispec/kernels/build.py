@@ -104,8 +104,9 @@ def build_library() -> Path:
     op that links it shares the copy ctypes loaded."""
     path = library_path()
     cc = _compiler("CC", "gcc", "cc")
-    return build(path, lambda tmp: [cc, *FLAGS, *map(str, c_sources()), "-o", str(tmp), f"-Wl,-soname,{path.name}",
-                                    "-lm"])
+    # absolute paths: q8act.c includes itself once per instruction set (#include __FILE__)
+    sources = [str(p.resolve()) for p in c_sources()]
+    return build(path, lambda tmp: [cc, *FLAGS, *sources, "-o", str(tmp), f"-Wl,-soname,{path.name}", "-lm"])
 
 
 def op_path() -> Path:

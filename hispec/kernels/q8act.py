@@ -15,103 +15,51 @@ these operations, so they agree bit for bit, and a row's outputs depend on that 
 Against the float product with the dequantized weights, the error is the activations' rounding:
 at most half a step, ``amax / 254``, per input.
 
-``hs_q8a_q4_matmul`` / ``hs_q8a_q8_matmul`` in the library take the arguments of ``fused_cpu.c``'s
-``hs_q4_matmul`` / ``hs_q8_matmul`` (same weight tensors, float32 ``x``; bfloat16 too for 8-bit), so
-the C++ layer op can call them in their place.
+``hs_q8a_q4_matmul`` / ``hs_q8a_q8_matmul`` take the arguments of ``gguf.c``'s ``hs_q4_matmul`` /
+``hs_q8_matmul`` (same weight tensors, float32 ``x``; bfloat16 too for 8-bit), so the torch op runs
+them in their place (``HS_MM_Q8A4`` / ``HS_MM_Q8A8``) when QuantLinear's 4-bit kernel is ``q8a``.
 
-The library is compiled on first use by the machine's C compiler (``-O3 -march=native``), cached
-under ``$HISPEC_HOME/kernels`` by a hash of the source, flags and CPU, and loaded with ctypes;
-every path is built into it (``#pragma GCC target``) and chosen at run time by what the CPU has.
+``csrc/q8act.c`` is part of the one C library (``build.py``, bound from ``hispec_kernels.h`` by
+``binding.py``); every path is built into it (``#pragma GCC target``) and chosen at run time by what
+the CPU has.
 """
 from __future__ import annotations
 
-import ctypes
 import functools
-import hashlib
 import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
 from typing import NamedTuple
 
 import torch
 
-from .. import envs
+from . import binding
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "q8act.c"
-FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared"]
 BLOCK = 32
-# the paths, slowest first (ids 1.. in the C source); "vnni-emulated" runs the 256-bit VNNI kernel
-# with dpbusd made of AVX2 instructions, for tests on CPUs without VNNI (never chosen by itself)
+# the paths, slowest first (the header's enum hs_q8a_isa: HS_Q8A_SCALAR = 1, ...); "vnni-emulated" runs
+# the 256-bit VNNI kernel with dpbusd made of AVX2 instructions, for tests on CPUs without VNNI (never
+# chosen by itself)
 ISAS = ("scalar", "avx2", "vnni256", "avx512vnni", "vnni-emulated")
-FMT_Q4, FMT_Q8 = 0, 1
-
-_p, _i64, _i = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-_SIGNATURES = {
-    "hs_q8a_quantize": ([_p, _i64, _i64, _p, _p, _p, _p], None),
-    "hs_q8a_matmul": ([_i, _p, _p, _p, _p, _p, _p, _p, _i64, _i64, _i64, _p, _i, _i], _i),
-    "hs_q8a_matmul_f32": ([_i, _p, _p, _p, _p, _i64, _i64, _i64, _p, _i, _i], _i),
-    "hs_q8a_q4_matmul": ([_p, _p, _p, _p, _i64, _i64, _i64, _p, _i], None),  # = fused_cpu.c's hs_q4_matmul
-    "hs_q8a_q8_matmul": ([_p, _p, _p, _i, _i64, _i64, _i64, _p, _i], None),  # = fused_cpu.c's hs_q8_matmul
-    "hs_q8a_isa_supported": ([_i], _i),
-    "hs_q8a_best_isa": ([], _i),
-}
-
-
-def _cpu_key() -> str:
-    """What identifies this CPU's instruction set (a library built for another CPU is not reused)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+_ISA_MEMBERS = ("HS_Q8A_SCALAR", "HS_Q8A_AVX2", "HS_Q8A_VNNI256", "HS_Q8A_AVX512VNNI", "HS_Q8A_EMULATED")
 
 
 @functools.lru_cache(maxsize=1)
-def library_key() -> str:
-    """What identifies a build: the source, the compiler flags and this CPU."""
-    return hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + _cpu_key().encode()).hexdigest()[:16]
-
-
-def _compile(out: Path) -> None:
-    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
-    if cc is None:
-        raise RuntimeError("no C compiler (gcc/cc) on PATH")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        tmp_out = Path(tmp) / out.name
-        # the absolute path: the source includes itself once per instruction set (#include __FILE__)
-        proc = subprocess.run([cc, *FLAGS, str(SOURCE.resolve()), "-o", str(tmp_out), "-lm"],
-                              capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[-2000:]}")
-        os.replace(tmp_out, out)  # atomic: concurrent builders leave one complete file
+def _isa_ids() -> dict[str, int]:
+    """``ISAS`` name -> the C source's id, from the header."""
+    enum = binding.enum("hs_q8a_isa")
+    return {name: enum[member] for name, member in zip(ISAS, _ISA_MEMBERS)}
 
 
 @functools.lru_cache(maxsize=1)
-def library() -> ctypes.CDLL | None:
-    """The compiled kernels, or None (no compiler, a failed build, ``HISPEC_FUSED=0``)."""
-    if not envs.HISPEC_FUSED:
-        return None
-    path = envs.HISPEC_HOME / "kernels" / f"q8act-{library_key()}.so"
-    try:
-        if not path.exists():
-            _compile(path)
-        lib = ctypes.CDLL(str(path))
-    except (OSError, RuntimeError) as e:
-        log.warning("8-bit-activation kernels unavailable: %s", e)
-        return None
-    for name, (args, res) in _SIGNATURES.items():
-        getattr(lib, name).argtypes = args
-        getattr(lib, name).restype = res
-    return lib
+def _formats() -> tuple[int, int]:
+    """The header's ``HS_Q8A_Q4``, ``HS_Q8A_Q8``."""
+    enum = binding.enum("hs_q8a_format")
+    return enum["HS_Q8A_Q4"], enum["HS_Q8A_Q8"]
+
+
+def library():
+    """The kernels' C library (``binding.library``), or None (no compiler, a failed build, ``HISPEC_FUSED=0``)."""
+    return binding.library()
 
 
 def available() -> bool:
@@ -121,13 +69,14 @@ def available() -> bool:
 def supported_isas() -> list[str]:
     """The paths this CPU can run, slowest first (``scalar`` always)."""
     lib = library()
-    return [] if lib is None else [name for i, name in enumerate(ISAS, 1) if lib.hs_q8a_isa_supported(i)]
+    return [] if lib is None else [name for name, i in _isa_ids().items() if lib.hs_q8a_isa_supported(i)]
 
 
 @functools.lru_cache(maxsize=1)
 def best_isa() -> str:
     """The fastest path this CPU has; says once (a log line) when it is not AVX-512 VNNI, and why."""
-    name = ISAS[library().hs_q8a_best_isa() - 1]
+    best = _lib().hs_q8a_best_isa()
+    name = next(n for n, i in _isa_ids().items() if i == best)
     if name != "avx512vnni":
         lacking = {"scalar": "no AVX2", "avx2": "no AVX-512 VNNI or AVX-VNNI", "vnni256": "no AVX-512 VNNI"}[name]
         log.info("8-bit-activation kernels: the %s path (%s on this CPU)", name, lacking)
@@ -137,12 +86,12 @@ def best_isa() -> str:
 def _isa_id(isa: str | None) -> int:
     """``isa`` (None: the best this CPU has) as the C source's id; an unknown or unsupported one raises."""
     if isa is None:
-        return ISAS.index(best_isa()) + 1
+        return _isa_ids()[best_isa()]
     if isa not in ISAS:
         raise ValueError(f"q8act: unknown path {isa!r}; choose from {', '.join(ISAS)}")
     if isa not in supported_isas():
         raise ValueError(f"q8act: this CPU cannot run the {isa} path (it has {', '.join(supported_isas())})")
-    return ISAS.index(isa) + 1
+    return _isa_ids()[isa]
 
 
 class QActs(NamedTuple):
@@ -155,7 +104,7 @@ class QActs(NamedTuple):
     dxs: torch.Tensor
 
 
-def _lib() -> ctypes.CDLL:
+def _lib():
     lib = library()
     if lib is None:
         raise RuntimeError("q8act: the 8-bit-activation kernels are not built (no C compiler, or HISPEC_FUSED=0)")
@@ -213,7 +162,7 @@ def _matmul(fmt: int, w: torch.Tensor, d: int, m: int | None, x: torch.Tensor | 
         ran = lib.hs_q8a_matmul(fmt, w.data_ptr(), d, m, *(a.data_ptr() for a in acts), t, n, k, y.data_ptr(),
                                 isa_id, 1)
     if ran != isa_id:
-        raise RuntimeError(f"q8act: the {ISAS[isa_id - 1]} path did not run (out of memory, or the CPU lacks it)")
+        raise RuntimeError(f"q8act: the {isa or best_isa()} path did not run (out of memory, or the CPU lacks it)")
     return y
 
 
@@ -228,7 +177,7 @@ def q4_matmul(x: torch.Tensor | QActs, qs: torch.Tensor, dm: torch.Tensor, isa: 
         raise ValueError(f"q8act: qs [N, K / 2] gives K = {k}, not a multiple of {BLOCK}")
     qs = _need(qs, "qs", torch.uint8, (n, k // 2))
     dm = _need(dm, "dm", torch.float32, (2, n, k // BLOCK))
-    return _matmul(FMT_Q4, qs, dm.data_ptr(), dm.data_ptr() + 4 * n * (k // BLOCK), x, n, k, isa)
+    return _matmul(_formats()[0], qs, dm.data_ptr(), dm.data_ptr() + 4 * n * (k // BLOCK), x, n, k, isa)
 
 
 def q8_matmul(x: torch.Tensor | QActs, q: torch.Tensor, d: torch.Tensor, isa: str | None = None) -> torch.Tensor:
@@ -241,4 +190,4 @@ def q8_matmul(x: torch.Tensor | QActs, q: torch.Tensor, d: torch.Tensor, isa: st
         raise ValueError(f"q8act: K = {k} must be a multiple of {BLOCK}")
     q = _need(q, "q", torch.int8, (n, k))
     d = _need(d, "d", torch.float32, (n, k // BLOCK))
-    return _matmul(FMT_Q8, q, d.data_ptr(), None, x, n, k, isa)
+    return _matmul(_formats()[1], q, d.data_ptr(), None, x, n, k, isa)

@@ -74,6 +74,41 @@ void hs_q4_matmul(const uint8_t *qs, const float *d, const float *m, const float
 void hs_q4_panel_matmul(const uint8_t *qs, const float *d, const float *m, const float *x, int64_t T, int64_t N,
                         int64_t K, float *y, int parallel);
 
+/* ---- q8act.c: 8-bit-activation integer kernels (hispec/kernels/q8act.py) ---- */
+/* Weight formats (fmt) and instruction-set paths (isa) of hs_q8a_matmul. */
+enum hs_q8a_format {
+    HS_Q8A_Q4 = 0,  /* 4-bit: nibbles w = qs [N, K / 2], d, m [N, K / 32]: W = d * q + m */
+    HS_Q8A_Q8 = 1,  /* 8-bit: w = q int8 [N, K], d [N, K / 32]: W = d * q (m unused) */
+};
+enum hs_q8a_isa {
+    HS_Q8A_AUTO = 0,        /* the best this CPU has (hs_q8a_best_isa) */
+    HS_Q8A_SCALAR = 1,
+    HS_Q8A_AVX2 = 2,        /* maddubs */
+    HS_Q8A_VNNI256 = 3,     /* AVX-VNNI or AVX-512 VNNI on 256-bit vectors */
+    HS_Q8A_AVX512VNNI = 4,
+    HS_Q8A_EMULATED = 5,    /* the 256-bit VNNI kernel with dpbusd made of AVX2 (tests; never chosen) */
+};
+/* x [T, K] float32 -> per block of 32: codes int8 [T, K] = rint(x * 127 / amax), dx = amax / 127,
+ * sx = the codes' sum (int32), dxs = dx * sx; all [T, K / 32] */
+void hs_q8a_quantize(const float *x, int64_t T, int64_t K, int8_t *codes, float *dx, int32_t *sx, float *dxs);
+/* 1 if this CPU can run path isa, else 0 */
+int hs_q8a_isa_supported(int isa);
+/* the fastest path this CPU has (never HS_Q8A_EMULATED) */
+int hs_q8a_best_isa(void);
+/* y[T, N] = x W^T for activations already quantized (hs_q8a_quantize) on path isa; returns the path
+ * that ran, or -1 (the CPU lacks it: nothing written; no scratch memory: y incomplete) */
+int hs_q8a_matmul(int fmt, const uint8_t *w, const float *d, const float *m, const int8_t *codes, const float *dx,
+                  const int32_t *sx, const float *dxs, int64_t T, int64_t N, int64_t K, float *y, int isa,
+                  int parallel);
+/* the same from float32 x [T, K] (quantized here); returns the path that ran, or -1 */
+int hs_q8a_matmul_f32(int fmt, const uint8_t *w, const float *d, const float *m, const float *x, int64_t T,
+                      int64_t N, int64_t K, float *y, int isa, int parallel);
+/* drop-ins for hs_q4_matmul / hs_q8_matmul (same arguments) on the best path: 8-bit activations */
+void hs_q8a_q4_matmul(const uint8_t *qs, const float *d, const float *m, const float *x, int64_t T, int64_t N,
+                      int64_t K, float *y, int parallel);
+void hs_q8a_q8_matmul(const int8_t *q, const float *d, const void *x, int x_bf, int64_t T, int64_t N, int64_t K,
+                      float *y, int parallel);
+
 #ifdef __cplusplus
 }
 #endif

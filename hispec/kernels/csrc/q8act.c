@@ -43,12 +43,11 @@
 #include <stdlib.h>
 #include <string.h>
 
-enum { ISA_AUTO = 0, ISA_SCALAR = 1, ISA_AVX2 = 2, ISA_VNNI256 = 3, ISA_AVX512VNNI = 4, ISA_VNNI_EMULATED = 5 };
-enum { FMT_Q4 = 0, FMT_Q8 = 1 };
+#include "hispec_kernels.h" /* the formats (HS_Q8A_Q4, HS_Q8A_Q8) and paths (HS_Q8A_*) */
 #define BLOCK 32
 #define PREFETCH_TILES 2 /* how many tiles ahead the weights are prefetched */
 
-static inline int block_bytes(int fmt) { return fmt == FMT_Q8 ? 32 : 16; }
+static inline int block_bytes(int fmt) { return fmt == HS_Q8A_Q8 ? 32 : 16; }
 
 static inline int8_t clamp_code(float v) {  /* NaN -> 0 */
     return (int8_t)(v >= -127.0f && v <= 127.0f ? v : v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : 0.0f);
@@ -91,15 +90,15 @@ static void scalar_matmul(const uint8_t *w, const float *d, const float *m, cons
                 const uint8_t *wb = w + (n * nb + b) * bytes;
                 const int8_t *xb = codes + t * K + b * BLOCK;
                 int32_t s = 0;
-                if (fmt == FMT_Q8)
+                if (fmt == HS_Q8A_Q8)
                     for (int j = 0; j < BLOCK; j++) s += (int32_t)(int8_t)wb[j] * xb[j];
                 else
                     for (int j = 0; j < 16; j++) s += (wb[j] & 15) * xb[j] + (wb[j] >> 4) * xb[16 + j];
                 const float c = d[n * nb + b] * dx[t * nb + b];
                 acc = fmaf((float)s, c, acc);
-                if (fmt == FMT_Q4) macc = fmaf(m[n * nb + b], dxs[t * nb + b], macc);
+                if (fmt == HS_Q8A_Q4) macc = fmaf(m[n * nb + b], dxs[t * nb + b], macc);
             }
-            y[t * N + n] = fmt == FMT_Q4 ? acc + macc : acc;
+            y[t * N + n] = fmt == HS_Q8A_Q4 ? acc + macc : acc;
         }
 }
 
@@ -205,15 +204,15 @@ static inline __attribute__((always_inline)) __m256i dpbusd_emulated(__m256i src
 int hs_q8a_isa_supported(int isa) {
     __builtin_cpu_init();
     switch (isa) {
-        case ISA_SCALAR: return 1;
-        case ISA_VNNI_EMULATED:
-        case ISA_AVX2: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-        case ISA_VNNI256:
-            return hs_q8a_isa_supported(ISA_AVX2) &&
+        case HS_Q8A_SCALAR: return 1;
+        case HS_Q8A_EMULATED:
+        case HS_Q8A_AVX2: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+        case HS_Q8A_VNNI256:
+            return hs_q8a_isa_supported(HS_Q8A_AVX2) &&
                    (__builtin_cpu_supports("avxvnni") ||
                     (__builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni")));
-        case ISA_AVX512VNNI:
-            return hs_q8a_isa_supported(ISA_AVX2) && __builtin_cpu_supports("avx512f") &&
+        case HS_Q8A_AVX512VNNI:
+            return hs_q8a_isa_supported(HS_Q8A_AVX2) && __builtin_cpu_supports("avx512f") &&
                    __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
                    __builtin_cpu_supports("avx512vnni");
         default: return 0;
@@ -221,31 +220,31 @@ int hs_q8a_isa_supported(int isa) {
 }
 
 int hs_q8a_best_isa(void) {
-    for (int isa = ISA_AVX512VNNI; isa > ISA_SCALAR; isa--)
+    for (int isa = HS_Q8A_AVX512VNNI; isa > HS_Q8A_SCALAR; isa--)
         if (hs_q8a_isa_supported(isa)) return isa;
-    return ISA_SCALAR;
+    return HS_Q8A_SCALAR;
 }
 
-/* y [T, N] float32 = x @ W^T for W of format fmt (FMT_Q4: w = qs, d, m; FMT_Q8: w = q, d, m unused)
- * and x given quantized (hs_q8a_quantize). isa: ISA_AUTO (the best this CPU has) or one path.
+/* y [T, N] float32 = x @ W^T for W of format fmt (HS_Q8A_Q4: w = qs, d, m; HS_Q8A_Q8: w = q, d, m unused)
+ * and x given quantized (hs_q8a_quantize). isa: HS_Q8A_AUTO (the best this CPU has) or one path.
  * Returns the path that ran, or -1 when the CPU lacks the one asked for (nothing written) or scratch
  * memory could not be allocated (y incomplete). */
 int hs_q8a_matmul(int fmt, const uint8_t *w, const float *d, const float *m, const int8_t *codes, const float *dx,
                   const int32_t *sx, const float *dxs, int64_t T, int64_t N, int64_t K, float *y, int isa,
                   int parallel) {
-    if (isa == ISA_AUTO) isa = hs_q8a_best_isa();
+    if (isa == HS_Q8A_AUTO) isa = hs_q8a_best_isa();
     if (!hs_q8a_isa_supported(isa)) return -1;
     int done = 1;
     switch (isa) {
-        case ISA_AVX512VNNI: done = matmul_avx512vnni(w, d, m, fmt, codes, dx, sx, dxs, T, N, K, y, parallel); break;
-        case ISA_VNNI256:
+        case HS_Q8A_AVX512VNNI: done = matmul_avx512vnni(w, d, m, fmt, codes, dx, sx, dxs, T, N, K, y, parallel); break;
+        case HS_Q8A_VNNI256:
             if (__builtin_cpu_supports("avxvnni"))
                 done = matmul_avxvnni(w, d, m, fmt, codes, dx, sx, dxs, T, N, K, y, parallel);
             else
                 done = matmul_vl256(w, d, m, fmt, codes, dx, sx, dxs, T, N, K, y, parallel);
             break;
-        case ISA_AVX2: done = matmul_avx2(w, d, m, fmt, codes, dx, sx, dxs, T, N, K, y, parallel); break;
-        case ISA_VNNI_EMULATED: done = matmul_emulated(w, d, m, fmt, codes, dx, sx, dxs, T, N, K, y, parallel); break;
+        case HS_Q8A_AVX2: done = matmul_avx2(w, d, m, fmt, codes, dx, sx, dxs, T, N, K, y, parallel); break;
+        case HS_Q8A_EMULATED: done = matmul_emulated(w, d, m, fmt, codes, dx, sx, dxs, T, N, K, y, parallel); break;
         default: scalar_matmul(w, d, m, fmt, codes, dx, sx, dxs, T, N, K, y, parallel); break;
     }
     return done ? isa : -1;
@@ -270,18 +269,18 @@ int hs_q8a_matmul_f32(int fmt, const uint8_t *w, const float *d, const float *m,
     return ran;
 }
 
-/* Drop-in replacements with the signatures of hs_q4_matmul and hs_q8_matmul (fused_cpu.c), on the
+/* Drop-in replacements with the signatures of hs_q4_matmul and hs_q8_matmul (gguf.c), on the
  * best path this CPU has: the C++ layer op can bind these in their place. x_bf: x is bfloat16 (each
  * value widened exactly to float32 first). */
 void hs_q8a_q4_matmul(const uint8_t *qs, const float *d, const float *m, const float *x, int64_t T, int64_t N,
                       int64_t K, float *y, int parallel) {
-    hs_q8a_matmul_f32(FMT_Q4, qs, d, m, x, T, N, K, y, ISA_AUTO, parallel);
+    hs_q8a_matmul_f32(HS_Q8A_Q4, qs, d, m, x, T, N, K, y, HS_Q8A_AUTO, parallel);
 }
 
 void hs_q8a_q8_matmul(const int8_t *q, const float *d, const void *x, int x_bf, int64_t T, int64_t N, int64_t K,
                       float *y, int parallel) {
     if (!x_bf) {
-        hs_q8a_matmul_f32(FMT_Q8, (const uint8_t *)q, d, NULL, (const float *)x, T, N, K, y, ISA_AUTO, parallel);
+        hs_q8a_matmul_f32(HS_Q8A_Q8, (const uint8_t *)q, d, NULL, (const float *)x, T, N, K, y, HS_Q8A_AUTO, parallel);
         return;
     }
     float *xf = malloc((size_t)(T * K) * sizeof(float));
@@ -290,7 +289,7 @@ void hs_q8a_q8_matmul(const int8_t *q, const float *d, const void *x, int x_bf, 
         const uint32_t bits = (uint32_t)((const uint16_t *)x)[i] << 16;
         memcpy(xf + i, &bits, sizeof bits);
     }
-    hs_q8a_matmul_f32(FMT_Q8, (const uint8_t *)q, d, NULL, xf, T, N, K, y, ISA_AUTO, parallel);
+    hs_q8a_matmul_f32(HS_Q8A_Q8, (const uint8_t *)q, d, NULL, xf, T, N, K, y, HS_Q8A_AUTO, parallel);
     free(xf);
 }
 
@@ -409,21 +408,21 @@ static inline __attribute__((always_inline)) void FN(transpose16)(const uint8_t 
 static inline __attribute__((always_inline)) void FN(expand)(const uint8_t *cols, int64_t row_bytes, int64_t b,
                                                              const int fmt, vi *buf, vi *sbuf, const uint8_t *ahead,
                                                              const float *dahead, const float *mahead) {
-    const int bytes = fmt == FMT_Q8 ? 32 : 16;
+    const int bytes = fmt == HS_Q8A_Q8 ? 32 : 16;
     (void)sbuf;
     if (ahead) {  /* a later tile's share of this block step (its columns, and their scales, are
                    * contiguous): the stream is read 16 columns abreast, which the hardware prefetcher
                    * follows poorly */
         for (int i = 0; i < COLS * bytes; i += 64) __builtin_prefetch(ahead + b * COLS * bytes + i, 0, 0);
         __builtin_prefetch(dahead + b * COLS, 0, 0);
-        if (fmt == FMT_Q4) __builtin_prefetch(mahead + b * COLS, 0, 0);
+        if (fmt == HS_Q8A_Q4) __builtin_prefetch(mahead + b * COLS, 0, 0);
     }
     for (int tv = 0; tv < TV; tv++) {
         const uint8_t *src[VW];
         for (int e = 0; e < VW; e++) src[e] = cols + (tv * VW + e) * row_bytes + b * bytes;
         vi V[8];
         FN(transpose16)(src, V);
-        if (fmt == FMT_Q4) {
+        if (fmt == HS_Q8A_Q4) {
             const vi mask = V_SET1_8(15);
             for (int i = 0; i < 4; i++) {
                 V[4 + i] = V_AND(V_SRLI16(V[i], 4), mask);
@@ -435,10 +434,10 @@ static inline __attribute__((always_inline)) void FN(expand)(const uint8_t *cols
         }
         for (int v = 0; v < 8; v++) {
 #if DP_VNNI
-            if (fmt == FMT_Q8) V[v] = V_XOR(V[v], V_SET1_8((char)0x80));  /* q + 128, unsigned */
+            if (fmt == HS_Q8A_Q8) V[v] = V_XOR(V[v], V_SET1_8((char)0x80));  /* q + 128, unsigned */
             V_STOREI(buf + (b * 8 + v) * TV + tv, V[v]);
 #else
-            if (fmt == FMT_Q8) {
+            if (fmt == HS_Q8A_Q8) {
                 V_STOREI(sbuf + (b * 8 + v) * TV + tv, V[v]);
                 V[v] = V_ABS8(V[v]);
             }
@@ -470,7 +469,7 @@ static inline __attribute__((always_inline)) void FN(rows)(const vi *buf, const 
         vi s[RT][TV];  /* the exact block sums (int32; AVX2 4-bit: 16-bit pairs until widened) */
         for (int r = 0; r < R; r++)
             for (int tv = 0; tv < TV; tv++)
-                s[r][tv] = DP_VNNI && fmt == FMT_Q8 ? V_SET1_32(-128 * sx[(t0 + r) * nb + b]) : V_ZEROI();
+                s[r][tv] = DP_VNNI && fmt == HS_Q8A_Q8 ? V_SET1_32(-128 * sx[(t0 + r) * nb + b]) : V_ZEROI();
         for (int v = 0; v < 8; v++) {
             vi wv[TV];
             for (int tv = 0; tv < TV; tv++) wv[tv] = V_LOADI(buf + (b * 8 + v) * TV + tv);
@@ -480,7 +479,7 @@ static inline __attribute__((always_inline)) void FN(rows)(const vi *buf, const 
 #if DP_VNNI
                     s[r][tv] = V_DPBUSD(s[r][tv], wv[tv], xv);
 #else
-                    if (fmt == FMT_Q4)
+                    if (fmt == HS_Q8A_Q4)
                         s[r][tv] = V_ADD16(s[r][tv], V_MADDUBS(wv[tv], xv));
                     else
                         s[r][tv] = V_ADD32(s[r][tv], V_MADD16(V_MADDUBS(wv[tv], V_SIGN8(xv, V_LOADI(sbuf + (b * 8 + v) * TV + tv))),
@@ -493,14 +492,14 @@ static inline __attribute__((always_inline)) void FN(rows)(const vi *buf, const 
             const vf dv = V_LOADF(dbuf + b * COLS + tv * VW);
             for (int r = 0; r < R; r++) {
 #if !DP_VNNI
-                if (fmt == FMT_Q4) s[r][tv] = V_MADD16(s[r][tv], V_SET1_16(1));
+                if (fmt == HS_Q8A_Q4) s[r][tv] = V_MADD16(s[r][tv], V_SET1_16(1));
 #endif
                 const vf c = V_MUL(dv, V_SET1F(dx[(t0 + r) * nb + b]));
                 acc[r][tv] = V_FMA(V_CVT(s[r][tv]), c, acc[r][tv]);
             }
         }
     }
-    if (fmt == FMT_Q4)
+    if (fmt == HS_Q8A_Q4)
         for (int64_t b = 0; b < nb; b++)
             for (int tv = 0; tv < TV; tv++) {
                 const vf mv = V_LOADF(mbuf + b * COLS + tv * VW);
@@ -511,7 +510,7 @@ static inline __attribute__((always_inline)) void FN(rows)(const vi *buf, const 
         for (int tv = 0; tv < TV; tv++) {
             const int n = ncols - tv * VW;
             if (n <= 0) break;
-            const vf out = fmt == FMT_Q4 ? V_ADDF(acc[r][tv], macc[r][tv]) : acc[r][tv];
+            const vf out = fmt == HS_Q8A_Q4 ? V_ADDF(acc[r][tv], macc[r][tv]) : acc[r][tv];
             FN(store_cols)(y + (t0 + r) * N + tv * VW, out, n);
         }
 }
@@ -520,7 +519,7 @@ static inline __attribute__((always_inline)) int FN(run)(const uint8_t *w, const
                                                           const int fmt, const int8_t *codes, const float *dx,
                                                           const int32_t *sx, const float *dxs, int64_t T, int64_t N,
                                                           int64_t K, float *y, int parallel) {
-    const int64_t nb = K / BLOCK, row_bytes = nb * (fmt == FMT_Q8 ? 32 : 16), tiles = (N + COLS - 1) / COLS;
+    const int64_t nb = K / BLOCK, row_bytes = nb * (fmt == HS_Q8A_Q8 ? 32 : 16), tiles = (N + COLS - 1) / COLS;
     int failed = 0;  /* a thread's scratch could not be allocated: its tiles are not computed */
 #pragma omp parallel if (parallel)
     {
@@ -547,20 +546,20 @@ static inline __attribute__((always_inline)) int FN(run)(const uint8_t *w, const
             const int64_t n0 = tile * COLS;
             const int ncols = (int)(N - n0 < COLS ? N - n0 : COLS);
             const uint8_t *tw = w + n0 * row_bytes;
-            const float *td = d + n0 * nb, *tm = fmt == FMT_Q4 ? m + n0 * nb : NULL;
+            const float *td = d + n0 * nb, *tm = fmt == HS_Q8A_Q4 ? m + n0 * nb : NULL;
             if (ncols < COLS) {
                 memcpy(pad_w, tw, (size_t)(ncols * row_bytes));
                 memcpy(pad_d, td, (size_t)(ncols * nb) * sizeof(float));
-                if (fmt == FMT_Q4) memcpy(pad_m, tm, (size_t)(ncols * nb) * sizeof(float));
-                tw = pad_w, td = pad_d, tm = fmt == FMT_Q4 ? pad_m : NULL;
+                if (fmt == HS_Q8A_Q4) memcpy(pad_m, tm, (size_t)(ncols * nb) * sizeof(float));
+                tw = pad_w, td = pad_d, tm = fmt == HS_Q8A_Q4 ? pad_m : NULL;
             }
             const int64_t n1 = n0 + PREFETCH_TILES * COLS;
             const int far = n1 + COLS <= N;
             const uint8_t *ahead = far ? w + n1 * row_bytes : NULL;
-            const float *dahead = far ? d + n1 * nb : NULL, *mahead = far && fmt == FMT_Q4 ? m + n1 * nb : NULL;
+            const float *dahead = far ? d + n1 * nb : NULL, *mahead = far && fmt == HS_Q8A_Q4 ? m + n1 * nb : NULL;
             for (int64_t b = 0; b < nb; b++) FN(expand)(tw, row_bytes, b, fmt, buf, sbuf, ahead, dahead, mahead);
             FN(scales)(td, nb, dbuf);
-            if (fmt == FMT_Q4) FN(scales)(tm, nb, mbuf);
+            if (fmt == HS_Q8A_Q4) FN(scales)(tm, nb, mbuf);
             for (int64_t t0 = 0; t0 < T; t0 += RT) {
                 float *yt = y + n0;
                 switch (T - t0 < RT ? T - t0 : RT) {  /* constant row counts keep the sums in registers */
@@ -594,8 +593,8 @@ static inline __attribute__((always_inline)) int FN(run)(const uint8_t *w, const
 static int FN(matmul)(const uint8_t *w, const float *d, const float *m, const int fmt, const int8_t *codes,
                       const float *dx, const int32_t *sx, const float *dxs, int64_t T, int64_t N, int64_t K, float *y,
                       int parallel) {
-    if (fmt == FMT_Q4) return FN(run)(w, d, m, FMT_Q4, codes, dx, sx, dxs, T, N, K, y, parallel);
-    return FN(run)(w, d, m, FMT_Q8, codes, dx, sx, dxs, T, N, K, y, parallel);
+    if (fmt == HS_Q8A_Q4) return FN(run)(w, d, m, HS_Q8A_Q4, codes, dx, sx, dxs, T, N, K, y, parallel);
+    return FN(run)(w, d, m, HS_Q8A_Q8, codes, dx, sx, dxs, T, N, K, y, parallel);
 }
 
 #undef COLS
