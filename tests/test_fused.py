@@ -207,13 +207,13 @@ def small_route(monkeypatch):
 
 def tiny_on_kernels(tiny_model_dir, four_bit_kernel, small_route, quantize: str):
     """The tiny llama's Generator on ``quantize``: ``none:ROUTE`` (float32 weights, decode-sized
-    products on ROUTE), ``int4`` / ``q4`` (4-bit weights on that kernel) or ``int8``; skips where
-    the layer op cannot be built."""
+    products on ROUTE), ``int4`` / ``q4`` / ``q8a`` (4-bit weights on that kernel) or ``int8``; skips
+    where the layer op cannot be built."""
     from hispec.generate import Generator
 
     if layer_op.layers_op() is None:
         pytest.skip("no C++ compiler or torch headers: the layers run one by one")
-    if quantize in ("int4", "q4"):
+    if quantize in ("int4", "q4", "q8a"):
         four_bit_kernel(quantize)
         quantize = "int4"
     if quantize.startswith("none:"):
@@ -222,11 +222,11 @@ def tiny_on_kernels(tiny_model_dir, four_bit_kernel, small_route, quantize: str)
     return Generator.from_pretrained(str(tiny_model_dir("llama")), exits=False, quantize=quantize, progress=False)
 
 
-@pytest.mark.parametrize("quantize", ["none:wxt", "none:linear", "none:panel", "int4", "q4", "int8"])
+@pytest.mark.parametrize("quantize", ["none:wxt", "none:linear", "none:panel", "int4", "q4", "q8a", "int8"])
 def test_layer_op_equals_the_per_layer_path(tiny_model_dir, four_bit_kernel, small_route, quantize):
     """``decode_layers`` (a range of layers in one C++ call) gives the per-layer fused path's hidden
     states and K/V bit for bit, for float32 (on each decode-sized route), int4 (on PyTorch's int4
-    kernel or hispec's q4) and int8 weights, on a ragged batch (above SMALL_ROWS rows, float32 weights
+    kernel, hispec's q4 or q8a) and int8 weights, on a ragged batch (above SMALL_ROWS rows, float32 weights
     take the panel kernel where this CPU serves them with it)."""
     from hispec.kernels.matmul import panel_rows
 
@@ -245,6 +245,8 @@ def test_layer_op_equals_the_per_layer_path(tiny_model_dir, four_bit_kernel, sma
             assert plans is None  # more rows than SMALL_ROWS take oneDNN (this CPU), in Python
             continue
         assert plans is not None, "the layer op was not chosen"
+        if quantize == "q8a":
+            assert set(plans.kinds) == {layer_op.MM_Q8A4}
         per_layer = KVPool(n, 64, 4, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu")
         for i in range(n):
             per_layer.k[i].copy_(pool.k[i]), per_layer.v[i].copy_(pool.v[i])
@@ -259,7 +261,7 @@ def test_layer_op_equals_the_per_layer_path(tiny_model_dir, four_bit_kernel, sma
             assert torch.equal(pool.k[i], per_layer.k[i]) and torch.equal(pool.v[i], per_layer.v[i])
 
 
-@pytest.mark.parametrize("quantize", ["int4", "q4"])
+@pytest.mark.parametrize("quantize", ["int4", "q4", "q8a"])
 def test_layer_op_prefill_on_dense_weights_equals_the_per_layer_path(tiny_model_dir, four_bit_kernel, small_route,
                                                                     quantize):
     """Prompt chunks on the dense bfloat16 prefill weights: the op's matmul (for q4, float32 rows cast
@@ -516,7 +518,8 @@ def test_rope_table_rows_equal_the_rows_computed_alone(tiny_model_dir):
     assert model.rope(torch.tensor([7]))[0].dtype == torch.bfloat16
 
 
-@pytest.mark.parametrize("quantize", ["none:wxt", "none:linear", "none:panel", "int4", "q4", "int8", "q8 head"])
+@pytest.mark.parametrize("quantize", ["none:wxt", "none:linear", "none:panel", "int4", "q4", "q8a", "int8", "q8 head",
+                                      "q8a head"])
 @pytest.mark.parametrize("batch_size", [1, 3, 6])
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
 def test_decode_step_equals_the_general_path(tiny_model_dir, four_bit_kernel, small_route, quantize, batch_size,
@@ -524,21 +527,23 @@ def test_decode_step_equals_the_general_path(tiny_model_dir, four_bit_kernel, sm
     """``DecoderModel.decode_step`` (embedding, every layer, final norm and head in one C++ call) gives
     the logits and K/V of ``forward_many`` + ``exit_logits`` bit for bit, for sequences of different
     lengths whose blocks interleave, on float32 (each decode-sized route; 6 rows: the batched route),
-    int4 / q4 / int8 weights and a Q8_0 output head, over a float32 or a bfloat16 KV cache."""
+    int4 / q4 / q8a / int8 weights and a Q8_0 output head (q8, or q8a8 beside q8a layers), over a
+    float32 or a bfloat16 KV cache."""
     from hispec.decode.base import LayerRunner
     from hispec.kernels.matmul import panel_rows
     from hispec.kernels.quant import QuantLinear
 
-    q8_head = quantize == "q8 head"
-    quantize = "none:wxt" if q8_head else quantize
+    q8_head = quantize.endswith(" head")
+    quantize = {"q8 head": "none:wxt", "q8a head": "q8a"}.get(quantize, quantize)
     gen = tiny_on_kernels(tiny_model_dir, four_bit_kernel, small_route, quantize)
     quantize = quantize.split(":")[0]
     model, cfg = gen.model, gen.model.cfg
-    if q8_head:  # the default model's kind of head: GGUF Q8_0 blocks on hispec's q8 kernel
+    if q8_head:  # the default model's kind of head: GGUF Q8_0 blocks, on q8 (q8a8 beside q8a layers)
         w = model.lm_head.weight.detach().float()
         d = w.view(w.shape[0], -1, 32).abs().amax(-1) / 127  # [N, K / 32]
         q = (w.view(w.shape[0], -1, 32) / d[..., None]).round().to(torch.int8).view_as(w)
-        model.lm_head = QuantLinear("q8", w.shape[1], w.shape[0], q, d.contiguous(), 32)
+        model.lm_head = QuantLinear.from_q8_blocks(q, d.half())
+        assert model.lm_head.kernel == ("q8a8" if quantize == "q8a" else "q8")
     n, bs = model.num_layers, 4
     starts = [0, 13, 30, 5, 21, 2][:batch_size]
     runs = []
@@ -572,7 +577,7 @@ def test_decode_step_equals_the_general_path(tiny_model_dir, four_bit_kernel, sm
         assert runs[0][0].blocks.length(s, n - 1) == start + 1
 
 
-@pytest.mark.parametrize("quantize", ["none:panel", "q4", "int8"])
+@pytest.mark.parametrize("quantize", ["none:panel", "q4", "q8a", "int8"])
 @pytest.mark.parametrize("batch_size", [1, 3, 6])
 def test_decode_greedy_equals_steps_of_decode_step_and_argmax(tiny_model_dir, four_bit_kernel, small_route, quantize,
                                                                batch_size, monkeypatch):

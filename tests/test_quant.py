@@ -17,7 +17,8 @@ def _x(rows: int, k: int, seed: int = 0) -> torch.Tensor:
 
 
 needs_fused = pytest.mark.skipif(not fused.available(), reason="needs the fused CPU kernels (a C compiler)")
-SCHEMES = [("int4", "int4"), ("int8", None), pytest.param("int4", "q4", marks=needs_fused)]
+SCHEMES = [("int4", "int4"), ("int8", None), pytest.param("int4", "q4", marks=needs_fused),
+           pytest.param("int4", "q8a", marks=needs_fused)]
 
 
 @pytest.mark.parametrize("scheme,kernel", SCHEMES)
@@ -32,6 +33,8 @@ def test_from_float_computes_its_dequantized_weight(scheme, kernel):
     assert out.dtype == torch.float32 and out.shape == (5, 48)
     if kernel == "q4":  # float32 activations, put in 16 bits per block: close to the float product
         torch.testing.assert_close(out, F.linear(x, deq), rtol=1e-4, atol=1e-4)
+    elif kernel == "q8a":  # float32 activations rounded to 8 bits per block (amax / 254 per input)
+        torch.testing.assert_close(out, F.linear(x, deq), rtol=2e-2, atol=2e-2)
     else:
         torch.testing.assert_close(out, F.linear(x.to(ACT_DTYPE).float(), deq), rtol=2e-2, atol=2e-2)  # bfloat16 output
 
@@ -121,17 +124,107 @@ def test_four_bit_kernel_choice(monkeypatch):
     layers built without a kernel named take the choice."""
     quant.four_bit_kernel.cache_clear()
     try:
-        for forced in ("q4", "int4"):
+        for forced in ("q4", "int4", "q8a"):
             monkeypatch.setenv("HISPEC_Q4_KERNEL", forced)
             quant.four_bit_kernel.cache_clear()
             assert quant.four_bit_kernel()[0] == forced
             assert QuantLinear.from_float(torch.randn(32, 64), "int4").kernel == forced
+            # Q8_0 weights (an output head) round their activations as the 4-bit ones do
+            assert quant.eight_bit_kernel() == ("q8a8" if forced == "q8a" else "q8")
+        monkeypatch.setenv("HISPEC_Q4_KERNEL", "q8act")
+        quant.four_bit_kernel.cache_clear()
+        with pytest.raises(ValueError, match="HISPEC_Q4_KERNEL='q8act': choose from q4, int4, q8a"):
+            quant.four_bit_kernel()
         monkeypatch.delenv("HISPEC_Q4_KERNEL")
         quant.four_bit_kernel.cache_clear()
         kind, why = quant.four_bit_kernel()
-        assert kind in ("q4", "int4") and "us" in why
+        assert kind in ("q4", "int4") and "us" in why  # never q8a: it changes tokens, so only asked for
+        assert quant.eight_bit_kernel() == "q8"
     finally:
         quant.four_bit_kernel.cache_clear()
+
+
+@needs_fused
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
+def test_q8a_kernel_runs_the_q4_weights_on_8_bit_activations(kind):
+    """``q8a``: the file's nibbles and exact d, m as ``q4`` keeps them (the same dequantized and
+    source weights), multiplied by q8act's kernel (its bits, each row alone), within the
+    activations' 8-bit rounding of the float product; prompt chunks as ``q4``'s panels."""
+    from hispec.kernels import q8act
+
+    tensor, want = _gguf_blocks(kind, n=86, k=96)
+    q4 = QuantLinear.from_blocks(*_blocks(tensor), kind, kernel="q4")
+    layer = QuantLinear.from_blocks(*_blocks(tensor), kind, kernel="q8a")
+    assert layer.kernel == "q8a" and layer.input_dtype == torch.float32
+    w = torch.from_numpy(want)
+    assert torch.equal(layer.dequantize(), w) and torch.equal(layer.source_weight(), w)
+    assert torch.equal(layer.qweight, q4.qweight) and torch.equal(layer.qparams, q4.qparams)
+    x = torch.randn(19, 96, generator=torch.Generator().manual_seed(3))
+    out = layer(x)
+    assert torch.equal(out, q8act.q4_matmul(x, layer.qweight, layer.qparams))
+    assert torch.equal(layer(x.bfloat16()).float(), q8act.q4_matmul(x.bfloat16().float(), layer.qweight,
+                                                                     layer.qparams).bfloat16().float())
+    for t in (1, 2, 7):
+        assert torch.equal(layer(x[:t]), out[:t])
+    assert not torch.equal(out, q4(x))  # the activations are rounded differently
+    step = (x.abs().view(19, 3, 32).amax(-1) / 254).repeat_interleave(32, 1)  # [T, K]: half a step per input
+    assert ((out - x @ w.T).abs() <= step @ w.abs().T + 1e-4).all()
+    assert torch.equal(layer.prefill_mm(x), q4.prefill_mm(x))
+    assert layer.describe() == f"q8a group 32 ({kind} weights, 8-bit activations per block of 32)"
+
+
+@needs_fused
+def test_q8a8_kernel_runs_q8_0_weights_on_8_bit_activations():
+    """``q8a8`` (a Q8_0 head beside q8a layers): the file's blocks as ``q8`` keeps them, on q8act's
+    kernel; bfloat16 input as its float32 value."""
+    from hispec.kernels import q8act
+
+    tensor, want = _gguf_blocks("Q8_0", n=40, k=96)
+    layer = QuantLinear.from_q8_blocks(*_q8_blocks(tensor), kernel="q8a8")
+    q8 = QuantLinear.from_q8_blocks(*_q8_blocks(tensor), kernel="q8")
+    assert layer.kernel == "q8a8" and torch.equal(layer.dequantize(), torch.from_numpy(want))
+    assert torch.equal(layer.qweight, q8.qweight) and torch.equal(layer.qparams, q8.qparams)
+    x = torch.randn(6, 96, generator=torch.Generator().manual_seed(4))
+    assert torch.equal(layer.mm(x), q8act.q8_matmul(x, layer.qweight, layer.qparams))
+    assert torch.equal(layer.mm(x.bfloat16()), layer.mm(x.bfloat16().float()))
+    assert not torch.equal(layer.mm(x), q8.mm(x))
+    assert "8-bit activations" in layer.describe()
+
+
+@needs_fused
+def test_q8a_every_strategy_gives_ar_s_tokens(tiny_model_dir, four_bit_kernel):
+    """Lossless on q8a: with ``HISPEC_Q4_KERNEL=q8a`` a model of 4-bit weights as GGUF stores them
+    (nibbles, d, m) and a Q8_0 output head runs them on q8a / q8a8, and every strategy's greedy tokens
+    equal ``ar``'s on the same kernels (drafts accepted and rejected: verification runs several rows
+    where ``ar`` runs one)."""
+    from hispec.config import SamplingParams, SpecConfig
+    from hispec.generate import Generator
+    from hispec.model.load.checkpoint import load_model
+
+    four_bit_kernel("q8a")
+    model = load_model(tiny_model_dir("llama"))
+    for layer in model.layers[1:]:  # later layers change the residual stream little: exits often agree
+        layer.o_proj.weight.data.mul_(0.1)
+        layer.down_proj.weight.data.mul_(0.1)
+    assert quantize_linears(model.layers, "int4") > 0
+    w = model.lm_head.weight.detach().float()
+    d = w.view(w.shape[0], -1, 32).abs().amax(-1) / 127  # [N, K / 32]
+    model.lm_head = QuantLinear.from_q8_blocks((w.view(w.shape[0], -1, 32) / d[..., None]).round().to(torch.int8)
+                                               .view_as(w), d.half())
+    kernels = {m.kernel for m in model.layers.modules() if isinstance(m, QuantLinear)}
+    assert kernels == {"q8a"} and model.lm_head.kernel == "q8a8"
+    gen = Generator(model)
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    prompt = [5, 17, 99, 3, 42, 8]
+    want = gen.generate(prompt, params, "ar").token_ids
+    assert len(want) == 40
+    spec = SpecConfig(draft_layer=1, verify_layer=3, num_draft=4, window=4)
+    for strategy in ("selfspec", "hispec"):
+        out = gen.generate(prompt, params, strategy, spec=spec)
+        assert out.token_ids == want, strategy
+        levels = out.stats.levels.values()
+        accepted, drafted = sum(v.accepted_tokens for v in levels), sum(v.draft_tokens for v in levels)
+        assert 0 < accepted < drafted, (strategy, accepted, drafted)
 
 
 @needs_fused

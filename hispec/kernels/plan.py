@@ -25,7 +25,7 @@ from torch import nn
 from . import fused, layer_op
 from .layer_op import LayerPlans, OpRanges
 from .matmul import SMALL_ROWS, Linear, panel_rows, small_route
-from .quant import ACT_DTYPE, QuantLinear
+from .quant import ACT_DTYPE, Q4_STORAGE, Q8_STORAGE, QuantLinear
 
 # CPU: a sequence's queries from which attention takes SDPA's fused kernel (model/decoder.py's attend:
 # as fast as the batched matmuls there, and leaner); the op leaves such chunks to that path
@@ -47,12 +47,13 @@ def matmul_plan(m: nn.Module | None, act_dtype: torch.dtype | None, prefill: boo
         if m.kernel in ("int4", "int8") and act_dtype == ACT_DTYPE:
             return (m.qweight, m.qparams, layer_op.MM_INT4 if m.kernel == "int4" else layer_op.MM_INT8,
                     m.group if m.kernel == "int4" else 0)
-        if m.kernel == "q4" and act_dtype in (None, torch.float32):
+        if m.kernel in Q4_STORAGE and act_dtype in (None, torch.float32):  # q4, q8a: prompt chunks alike
             if prefill and m.dense is not None:
                 return m.dense, m.dense, layer_op.MM_DENSE_BF16, 0  # the second is a placeholder
-            return m.qweight, m.qparams, layer_op.MM_Q4_PANELS if prefill else layer_op.MM_Q4, m.group
-        if m.kernel == "q8" and act_dtype in (None, torch.float32):
-            return m.qweight, m.qparams, layer_op.MM_Q8, 0
+            decode = layer_op.MM_Q4 if m.kernel == "q4" else layer_op.MM_Q8A4
+            return m.qweight, m.qparams, layer_op.MM_Q4_PANELS if prefill else decode, m.group
+        if m.kernel in Q8_STORAGE and act_dtype in (None, torch.float32):
+            return m.qweight, m.qparams, layer_op.MM_Q8 if m.kernel == "q8" else layer_op.MM_Q8A8, 0
         return None
     if (type(m) is Linear and m.bias is None and m.weight.dtype == torch.float32 and m.weight.is_contiguous()
             and act_dtype in (None, torch.float32)):
@@ -77,7 +78,7 @@ def _float_weights(layer: nn.Module) -> list[torch.Tensor]:
 def layer_plan(layer: nn.Module, prefill: bool = False, batched: bool = False) -> tuple | None:
     """What ``layer_op.decode_layers`` needs of a decoder layer, ``(norms, weights, kinds, groups)``,
     or None when the layer cannot run there (not fusable; a bias; a matmul other than float32
-    ``Linear`` or q4 ``QuantLinear`` on float32 activations or int4/int8 ``QuantLinear`` on
+    ``Linear`` or q4 / q8a ``QuantLinear`` on float32 activations or int4/int8 ``QuantLinear`` on
     bfloat16 ones). ``prefill``: for prompt tokens (QuantLinear's dense prefill weights where it
     has them); ``batched``: for more than SMALL_ROWS tokens (float32 weights: the panel kernel, as
     ``Linear.forward`` takes it up to ``panel_rows()`` rows; None where it takes oneDNN). Kept

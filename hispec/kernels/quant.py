@@ -20,6 +20,13 @@ kernels), both on a GGUF file's blocks as stored, with float32 activations:
   bfloat16 copy (``dense``, 1.7-1.8x faster than the panels on a Zen 4). Which of ``q4`` and ``int4`` runs the 4-bit
   weights is decided by timing both at load (:func:`four_bit_kernel`): on CPUs without
   bfloat16 hardware (AVX2) ``q4`` is the faster.
+- ``q8a``: the ``q4`` weights (the same nibbles, ``d`` and ``m``) times activations rounded to 8 bits
+  per block of 32 (``q8act.py``: integer dot products, ``amax / 254`` error per input where ``q4``
+  keeps 1.5e-5 of the block's largest value). Faster than ``q4`` on more than one row (AVX2:
+  1.31x one row's time at 4 rows where ``q4`` takes 1.50x, 2.85x at 16 where ``q4`` takes 5.19x;
+  AVX-512 VNNI more), about equal on one; its tokens can differ from ``q4``'s (logits move by
+  ~0.1), so it is never chosen by timing: only ``HISPEC_Q4_KERNEL=q8a`` selects it, and then the
+  Q8_0 output head runs on 8-bit activations too (``q8a8``). Prompt chunks run as ``q4``'s.
 - ``q8``: a GGUF Q8_0 weight ``W[n, k] = d[n, k / 32] * q[n, k]`` as stored in the file, times
   float32 activations. It runs the default model's output head (49,152 x 576) in ~1.7 ms per
   token instead of ~2.8 ms for the same values as two int4 halves (``int4x2``, used where no C
@@ -55,7 +62,7 @@ import torch
 from torch import nn
 
 from .. import envs
-from . import build, fused
+from . import build, fused, q8act
 from .matmul import linear
 from .timing import interleaved_medians
 
@@ -63,8 +70,11 @@ ACT_DTYPE = torch.bfloat16
 GROUP = 32  # GGUF's block size, and the default group of --quantize int4
 INNER_K_TILES = 2
 SCHEMES = ("int4", "int8")
-KERNELS = ("int4", "int8", "int4x2", "q8", "q4")
-FLOAT_INPUT = ("q8", "q4")  # kernels that read float32 activations (the others: ACT_DTYPE)
+KERNELS = ("int4", "int8", "int4x2", "q8", "q4", "q8a", "q8a8")
+FLOAT_INPUT = ("q8", "q4", "q8a", "q8a8")  # kernels that read float32 activations (the others: ACT_DTYPE)
+Q4_STORAGE = ("q4", "q8a")  # kernels of GGUF 4-bit blocks as stored: qweight nibbles, qparams [2, N, K / 32] d, m
+Q8_STORAGE = ("q8", "q8a8")  # kernels of GGUF Q8_0 blocks as stored: qweight q [N, K] int8, qparams d [N, K / 32]
+EIGHT_BIT_ACTS = ("q8a", "q8a8")  # kernels that round activations to 8 bits per block (q8act.py)
 
 
 def scales_zeros(scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
@@ -124,14 +134,14 @@ class QuantLinear(nn.Module):
     def from_int4(cls, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, group: int,
                   bias: torch.Tensor | None = None, source: str = "", kernel: str | None = None) -> "QuantLinear":
         """``W = d * q + m`` with ``q [N, K]`` in 0..15 and ``d, m [N, K / group]`` float32, on the
-        ``kernel`` given (``q4``, ``int4``) or else the faster of the two on this CPU
-        (:func:`four_bit_kernel`). ``int4`` gets ``scale = d``,
-        ``zero = m + 8 d`` rounded to bfloat16; ``q4`` (groups of 32) keeps ``d`` and ``m`` in float32."""
+        ``kernel`` given (``q4``, ``q8a``, ``int4``) or else :func:`four_bit_kernel`'s. ``int4`` gets
+        ``scale = d``, ``zero = m + 8 d`` rounded to bfloat16; ``q4`` and ``q8a`` (groups of 32) keep
+        ``d`` and ``m`` in float32."""
         n, k = q.shape
         if kernel is None:
             kernel = four_bit_kernel()[0] if group == 32 else "int4"
-        if kernel == "q4":
-            return cls("q4", k, n, pack_nibbles(q), torch.stack([d.float(), m.float()]).contiguous(), group, bias, source)
+        if kernel in Q4_STORAGE:
+            return cls(kernel, k, n, pack_nibbles(q), torch.stack([d.float(), m.float()]).contiguous(), group, bias, source)
         return cls("int4", k, n, pack_int4(q), scales_zeros(d, m.float() + 8 * d.float()), group, bias, source)
 
     @classmethod
@@ -148,17 +158,16 @@ class QuantLinear(nn.Module):
     def from_q8_blocks(cls, q: torch.Tensor, d: torch.Tensor, source: str = "Q8_0", kernel: str = "auto") -> "QuantLinear":
         """GGUF Q8_0 blocks ``w = d * q`` (``q [N, K]`` int8, ``d [N, K / 32]`` float16).
 
-        ``kernel="q8"``: the blocks as they are, on the ``q8`` kernel (float32 activations).
-        ``"int4x2"``: two int4 halves on the int4 kernel, exact in ``q``: ``q = 16 hi + lo`` with
+        ``kernel="q8"``: the blocks as they are, on the ``q8`` kernel (float32 activations);
+        ``"q8a8"``: the same blocks on 8-bit activations (``q8act.py``). ``"int4x2"``: two int4 halves on the int4 kernel, exact in ``q``: ``q = 16 hi + lo`` with
         ``hi`` in -8..7 and ``lo`` in 0..15, so ``w = (hi + 8 - 8) * 16 d + (lo - 8) * d + 8 d``;
-        twice the int4 work (scales rounded to bfloat16). ``"auto"``: ``q8`` where the fused CPU
-        kernels are built (and ``HISPEC_Q8=0`` is not set), else ``int4x2``."""
+        twice the int4 work (scales rounded to bfloat16). ``"auto"``: :func:`eight_bit_kernel`."""
         n, k = q.shape
         group = k // d.shape[1]
         if kernel == "auto":
-            kernel = "q8" if fused.available() and envs.HISPEC_Q8 else "int4x2"
-        if kernel == "q8":
-            layer = cls("q8", k, n, q.to(torch.int8).contiguous(), d.float().contiguous(), group, source=source)
+            kernel = eight_bit_kernel()
+        if kernel in Q8_STORAGE:
+            layer = cls(kernel, k, n, q.to(torch.int8).contiguous(), d.float().contiguous(), group, source=source)
             layer._exact = {"d": d.half(), "m": torch.zeros_like(d, dtype=torch.float16)}
             return layer
         q = q.to(torch.int32)
@@ -212,10 +221,10 @@ class QuantLinear(nn.Module):
     def prefill_mm(self, rows: torch.Tensor) -> torch.Tensor:
         """``rows [T, K]`` (in ``input_dtype``) of prompt tokens: on the dense bfloat16 prefill
         weights where the layer has them (int4; q4 on CPUs with bfloat16 hardware, its float32 rows
-        cast to bfloat16, output bfloat16), else the q4 kernel's float32 panels (q4), else as ``mm``."""
-        if self.kernel == "q4" and self.dense is not None:
+        cast to bfloat16, output bfloat16), else the q4 kernel's float32 panels (q4, q8a), else as ``mm``."""
+        if self.kernel in Q4_STORAGE and self.dense is not None:
             return torch.nn.functional.linear(rows.to(torch.bfloat16), self.dense)
-        if self.kernel == "q4":
+        if self.kernel in Q4_STORAGE:
             return fused.q4_matmul(rows.float() if rows.dtype != torch.float32 else rows, self.qweight, self.qparams,
                                    panels=True)
         if self.dense is None:
@@ -233,6 +242,10 @@ class QuantLinear(nn.Module):
             return fused.q8_matmul(rows.contiguous(), self.qweight, self.qparams)
         if self.kernel == "q4":
             return fused.q4_matmul(rows.float() if rows.dtype != torch.float32 else rows, self.qweight, self.qparams)
+        if self.kernel == "q8a":
+            return q8act.q4_matmul(rows.float() if rows.dtype != torch.float32 else rows, self.qweight, self.qparams)
+        if self.kernel == "q8a8":  # bfloat16 rows widened exactly, as hs_q8a_q8_matmul does
+            return q8act.q8_matmul(rows.float() if rows.dtype != torch.float32 else rows, self.qweight, self.qparams)
         int4 = torch.ops.aten._weight_int4pack_mm_for_cpu  # int4x2: the two halves summed in float32
         out = int4(rows, self.qweight[0], self.group, self.qparams[0]).float()
         return out.add_(int4(rows, self.qweight[1], self.group, self.qparams[1]))
@@ -243,7 +256,7 @@ class QuantLinear(nn.Module):
         the signed ``16 hi + lo`` (or one half, ``part`` 0 / 1)."""
         if self.kernel == "int4x2" and part is None:
             return 16 * (self._int4_codes(0) - 8) + self._int4_codes(1)
-        if self.kernel == "q4":
+        if self.kernel in Q4_STORAGE:
             return unpack_nibbles(self.qweight).float()
         packed, params = (self.qweight, self.qparams) if part is None else (self.qweight[part], self.qparams[part])
         eye = torch.eye(self.in_features, dtype=ACT_DTYPE)
@@ -255,12 +268,12 @@ class QuantLinear(nn.Module):
         """The weight the kernel multiplies by, ``[N, K]`` float32 (bfloat16 scales applied)."""
         if self.kernel == "int8":
             return self.qweight.float() * self.qparams.float()[:, None]
-        if self.kernel == "q8":  # exact: the file's d (float16) times q
+        if self.kernel in Q8_STORAGE:  # exact: the file's d (float16) times q
             return self.qweight.float() * self.qparams.repeat_interleave(self.group, dim=1)
         if self.kernel == "int4x2":
             d = self.qparams[1][..., 0].float().T.repeat_interleave(self.group, dim=1)
             return self._int4_codes() * d
-        if self.kernel == "q4":  # exact: d * q is exact in float32, + m rounded once
+        if self.kernel in Q4_STORAGE:  # exact: d * q is exact in float32, + m rounded once
             d, m = (p.repeat_interleave(self.group, dim=1) for p in self.qparams)
             return self._int4_codes() * d + m
         s, z = (self.qparams[..., i].float().T.repeat_interleave(self.group, dim=1) for i in (0, 1))
@@ -284,7 +297,9 @@ class QuantLinear(nn.Module):
 
     def describe(self) -> str:
         what = f"{self.kernel} per row" if self.kernel == "int8" else f"{self.kernel} group {self.group}"
-        return f"{what} ({self.source} weights, {str(self.input_dtype)[6:]} activations)"
+        acts = "8-bit activations per block of 32" if self.kernel in EIGHT_BIT_ACTS else \
+            f"{str(self.input_dtype)[6:]} activations"
+        return f"{what} ({self.source} weights, {acts})"
 
 
 def act_dtype_of(module: nn.Module) -> torch.dtype | None:
@@ -336,8 +351,9 @@ def format_timings(reps: int = 5) -> dict[str, float]:
     """Median seconds of one row times 12 weights of a SmolLM2 MLP's size (85 MB, more than a cache
     holds, so they are read from memory as in a decode step) for each weight format this machine
     runs, timed once per process, interleaved: ``float32``, ``q4`` (where hispec's kernels are
-    built) and ``int4`` (where PyTorch has its kernel). :func:`four_bit_kernel` and
-    ``select.quantized_kernels_pay`` read these."""
+    built), ``int4`` (where PyTorch has its kernel) and ``q8a`` where ``HISPEC_Q4_KERNEL=q8a`` chose
+    it (never a candidate of the timed choice, see :func:`four_bit_kernel`). :func:`four_bit_kernel`
+    and ``select.quantized_kernels_pay`` read these."""
     g = torch.Generator().manual_seed(0)
     weights = [torch.randn(3072, 576, generator=g) * 0.02 for _ in range(12)]
     x = torch.randn(1, 576, generator=g)
@@ -346,6 +362,9 @@ def format_timings(reps: int = 5) -> dict[str, float]:
     if fused.available():
         q4 = [QuantLinear.from_float(w, "int4", kernel="q4") for w in weights]
         fns["q4"] = lambda: [q(x) for q in q4]
+        if envs.HISPEC_Q4_KERNEL == "q8a":
+            q8a = [QuantLinear.from_float(w, "int4", kernel="q8a") for w in weights]
+            fns["q8a"] = lambda: [q(x) for q in q8a]
     try:
         int4 = [QuantLinear.from_float(w, "int4", kernel="int4") for w in weights]
         fns["int4"] = lambda: [q(xb) for q in int4]
@@ -355,14 +374,17 @@ def format_timings(reps: int = 5) -> dict[str, float]:
         return interleaved_medians(fns, reps, warmup=1)
 
 
-FOUR_BIT = ("q4", "int4")
+FOUR_BIT = ("q4", "int4")  # the timed choice's candidates
+FORCED_FOUR_BIT = (*FOUR_BIT, "q8a")  # what HISPEC_Q4_KERNEL may name
 INT4_MARGIN = 0.85  # int4 must take at most this fraction of q4's time
 
 
 @functools.lru_cache(maxsize=1)
 def four_bit_kernel() -> tuple[str, str]:
-    """(the kernel 4-bit weights run on, why), decided once per process: ``HISPEC_Q4_KERNEL=q4|int4``
-    if set; ``int4`` (PyTorch's) when hispec's compiled kernels are unavailable; else the faster
+    """(the kernel 4-bit weights run on, why), decided once per process: ``HISPEC_Q4_KERNEL=q4|int4|q8a``
+    if set (``q8a`` only so: its 8-bit activations change tokens against ``q4``'s float32 ones, so
+    timing never swaps it in under a user who had ``q4``; ``q4``/``q8a`` need hispec's compiled
+    kernels, without them ``int4`` runs); ``int4`` (PyTorch's) when hispec's compiled kernels are unavailable; else the faster
     in :func:`format_timings`, ``int4`` only if it wins clearly (``INT4_MARGIN``): ``q4`` reads float32
     activations (its tokens equal float32 ``ar``'s where ``int4``'s bfloat16 ones drift), and a
     coin-flip between near-equal timings made the kernel change from one load to the next on a
@@ -371,10 +393,12 @@ def four_bit_kernel() -> tuple[str, str]:
     to the next (seen on a Zen 4), and with it the text of the same command. On CPUs without
     bfloat16 hardware (AVX2) ``q4`` wins; with it (AVX-512 BF16) it depends on the CPU."""
     forced = envs.HISPEC_Q4_KERNEL
-    if forced in FOUR_BIT:
+    if forced is not None and forced not in FORCED_FOUR_BIT:
+        raise ValueError(f"HISPEC_Q4_KERNEL={forced!r}: choose from {', '.join(FORCED_FOUR_BIT)}")
+    if forced is not None and (forced == "int4" or fused.available()):
         return forced, f"HISPEC_Q4_KERNEL={forced}"
     if not fused.available():
-        return "int4", "hispec's compiled kernels unavailable"
+        return "int4", "hispec's compiled kernels unavailable" + (f" (HISPEC_Q4_KERNEL={forced})" if forced else "")
     path = _four_bit_choice_file()
     try:
         saved = json.loads(path.read_text())
@@ -396,6 +420,16 @@ def four_bit_kernel() -> tuple[str, str]:
     except OSError:
         pass
     return best, why
+
+
+def eight_bit_kernel() -> str:
+    """The kernel GGUF Q8_0 weights (an output head) run on by default: ``q8a8`` where the 4-bit
+    kernel is ``q8a`` (``HISPEC_Q4_KERNEL=q8a``: one activation rounding for the whole model; read
+    from the variable, as :func:`four_bit_kernel` would without timing anything), ``q8`` where
+    hispec's compiled kernels are built (and ``HISPEC_Q8=0`` is not set), else ``int4x2``."""
+    if not (fused.available() and envs.HISPEC_Q8):
+        return "int4x2"
+    return "q8a8" if envs.HISPEC_Q4_KERNEL == "q8a" else "q8"
 
 
 def _four_bit_choice_file() -> Path:

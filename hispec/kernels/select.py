@@ -7,7 +7,8 @@ AVX-512 BF16). Elsewhere it is not obvious (an AVX2 CPU without bfloat16 instruc
 decode-sized products over weights larger than the cache are timed both ways at load time and
 the quantized weights are used only if they win clearly: nothing gets slower than the float32
 path. Which 4-bit kernel runs (PyTorch's ``int4`` on bfloat16 activations, hispec's ``q4`` on
-float32 ones) is timed too (``quant.four_bit_kernel``).
+float32 ones) is timed too (``quant.four_bit_kernel``); ``q8a`` (8-bit activations) runs only where
+``HISPEC_Q4_KERNEL=q8a`` asks for it.
 """
 from __future__ import annotations
 
@@ -68,7 +69,7 @@ def describe(model) -> str:
     layers = ", ".join(f"{n} x {k}" for k, n in kinds.items())
     if any(getattr(m, "dense", None) is not None for m in model.layers.modules() if isinstance(m, QuantLinear)):
         layers += " (prompt prefill on dense bfloat16 copies of the same weights)"
-    elif any(isinstance(m, QuantLinear) and m.kernel == "q4" for m in model.layers.modules()):
+    elif any(isinstance(m, QuantLinear) and m.kernel in quant.Q4_STORAGE for m in model.layers.modules()):
         layers += " (prompt prefill on float32 panels of the same weights)"
     head = model.lm_head
     head_kind = head.describe() if isinstance(head, QuantLinear) else f"{str(head.weight.dtype)[6:]} dense"

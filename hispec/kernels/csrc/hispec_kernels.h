@@ -30,6 +30,8 @@ enum hs_matmul_kind {
     HS_MM_PANEL = 7,         /* float32 weight packed in panels (hs_panel_matmul); group = N */
     HS_MM_Q8 = 8,            /* GGUF Q8_0 q [N, K] int8 and d [N, K / 32] float32 on hs_q8_matmul (output heads) */
     HS_MM_DENSE_BF16 = 9,    /* x (float32) cast to bfloat16 @ W.T, W dense bfloat16 (q4 layers' prompt chunks) */
+    HS_MM_Q8A4 = 10,         /* HS_MM_Q4's weights on hs_q8a_q4_matmul: x rounded to 8 bits per block (q8a) */
+    HS_MM_Q8A8 = 11,         /* HS_MM_Q8's weights on hs_q8a_q8_matmul: x rounded to 8 bits per block (q8a8) */
 };
 
 /* ---- norm_rope.c ---- */
