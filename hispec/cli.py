@@ -48,7 +48,7 @@ def register_generate(sub) -> None:
                                    "across strategies at temperature 0.")
     p.add_argument("prompt", nargs="?", help="the prompt (or use --prompts FILE)")
     p.add_argument("--prompts", metavar="FILE", help="JSONL prompts: Spec-Bench form, {'id', 'prompt'}, GSM8K {'question'} or {'prompt_ids'}")
-    p.add_argument("--strategy", default="hispec", choices=["ar", "selfspec", "hispec"],
+    p.add_argument("--strategy", default="hispec", choices=["ar", "selfspec", "hispec", "lookup"],
                    help="decoding strategy (default: hispec)")
     p.add_argument("--chat", dest="chat", action="store_true", default=None,
                    help="wrap the prompt in the model's chat template (default when the model has one)")
@@ -185,6 +185,8 @@ def print_stats_table(stats, tokens: int, seconds: float, file, kernels: str | N
     if kernels:
         lines.append(f"  kernels: {kernels}")
     lines.append(f"  seconds per phase: {phases}")
+    if d["rounds"]:
+        lines.append("  rounds: " + ", ".join(f"{kind} {n}" for kind, n in sorted(d["rounds"].items())))
     if d["plain_steps"]:
         lines.append(f"  adaptive: {d['plain_steps']} of {d['full_passes']} steps decoded plainly (measured "
                      f"speculation did not pay there; --no-adaptive to always speculate)")

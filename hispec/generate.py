@@ -20,7 +20,7 @@ from .cache.paged import PagedCache
 from .config import ConfigError, EngineConfig, SamplingParams, SpecConfig
 from .decode.autoregressive import Autoregressive
 from .decode.base import Strategy
-from .decode.speculative import HiSpec, SelfSpec
+from .decode.speculative import HiSpec, Lookup, SelfSpec
 from .decode.stats import DecodeStats
 from .engine.adaptive import AdaptiveController
 from .engine.engine import Engine, PromptTooLongError  # noqa: F401 (PromptTooLongError re-exported)
@@ -54,7 +54,7 @@ def make_strategy(name: str, spec: SpecConfig | None = None, num_layers: int | N
     if name not in STRATEGIES:
         raise ConfigError(f"unknown strategy {name!r}; choose from {', '.join(STRATEGIES)}")
     spec = spec or default_spec(num_layers)
-    return SelfSpec(spec) if name == "selfspec" else HiSpec(spec)
+    return {"selfspec": SelfSpec, "hispec": HiSpec, "lookup": Lookup}[name](spec)
 
 
 class Generator:

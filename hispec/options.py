@@ -61,7 +61,7 @@ def add_sampling_options(p: argparse.ArgumentParser) -> None:
 
 
 SPEC_OPTIONS = ("draft_layer", "verify_layer", "num_draft", "window", "draft_policy", "svip_threshold",
-                "confidence_threshold")
+                "confidence_threshold", "lookup_max_draft", "lookup_ngram")
 
 
 def add_spec_options(p: argparse.ArgumentParser, strategies_help: str = "ar, selfspec or hispec") -> None:
@@ -74,6 +74,10 @@ def add_spec_options(p: argparse.ArgumentParser, strategies_help: str = "ar, sel
     g.add_argument("--svip-threshold", type=float, default=None, help="entropy (nats) above which svip stops drafting")
     g.add_argument("--confidence-threshold", type=float, default=None,
                    help="top-1 probability below which the confidence policy stops drafting")
+    g.add_argument("--lookup-max-draft", type=int, default=None, metavar="K",
+                   help="free drafts per round from prompt lookup (lookup and hispec; 0 = none; default 4)")
+    g.add_argument("--lookup-ngram", type=int, default=None, metavar="N",
+                   help="the longest suffix of the text looked up for free drafts (default 3)")
 
 
 def add_prefill_option(group) -> None:

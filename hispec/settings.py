@@ -12,8 +12,8 @@ from typing import Mapping
 from .config import ConfigError, SpecConfig
 
 SPEC_FIELDS = ("draft_layer", "verify_layer", "num_draft", "window", "draft_policy", "svip_threshold",
-               "confidence_threshold", "max_draft")
-STRATEGIES = ("ar", "selfspec", "hispec")
+               "confidence_threshold", "max_draft", "lookup_max_draft", "lookup_ngram")
+STRATEGIES = ("ar", "selfspec", "hispec", "lookup")
 
 
 def default_spec(num_layers: int) -> SpecConfig:

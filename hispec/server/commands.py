@@ -28,7 +28,7 @@ def register(subparsers) -> None:
                                           "continuous batch, decoded with ar, selfspec or hispec.",
                               epilog=SERVE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("server")
-    g.add_argument("--strategy", default="hispec", choices=["ar", "selfspec", "hispec"],
+    g.add_argument("--strategy", default="hispec", choices=["ar", "selfspec", "hispec", "lookup"],
                    help="decoding strategy (default: hispec)")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     g.add_argument("--port", type=int, default=8000, help="port (default: 8000; 0 = any free port)")
