@@ -224,7 +224,8 @@ class SpecConfig:
         if not 0 < self.confidence_threshold < 1:
             raise ConfigError(f"confidence threshold must be in (0, 1), got {self.confidence_threshold}")
         if not 0 <= self.lookup_max_draft <= MAX_LOOKUP_DRAFT:
-            raise ConfigError(f"--lookup-max-draft must be between 0 and {MAX_LOOKUP_DRAFT}, got {self.lookup_max_draft}")
+            raise ConfigError(f"--lookup-max-draft must be between 0 and {MAX_LOOKUP_DRAFT}, "
+                              f"got {self.lookup_max_draft}")
         if not 1 <= self.lookup_ngram <= MAX_LOOKUP_NGRAM:
             raise ConfigError(f"--lookup-ngram must be between 1 and {MAX_LOOKUP_NGRAM}, got {self.lookup_ngram}")
 

@@ -263,3 +263,40 @@ def test_seeded_sampling_is_reproducible(sampling_gen):
                                      "lookup", spec=LOOKUP_SPEC, adaptive=True).token_ids
 
     assert run(4) == run(4)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_cache_after_lookup_rounds_equals_autoregressive(gen, temperature):
+    """Driven round by round: after each round every layer holds the committed tokens but the
+    pending one, and their K/V equal what one-token passes build (rejected drafts' K/V cut)."""
+    from hispec.cache.block_manager import BlockManager
+    from hispec.cache.kv_cache import KVPool
+    from hispec.decode.base import DecodeContext, LayerRunner
+    from hispec.decode.speculative import Lookup
+    from hispec.decode.stats import DecodeStats
+    from test_speculative_edges import kv_of
+
+    model, prompt, max_new = gen.model, PROMPTS[1], 24
+    n, max_tokens = model.num_layers, len(PROMPTS[1]) + 24
+    blocks = BlockManager(2 * (max_tokens // 4 + 8), 4, n)
+    pool = KVPool(n, blocks.num_blocks, 4, model.cfg.num_kv_heads, model.cfg.head_dim, model.dtype, "cpu")
+    runner, stats = LayerRunner(model, blocks, pool), DecodeStats("lookup")
+    blocks.add_sequence(1)
+    params = SamplingParams(temperature=temperature, seed=0, max_new_tokens=max_new)
+    ctx = DecodeContext(runner, 1, list(prompt), params, torch.Generator().manual_seed(0) if temperature else None,
+                        stats, max_tokens, frozenset())
+    runner.forward(1, 0, ctx.token_tensor(prompt[:-1]), 0, n)
+    for chunk in Lookup(SPEC).steps(ctx):
+        ctx.tokens.extend(chunk)
+        assert [blocks.length(1, layer) for layer in range(n)] == [len(ctx.tokens) - 1] * n
+        blocks.check_invariants()
+    level = stats.levels["lookup->final"]
+    assert level.accepted_tokens < level.draft_tokens  # rejected drafts' K/V were cut
+    assert level.accepted_tokens > 0 or temperature  # (a random model's samples rarely repeat)
+    held = len(ctx.tokens) - 1
+    blocks.add_sequence(2)
+    for pos, token in enumerate(ctx.tokens[:held]):
+        runner.forward(2, pos, torch.tensor([token]), 0, n)
+    for layer in range(n):
+        for got, want in zip(kv_of(blocks, pool, 1, layer, held), kv_of(blocks, pool, 2, layer, held)):
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=0)

@@ -198,18 +198,18 @@ class Strategy:
         each one commits (at least one). The caller appends them to ``ctx.tokens``."""
         raise NotImplementedError
 
-    def free_round(self, batch: list[DecodeContext], cost) -> list[list[int]] | None:
-        """A round that verifies drafts which cost no model time (prompt lookup), as ``step``
-        returns them, or None when this strategy has none worth verifying for this batch now
-        (the caller then runs ``step`` or a plain round). ``cost``: the measured cost of
-        verification rows (``decode.lookup.RowCost``) that decides how many drafts pay; None:
-        always verify every draft there is."""
+    def free_round(self, batch: list[DecodeContext], cost) -> list[list[int] | None] | None:
+        """A round that verifies drafts which cost no model time (prompt lookup): each sequence's
+        committed tokens as ``step`` returns them, None for a sequence it leaves to ``step`` (or
+        a plain round), or None for all when it has no drafts worth verifying now. ``cost``: the
+        measured cost of verification rows (``decode.lookup.RowCost``) that decides how many
+        drafts pay; None: always verify every draft there is."""
         return None
 
     def steps(self, ctx: DecodeContext) -> Iterator[list[int]]:
         """Rounds of one sequence; the caller appends each chunk to ``ctx.tokens`` before the next."""
         while ctx.remaining > 0:
-            yield (self.free_round([ctx], None) or self.step([ctx]))[0]
+            yield self.step([ctx])[0]
 
 
 def split_rows(t: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:

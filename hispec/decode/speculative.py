@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass, field
+from typing import Iterator
 
 import torch
 
@@ -266,21 +267,28 @@ def verify_free(batch: list[DecodeContext], drafts: list[list[int]], level: str 
     return accepted
 
 
-def lookup_round(spec: SpecConfig, batch: list[DecodeContext], cost: RowCost | None) -> list[list[int]] | None:
-    """One free-draft round for the batch (``Strategy.free_round``), or None when no sequence
-    has drafts worth verifying. The pass's seconds and rows go into ``cost``."""
+def lookup_round(spec: SpecConfig, batch: list[DecodeContext], cost: RowCost | None) -> list[list[int] | None] | None:
+    """One free-draft round (``Strategy.free_round``): the sequences with drafts verify them in one
+    pass, greedy ones without drafts ride along as plain rows; None for a sampled sequence without
+    drafts (its random stream must not depend on what shares its batch: the caller gives it the
+    round it would have had alone), or None for all when no sequence has drafts worth verifying.
+    The pass's seconds and rows go into ``cost``."""
     if spec.lookup_max_draft < 1:
         return None
     drafts = free_drafts(batch, spec.lookup_max_draft, spec.lookup_ngram, cost)
     if not any(drafts):
         return None
-    model = batch[0].model
+    take = [b for b, (c, d) in enumerate(zip(batch, drafts)) if d or c.params.greedy]
+    ctxs, mine = [batch[b] for b in take], [drafts[b] for b in take]
     t0 = time.perf_counter()
-    with phase_timer([c.stats for c in batch], "full_verify", model.device):
-        commits = verify_free(batch, drafts)
+    with phase_timer([c.stats for c in ctxs], "full_verify", ctxs[0].model.device):
+        commits = verify_free(ctxs, mine)
     if cost is not None:
-        cost.record(len(batch) + sum(map(len, drafts)), time.perf_counter() - t0)
-    return commits
+        cost.record(len(ctxs) + sum(map(len, mine)), time.perf_counter() - t0)
+    out: list[list[int] | None] = [None] * len(batch)
+    for b, chunk in zip(take, commits):
+        out[b] = chunk
+    return out
 
 
 def _check_layers(spec: SpecConfig, num_layers: int, hierarchical: bool) -> None:
@@ -363,7 +371,7 @@ class HiSpec(Strategy):
         self.spec = spec
         self.lookahead = spec.lookahead
 
-    def free_round(self, batch: list[DecodeContext], cost: RowCost | None) -> list[list[int]] | None:
+    def free_round(self, batch: list[DecodeContext], cost: RowCost | None) -> list[list[int] | None] | None:
         return lookup_round(self.spec, batch, cost)
 
     def step(self, batch: list[DecodeContext]) -> list[list[int]]:
@@ -449,8 +457,14 @@ class Lookup(Strategy):
         self._ar = Autoregressive()
         self.lookahead = max(spec.lookup_max_draft + 2, self._ar.lookahead)
 
-    def free_round(self, batch: list[DecodeContext], cost: RowCost | None) -> list[list[int]] | None:
+    def free_round(self, batch: list[DecodeContext], cost: RowCost | None) -> list[list[int] | None] | None:
         return lookup_round(self.spec, batch, cost)
 
     def step(self, batch: list[DecodeContext]) -> list[list[int]]:
         return self._ar.step(batch)
+
+    def steps(self, ctx: DecodeContext) -> Iterator[list[int]]:
+        """Rounds of one sequence driven directly: every draft there is verified."""
+        while ctx.remaining > 0:
+            free = self.free_round([ctx], None)
+            yield free[0] if free is not None and free[0] is not None else self.step([ctx])[0]

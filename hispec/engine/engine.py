@@ -275,12 +275,20 @@ class Engine:
 
     def _decode_round(self, running: list[Sequence]) -> list[list[int]]:
         """Free drafts where the strategy has some worth verifying (``Strategy.free_round``);
-        else the strategy's round or, where measured speculation does not pay, a plain one."""
+        the other sequences get the strategy's round or, where measured speculation does not
+        pay, a plain one."""
         batch = [s.ctx for s in running]
         cost = self.adaptive.row_cost if self.adaptive is not None else None
-        commits = self.strategy.free_round(batch, cost)
-        if commits is not None:
-            return commits
+        free_round = getattr(self.strategy, "free_round", None)  # a wrapper may have none
+        commits = (free_round(batch, cost) if free_round is not None else None) or [None] * len(batch)
+        rest = [b for b, chunk in enumerate(commits) if chunk is None]
+        if rest:
+            for b, chunk in zip(rest, self._step_round([batch[b] for b in rest], cost)):
+                commits[b] = chunk
+        return commits
+
+    def _step_round(self, batch: list[DecodeContext], cost) -> list[list[int]]:
+        """The strategy's round or a plain one, as the adaptive controller chooses."""
         # Only greedy batches switch: a sampled sequence's random stream depends on the mode, and
         # a seeded request must give the same output whatever else shares its batch.
         adaptive = self._switches and all(c.params.greedy for c in batch)
