@@ -184,7 +184,7 @@ def _bench_batch_sizes(args, gen, strategies, prompts, params, batch_sizes, out:
         raise UsageError("--batch-sizes must be >= 1")
     if args.rounds < 1:
         raise UsageError("--rounds must be >= 1")
-    own = {s.label: (s.kind, spec_for(s, args, gen)) for s in strategies if s.kind in ("ar", "selfspec", "hispec")}
+    own = {s.label: (s.kind, spec_for(s, args, gen)) for s in strategies if s.kind in ("ar", "selfspec", "hispec", "lookup")}
     if not own:
         raise UsageError("--batch-sizes measures ar, selfspec and hispec: name at least one in --strategies")
     chat = args.chat if args.chat is not None else gen.has_chat_template()
@@ -229,7 +229,7 @@ def _exit_status(strategies: dict) -> int:
     """1 when one of hispec's own strategies failed or (greedy) changed the output; peers only warn."""
     status = 0
     for label, e in strategies.items():
-        own = e["kind"] in ("ar", "selfspec", "hispec")
+        own = e["kind"] in ("ar", "selfspec", "hispec", "lookup")
         if not e["available"]:
             print(f"hispec bench: {'error' if own else 'note'}: {label} did not run: {e['reason']}", file=sys.stderr)
             status |= own

@@ -118,7 +118,7 @@ def peers_table(strategies: dict, first_n: int) -> list[str]:
     """hispec's strategies and the peer engines side by side: speed against ``ar`` and agreement."""
     rows = []
     for label, e in strategies.items():
-        if e["kind"] not in ("ar", "selfspec", "hispec", "peer"):
+        if e["kind"] not in ("ar", "selfspec", "hispec", "lookup", "peer"):
             continue
         name = _peer_name(label, e) if e["kind"] == "peer" else f"hispec `{label}`"
         if not e["available"]:
@@ -144,7 +144,7 @@ def peer_summary_table(results: dict, batch: dict | None = None, batch_size: str
         header += [f"batch {batch_size} tokens/s", f"vs `ar` at batch {batch_size}"]
     rows = []
     for label, e in strategies.items():
-        if e["kind"] not in ("ar", "selfspec", "hispec", "peer"):
+        if e["kind"] not in ("ar", "selfspec", "hispec", "lookup", "peer"):
             continue
         name = _peer_name(label, e) if e["kind"] == "peer" else f"hispec `{label}`"
         a = e.get("agreement_with_ar")

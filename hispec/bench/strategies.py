@@ -28,8 +28,8 @@ import torch
 
 from ..config import DRAFT_POLICIES, ConfigError, SamplingParams, SpecConfig
 
-KINDS = ("ar", "selfspec", "hispec", "hf", "hf-early-exit")
-OWN_KINDS = ("ar", "selfspec", "hispec")
+KINDS = ("ar", "selfspec", "hispec", "lookup", "hf", "hf-early-exit")
+OWN_KINDS = ("ar", "selfspec", "hispec", "lookup")
 SPEC_KEYS = {"d": "draft_layer", "i": "verify_layer", "k": "num_draft", "w": "window", "t": "svip_threshold",
              "c": "confidence_threshold"}
 
@@ -103,7 +103,7 @@ def expand_early_exit(specs: list[StrategySpec], layers: list[int]) -> list[Stra
 def spec_for(strategy: StrategySpec, args: argparse.Namespace, generator) -> SpecConfig | None:
     """The speculation settings of an own strategy (None for ``ar``): its options over the
     command line's over the exit heads' recommendation over the defaults (``resolve_spec``)."""
-    if strategy.kind not in ("selfspec", "hispec"):
+    if strategy.kind not in ("selfspec", "hispec", "lookup"):
         return None
     from ..options import spec_overrides
 
