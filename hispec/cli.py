@@ -184,6 +184,8 @@ def print_stats_table(stats, tokens: int, seconds: float, file, kernels: str | N
     if kernels:
         lines.append(f"  kernels: {kernels}")
     lines.append(f"  seconds per phase: {phases}")
+    if d["rounds"]:
+        lines.append("  rounds: " + ", ".join(f"{kind} {n}" for kind, n in sorted(d["rounds"].items())))
     if d["plain_steps"]:
         lines.append(f"  adaptive: {d['plain_steps']} of {d['full_passes']} steps decoded plainly (measured "
                      f"speculation did not pay there; --no-adaptive to always speculate)")

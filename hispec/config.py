@@ -178,6 +178,7 @@ class SamplingParams:
 
 
 DRAFT_POLICIES = ("fixed", "svip", "confidence", "heuristic")
+MAX_LOOKUP_DRAFT, MAX_LOOKUP_NGRAM = 32, 8
 
 
 @dataclass(slots=True)
@@ -197,6 +198,8 @@ class SpecConfig:
     svip_threshold: float = 2.0  # nats: stop drafting when the draft entropy exceeds it
     confidence_threshold: float = 0.4  # stop drafting when the draft's top-1 probability falls below it
     max_draft: int = 16  # upper bound for the heuristic policy
+    lookup_max_draft: int = 4  # free drafts (prompt lookup) per round at most; 0 = none (hispec: exits only)
+    lookup_ngram: int = 3  # the longest suffix looked up in prompt + output (tried longest first, down to 1)
     num_layers: int = field(default=0, repr=False)  # the model's depth, for validation
 
     def __post_init__(self) -> None:
@@ -220,13 +223,18 @@ class SpecConfig:
             raise ConfigError(f"svip threshold must be > 0, got {self.svip_threshold}")
         if not 0 < self.confidence_threshold < 1:
             raise ConfigError(f"confidence threshold must be in (0, 1), got {self.confidence_threshold}")
+        if not 0 <= self.lookup_max_draft <= MAX_LOOKUP_DRAFT:
+            raise ConfigError(f"--lookup-max-draft must be between 0 and {MAX_LOOKUP_DRAFT}, "
+                              f"got {self.lookup_max_draft}")
+        if not 1 <= self.lookup_ngram <= MAX_LOOKUP_NGRAM:
+            raise ConfigError(f"--lookup-ngram must be between 1 and {MAX_LOOKUP_NGRAM}, got {self.lookup_ngram}")
 
     @property
     def lookahead(self) -> int:
         """An upper bound on the positions one round writes past the pending token: the window,
         the longest draft the policy may ask for, the bonus position and spare."""
         longest = max(self.num_draft, self.max_draft if self.draft_policy == "heuristic" else 0)
-        return self.window + longest + 3
+        return max(self.window + longest + 3, self.lookup_max_draft + 2)
 
 
 # The speculation settings by name, in declaration order: every SpecConfig field but the model's

@@ -78,6 +78,10 @@ def add_spec_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--svip-threshold", type=float, default=None, help="entropy (nats) above which svip stops drafting")
     g.add_argument("--confidence-threshold", type=float, default=None,
                    help="top-1 probability below which the confidence policy stops drafting")
+    g.add_argument("--lookup-max-draft", type=int, default=None, metavar="K",
+                   help="free drafts per round from prompt lookup (lookup and hispec; 0 = none; default 4)")
+    g.add_argument("--lookup-ngram", type=int, default=None, metavar="N",
+                   help="the longest suffix of the text looked up for free drafts (default 3)")
 
 
 def add_prefill_option(group) -> None:

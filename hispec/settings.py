@@ -35,6 +35,8 @@ STRATEGY_KINDS = (
                  "drafts with an early exit, verifies with the full model", full_verify=True),
     StrategyKind("hispec", "speculative:HiSpec", True,
                  "drafts with an early exit, verifies at an intermediate exit, then with the full model"),
+    StrategyKind("lookup", "speculative:Lookup", True,
+                 "drafts by prompt lookup (no model time), verifies with the full model", full_verify=True),
 )
 STRATEGIES = tuple(k.name for k in STRATEGY_KINDS)
 SPECULATIVE = tuple(k.name for k in STRATEGY_KINDS if k.speculative)

@@ -92,7 +92,7 @@ def test_own_strategies_report_speculation_metrics(results):
     _, r = results
     s = r["strategies"]
     assert s["ar"]["speedup_vs_ar"] == 1.0 and s["ar"]["mean_accepted_length"] == 1.0
-    assert set(s["hispec"]["acceptance"]) == {"draft->intermediate", "intermediate->final"}
+    assert set(s["hispec"]["acceptance"]) - {"lookup->final"} == {"draft->intermediate", "intermediate->final"}
     assert set(s["selfspec"]["acceptance"]) == {"draft->final"}
     level = s["hispec"]["acceptance"]["draft->intermediate"]
     assert level["draft_tokens"] > 0 and 0 <= level["acceptance_rate"] <= 1

@@ -2,7 +2,7 @@
 
 - hispec's logits equal transformers' on the same converted folder;
 - greedy ``ar`` equals transformers' ``generate(do_sample=False)`` token for token;
-- ``selfspec`` and ``hispec`` with every draft policy equal ``ar`` on 20 Spec-Bench prompts.
+- ``selfspec`` and ``hispec`` with every draft policy, and ``lookup``, equal ``ar`` on 20 Spec-Bench prompts.
 """
 from __future__ import annotations
 
@@ -148,6 +148,21 @@ def test_one_request_at_a_time_equals_ar(generator, ar_reference, two_threads, s
         assert generator.generate(ids, params, strategy, spec=spec).token_ids == want
 
 
+@pytest.mark.parametrize("strategy", ["lookup", "hispec"])
+def test_lookup_drafts_equal_ar_on_spec_bench(generator, ar_reference, two_threads, strategy):
+    """Prompt-lookup drafts verified by the full model: batched (always verifying every draft)
+    and one request at a time (adaptive: drafts where they pay at the measured cost of rows)."""
+    prompts, expected = ar_reference
+    spec = default_specs(generator, strategy)
+    _, outputs = run_batched(generator, strategy, spec, prompts)
+    assert [out.token_ids for out in outputs] == expected
+    levels = [out.stats.levels.get("lookup->final") for out in outputs]
+    assert sum(lv.accepted_tokens for lv in levels if lv) > 0  # lookup drafts were accepted
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    for ids, want in list(zip(prompts, expected))[:3]:
+        assert generator.generate(ids, params, strategy, spec=spec, adaptive=True).token_ids == want
+
+
 # ---- the quantized default (the file's own Q4_1 / Q8_0 weights on the int4 kernel) ----------------
 NUM_QUANT_PROMPTS = 4
 
@@ -166,7 +181,7 @@ def quantized_ar(quantized, two_threads):
     return prompts, [quantized.generate(p, params, "ar").token_ids for p in prompts]
 
 
-@pytest.mark.parametrize("strategy", ["selfspec", "hispec"])
+@pytest.mark.parametrize("strategy", ["selfspec", "hispec", "lookup"])
 def test_quantized_default_strategies_equal_its_ar(quantized, quantized_ar, two_threads, strategy):
     """Same kernels, same tokens: batched in the engine (always speculating) and one at a time."""
     assert quantized.model.weight_format == "native"

@@ -105,7 +105,7 @@ def test_rounds_of_several_greedy_tokens_equal_one_token_rounds(model, workload,
 @pytest.mark.parametrize("name", list(STRATEGIES))
 def test_preemption_under_a_small_pool_gives_the_same_outputs(model, workload, name):
     prompts, limits, expected, eos = workload
-    engine, got = run_engine(model, name, prompts, limits, eos, batch_size=16, kv_blocks=22)
+    engine, got = run_engine(model, name, prompts, limits, eos, batch_size=16, kv_blocks=20)
     assert engine.scheduler.num_preemptions > 0  # the pool really was too small
     assert got == expected
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
@@ -264,8 +264,8 @@ def test_a_failing_request_fails_alone(model, workload, name):
     final = engine.run_to_completion()
     assert [final[r].token_ids for r in greedy] == expected[:5]
     assert final[bad].finish_reason == "error" and "boom" in str(final[bad].error)
-    alone = Engine(model, make_strategy(name, STRATEGIES[name], model.num_layers), eos_ids={eos}, kv_blocks=400,
-                   block_size=4, adaptive=False)
+    alone = Engine(model, FailsFor(make_strategy(name, STRATEGIES[name], model.num_layers)), eos_ids={eos},
+                   kv_blocks=400, block_size=4, adaptive=False)
     rid = alone.add_request(prompts[5], SamplingParams(max_new_tokens=30, temperature=0.8, seed=5))
     assert final[sampled].token_ids == alone.run_to_completion()[rid].token_ids  # its random stream was restored
     engine.blocks.check_invariants()

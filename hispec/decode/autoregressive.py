@@ -32,6 +32,7 @@ class Autoregressive(Strategy):
             if chunks is not None:
                 for c, chunk in zip(batch, chunks):
                     c.stats.full_passes += len(chunk)
+                    c.stats.count_round("plain")
                     c.target_logits = None
                 return chunks
             logits = runner.decode_logits([(c.seq_id, len(c.tokens) - 1, c.tokens[-1]) for c in batch])  # [B, V]
@@ -42,6 +43,7 @@ class Autoregressive(Strategy):
             tokens = choose_tokens(batch, logits)
         for b, c in enumerate(batch):
             c.stats.full_passes += 1
+            c.stats.count_round("plain")
             c.target_logits = logits[b:b + 1]
         return [[t] for t in tokens.tolist()]
 

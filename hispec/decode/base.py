@@ -161,6 +161,7 @@ class DecodeContext:
     eos_ids: frozenset[int]
     policy: object | None = None  # the strategy's per-sequence draft-length policy, made on first use
     processor: LogitsProcessor | None = None  # penalties and biases, applied at every level
+    lookup: object | None = None  # its free-draft source (``decode.lookup.LookupState``), made on first use
     # The final layer's raw logits [n, V] of the n tokens the last step committed (row j chose
     # token j); set by every strategy where it verifies, read by the engine for logprobs.
     target_logits: torch.Tensor | None = None
@@ -196,6 +197,14 @@ class Strategy:
         """One round for every sequence of the batch (each with ``remaining > 0``): the tokens
         each one commits (at least one). The caller appends them to ``ctx.tokens``."""
         raise NotImplementedError
+
+    def free_round(self, batch: list[DecodeContext], cost) -> list[list[int] | None] | None:
+        """A round that verifies drafts which cost no model time (prompt lookup): each sequence's
+        committed tokens as ``step`` returns them, None for a sequence it leaves to ``step`` (or
+        a plain round), or None for all when it has no drafts worth verifying now. ``cost``: the
+        measured cost of verification rows (``decode.lookup.RowCost``) that decides how many
+        drafts pay; None: always verify every draft there is."""
+        return None
 
     def steps(self, ctx: DecodeContext) -> Iterator[list[int]]:
         """Rounds of one sequence; the caller appends each chunk to ``ctx.tokens`` before the next."""

@@ -12,6 +12,12 @@ names as in docs/design.md):
 
 (selfspec has no intermediate exit: its drafts go straight to ``full_verify``, layers [L_d, L_f).)
 
+Free drafts (``lookup``, and ``hispec`` where prompt lookup finds a match; ``decode/lookup.py``)
+cost no model time: the pending token and its drafts x_1 .. x_k go through every layer in one
+pass (positions base .. base + k), and the same acceptance rules commit the accepted prefix
+and the bonus or recovered token. A draft is one fixed token (its q is one-hot), so sampling
+accepts it with probability p(x) and, on rejection, draws from p without x, renormalised.
+
 Nothing is computed twice: each phase starts from the hidden states where the previous
 phase stopped, and the K/V of rejected tokens are cut by shortening lengths. Sequences of a
 batch draft, verify and accept independently (different lengths), in shared passes.
@@ -19,14 +25,18 @@ batch draft, verify and accept independently (different lengths), in shared pass
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass, field
+from typing import Iterator
 
 import torch
 
 from ..config import ConfigError, SpecConfig
 from ..sampling.sampler import argmax as argmax_of, block_rows, choose, logits_to_probs
 from ..sampling.speculative import greedy_accept, greedy_accept_batch, sample_accept, sample_accept_batch
+from .autoregressive import Autoregressive
 from .base import DecodeContext, Strategy, process_rows, split_rows
+from .lookup import RowCost, free_drafts
 from .policies import DraftPolicy, draft_confidence, make_policy
 from .stats import phase_timer
 
@@ -230,6 +240,57 @@ def _rows_of(seqs: list[int], sizes: list[int], num_seqs: int) -> list[int] | No
     return [r for b in seqs for r in range(starts[b], starts[b + 1])]
 
 
+def verify_free(batch: list[DecodeContext], drafts: list[list[int]], level: str = "lookup->final") -> list[list[int]]:
+    """Verify drafts that cost no model time: each sequence's pending token and its drafts
+    ``drafts[b]`` (``k_b >= 0``) through every layer in one pass (``[sum (k_b + 1), H]``), then
+    ``accept`` with one-hot draft distributions. A sequence without drafts takes one plain row.
+    Afterwards each cache holds the committed tokens but the new pending one."""
+    model, runner, n = batch[0].model, batch[0].runner, batch[0].model.num_layers
+    positions = [len(c.tokens) - 1 for c in batch]
+    hs = runner.forward_many([(c.seq_id, pos, c.token_tensor(c.tokens[-1:] + d))
+                              for c, pos, d in zip(batch, positions, drafts)], 0, n)  # B x [k_b + 1, H]
+    logits = model.exit_logits(torch.cat(hs) if len(hs) > 1 else hs[0], n)  # [sum (k_b + 1), V]
+    proposed = [c.token_tensor(d) for c, d in zip(batch, drafts)]  # B x [k_b]
+    one_hot = [None if c.params.greedy else torch.nn.functional.one_hot(x, logits.shape[-1]).float()
+               for c, x in zip(batch, proposed)]  # [k_b, V]: q of a fixed draft
+    accepted, _ = accept(batch, proposed, one_hot, logits, [d if c.processor is not None else ()
+                                                             for c, d in zip(batch, drafts)])
+    for c, d, pos, lg, toks in zip(batch, drafts, positions, split_rows(logits, [h.shape[0] for h in hs]), accepted):
+        num = len(toks) - 1
+        c.target_logits = lg[:num + 1]
+        c.runner.truncate(c.seq_id, pos + num + 1)
+        c.stats.full_passes += 1
+        if d:
+            c.stats.level(level).record(len(d), num)
+            c.lookup.length.record(c.lookup.last_n, len(d), num)
+        c.stats.count_round("lookup" if d else "plain")
+    return accepted
+
+
+def lookup_round(spec: SpecConfig, batch: list[DecodeContext], cost: RowCost | None) -> list[list[int] | None] | None:
+    """One free-draft round (``Strategy.free_round``): the sequences with drafts verify them in one
+    pass, greedy ones without drafts ride along as plain rows; None for a sampled sequence without
+    drafts (its random stream must not depend on what shares its batch: the caller gives it the
+    round it would have had alone), or None for all when no sequence has drafts worth verifying.
+    The pass's seconds and rows go into ``cost``."""
+    if spec.lookup_max_draft < 1:
+        return None
+    drafts = free_drafts(batch, spec.lookup_max_draft, spec.lookup_ngram, cost)
+    if not any(drafts):
+        return None
+    take = [b for b, (c, d) in enumerate(zip(batch, drafts)) if d or c.params.greedy]
+    ctxs, mine = [batch[b] for b in take], [drafts[b] for b in take]
+    t0 = time.perf_counter()
+    with phase_timer([c.stats for c in ctxs], "full_verify", ctxs[0].model.device):
+        commits = verify_free(ctxs, mine)
+    if cost is not None:
+        cost.record(len(ctxs) + sum(map(len, mine)), time.perf_counter() - t0)
+    out: list[list[int] | None] = [None] * len(batch)
+    for b, chunk in zip(take, commits):
+        out[b] = chunk
+    return out
+
+
 def _check_layers(spec: SpecConfig, num_layers: int, hierarchical: bool) -> None:
     dataclasses.replace(spec, num_layers=num_layers)  # validates the layers against this model
     if hierarchical and spec.verify_layer >= num_layers:
@@ -268,6 +329,7 @@ class SelfSpec(Strategy):
         for c, p, v in zip(batch, props, verdicts):
             c.policy.update(p.tokens.shape[0], v.num_accepted)
             c.stats.full_passes += 1
+            c.stats.count_round("exits")
             commits.append(v.tokens)
         return commits
 
@@ -300,13 +362,17 @@ class Window:
 
 
 class HiSpec(Strategy):
-    """Hierarchical self-speculation: draft at L_d, filter at L_i, verify a window at L_f."""
+    """Hierarchical self-speculation: draft at L_d, filter at L_i, verify a window at L_f; where
+    prompt lookup finds drafts that pay, they are verified instead (``free_round``)."""
 
     name = "hispec"
 
     def __init__(self, spec: SpecConfig) -> None:
         self.spec = spec
         self.lookahead = spec.lookahead
+
+    def free_round(self, batch: list[DecodeContext], cost: RowCost | None) -> list[list[int] | None] | None:
+        return lookup_round(self.spec, batch, cost)
 
     def step(self, batch: list[DecodeContext]) -> list[list[int]]:
         model = batch[0].model
@@ -371,5 +437,34 @@ class HiSpec(Strategy):
             if len(w):
                 c.stats.level("intermediate->final").record(len(w), num)
             c.stats.full_passes += 1
+            c.stats.count_round("exits")
             commits.append(toks)
         return commits
+
+
+class Lookup(Strategy):
+    """Prompt-lookup decoding (transformers' ``prompt_lookup_num_tokens``, vLLM's ``ngram``):
+    free drafts verified by the full model (``free_round``); a plain round (``ar``'s, several
+    greedy tokens per op call) where there are none."""
+
+    name = "lookup"
+    adaptive_steps = False  # its step is already plain: nothing for the engine to choose between
+
+    def __init__(self, spec: SpecConfig) -> None:
+        if spec.lookup_max_draft < 1:
+            raise ConfigError(f"the lookup strategy needs --lookup-max-draft >= 1, got {spec.lookup_max_draft}")
+        self.spec = spec
+        self._ar = Autoregressive()
+        self.lookahead = max(spec.lookup_max_draft + 2, self._ar.lookahead)
+
+    def free_round(self, batch: list[DecodeContext], cost: RowCost | None) -> list[list[int] | None] | None:
+        return lookup_round(self.spec, batch, cost)
+
+    def step(self, batch: list[DecodeContext]) -> list[list[int]]:
+        return self._ar.step(batch)
+
+    def steps(self, ctx: DecodeContext) -> Iterator[list[int]]:
+        """Rounds of one sequence driven directly: every draft there is verified."""
+        while ctx.remaining > 0:
+            free = self.free_round([ctx], None)
+            yield free[0] if free is not None and free[0] is not None else self.step([ctx])[0]

@@ -74,6 +74,11 @@ class DecodeStats:
     phase_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
     draft_forward_tokens: int = 0  # tokens run through the draft layers
     plain_steps: int = 0  # steps the adaptive controller decoded plainly (no speculation)
+    # rounds by where their drafts came from: "lookup" (free drafts), "exits" (draft exits), "plain" (none)
+    rounds: dict[str, int] = field(default_factory=dict)
+
+    def count_round(self, kind: str) -> None:
+        self.rounds[kind] = self.rounds.get(kind, 0) + 1
 
     def level(self, name: str) -> LevelStats:
         return self.levels.setdefault(name, LevelStats())
@@ -94,6 +99,8 @@ class DecodeStats:
         self.full_passes += other.full_passes
         self.draft_forward_tokens += other.draft_forward_tokens
         self.plain_steps += other.plain_steps
+        for kind, n in other.rounds.items():
+            self.rounds[kind] = self.rounds.get(kind, 0) + n
         for name, lv in other.levels.items():
             self.level(name).merge(lv)
         for k, v in other.phase_seconds.items():
@@ -106,6 +113,7 @@ class DecodeStats:
             "new_tokens": self.new_tokens,
             "full_passes": self.full_passes,
             "plain_steps": self.plain_steps,
+            "rounds": dict(self.rounds),
             "mean_accepted_length": round(self.mean_accepted_length, 4),
             "levels": {name: lv.to_dict() for name, lv in self.levels.items()},
             "phase_seconds": {k: round(v, 6) for k, v in self.phase_seconds.items()},

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..decode.lookup import RowCost
+
 SPECULATE, PLAIN = "speculate", "plain"
 
 
@@ -37,6 +39,7 @@ class AdaptiveController:
     _since_explore: dict[int, int] = field(default_factory=dict)
     _backoff: dict[int, int] = field(default_factory=dict)  # bucket -> interval multiplier
     _best_before: dict[int, str] = field(default_factory=dict)  # bucket -> best mode at the last exploration
+    row_cost: RowCost = field(default_factory=RowCost)  # seconds of a pass by its rows: what free drafts cost
 
     @staticmethod
     def bucket(batch_size: int) -> int:

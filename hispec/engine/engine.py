@@ -91,6 +91,9 @@ class Engine:
         self.adaptive = None
         if self.config.adaptive and strategy.name in SPECULATIVE:
             self.adaptive = controller if controller is not None else AdaptiveController()
+        # whether the controller chooses between the strategy's step and a plain one (free
+        # drafts are weighed against the measured cost of rows either way)
+        self._switches = self.adaptive is not None and getattr(strategy, "adaptive_steps", True)
         self._seq_ids = itertools.count()
         self._requests: dict[str, Sequence] = {}
         self._max_batch_size = self.config.max_batch_size
@@ -253,10 +256,24 @@ class Engine:
         return [commits.get(s) for s in running]
 
     def _decode_round(self, running: list[Sequence]) -> list[list[int]]:
+        """Free drafts where the strategy has some worth verifying (``Strategy.free_round``);
+        the other sequences get the strategy's round or, where measured speculation does not
+        pay, a plain one."""
         batch = [s.ctx for s in running]
+        cost = self.adaptive.row_cost if self.adaptive is not None else None
+        free_round = getattr(self.strategy, "free_round", None)  # a wrapper may have none
+        commits = (free_round(batch, cost) if free_round is not None else None) or [None] * len(batch)
+        rest = [b for b, chunk in enumerate(commits) if chunk is None]
+        if rest:
+            for b, chunk in zip(rest, self._step_round([batch[b] for b in rest], cost)):
+                commits[b] = chunk
+        return commits
+
+    def _step_round(self, batch: list[DecodeContext], cost) -> list[list[int]]:
+        """The strategy's round or a plain one, as the adaptive controller chooses."""
         # Only greedy batches switch: a sampled sequence's random stream depends on the mode, and
         # a seeded request must give the same output whatever else shares its batch.
-        adaptive = self.adaptive is not None and all(c.params.greedy for c in batch)
+        adaptive = self._switches and all(c.params.greedy for c in batch)
         mode = self.adaptive.choose(len(batch)) if adaptive else SPECULATE
         strategy = self.strategy if mode == SPECULATE else self._ar
         t0 = time.perf_counter()
@@ -269,6 +286,8 @@ class Engine:
         elapsed = time.perf_counter() - t0
         if adaptive:
             self.adaptive.record(len(batch), mode, sum(len(c) for c in commits), elapsed)
+        if cost is not None and (strategy is self._ar or not self._switches):  # a plain round: the cost of rows
+            cost.record(len(batch), elapsed / max(map(len, commits)))
         return commits
 
     def _roll_back(self, seq: Sequence, generator_state: torch.Tensor | None) -> None:

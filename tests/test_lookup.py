@@ -1,0 +1,302 @@
+"""Free drafts from prompt lookup (``decode/lookup.py``) and the strategies that verify them:
+``lookup`` and ``hispec`` give ``ar``'s token ids exactly (greedy), follow the target
+distribution (sampling), under continuous batching and at every end condition."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hispec.config import ConfigError, EngineConfig, SamplingParams, SpecConfig
+from hispec.decode.lookup import DraftLength, NgramIndex, RowCost, SuffixCache, continuation
+from hispec.engine.engine import Engine
+from hispec.generate import Generator, make_strategy
+from hispec.model.load.checkpoint import load_model
+from hispec.settings import resolve_spec
+
+from test_speculative_sampling import SETTINGS, _copy, exact_joint, fit, report  # noqa: F401 (fixtures below)
+from test_speculative_sampling import PROMPT, TINY
+
+SPEC = SpecConfig(draft_layer=1, verify_layer=3, num_draft=3, window=3)
+# A repetitive prompt: the tiny random models also fall into loops of their own, so drafts are accepted.
+PROMPTS = [[5, 17, 99, 3, 5, 17, 99, 3, 5, 17], list(range(40, 60)) * 2, [1, 2, 3, 4, 5, 1, 2, 3], [7]]
+
+
+# ---- the matcher --------------------------------------------------------------------------
+
+def test_longest_most_recent_match_and_its_continuation():
+    index = NgramIndex(3)
+    tokens = [1, 2, 3, 9, 4, 2, 3, 8, 7, 2, 3]
+    assert index.propose(tokens, 2) == (2, [8, 7])  # "2 3" last occurred before 8 7 (not before 9 4)
+    tokens += [8]
+    assert index.propose(tokens, 3) == (3, [7, 2, 3])  # "2 3 8" now: the longest match wins
+    assert index.branches_of([1, 2, 3, 9, 4, 2, 3, 8, 7, 2, 3], 2) == [[8, 7], [9, 4]]
+
+
+def test_no_match_and_limits():
+    assert NgramIndex(3).propose([1, 2, 3, 4], 4) == (0, [])
+    assert NgramIndex(3).propose([1], 4) == (0, [])
+    assert NgramIndex(3).propose([1, 2, 1], 0) == (0, [])
+    assert NgramIndex(1).propose([5, 6, 7, 5], 2) == (1, [6, 7])
+
+
+def test_a_loop_is_continued_past_the_last_token():
+    """A match one period back: the drafts repeat the period instead of stopping at the end."""
+    assert NgramIndex(3).propose([9, 7, 7, 7], 4) == (2, [7, 7, 7, 7])
+    assert NgramIndex(3).propose([4, 1, 2, 1, 2], 5) == (2, [1, 2, 1, 2, 1])
+    assert continuation([3, 1, 2], 0, 4) == [1, 2, 1, 2]
+
+
+def test_the_index_grows_with_the_tokens():
+    tokens, index, rng = [], NgramIndex(3), torch.Generator().manual_seed(0)
+    for _ in range(200):
+        tokens.append(int(torch.randint(0, 6, (1,), generator=rng)))
+        n, drafts = index.propose(tokens, 3)
+        fresh = NgramIndex(3).propose(tokens, 3)
+        assert (n, drafts) == fresh
+        if n:  # the match is real: the last n tokens occurred earlier, followed by the first draft
+            suffix = tokens[-n:]
+            assert any(tokens[e - n + 1:e + 1] == suffix and tokens[e + 1] == drafts[0]
+                       for e in range(n - 1, len(tokens) - 1))
+
+
+def test_suffix_cache_is_bounded_and_finds_earlier_outputs():
+    cache = SuffixCache(max_ngram=2, k=3, capacity=8)
+    cache.add([10, 11, 12, 13, 14])
+    assert cache.propose([99, 11, 12], 3) == (2, [13, 14])
+    cache.add(list(range(20, 40)))
+    assert len(cache.table) == 8 and cache.propose([99, 11, 12], 3) == (0, [])
+
+
+def test_draft_length_follows_acceptance_and_cost():
+    d = DraftLength(max_draft=4, max_ngram=3)
+    assert d.choose(3, 4, row_cost=0.0) == 4  # free rows: draft all
+    for _ in range(8):
+        d.record(3, 4, 4)
+    assert d.choose(3, 4, row_cost=0.25) == 4
+    for _ in range(8):
+        d.record(1, 4, 0)
+    assert d.choose(1, 4, row_cost=0.25) == 0  # rejected drafts are not worth their rows
+    assert d.choose(3, 2, row_cost=0.25) == 2  # never more than the room left
+    tried = 0
+    for _ in range(100):  # still rejected whenever tried: it tries now and then, not often
+        k = d.choose(1, 4, row_cost=0.25)
+        if k:
+            tried += 1
+            d.record(1, k, 0)
+    assert 0 < tried <= 8, tried
+
+
+def test_row_cost_measures_the_slope():
+    cost = RowCost()
+    assert cost.relative(1) == cost.prior
+    for _ in range(40):  # 10 ms a pass + 5 ms a row
+        for rows in (1, 3, 5):
+            cost.record(rows, 0.010 + 0.005 * rows)
+    assert abs(cost.relative(1) - 0.005 / 0.015) < 0.01
+    assert abs(cost.relative(4) - 0.020 / 0.030) < 0.01
+
+
+def test_settings_are_validated_with_the_flag_named():
+    with pytest.raises(ConfigError, match="--lookup-max-draft"):
+        SpecConfig(draft_layer=1, verify_layer=2, lookup_max_draft=-1)
+    with pytest.raises(ConfigError, match="--lookup-max-draft"):
+        SpecConfig(draft_layer=1, verify_layer=2, lookup_max_draft=33)
+    with pytest.raises(ConfigError, match="--lookup-ngram"):
+        SpecConfig(draft_layer=1, verify_layer=2, lookup_ngram=0)
+    with pytest.raises(ConfigError, match="--lookup-max-draft"):
+        make_strategy("lookup", SpecConfig(draft_layer=1, verify_layer=2, lookup_max_draft=0))
+    spec = resolve_spec("lookup", 6, lookup_max_draft=6, lookup_ngram=2)
+    assert (spec.lookup_max_draft, spec.lookup_ngram) == (6, 2) and spec.lookahead >= 8
+
+
+def test_cli_refuses_an_out_of_range_flag(tiny_model_dir, capsys):
+    from hispec.cli import main
+
+    assert main(["generate", "[1, 2]", "--model", str(tiny_model_dir("llama")), "--strategy", "lookup",
+                 "--lookup-max-draft", "99", "--no-exits"]) == 2
+    assert "--lookup-max-draft" in capsys.readouterr().err
+
+
+# ---- greedy: the same ids as ar ---------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def gen(tiny_model_dir) -> Generator:
+    return Generator(load_model(tiny_model_dir("llama")))
+
+
+@pytest.mark.parametrize("strategy", ["lookup", "hispec"])
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_greedy_equals_ar_and_drafts_are_accepted(gen, strategy, adaptive):
+    accepted = rejected = 0
+    for prompt in PROMPTS:
+        for max_new in (1, 2, 7, 40):
+            params = SamplingParams(max_new_tokens=max_new, ignore_eos=True)
+            want = gen.generate(prompt, params, "ar")
+            out = gen.generate(prompt, params, strategy, spec=SPEC, adaptive=adaptive)
+            assert (out.token_ids, out.finish_reason) == (want.token_ids, want.finish_reason), (prompt, max_new)
+            lv = out.stats.levels.get("lookup->final")
+            if lv is not None:
+                accepted += lv.accepted_tokens
+                rejected += lv.draft_tokens - lv.accepted_tokens
+            assert gen.blocks.num_used_blocks == 0
+            gen.blocks.check_invariants()
+    if not adaptive:  # always speculating: drafts were verified, some kept, some not
+        assert accepted > 20 and rejected > 0, (accepted, rejected)
+
+
+def test_eos_inside_a_round(tiny_model_dir):
+    """An EOS among accepted drafts ends the sequence where ar ends it."""
+    g = Generator(load_model(tiny_model_dir("llama")))
+    prompt = [5, 17, 99, 3, 5, 17, 99, 3, 5, 17]
+    free = g.generate(prompt, SamplingParams(max_new_tokens=30, ignore_eos=True), "ar").token_ids
+    # make a token the model repeats an EOS: the loop then ends inside a lookup round
+    g.eos_ids = frozenset({free[6]})
+    want = g.generate(prompt, SamplingParams(max_new_tokens=30), "ar")
+    assert want.finish_reason == "eos"
+    for strategy in ("lookup", "hispec"):
+        out = g.generate(prompt, SamplingParams(max_new_tokens=30), strategy, spec=SPEC)
+        assert (out.token_ids, out.finish_reason) == (want.token_ids, want.finish_reason)
+
+
+def test_batched_engine_with_different_lengths_and_end_conditions(gen):
+    """Continuous batching: sequences with and without matches share passes; max tokens and
+    EOS fall inside rounds; each output equals its own batch-of-one ar output."""
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (40, 3, 17, 29)]
+    params.append(SamplingParams(max_new_tokens=25))
+    prompts = PROMPTS + [[9, 8, 7, 9, 8, 7, 9]]
+    want = [gen.generate(p, sp, "ar").token_ids for p, sp in zip(prompts, params)]
+    for strategy in ("lookup", "hispec"):
+        for adaptive in (False, True):
+            engine = Engine(gen.model, make_strategy(strategy, SPEC, gen.model.num_layers),
+                            EngineConfig(max_batch_size=3, adaptive=adaptive, kv_blocks=64), eos_ids=gen.eos_ids)
+            ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+            final = engine.run_to_completion()
+            assert [final[r].token_ids for r in ids] == want, (strategy, adaptive)
+            if not adaptive:
+                assert sum(final[r].stats.rounds.get("lookup", 0) for r in ids) > 0
+            assert engine.blocks.num_used_blocks == 0
+
+
+def test_stop_string_inside_a_round(tiny_text_model_dir):
+    g = Generator(load_model(tiny_text_model_dir))
+    from hispec.generate import load_tokenizer
+
+    g.tokenizer = load_tokenizer(tiny_text_model_dir)
+    prompt = "abcabcabcabc"
+    free = g.generate(prompt, SamplingParams(max_new_tokens=24, ignore_eos=True), "ar", chat=False)
+    stop = free.text[5:7]
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True, stop=(stop,))
+    want = g.generate(prompt, params, "ar", chat=False)
+    for strategy in ("lookup", "hispec"):
+        out = g.generate(prompt, params, strategy, spec=SPEC, chat=False)
+        assert (out.token_ids, out.text, out.finish_reason) == (want.token_ids, want.text, want.finish_reason)
+
+
+# ---- sampling: the target distribution --------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def sampling_gen(tiny_model_dir) -> Generator:
+    g = Generator(load_model(tiny_model_dir("llama", seed=1, **TINY)))
+    g.eos_ids = frozenset()
+    return g
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir("llama", seed=1, **TINY), dtype=torch.float32).eval()
+
+
+LOOKUP_SPEC = SpecConfig(draft_layer=1, verify_layer=2, num_draft=2, window=2, lookup_max_draft=3, lookup_ngram=1)
+
+
+def empirical(gen, strategy, params, num_seeds, prompt):
+    from collections import Counter
+
+    counts, drafted = Counter(), 0
+    for seed in range(num_seeds):
+        params.seed = seed
+        out = gen.generate(prompt, params, strategy, spec=LOOKUP_SPEC)
+        counts[tuple(out.token_ids)] += 1
+        lv = out.stats.levels.get("lookup->final")
+        drafted += lv.draft_tokens if lv else 0
+    return counts, drafted
+
+
+@pytest.mark.parametrize("setting", ["T1", "T1-penalties"])
+@pytest.mark.parametrize("strategy", ["lookup", "hispec"])
+def test_sampling_follows_the_target(sampling_gen, hf_model, monkeypatch, strategy, setting):
+    """PROMPT's last token occurs earlier in it (an 8-token vocabulary repeats often), so the
+    first round verifies a lookup draft: accepted with probability p(x), else drawn from p
+    without x."""
+    import test_speculative_sampling as ref
+
+    prompt = PROMPT + PROMPT[:2]
+    monkeypatch.setattr(ref, "PROMPT", prompt)
+    params = _copy(SETTINGS[setting])
+    counts, drafted = empirical(sampling_gen, strategy, params, 600, prompt)
+    assert drafted > 300  # lookup drafts were really verified
+    result = fit(counts, exact_joint(hf_model, params))
+    report(f"{strategy}-lookup/{setting}", result)
+    assert result["stat"] <= result["bound"], result
+
+
+def test_the_statistic_rejects_a_sampler_that_keeps_every_lookup_draft(sampling_gen, hf_model, monkeypatch):
+    import hispec.decode.speculative as spec_mod
+    import test_speculative_sampling as ref
+
+    prompt = PROMPT + PROMPT[:2]
+    monkeypatch.setattr(ref, "PROMPT", prompt)
+    monkeypatch.setattr(spec_mod, "sample_accept", ref.accept_all)
+    params = _copy(SETTINGS["T1"])
+    counts, _ = empirical(sampling_gen, "lookup", params, 300, prompt)
+    result = fit(counts, exact_joint(hf_model, params))
+    assert result["stat"] > result["bound"], result
+
+
+def test_seeded_sampling_is_reproducible(sampling_gen):
+    prompt = PROMPT + PROMPT[:2]
+
+    def run(seed):
+        return sampling_gen.generate(prompt, SamplingParams(temperature=1.0, seed=seed, max_new_tokens=12),
+                                     "lookup", spec=LOOKUP_SPEC, adaptive=True).token_ids
+
+    assert run(4) == run(4)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_cache_after_lookup_rounds_equals_autoregressive(gen, temperature):
+    """Driven round by round: after each round every layer holds the committed tokens but the
+    pending one, and their K/V equal what one-token passes build (rejected drafts' K/V cut)."""
+    from hispec.cache.block_manager import BlockManager
+    from hispec.cache.kv_cache import KVPool
+    from hispec.decode.base import DecodeContext, LayerRunner
+    from hispec.decode.speculative import Lookup
+    from hispec.decode.stats import DecodeStats
+    from test_speculative_edges import kv_of
+
+    model, prompt, max_new = gen.model, PROMPTS[1], 24
+    n, max_tokens = model.num_layers, len(PROMPTS[1]) + 24
+    blocks = BlockManager(2 * (max_tokens // 4 + 8), 4, n)
+    pool = KVPool(n, blocks.num_blocks, 4, model.cfg.num_kv_heads, model.cfg.head_dim, model.dtype, "cpu")
+    runner, stats = LayerRunner(model, blocks, pool), DecodeStats("lookup")
+    blocks.add_sequence(1)
+    params = SamplingParams(temperature=temperature, seed=0, max_new_tokens=max_new)
+    ctx = DecodeContext(runner, 1, list(prompt), params, torch.Generator().manual_seed(0) if temperature else None,
+                        stats, max_tokens, frozenset())
+    runner.forward(1, 0, ctx.token_tensor(prompt[:-1]), 0, n)
+    for chunk in Lookup(SPEC).steps(ctx):
+        ctx.tokens.extend(chunk)
+        assert [blocks.length(1, layer) for layer in range(n)] == [len(ctx.tokens) - 1] * n
+        blocks.check_invariants()
+    level = stats.levels["lookup->final"]
+    assert level.accepted_tokens < level.draft_tokens  # rejected drafts' K/V were cut
+    assert level.accepted_tokens > 0 or temperature  # (a random model's samples rarely repeat)
+    held = len(ctx.tokens) - 1
+    blocks.add_sequence(2)
+    for pos, token in enumerate(ctx.tokens[:held]):
+        runner.forward(2, pos, torch.tensor([token]), 0, n)
+    for layer in range(n):
+        for got, want in zip(kv_of(blocks, pool, 1, layer, held), kv_of(blocks, pool, 2, layer, held)):
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
