@@ -34,6 +34,9 @@ from conftest import write_char_tokenizer  # noqa: E402
 KEY = "test-key"
 CONTEXT = 2048  # long enough that a 2000-token request is still running when a test acts on it
 LONG = 1900  # max_tokens of a request that a test cancels
+# sampled, so that its rounds are short: greedy text of a random tiny model loops, and prompt-lookup
+# drafts then finish 1,900 tokens in well under a second
+SLOW = {"temperature": 1.0, "seed": 0}
 MODEL = "tiny"
 
 
@@ -364,7 +367,7 @@ def test_api_key(server):
 def test_disconnect_mid_stream_frees_blocks(server, http):
     before = metrics(server)
     aborted = before.get('hispec_requests_finished_total{reason="abort"}', 0)
-    body = {**OK, "max_tokens": LONG, "ignore_eos": True, "stream": True, "temperature": 0}
+    body = {**OK, "max_tokens": LONG, "ignore_eos": True, "stream": True, **SLOW}
     with http.stream("POST", C, json=body) as r:
         assert r.status_code == 200
         lines = r.iter_lines()  # kept alive: a dropped iterator would close the connection at once
@@ -383,7 +386,7 @@ def test_disconnect_mid_stream_frees_blocks(server, http):
 
 def test_disconnect_non_stream_frees_blocks(server):
     aborted = metrics(server).get('hispec_requests_finished_total{reason="abort"}', 0)
-    body = {**OK, "max_tokens": LONG, "ignore_eos": True, "temperature": 0}
+    body = {**OK, "max_tokens": LONG, "ignore_eos": True, **SLOW}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{server.url}{C}", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=1.0,
                    trust_env=False)
@@ -441,7 +444,7 @@ def test_queue_full_429_then_sigterm_exits_0(launched):
     a 2 s one) with [DONE], B gets 503, and the process exits 0."""
     small = launched["small"].wait_ready()
     url = small.url
-    long = {"model": MODEL, "prompt": "hi", "max_tokens": LONG, "ignore_eos": True, "temperature": 0}
+    long = {"model": MODEL, "prompt": "hi", "max_tokens": LONG, "ignore_eos": True, **SLOW}
     a_lines: list[str] = []
     b_result: dict = {}
     with httpx.Client(trust_env=False, timeout=60) as h:
