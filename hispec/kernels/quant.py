@@ -141,7 +141,8 @@ class QuantLinear(nn.Module):
         if kernel is None:
             kernel = four_bit_kernel()[0] if group == 32 else "int4"
         if kernel in Q4_STORAGE:
-            return cls(kernel, k, n, pack_nibbles(q), torch.stack([d.float(), m.float()]).contiguous(), group, bias, source)
+            dm = torch.stack([d.float(), m.float()]).contiguous()
+            return cls(kernel, k, n, pack_nibbles(q), dm, group, bias, source)
         return cls("int4", k, n, pack_int4(q), scales_zeros(d, m.float() + 8 * d.float()), group, bias, source)
 
     @classmethod
@@ -159,9 +160,10 @@ class QuantLinear(nn.Module):
         """GGUF Q8_0 blocks ``w = d * q`` (``q [N, K]`` int8, ``d [N, K / 32]`` float16).
 
         ``kernel="q8"``: the blocks as they are, on the ``q8`` kernel (float32 activations);
-        ``"q8a8"``: the same blocks on 8-bit activations (``q8act.py``). ``"int4x2"``: two int4 halves on the int4 kernel, exact in ``q``: ``q = 16 hi + lo`` with
-        ``hi`` in -8..7 and ``lo`` in 0..15, so ``w = (hi + 8 - 8) * 16 d + (lo - 8) * d + 8 d``;
-        twice the int4 work (scales rounded to bfloat16). ``"auto"``: :func:`eight_bit_kernel`."""
+        ``"q8a8"``: the same blocks on 8-bit activations (``q8act.py``). ``"int4x2"``: two int4
+        halves on the int4 kernel, exact in ``q``: ``q = 16 hi + lo`` with ``hi`` in -8..7 and ``lo``
+        in 0..15, so ``w = (hi + 8 - 8) * 16 d + (lo - 8) * d + 8 d``; twice the int4 work (scales
+        rounded to bfloat16). ``"auto"``: :func:`eight_bit_kernel`."""
         n, k = q.shape
         group = k // d.shape[1]
         if kernel == "auto":
