@@ -24,8 +24,10 @@ kernels), both on a GGUF file's blocks as stored, with float32 activations:
   per block of 32 (``q8act.py``: integer dot products, ``amax / 254`` error per input where ``q4``
   keeps 1.5e-5 of the block's largest value). Faster than ``q4`` on more than one row (AVX2:
   1.31x one row's time at 4 rows where ``q4`` takes 1.50x, 2.85x at 16 where ``q4`` takes 5.19x;
-  AVX-512 VNNI more), about equal on one; its tokens can differ from ``q4``'s (logits move by
-  ~0.1), so it is never chosen by timing: only ``HISPEC_Q4_KERNEL=q8a`` selects it, and then the
+  AVX-512 VNNI more), about equal on one; its tokens differ from ``q4``'s (logits move by ~0.1:
+  greedy ``ar`` on the default model, 8 Spec-Bench prompts of 8 categories, 64 tokens: ``q4`` gave
+  float32's tokens on 8 of 8, ``q8a`` on 2 of 8, the others parting at token 2 to 25, 27 on
+  average counting the equal ones as 64), so it is never chosen by timing: only ``HISPEC_Q4_KERNEL=q8a`` selects it, and then the
   Q8_0 output head runs on 8-bit activations too (``q8a8``). Prompt chunks run as ``q4``'s.
 - ``q8``: a GGUF Q8_0 weight ``W[n, k] = d[n, k / 32] * q[n, k]`` as stored in the file, times
   float32 activations. It runs the default model's output head (49,152 x 576) in ~1.7 ms per
