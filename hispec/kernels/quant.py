@@ -24,8 +24,10 @@ kernels), both on a GGUF file's blocks as stored, with float32 activations:
   per block of 32 (``q8act.py``: integer dot products, ``amax / 254`` error per input where ``q4``
   keeps 1.5e-5 of the block's largest value). Faster than ``q4`` on more than one row (AVX2:
   1.31x one row's time at 4 rows where ``q4`` takes 1.50x, 2.85x at 16 where ``q4`` takes 5.19x;
-  AVX-512 VNNI more), about equal on one; its tokens can differ from ``q4``'s (logits move by
-  ~0.1), so it is never chosen by timing: only ``HISPEC_Q4_KERNEL=q8a`` selects it, and then the
+  AVX-512 VNNI more), about equal on one; its tokens differ from ``q4``'s (logits move by ~0.1:
+  greedy ``ar`` on the default model, 8 Spec-Bench prompts of 8 categories, 64 tokens: ``q4`` gave
+  float32's tokens on 8 of 8, ``q8a`` on 2 of 8, the others parting at token 2 to 25, 27 on
+  average counting the equal ones as 64), so it is never chosen by timing: only ``HISPEC_Q4_KERNEL=q8a`` selects it, and then the
   Q8_0 output head runs on 8-bit activations too (``q8a8``). Prompt chunks run as ``q4``'s.
 - ``q8``: a GGUF Q8_0 weight ``W[n, k] = d[n, k / 32] * q[n, k]`` as stored in the file, times
   float32 activations. It runs the default model's output head (49,152 x 576) in ~1.7 ms per
@@ -141,7 +143,8 @@ class QuantLinear(nn.Module):
         if kernel is None:
             kernel = four_bit_kernel()[0] if group == 32 else "int4"
         if kernel in Q4_STORAGE:
-            return cls(kernel, k, n, pack_nibbles(q), torch.stack([d.float(), m.float()]).contiguous(), group, bias, source)
+            dm = torch.stack([d.float(), m.float()]).contiguous()
+            return cls(kernel, k, n, pack_nibbles(q), dm, group, bias, source)
         return cls("int4", k, n, pack_int4(q), scales_zeros(d, m.float() + 8 * d.float()), group, bias, source)
 
     @classmethod
@@ -159,9 +162,10 @@ class QuantLinear(nn.Module):
         """GGUF Q8_0 blocks ``w = d * q`` (``q [N, K]`` int8, ``d [N, K / 32]`` float16).
 
         ``kernel="q8"``: the blocks as they are, on the ``q8`` kernel (float32 activations);
-        ``"q8a8"``: the same blocks on 8-bit activations (``q8act.py``). ``"int4x2"``: two int4 halves on the int4 kernel, exact in ``q``: ``q = 16 hi + lo`` with
-        ``hi`` in -8..7 and ``lo`` in 0..15, so ``w = (hi + 8 - 8) * 16 d + (lo - 8) * d + 8 d``;
-        twice the int4 work (scales rounded to bfloat16). ``"auto"``: :func:`eight_bit_kernel`."""
+        ``"q8a8"``: the same blocks on 8-bit activations (``q8act.py``). ``"int4x2"``: two int4
+        halves on the int4 kernel, exact in ``q``: ``q = 16 hi + lo`` with ``hi`` in -8..7 and ``lo``
+        in 0..15, so ``w = (hi + 8 - 8) * 16 d + (lo - 8) * d + 8 d``; twice the int4 work (scales
+        rounded to bfloat16). ``"auto"``: :func:`eight_bit_kernel`."""
         n, k = q.shape
         group = k // d.shape[1]
         if kernel == "auto":
