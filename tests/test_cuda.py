@@ -59,7 +59,7 @@ def test_cuda_batched_engine_equals_batch_of_one(tiny_model_dir):
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="tensor parallelism over NCCL needs two GPUs")
 def test_tensor_parallel_nccl_equals_single_process(tiny_model_dir):
-    from test_tensor_parallel import assert_lossless, run_check
+    from tests.distributed.test_tensor_parallel import assert_lossless, run_check
 
     rc, report, err, _ = run_check(tiny_model_dir("llama"), "--device", "cuda", "--exit-heads", "1,3")
     assert rc == 0, err

@@ -7,7 +7,7 @@ Prints one JSON object: the largest logit difference (full model and exits), whe
 every rank's KV shard equals the single-process K/V after speculative rounds with rejections,
 and the all-reduce/all-gather calls and bytes per drafted and per verified token (counted in
 code, per rank). Rank 0 also holds a full single-process copy here: this is a check, not a
-way to run. ``tests/test_tensor_parallel.py`` and ``scripts/gpu-check.sh`` run it.
+way to run. ``tests/distributed/test_tensor_parallel.py`` and ``scripts/gpu-check.sh`` run it.
 """
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import write_char_tokenizer
+from tests.conftest import write_char_tokenizer
 from hispec.cli import main
 from hispec.generate import Generator
 from hispec.model import exits as E

@@ -23,8 +23,8 @@ from hispec.generate import Generator  # noqa: E402
 from hispec.model.load.checkpoint import load_model  # noqa: E402
 from hispec.sampling.grammar import Grammar, llguidance_tokenizer  # noqa: E402
 
-from conftest import write_char_tokenizer  # noqa: E402
-from test_speculative_sampling import (PROMPT, SPEC, TINY, VOCAB, fit, reference_probs,  # noqa: E402
+from tests.conftest import write_char_tokenizer  # noqa: E402
+from tests.decode.test_speculative_sampling import (PROMPT, SPEC, TINY, VOCAB, fit, reference_probs,  # noqa: E402
                                        report)
 
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 999},

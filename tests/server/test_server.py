@@ -29,7 +29,7 @@ import openai  # noqa: E402
 from hispec.config import SamplingParams  # noqa: E402
 from hispec.server.metrics import parse_metrics  # noqa: E402
 
-from conftest import write_char_tokenizer  # noqa: E402
+from tests.conftest import write_char_tokenizer  # noqa: E402
 
 KEY = "test-key"
 CONTEXT = 2048  # long enough that a 2000-token request is still running when a test acts on it

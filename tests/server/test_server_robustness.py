@@ -25,7 +25,7 @@ import httpx  # noqa: E402
 from hispec.config import SamplingParams  # noqa: E402
 from hispec.server.metrics import parse_metrics  # noqa: E402
 
-from test_server import MODEL, ServerProcess, make_model_dir, one_thread  # noqa: E402
+from tests.server.test_server import MODEL, ServerProcess, make_model_dir, one_thread  # noqa: E402
 
 C, CH = "/v1/completions", "/v1/chat/completions"
 BATCH, QUEUE = 8, 2

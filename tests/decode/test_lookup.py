@@ -13,8 +13,8 @@ from hispec.generate import Generator, make_strategy
 from hispec.model.load.checkpoint import load_model
 from hispec.settings import resolve_spec
 
-from test_speculative_sampling import SETTINGS, _copy, exact_joint, fit, report  # noqa: F401 (fixtures below)
-from test_speculative_sampling import PROMPT, TINY
+from tests.decode.test_speculative_sampling import SETTINGS, _copy, exact_joint, fit, report  # noqa: F401 (fixtures below)
+from tests.decode.test_speculative_sampling import PROMPT, TINY
 
 SPEC = SpecConfig(draft_layer=1, verify_layer=3, num_draft=3, window=3)
 # A repetitive prompt: the tiny random models also fall into loops of their own, so drafts are accepted.
@@ -274,7 +274,7 @@ def test_cache_after_lookup_rounds_equals_autoregressive(gen, temperature):
     from hispec.decode.base import DecodeContext, LayerRunner
     from hispec.decode.speculative import Lookup
     from hispec.decode.stats import DecodeStats
-    from test_speculative_edges import kv_of
+    from tests.decode.test_speculative_edges import kv_of
 
     model, prompt, max_new = gen.model, PROMPTS[1], 24
     n, max_tokens = model.num_layers, len(PROMPTS[1]) + 24

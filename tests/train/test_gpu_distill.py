@@ -16,7 +16,7 @@ from hispec.config import SamplingParams, SpecConfig
 from hispec.generate import Generator
 from hispec.model.exits import load_heads, read_manifest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gpu-distill.sh"
 WORDS = "the cat sat on a mat and then it ran to see why every dog barks at night".split()
 

@@ -18,7 +18,7 @@ from hispec.config import ConfigError, ModelConfig
 from hispec.distributed.comm import split_range
 from hispec.distributed.shard import Layout, shard_slice
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_check(model_dir: Path, *args: str, limit: float = 240) -> tuple[int, dict, str, float]:

@@ -16,8 +16,8 @@ for _mod in ("fastapi", "uvicorn", "httpx", "schemathesis"):
 
 import httpx  # noqa: E402
 
-from conftest import write_char_tokenizer  # noqa: E402
-from test_server import MODEL, ServerProcess  # noqa: E402
+from tests.conftest import write_char_tokenizer  # noqa: E402
+from tests.server.test_server import MODEL, ServerProcess  # noqa: E402
 
 MAX_EXAMPLES = 40  # per operation and phase: ~1-2 minutes on the 2-core CI machine
 

@@ -25,7 +25,7 @@ httpx = pytest.importorskip("httpx")
 from hispec.config import SamplingParams  # noqa: E402
 
 pytestmark = pytest.mark.ray
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PROMPT = "Name three rivers."
 LONG = 800  # tokens: still streaming when a replica is killed
 
@@ -76,7 +76,7 @@ def model_dir(tiny_model_dir, tmp_path_factory) -> Path:
     """
     import shutil
 
-    from conftest import write_char_tokenizer
+    from tests.conftest import write_char_tokenizer
 
     folder = tmp_path_factory.mktemp("ray-model")
     shutil.copytree(tiny_model_dir("llama", eos_token_id=2, bos_token_id=1, max_position_embeddings=2048,

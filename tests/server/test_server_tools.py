@@ -11,7 +11,7 @@ from hispec.server.errors import APIError
 from hispec.server.schema import ChatCompletionRequest, parse
 from hispec.server.tools import CallStream, fallback_messages, forced_grammar, parse_calls
 
-from test_structured_output import char_gen, strict_commits  # noqa: F401  (fixtures)
+from tests.sampling.test_structured_output import char_gen, strict_commits  # noqa: F401  (fixtures)
 
 PARAMS = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]},
                                            "days": {"type": "integer", "minimum": 1, "maximum": 9}},
@@ -100,7 +100,7 @@ def test_forced_call_is_lossless_in_every_strategy(char_gen, strict_commits):
     pytest.importorskip("llguidance")
     from hispec.config import SamplingParams
     from hispec.sampling.grammar import Grammar, llguidance_tokenizer
-    from test_structured_output import STRATEGIES
+    from tests.sampling.test_structured_output import STRATEGIES
 
     tools = chat(tools=TOOLS).tools
     tokenizer = llguidance_tokenizer(char_gen.tokenizer, char_gen.model.cfg.vocab_size)

@@ -12,7 +12,7 @@ from hispec.train import distill as S
 from hispec.train import teacher as T
 from hispec.train.config import TrainConfig
 
-from test_exit_blocks import encoded, tiny, train_and_measure  # noqa: F401 (tiny: a fixture)
+from tests.model.test_exit_blocks import encoded, tiny, train_and_measure  # noqa: F401 (tiny: a fixture)
 
 
 @pytest.fixture(scope="module")

@@ -459,7 +459,7 @@ def test_plain_c_fallback_gives_the_same_bits(tmp_path):
     base = ctypes.CDLL(str(lib_path))
     from hispec.model.load.gguf_weights import _blocks, _q8_blocks
     from hispec.kernels.quant import QuantLinear
-    from test_quant import _gguf_blocks
+    from tests.kernels.test_quant import _gguf_blocks
 
     g = torch.Generator().manual_seed(5)
     x = torch.randn(6, 96, generator=g)

@@ -12,7 +12,7 @@ from hispec.bench.batched import write_batch_outputs
 from hispec.cli import main
 from hispec.options import UsageError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 HEAD = "# Benchmarks\n\nIntro, kept.\n\n"
 HISTORY = "\n\n## 2026-01-01: an old entry\n\n| a | b |\n| --- | --- |\n| 1.0 | 2.0 |\n\nNo newline at the end"
 

@@ -20,8 +20,8 @@ import torch  # noqa: E402
 
 from hispec.model.load.checkpoint import load_model  # noqa: E402
 
-from test_logprobs_penalties import full_logits  # noqa: E402
-from test_server import MODEL, ServerProcess, make_model_dir  # noqa: E402
+from tests.sampling.test_logprobs_penalties import full_logits  # noqa: E402
+from tests.server.test_server import MODEL, ServerProcess, make_model_dir  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -223,7 +223,7 @@ def test_vllm_metrics_parse_with_prometheus_client(server, http):
 # ---- structured output -------------------------------------------------------------------------------------
 def test_response_format_json_schema(client):
     pytest.importorskip("llguidance")
-    from test_structured_output import SCHEMA, valid
+    from tests.sampling.test_structured_output import SCHEMA, valid
 
     msgs = [{"role": "user", "content": "A JSON object please"}]
     fmt = {"type": "json_schema", "json_schema": {"name": "thing", "schema": SCHEMA, "strict": True}}
@@ -249,7 +249,7 @@ def test_tool_call_round_trip_with_the_openai_client(client):
     """A forced call parses and validates; the result goes back in the history and the model answers;
     the stream delivers the same call as ``delta.tool_calls``; a bad tool is an OpenAI-shaped 400."""
     pytest.importorskip("llguidance")
-    from test_server_tools import TOOLS, valid_call
+    from tests.server.test_server_tools import TOOLS, valid_call
 
     msgs = [{"role": "user", "content": "Weather in Rome?"}]
     for choice in ({"type": "function", "function": {"name": "get_weather"}}, "required"):
