@@ -14,7 +14,7 @@ from hispec.model.load.checkpoint import load_model
 from hispec.settings import resolve_spec
 
 from tests.decode.test_speculative_sampling import SETTINGS, _copy, exact_joint, fit, report  # noqa: F401 (fixtures below)
-from tests.decode.test_speculative_sampling import PROMPT, TINY
+from tests.decode.test_speculative_sampling import PROMPT, TINY, hf_model, model_dir  # noqa: F401 (fixtures)
 
 SPEC = SpecConfig(draft_layer=1, verify_layer=3, num_draft=3, window=3)
 # A repetitive prompt: the tiny random models also fall into loops of their own, so drafts are accepted.
@@ -195,17 +195,10 @@ def test_stop_string_inside_a_round(tiny_text_model_dir):
 # ---- sampling: the target distribution --------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def sampling_gen(tiny_model_dir) -> Generator:
-    g = Generator(load_model(tiny_model_dir("llama", seed=1, **TINY)))
+def sampling_gen(model_dir) -> Generator:
+    g = Generator(load_model(model_dir))
     g.eos_ids = frozenset()
     return g
-
-
-@pytest.fixture(scope="module")
-def hf_model(tiny_model_dir):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(tiny_model_dir("llama", seed=1, **TINY), dtype=torch.float32).eval()
 
 
 LOOKUP_SPEC = SpecConfig(draft_layer=1, verify_layer=2, num_draft=2, window=2, lookup_max_draft=3, lookup_ngram=1)
@@ -230,7 +223,7 @@ def test_sampling_follows_the_target(sampling_gen, hf_model, monkeypatch, strate
     """PROMPT's last token occurs earlier in it (an 8-token vocabulary repeats often), so the
     first round verifies a lookup draft: accepted with probability p(x), else drawn from p
     without x."""
-    import test_speculative_sampling as ref
+    import tests.decode.test_speculative_sampling as ref
 
     prompt = PROMPT + PROMPT[:2]
     monkeypatch.setattr(ref, "PROMPT", prompt)
@@ -244,7 +237,7 @@ def test_sampling_follows_the_target(sampling_gen, hf_model, monkeypatch, strate
 
 def test_the_statistic_rejects_a_sampler_that_keeps_every_lookup_draft(sampling_gen, hf_model, monkeypatch):
     import hispec.decode.speculative as spec_mod
-    import test_speculative_sampling as ref
+    import tests.decode.test_speculative_sampling as ref
 
     prompt = PROMPT + PROMPT[:2]
     monkeypatch.setattr(ref, "PROMPT", prompt)

@@ -24,8 +24,8 @@ from hispec.model.load.checkpoint import load_model  # noqa: E402
 from hispec.sampling.grammar import Grammar, llguidance_tokenizer  # noqa: E402
 
 from tests.conftest import write_char_tokenizer  # noqa: E402
-from tests.decode.test_speculative_sampling import (PROMPT, SPEC, TINY, VOCAB, fit, reference_probs,  # noqa: E402
-                                       report)
+from tests.decode.test_speculative_sampling import (PROMPT, hf_model, model_dir, SPEC, VOCAB, fit, reference_probs,  # noqa: E402
+                                       report)  # hf_model, model_dir: fixtures
 
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 999},
                                            "ok": {"type": "boolean"}, "tag": {"enum": ["ab", "cd", "ef"]}},
@@ -112,17 +112,10 @@ def eight():
 
 
 @pytest.fixture(scope="module")
-def gen8(tiny_model_dir):
-    g = Generator(load_model(tiny_model_dir("llama", seed=1, **TINY)))
+def gen8(model_dir):
+    g = Generator(load_model(model_dir))
     g.eos_ids = frozenset()
     return g
-
-
-@pytest.fixture(scope="module")
-def hf8(tiny_model_dir):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(tiny_model_dir("llama", seed=1, **TINY), dtype=torch.float32).eval()
 
 
 def allowed(grammar: Grammar, prefix: tuple[int, ...]) -> list[int]:
@@ -158,16 +151,16 @@ def empirical(gen, strategy, params, grammar, num_seeds):
     return counts
 
 
-def test_hispec_samples_the_constrained_distribution(gen8, hf8, eight):
+def test_hispec_samples_the_constrained_distribution(gen8, hf_model, eight):
     _, grammar = eight
     params = SamplingParams(temperature=1.0, max_new_tokens=3)
-    joint = exact_joint(hf8, grammar, params)
+    joint = exact_joint(hf_model, grammar, params)
     result = fit(empirical(gen8, "hispec", params, grammar, 400), joint)
     report("hispec/T1-grammar", result)
     assert result["stat"] <= result["bound"], result
 
 
-def test_the_statistic_rejects_a_mask_blind_to_speculative_tokens(gen8, hf8, eight, monkeypatch):
+def test_the_statistic_rejects_a_mask_blind_to_speculative_tokens(gen8, hf_model, eight, monkeypatch):
     """WRONG: every row of a pass masked with the committed tokens' state."""
     from hispec.sampling.grammar import GrammarState
 
@@ -176,7 +169,7 @@ def test_the_statistic_rejects_a_mask_blind_to_speculative_tokens(gen8, hf8, eig
     monkeypatch.setattr(GrammarState, "mask",
                         lambda self, logits, spec: torch.cat([right(self, row, []) for row in logits.split(1)]))
     params = SamplingParams(temperature=1.0, max_new_tokens=3)
-    joint = exact_joint(hf8, grammar, params)
+    joint = exact_joint(hf_model, grammar, params)
     result = fit(empirical(gen8, "hispec", params, grammar, 100), joint)
     report("WRONG blind grammar/hispec/T1-grammar", result)
     assert result["stat"] > result["bound"], result
