@@ -222,6 +222,7 @@ def test_checkpoint_resume_is_bit_identical(tiny, shards, tmp_path, precision):
 from hispec.config import SamplingParams, SpecConfig  # noqa: E402
 from hispec.generate import Generator  # noqa: E402
 from hispec.model.exits import new_heads  # noqa: E402
+from tests.model.test_exits import strategy_specs  # noqa: E402
 
 PROMPTS = [[5, 17, 9, 33, 2, 71], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58],
            [100, 3]]
@@ -254,16 +255,12 @@ def test_greedy_output_with_block_exits_equals_ar(tiny_model_dir, agreeing):
     model.exits = block_exits(model, [1, 2, 3, 4], "zero" if agreeing else "copy", vocab=None if agreeing else 48,
                               noise=0.0 if agreeing else 0.05)
     accepted = 0
-    for spec in SPECS:
-        for strategy in ("selfspec", "hispec"):
-            s = spec if strategy == "hispec" else SpecConfig(spec.draft_layer, model.num_layers, spec.num_draft,
-                                                             draft_policy=spec.draft_policy,
-                                                             svip_threshold=spec.svip_threshold)
-            for p, w in zip(PROMPTS, want):
-                for adaptive in (False, True):
-                    out = gen.generate(p, params, strategy, spec=s, adaptive=adaptive)
-                    assert out.token_ids == w, (strategy, s, p, adaptive)
-                    accepted += sum(lv.accepted_tokens for lv in out.stats.levels.values())
+    for strategy, s in strategy_specs(model, SPECS):
+        for p, w in zip(PROMPTS, want):
+            for adaptive in (False, True):
+                out = gen.generate(p, params, strategy, spec=s, adaptive=adaptive)
+                assert out.token_ids == w, (strategy, s, p, adaptive)
+                accepted += sum(lv.accepted_tokens for lv in out.stats.levels.values())
     if agreeing:
         assert accepted > 0
 

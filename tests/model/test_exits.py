@@ -156,6 +156,14 @@ SPECS = [SpecConfig(draft_layer=1, verify_layer=3, num_draft=4, window=4),
          SpecConfig(draft_layer=1, verify_layer=4, num_draft=5, window=3, draft_policy="svip", svip_threshold=3.0)]
 
 
+def strategy_specs(model, specs):
+    """(strategy, spec) for selfspec and hispec over ``specs``: selfspec verifies with the full model."""
+    for spec in specs:
+        yield "hispec", spec
+        yield "selfspec", SpecConfig(spec.draft_layer, model.num_layers, spec.num_draft,
+                                     draft_policy=spec.draft_policy, svip_threshold=spec.svip_threshold)
+
+
 def make_agreeing(model) -> None:
     """Early exits mostly agree with the final layer (long accepted runs), as in test_speculative_greedy."""
     for layer in model.layers[1:]:
@@ -174,15 +182,11 @@ def test_greedy_output_with_heads_equals_ar(tiny, agreeing, vocab):
     want = [gen.generate(p, params, "ar").token_ids for p in PROMPTS]
     model.exits = random_heads(model, [1, 2, 3, 4], vocab=vocab, scale=0.02 if agreeing else 0.3)
     accepted = 0
-    for spec in SPECS:
-        for strategy in ("selfspec", "hispec"):
-            s = spec if strategy == "hispec" else SpecConfig(spec.draft_layer, model.num_layers, spec.num_draft,
-                                                             draft_policy=spec.draft_policy,
-                                                             svip_threshold=spec.svip_threshold)
-            for p, w in zip(PROMPTS, want):
-                out = gen.generate(p, params, strategy, spec=s)
-                assert out.token_ids == w, (strategy, s, p)
-                accepted += sum(lv.accepted_tokens for lv in out.stats.levels.values())
+    for strategy, s in strategy_specs(model, SPECS):
+        for p, w in zip(PROMPTS, want):
+            out = gen.generate(p, params, strategy, spec=s)
+            assert out.token_ids == w, (strategy, s, p)
+            accepted += sum(lv.accepted_tokens for lv in out.stats.levels.values())
     if agreeing:
         assert accepted > 0  # the heads' drafts were really used
 

@@ -116,11 +116,6 @@ static void scalar_matmul(const uint8_t *w, const float *d, const float *m, cons
 #define RT 4
 #define DP_VNNI 0
 #include __FILE__
-#undef ISA_NAME
-#undef VW
-#undef TV
-#undef RT
-#undef DP_VNNI
 #pragma GCC pop_options
 
 /* 256-bit VNNI: AVX-VNNI (VEX) */
@@ -133,12 +128,6 @@ static void scalar_matmul(const uint8_t *w, const float *d, const float *m, cons
 #define DP_VNNI 1
 #define DPBUSD256 _mm256_dpbusd_avx_epi32
 #include __FILE__
-#undef ISA_NAME
-#undef VW
-#undef TV
-#undef RT
-#undef DP_VNNI
-#undef DPBUSD256
 #pragma GCC pop_options
 
 /* 256-bit VNNI: AVX512-VL + AVX512-VNNI (EVEX), for AVX-512 CPUs without AVX-VNNI (Zen 4, Ice Lake) */
@@ -151,12 +140,6 @@ static void scalar_matmul(const uint8_t *w, const float *d, const float *m, cons
 #define DP_VNNI 1
 #define DPBUSD256 _mm256_dpbusd_epi32
 #include __FILE__
-#undef ISA_NAME
-#undef VW
-#undef TV
-#undef RT
-#undef DP_VNNI
-#undef DPBUSD256
 #pragma GCC pop_options
 
 /* The 256-bit VNNI kernel on plain AVX2, dpbusd computed by other instructions (exact): for the
@@ -176,12 +159,6 @@ static inline __attribute__((always_inline)) __m256i dpbusd_emulated(__m256i src
 #define DP_VNNI 1
 #define DPBUSD256 dpbusd_emulated
 #include __FILE__
-#undef ISA_NAME
-#undef VW
-#undef TV
-#undef RT
-#undef DP_VNNI
-#undef DPBUSD256
 #pragma GCC pop_options
 
 /* AVX-512 VNNI */
@@ -193,11 +170,6 @@ static inline __attribute__((always_inline)) __m256i dpbusd_emulated(__m256i src
 #define RT 8
 #define DP_VNNI 1
 #include __FILE__
-#undef ISA_NAME
-#undef VW
-#undef TV
-#undef RT
-#undef DP_VNNI
 #pragma GCC pop_options
 
 /* ---- dispatch --------------------------------------------------------------------------------- */
@@ -627,4 +599,11 @@ static int FN(matmul)(const uint8_t *w, const float *d, const float *m, const in
 #undef V_MUL
 #undef V_ADDF
 #undef V_FMA
+/* this instruction set's parameters, set by the block that included this body */
+#undef ISA_NAME
+#undef VW
+#undef TV
+#undef RT
+#undef DP_VNNI
+#undef DPBUSD256
 #endif
