@@ -44,7 +44,8 @@ class LlamaCpp:
 
             draft = LlamaPromptLookupDecoding(max_ngram_size=args.ngram, num_pred_tokens=args.num_draft)
         self.llm = llama_cpp.Llama(model_path=args.model, n_ctx=args.context, n_batch=512, n_threads=args.threads,
-                                   n_threads_batch=args.threads, seed=0, verbose=False, draft_model=draft)
+                                   n_threads_batch=args.threads, seed=0, verbose=False, draft_model=draft,
+                                   logits_all=draft is not None)  # verifying drafts reads every position's logits
         self.info = {"engine": "llama.cpp", "version": llama_cpp.__version__,
                      "weights": os.path.basename(args.model), "batching": False, "speculative": _spec_info(args)}
 
