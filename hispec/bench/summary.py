@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..options import UsageError
+from ..settings import STRATEGIES
 
 START, END = "<!-- summary:start -->", "<!-- summary:end -->"
 RESULT_NAMES = ("results.json", "batch_results.json")
@@ -119,7 +120,7 @@ def _from_results(data: dict, source: str) -> Comparison:
     for label, e in data["strategies"].items():
         if e.get("available") is False:
             continue
-        own = e.get("kind") in ("ar", "selfspec", "hispec")
+        own = e.get("kind") in STRATEGIES
         rows.append(Row(label, own, _own_weights(model) if own else e.get("weights"), e.get("tokens_per_second"),
                         e.get("tokens_per_second_median"), _same(e, label, own)))
     return Comparison(_machine(data.get("machine")), int(cfg.get("batch_size") or 1), rows,
