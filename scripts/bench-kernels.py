@@ -61,8 +61,8 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     from hispec.kernels import q8act
-    from hispec.model import fused
-    from hispec.model.quant import QuantLinear, pack_nibbles
+    from hispec.kernels import fused
+    from hispec.kernels.quant import QuantLinear, pack_nibbles
 
     layers, per_layer, (hk, hn) = shapes(args.model)
     rows = [int(r) for r in args.rows.split(",")]
@@ -90,7 +90,7 @@ def main() -> None:
         elif name == "int4":
             mods = [QuantLinear.from_int4(q, d, m, 32, kernel="int4") for q, d, m in decoder]
             head = QuantLinear.from_q8_blocks(head_q, head_d.half(), kernel="int4x2")
-            steps[name] = [(lambda x, mod=mod: mod._mm(x), mod.in_features) for mod in mods + [head]]
+            steps[name] = [(lambda x, mod=mod: mod.mm(x), mod.in_features) for mod in mods + [head]]
         elif name.startswith("q8act"):
             isa = name.partition("-")[2] or None
             if isa is not None and isa not in q8act.supported_isas():
