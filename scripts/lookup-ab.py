@@ -13,6 +13,8 @@ import torch
 
 from hispec.config import SamplingParams
 from hispec.generate import Generator
+if len(sys.argv) != 7:
+    sys.exit(__doc__)
 torch.set_num_threads(int(sys.argv[6]))
 data, cats = sys.argv[1], sys.argv[2].split(",")
 per = int(sys.argv[3]); new = int(sys.argv[4]); strategies = sys.argv[5].split(",")
