@@ -43,6 +43,12 @@ class KVPool:
         kp[:, slots] = (k if k.dtype == kp.dtype else k.to(kp.dtype)).transpose(0, 1)
         vp[:, slots] = (v if v.dtype == vp.dtype else v.to(vp.dtype)).transpose(0, 1)
 
+    def move(self, layer: int, src: list[int], dst: list[int]) -> None:
+        """Copy the K/V rows at slots ``src`` to slots ``dst`` (all read first, then written)."""
+        s, d = torch.tensor(src, device=self.k[layer].device), torch.tensor(dst, device=self.k[layer].device)
+        for t in (self.k[layer], self.v[layer]):
+            t[:, d] = t[:, s]
+
     def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # slots: [C] -> k, v: [C, num_kv_heads, head_dim]
         return self.k[layer][:, slots].transpose(0, 1), self.v[layer][:, slots].transpose(0, 1)
@@ -78,14 +84,66 @@ def _run(table: list[int], length: int, block_size: int) -> tuple[int, int] | No
     return first * block_size, length
 
 
+@dataclass(frozen=True)
+class TreeLayout:
+    """Where a token tree's nodes lie in a sequence's cache: node ``i`` (flat index, parents first)
+    is written at position ``root + i`` and stands at position ``root + depth(i)`` of its own
+    branch (RoPE); node 0, the pending token, follows the committed prefix ``0 .. root - 1``, and
+    node ``i > 0`` follows its parent ``parents[i] < i``. Node ``i`` attends to the prefix and to
+    its ancestors and itself (``path(i)``), so it computes what it would as the last token of a
+    chain, bit for bit on the fused kernels."""
+
+    root: int
+    parents: tuple[int, ...]  # [N], parents[0] == -1
+
+    def __post_init__(self) -> None:
+        assert self.parents and self.parents[0] == -1 and all(0 <= p < i for i, p in enumerate(self.parents) if i), \
+            f"tree parents must come before their children, the root first: {self.parents}"
+
+    def depth(self, i: int) -> int:
+        d = 0
+        while i > 0:
+            i, d = self.parents[i], d + 1
+        return d
+
+    def path(self, i: int) -> list[int]:
+        """Node ``i``'s ancestors from the root, then ``i``."""
+        out = [i]
+        while out[-1] > 0:
+            out.append(self.parents[out[-1]])
+        return out[::-1]
+
+
 @dataclass
 class SeqChunk:
     """One sequence's part of a ragged forward call: ``num_tokens`` new tokens at positions
-    ``start .. start + num_tokens - 1``, attending to everything before them in the cache."""
+    ``start .. start + num_tokens - 1``, attending to everything before them in the cache; or,
+    with ``tree``, that tree's nodes ``start - tree.root ..`` (each attending to the prefix and
+    its own ancestors)."""
 
     seq_id: int
     start: int
     num_tokens: int
+    tree: TreeLayout | None = None
+
+    def nodes(self) -> range:
+        """The chunk's tree nodes (flat indices); only with a tree."""
+        first = self.start - self.tree.root
+        return range(first, first + self.num_tokens)
+
+    def positions(self) -> list[int]:
+        """The new tokens' positions as RoPE sees them."""
+        if self.tree is None:
+            return list(range(self.start, self.start + self.num_tokens))
+        return [self.tree.root + self.tree.depth(i) for i in self.nodes()]
+
+    def keys(self, j: int) -> list[int] | int:
+        """The positions the chunk's ``j``-th token attends to, in order: a count ``n`` (the first
+        ``n`` positions) for a chain, else the prefix and the node's path, as a list."""
+        if self.tree is None:
+            return self.start + j + 1
+        t = self.tree
+        return list(range(t.root)) + [t.root + a for a in t.path(self.start - t.root + j)]
 
 
 class AttentionBatch:
@@ -105,7 +163,8 @@ class AttentionBatch:
             self.offsets.append(self.offsets[-1] + c.num_tokens)
         tables = [blocks.block_table(c.seq_id) for c in chunks]
         self._tables, self._block_size, self._kernel = tables, bs, {}
-        positions = [p for c in chunks for p in range(c.start, c.start + c.num_tokens)]
+        self.has_tree = any(c.tree is not None for c in chunks)
+        positions = [p for c in chunks for p in c.positions()]
         self.positions = torch.tensor(positions, dtype=torch.long, device=device)  # [T]
         # the new tokens' slots, straight from the block tables (no tensor ops per sequence)
         self.write_slots = torch.tensor([t[p // bs] * bs + p % bs for t, c in zip(tables, chunks)
@@ -140,13 +199,19 @@ class AttentionBatch:
         """The fused attention kernel's metadata (``kernels/fused.py``) for every chunk, or chunk ``i``."""
         if i not in self._kernel:
             idx = range(len(self.chunks)) if i is None else [i]
-            self._kernel[i] = KernelBatch([self._tables[j] for j in idx], [self.chunks[j].start for j in idx],
-                                          [self.chunks[j].num_tokens for j in idx], self._block_size)
+            self._kernel[i] = KernelBatch([self._tables[j] for j in idx], [self.chunks[j] for j in idx],
+                                          self._block_size)
         return self._kernel[i]
 
     @staticmethod
     def _causal_mask(c: SeqChunk, device) -> torch.Tensor | None:
-        """[num_tokens, start + num_tokens] bool, True where query i may attend key j; None for one token."""
+        """[num_tokens, start + num_tokens] bool, True where query i may attend key j; None for one
+        token of a chain. A tree node sees the prefix and its own path."""
+        if c.tree is not None:
+            mask = torch.zeros((c.num_tokens, c.start + c.num_tokens), dtype=torch.bool)
+            for j in range(c.num_tokens):
+                mask[j, c.keys(j)] = True
+            return mask.to(device)
         if c.num_tokens == 1:
             return None
         q_pos = torch.arange(c.start, c.start + c.num_tokens, device=device)[:, None]

@@ -12,7 +12,7 @@ from typing import Iterator
 import torch
 
 from ..cache.block_manager import BlockManager
-from ..cache.kv_cache import AttentionBatch, KVPool, SeqChunk
+from ..cache.kv_cache import AttentionBatch, KVPool, SeqChunk, TreeLayout
 from ..config import SamplingParams
 from ..model.decoder import DecoderModel
 from ..sampling.processors import LogitsProcessor
@@ -43,18 +43,21 @@ class LayerRunner:
         return self.forward_many([(seq_id, start_pos, x)], start_layer, end_layer)[0]
 
     def forward_many(self, items: list[tuple[int, int, torch.Tensor]], start_layer: int, end_layer: int,
-                     capture: dict[int, torch.Tensor | None] | None = None, prefill: bool = False) -> list[torch.Tensor]:
+                     capture: dict[int, torch.Tensor | None] | None = None, prefill: bool = False,
+                     trees: list[TreeLayout | None] | None = None) -> list[torch.Tensor]:
         """``forward`` for a ragged batch of ``(seq_id, start_pos, x)``: one pass, no padding;
         returns each sequence's hidden states ``[T_i, H]``.
 
         ``capture``: a hook for layer outputs; for each key ``L`` in ``(start_layer, end_layer)``
         it receives the flat hidden states ``[sum T_i, H]`` entering layer ``L`` (the exit after
         ``L`` layers), e.g. to collect distillation data from the same pass that decodes.
-        ``prefill``: the tokens are prompt tokens (the layers may run them on their prefill weights)."""
+        ``prefill``: the tokens are prompt tokens (the layers may take their prefill weights).
+        ``trees``: per item, the token tree its tokens are nodes of (``start_pos`` the first one's
+        place, ``TreeLayout``), or None for a chain."""
         chunks = []
-        for seq_id, start_pos, x in items:
+        for (seq_id, start_pos, x), tree in zip(items, trees or [None] * len(items)):
             self._slots_for(seq_id, start_pos, x.shape[0], start_layer, end_layer)
-            chunks.append(SeqChunk(seq_id, start_pos, x.shape[0]))
+            chunks.append(SeqChunk(seq_id, start_pos, x.shape[0], tree))
         batch = AttentionBatch(chunks, self.blocks, self.model.device, prefill=prefill)
         x = torch.cat([x for _, _, x in items]) if len(items) > 1 else items[0][2]
         h = self.model.embed(x, batch.positions) if start_layer == 0 else x
@@ -127,7 +130,8 @@ class LayerRunner:
         for c in chunks:
             self.blocks.set_filled(c.seq_id, block.kv_layer, block.kv_layer + 1, c.start + c.num_tokens)
 
-    def exit_logits(self, items: list[tuple[int, int, torch.Tensor]], layer: int) -> torch.Tensor:
+    def exit_logits(self, items: list[tuple[int, int, torch.Tensor]], layer: int,
+                    trees: list[TreeLayout | None] | None = None) -> torch.Tensor:
         """Logits ``[sum T_i, V]`` of the exit after ``layer`` layers for ``(seq_id, start_pos, h)``
         rows (``h [T_i, H]`` the exit layer's states at positions ``start_pos ..``). An exit block
         attends over its K/V of the earlier positions (written when they reached ``layer``)."""
@@ -135,12 +139,29 @@ class LayerRunner:
         block = self.model.exits.get(layer) if layer < self.model.num_layers else None
         if block is None or not getattr(block, "has_kv", False):
             return self.model.exit_logits(h, layer)
-        chunks = [SeqChunk(s, p, x.shape[0]) for s, p, x in items]
+        chunks = [SeqChunk(s, p, x.shape[0], t) for (s, p, x), t in zip(items, trees or [None] * len(items))]
         for c in chunks:
             assert self.blocks.length(c.seq_id, block.kv_layer) >= c.start + c.num_tokens, \
                 "an exit block's logits need its K/V of these positions (run them through the exit layer first)"
         batch = AttentionBatch(chunks, self.blocks, self.model.device)
         return block.forward_paged(h, batch, self.pool, self.model.rope(batch.positions))
+
+    def keep_path(self, seq_id: int, tree: TreeLayout, path: list[int]) -> None:
+        """Keep a token tree's ``path`` (flat node indices from the root, node 0) as the chain at
+        positions ``tree.root ..``: in every layer of the pool that holds path nodes, their K/V
+        move into place (path nodes come in increasing order, so none is overwritten before it
+        is read), and the layer is cut to the part of the path it holds."""
+        bs, table = self.blocks.block_size, self.blocks.block_table(seq_id)
+        slot = lambda p: table[p // bs] * bs + p % bs  # noqa: E731
+        for layer in reversed(range(len(self.pool.k))):  # deepest first: no layer holds more than one above it
+            held = self.blocks.length(seq_id, layer) - tree.root  # nodes 0 .. held - 1 are in this layer
+            if held <= 0:
+                continue
+            kept = next((j for j, n in enumerate(path) if n >= held), len(path))  # path[:kept] held here
+            moves = [(slot(tree.root + n), slot(tree.root + j)) for j, n in enumerate(path[:kept]) if n != j]
+            if moves:
+                self.pool.move(layer, [m[0] for m in moves], [m[1] for m in moves])
+            self.blocks.set_filled(seq_id, layer, layer + 1, tree.root + kept)
 
     def truncate(self, seq_id: int, length: int) -> None:
         """Roll every layer of the sequence back to at most ``length`` positions."""

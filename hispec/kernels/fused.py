@@ -107,12 +107,16 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                     out_dtype: torch.dtype) -> torch.Tensor:
     """Attention of ``q [T, Hq, D]`` (float32) over the pools ``[Hkv, S, D]`` (float32 or bfloat16):
     query ``t`` attends to the first ``meta.lengths[t]`` positions of its sequence, read through
-    that sequence's block table. Returns ``[T, Hq * D]`` in ``out_dtype``."""
+    that sequence's block table (a tree node: the prefix, then its path, ``KernelBatch``). Returns
+    ``[T, Hq * D]`` in ``out_dtype``."""
     q, (k_pool, v_pool) = _check(q, F32), _check_pools(k_pool, v_pool)
     t, hq, d = q.shape
     out = torch.empty((t, hq * d), dtype=out_dtype)
     library().hs_paged_attention(q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), _bf(k_pool), meta.tables.data_ptr(),
-                                 meta.tables.shape[1], meta.seq.data_ptr(), meta.lengths.data_ptr(), t, hq,
+                                 meta.tables.shape[1], meta.seq.data_ptr(), meta.lengths.data_ptr(),
+                                 None if meta.tail is None else meta.tail_start.data_ptr(),
+                                 None if meta.tail is None else meta.tail.data_ptr(),
+                                 0 if meta.tail is None else meta.tail.shape[1], t, hq,
                                  k_pool.shape[0], k_pool.shape[1], d, meta.block_size, d ** -0.5, out.data_ptr(),
                                  int(out_dtype == BF16), int(meta.keys * hq * d >= PARALLEL_MIN_WORK))
     return out
@@ -175,16 +179,33 @@ def panel_matmul(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
 class KernelBatch:
     """A forward call's attention metadata in the kernels' form (built once, read by every layer):
     ``tables [B, max_blocks]`` int32 block tables, and per query token ``seq [T]`` (its row in
-    ``tables``) and ``lengths [T]`` (how many positions it sees, itself included)."""
+    ``tables``) and ``lengths [T]`` (how many positions it sees, itself included). Token trees:
+    ``tail_start [T]`` int32 (-1 for a chain's token) and ``tail [T, W]`` int64, the slots of a
+    node's keys from its tree's root on (its path); both None without a tree. ``chunks``: the
+    call's ``cache.kv_cache.SeqChunk``s, one per table."""
 
-    def __init__(self, tables: list[list[int]], starts: list[int], counts: list[int], block_size: int) -> None:
+    def __init__(self, tables: list[list[int]], chunks: list, block_size: int) -> None:
         width = max(len(t) for t in tables)
         self.tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-        seq, lengths = [], []
-        for i, (start, n) in enumerate(zip(starts, counts)):
-            seq += [i] * n
-            lengths += range(start + 1, start + n + 1)
+        seq, lengths, tails = [], [], []
+        for i, (table, c) in enumerate(zip(tables, chunks)):
+            seq += [i] * c.num_tokens
+            if c.tree is None:
+                lengths += range(c.start + 1, c.start + c.num_tokens + 1)
+                tails += [None] * c.num_tokens
+                continue
+            for j in range(c.num_tokens):
+                keys = c.keys(j)
+                lengths.append(len(keys))
+                tails.append((c.tree.root, [table[p // block_size] * block_size + p % block_size
+                                            for p in keys[c.tree.root:]]))
         self.seq = torch.tensor(seq, dtype=torch.int32)
         self.lengths = torch.tensor(lengths, dtype=torch.int32)
+        self.tail_start = self.tail = None
+        if any(tails):
+            w = max(len(t[1]) for t in tails if t)
+            self.tail_start = torch.tensor([t[0] if t else -1 for t in tails], dtype=torch.int32)
+            self.tail = torch.tensor([t[1] + [0] * (w - len(t[1])) if t else [0] * w for t in tails],
+                                     dtype=torch.int64)
         self.keys = sum(lengths)  # query-key pairs of the call
         self.block_size = block_size

@@ -301,8 +301,9 @@ class DecoderLayer(nn.Module):
                 ck, cv = pool.context(layer, batch, i, q.dtype)
                 if exact and 1 < c.num_tokens <= EXACT_MAX_QUERIES:
                     for j in range(c.num_tokens):  # each query exactly as if it were decoded alone
-                        n = c.start + j + 1
-                        out[lo + j:lo + j + 1] = attend(q[lo + j:lo + j + 1], ck[:n], cv[:n], None)
+                        keys = c.keys(j)  # a count, or a tree node's positions
+                        kj, vj = (ck[:keys], cv[:keys]) if isinstance(keys, int) else (ck[keys], cv[keys])
+                        out[lo + j:lo + j + 1] = attend(q[lo + j:lo + j + 1], kj, vj, None)
                 else:
                     out[lo:hi] = attend(q[lo:hi], ck, cv, batch.masks[i])
         out = out.reshape(T, self.q_size)

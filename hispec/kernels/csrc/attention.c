@@ -25,20 +25,43 @@ static void exp_shifted(float *s, int64_t n, float m) {
  * bfloat16 cache only halves the bytes attention reads. The head's rows are contiguous: a
  * sequence's blocks stream from memory (with the heads interleaved per slot, a head's rows 768
  * bytes apart, attention over 16 sequences of 260 positions took 1.4x as long). */
-typedef struct { const void *base; int bf; int64_t head, D, bs; } kv_head;
+typedef struct { const void *base; int bf; int64_t head, D; } kv_head;
 
-/* Row ``off`` of block ``blk``: in the pool, or converted into buf[D]. */
-static inline const float *kv_row(kv_head p, int64_t blk, int64_t off, float *buf) {
-    int64_t at = p.head + (blk * p.bs + off) * p.D;
+/* Where a tile's keys lie: key j < tail_start through the sequence's block table, key j >= tail_start at
+ * slot tail[j - tail_start] (a token tree: a node's ancestors and itself, wherever they were written;
+ * tail_start = INT64_MAX: no tail). */
+typedef struct { const int32_t *table; int64_t bs, tail_start; const int64_t *tail; } key_map;
+
+static inline int64_t key_slot(key_map m, int64_t j) {
+    return j < m.tail_start ? (int64_t)m.table[j / m.bs] * m.bs + j % m.bs : m.tail[j - m.tail_start];
+}
+
+/* The first slot of keys j0 .. j0 + *n - 1, which lie at consecutive slots: to the end of j0's block
+ * (or lmax, or the tail's start) in the table, one key in the tail. */
+static inline int64_t key_run(key_map m, int64_t j0, int64_t lmax, int64_t *n) {
+    if (j0 >= m.tail_start) {
+        *n = 1;
+        return m.tail[j0 - m.tail_start];
+    }
+    int64_t end = (j0 / m.bs + 1) * m.bs;
+    end = end < lmax ? end : lmax;
+    end = end < m.tail_start ? end : m.tail_start;
+    *n = end - j0;
+    return key_slot(m, j0);
+}
+
+/* The row of slot ``slot``: in the pool, or converted into buf[D]. */
+static inline const float *kv_row(kv_head p, int64_t slot, float *buf) {
+    int64_t at = p.head + slot * p.D;
     if (!p.bf) return (const float *)p.base + at;
     load_row(p.base, 1, at, p.D, buf);
     return buf;
 }
 
-/* The first n rows of block ``blk``: a pointer to them, the distance between rows in *stride (in
+/* The n rows from slot ``slot`` on: a pointer to them, the distance between rows in *stride (in
  * the pool, or converted into buf[n * D]). */
-static inline const float *kv_rows(kv_head p, int64_t blk, int64_t n, float *buf, int64_t *stride) {
-    int64_t at = p.head + blk * p.bs * p.D;
+static inline const float *kv_rows(kv_head p, int64_t slot, int64_t n, float *buf, int64_t *stride) {
+    int64_t at = p.head + slot * p.D;
     *stride = p.D;
     if (!p.bf) return (const float *)p.base + at;
     load_row(p.base, 1, at, n * p.D, buf);
@@ -70,8 +93,8 @@ static inline __m512 hsum16x16(__m512 a[16]) {
  * them (products added in d order per lane), the 16 keys' lanes summed together (hsum16x16), so
  * every score has dot()'s bits. */
 static inline __attribute__((always_inline)) void tile_scores16(const float *q, int64_t Hq, kv_head kp,
-                                                               const int32_t *table, const int32_t *len, int nq,
-                                                               int64_t lmax, int64_t bs, int64_t G, const int64_t D,
+                                                               key_map m, const int32_t *len, int nq,
+                                                               int64_t lmax, int64_t G, const int64_t D,
                                                                float scale, float *scores, float *buf) {
     static const float zeros[128];  /* the keys past the last: D <= 128 */
     const float *keys[16];
@@ -79,7 +102,7 @@ static inline __attribute__((always_inline)) void tile_scores16(const float *q, 
         int64_t n = lmax - j0 < 16 ? lmax - j0 : 16;
         for (int64_t i = 0; i < 16; i++) {
             int64_t j = j0 + i;
-            keys[i] = i < n ? kv_row(kp, table[j / bs], j % bs, buf + i * D) : zeros;
+            keys[i] = i < n ? kv_row(kp, key_slot(m, j), buf + i * D) : zeros;
         }
         for (int qi = 0; qi < nq; qi++) {
             if (j0 >= len[qi]) continue;
@@ -101,12 +124,12 @@ static inline __attribute__((always_inline)) void tile_scores16(const float *q, 
 
 /* scores[r * lmax + j] = (q_r . k_j) * scale for every row r of the tile and key j < len[qi]. */
 static inline __attribute__((always_inline)) void tile_scores(const float *q, int64_t Hq, kv_head kp,
-                                                             const int32_t *table, const int32_t *len, int nq,
-                                                             int64_t lmax, int64_t bs, int64_t G, const int64_t D,
+                                                             key_map m, const int32_t *len, int nq,
+                                                             int64_t lmax, int64_t G, const int64_t D,
                                                              float scale, float *scores, float *buf) {
-    for (int64_t j0 = 0; j0 < lmax; j0 += bs) {  /* one block of the table at a time */
-        int64_t n = lmax - j0 < bs ? lmax - j0 : bs, stride;  /* stride: between consecutive slots */
-        const float *k = kv_rows(kp, table[j0 / bs], n, buf, &stride);
+    for (int64_t j0 = 0, n; j0 < lmax; j0 += n) {  /* one run of consecutive slots (a block) at a time */
+        int64_t stride, slot = key_run(m, j0, lmax, &n);  /* stride: between consecutive slots */
+        const float *k = kv_rows(kp, slot, n, buf, &stride);
         for (int64_t j = j0; j < j0 + n; j++, k += stride)
             for (int qi = 0; qi < nq; qi++) {
                 if (j >= len[qi]) continue;
@@ -131,16 +154,16 @@ static void tile_softmax(float *scores, const int32_t *len, int nq, int64_t G, i
 /* acc[r] += sum_j p_r[j] v_j, one block of the table at a time (its values stay in L1 for every
  * row); D a constant (64, 128) keeps a row's sums in registers within a block. */
 static inline __attribute__((always_inline)) void tile_values(const float *scores, kv_head vp,
-                                                             const int32_t *table, const int32_t *len, int nq,
-                                                             int64_t lmax, int64_t bs, int64_t G, const int64_t D,
+                                                             key_map m, const int32_t *len, int nq,
+                                                             int64_t lmax, int64_t G, const int64_t D,
                                                              float *acc, float *buf) {
     memset(acc, 0, (size_t)(nq * G * D) * sizeof(float));
-    for (int64_t j0 = 0; j0 < lmax; j0 += bs) {
-        int64_t stride;
-        const float *vb = kv_rows(vp, table[j0 / bs], lmax - j0 < bs ? lmax - j0 : bs, buf, &stride);
+    for (int64_t j0 = 0, run; j0 < lmax; j0 += run) {
+        int64_t stride, slot = key_run(m, j0, lmax, &run);
+        const float *vb = kv_rows(vp, slot, run, buf, &stride);
         for (int64_t r = 0; r < nq * G; r++) {
             int64_t n = len[r / G] - j0;
-            n = n < bs ? n : bs;
+            n = n < run ? n : run;
             const float *p = scores + r * lmax + j0, *v = vb;
             float *a = acc + r * D;
 #if defined(__AVX512F__)
@@ -175,26 +198,30 @@ static inline __attribute__((always_inline)) void tile_values(const float *score
 }
 
 /* buf: room for max(bs, 16) rows of D floats (a bfloat16 pool's rows, converted). */
-static void attend_tile(const float *q, int64_t Hq, kv_head kp, kv_head vp, const int32_t *table, const int32_t *len,
-                        int nq, int64_t bs, int64_t G, int64_t D, float scale, float *scores, float *acc, float *buf) {
+static void attend_tile(const float *q, int64_t Hq, kv_head kp, kv_head vp, key_map m, const int32_t *len,
+                        int nq, int64_t G, int64_t D, float scale, float *scores, float *acc, float *buf) {
     int64_t lmax = 0;
     for (int qi = 0; qi < nq; qi++) lmax = len[qi] > lmax ? len[qi] : lmax;
 #if defined(__AVX512F__)
-    if (D == 64) tile_scores16(q, Hq, kp, table, len, nq, lmax, bs, G, 64, scale, scores, buf);
-    else if (D == 128) tile_scores16(q, Hq, kp, table, len, nq, lmax, bs, G, 128, scale, scores, buf);
+    if (D == 64) tile_scores16(q, Hq, kp, m, len, nq, lmax, G, 64, scale, scores, buf);
+    else if (D == 128) tile_scores16(q, Hq, kp, m, len, nq, lmax, G, 128, scale, scores, buf);
 #else
-    if (D == 64) tile_scores(q, Hq, kp, table, len, nq, lmax, bs, G, 64, scale, scores, buf);
-    else if (D == 128) tile_scores(q, Hq, kp, table, len, nq, lmax, bs, G, 128, scale, scores, buf);
+    if (D == 64) tile_scores(q, Hq, kp, m, len, nq, lmax, G, 64, scale, scores, buf);
+    else if (D == 128) tile_scores(q, Hq, kp, m, len, nq, lmax, G, 128, scale, scores, buf);
 #endif
-    else tile_scores(q, Hq, kp, table, len, nq, lmax, bs, G, D, scale, scores, buf);
+    else tile_scores(q, Hq, kp, m, len, nq, lmax, G, D, scale, scores, buf);
     tile_softmax(scores, len, nq, G, lmax);
-    if (D == 64) tile_values(scores, vp, table, len, nq, lmax, bs, G, 64, acc, buf);
-    else if (D == 128) tile_values(scores, vp, table, len, nq, lmax, bs, G, 128, acc, buf);
-    else tile_values(scores, vp, table, len, nq, lmax, bs, G, D, acc, buf);
+    if (D == 64) tile_values(scores, vp, m, len, nq, lmax, G, 64, acc, buf);
+    else if (D == 128) tile_values(scores, vp, m, len, nq, lmax, G, 128, acc, buf);
+    else tile_values(scores, vp, m, len, nq, lmax, G, D, acc, buf);
 }
 
 /* Paged attention of T query tokens q[T, Hq, D]: token t belongs to sequence seq[t] (a row of
  * tables[B, max_blocks]) and sees that sequence's first len[t] positions (itself included).
+ * Token trees: where tail_start is given and tail_start[t] >= 0, query t's keys from tail_start[t]
+ * on are at slots tail[t * tail_width ..] instead (its ancestors and itself, in depth order), and
+ * such a query is a tile of its own; a query's keys are taken in the same order and with the same
+ * arithmetic either way, so a tree node's output has the bits of the same token decoded in a chain.
  * out[T, Hq, D] float32 or bfloat16. Work is split over (query tile, KV head) pairs, a tile being
  * up to QUERY_TILE consecutive tokens of one sequence, so each KV head's keys and values are read
  * from memory once per tile (at a decode step attention waits on those reads: splitting a KV
@@ -204,13 +231,15 @@ static void attend_tile(const float *q, int64_t Hq, kv_head kp, kv_head vp, cons
  * (each head's arithmetic is its own either way). The pools [Hkv, S, D] are float32, or bfloat16
  * if kv_bf (the same arithmetic on the values they hold). */
 void hs_paged_attention(const float *q, const void *kpool, const void *vpool, int kv_bf, const int32_t *tables,
-                        int64_t max_blocks, const int32_t *seq, const int32_t *len, int64_t T, int64_t Hq,
-                        int64_t Hkv, int64_t S, int64_t D, int64_t bs, float scale, void *out, int out_bf,
-                        int parallel) {
+                        int64_t max_blocks, const int32_t *seq, const int32_t *len, const int32_t *tail_start,
+                        const int64_t *tail, int64_t tail_width, int64_t T, int64_t Hq, int64_t Hkv, int64_t S,
+                        int64_t D, int64_t bs, float scale, void *out, int out_bf, int parallel) {
     int64_t G = Hq / Hkv, ntiles = 0;
     int64_t *first = malloc((size_t)(T + 1) * sizeof(int64_t));  /* first token of each tile */
+#define IN_TREE(t) (tail_start != NULL && tail_start[t] >= 0)
     for (int64_t t = 0; t < T; t++)
-        if (t == 0 || seq[t] != seq[t - 1] || t - first[ntiles - 1] >= QUERY_TILE) first[ntiles++] = t;
+        if (t == 0 || seq[t] != seq[t - 1] || t - first[ntiles - 1] >= QUERY_TILE || IN_TREE(t) || IN_TREE(t - 1))
+            first[ntiles++] = t;
     first[ntiles] = T;
 #ifdef _OPENMP
     const int64_t threads = parallel ? omp_get_max_threads() : 1;
@@ -227,14 +256,16 @@ void hs_paged_attention(const float *q, const void *kpool, const void *vpool, in
         float *scores = malloc((size_t)(nq * hg * lmax) * sizeof(float));
         float *acc = malloc((size_t)(nq * hg * D) * sizeof(float));
         float *buf = kv_bf ? malloc((size_t)((bs > 16 ? bs : 16) * D) * sizeof(float)) : NULL;
-        kv_head kp = {kpool, kv_bf, kvh * S * D, D, bs}, vp = {vpool, kv_bf, kvh * S * D, D, bs};
-        attend_tile(q + (t0 * Hq + h0) * D, Hq, kp, vp, tables + (int64_t)seq[t0] * max_blocks, len + t0, nq, bs,
-                    hg, D, scale, scores, acc, buf);
+        kv_head kp = {kpool, kv_bf, kvh * S * D, D}, vp = {vpool, kv_bf, kvh * S * D, D};
+        key_map m = {tables + (int64_t)seq[t0] * max_blocks, bs, IN_TREE(t0) ? tail_start[t0] : INT64_MAX,
+                     IN_TREE(t0) ? tail + t0 * tail_width : NULL};
+        attend_tile(q + (t0 * Hq + h0) * D, Hq, kp, vp, m, len + t0, nq, hg, D, scale, scores, acc, buf);
         for (int qi = 0; qi < nq; qi++)
             store_row(out, out_bf, ((t0 + qi) * Hq + h0) * D, hg * D, acc + qi * hg * D);
         free(scores);
         free(acc);
         free(buf);
     }
+#undef IN_TREE
     free(first);
 }

@@ -216,7 +216,7 @@ at::Tensor decode_layers(const at::Tensor& h_in, const at::Tensor& cos, const at
         {
             Timed t(ATTENTION);
             hs_paged_attention(q.data_ptr<float>(), kp.data_ptr(), vp.data_ptr(), is_bf(kp), tables.data_ptr<int32_t>(),
-                            tables.size(1), seq.data_ptr<int32_t>(), lengths.data_ptr<int32_t>(), T, num_heads,
+                            tables.size(1), seq.data_ptr<int32_t>(), lengths.data_ptr<int32_t>(), nullptr, nullptr, 0, T, num_heads,
                             kp.size(0), kp.size(1), D, block_size, scale, att.data_ptr(), out_bf, parallel ? 1 : 0);
         }
         const at::Tensor o = mm(1, att).contiguous();  // [T, H]

@@ -50,11 +50,12 @@ void hs_rope_write(const void *qkv, int in_bf, const float *cos_, const float *s
 
 /* ---- attention.c ---- */
 /* q[T, Hq, D] over the pools [Hkv, S, D] through block tables[B, max_blocks]: token t of sequence
- * seq[t] sees its first len[t] positions -> out[T, Hq * D] */
+ * seq[t] sees its first len[t] positions -> out[T, Hq * D]; token trees: tail_start[T] (NULL: none;
+ * -1: none for that token) and tail[T, tail_width], the slots of a token's keys from tail_start[t] on */
 void hs_paged_attention(const float *q, const void *kpool, const void *vpool, int kv_bf, const int32_t *tables,
-                        int64_t max_blocks, const int32_t *seq, const int32_t *len, int64_t T, int64_t Hq,
-                        int64_t Hkv, int64_t S, int64_t D, int64_t bs, float scale, void *out, int out_bf,
-                        int parallel);
+                        int64_t max_blocks, const int32_t *seq, const int32_t *len, const int32_t *tail_start,
+                        const int64_t *tail, int64_t tail_width, int64_t T, int64_t Hq, int64_t Hkv, int64_t S,
+                        int64_t D, int64_t bs, float scale, void *out, int out_bf, int parallel);
 
 /* ---- panel.c ---- */
 /* output columns per panel of hs_panel_pack's layout on this build */

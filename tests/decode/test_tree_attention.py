@@ -1,0 +1,92 @@
+"""Token trees over the paged cache: a tree node computes, bit for bit, what the same token computes
+as the last token of a chain (its ancestors), on the fused kernels and on the eager path; keeping a
+path moves its K/V into place, so decoding goes on exactly as after the chain."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hispec.cache.block_manager import BlockManager
+from hispec.cache.kv_cache import KVPool, TreeLayout
+from hispec.decode.base import LayerRunner
+from hispec.model.load.checkpoint import apply_quantization, load_model
+
+BLOCK = 4  # small blocks: trees and paths cross block boundaries
+PROMPT = [(5 * i + 3) % 97 for i in range(10)]
+# node:     0    1    2    3    4    5    6
+TOKENS = [11, 40, 12, 41, 13, 42, 14]
+PARENTS = (-1, 0, 0, 2, 2, 4, 4)
+PATH = [0, 2, 4, 6]  # tokens 11, 12, 13, 14: the chain
+
+
+@pytest.fixture(scope="module", params=["float32", "int4", "kv-bf16", "eager"])
+def model(request, tiny_model_dir):
+    m = load_model(tiny_model_dir("llama"))
+    if request.param == "int4":
+        apply_quantization(m, "int4")
+    if request.param == "kv-bf16":
+        m.kv_cache_dtype = torch.bfloat16
+    m.eager = request.param == "eager"
+    return m
+
+
+def _runner(model) -> LayerRunner:
+    cfg, n = model.cfg, model.num_layers
+    blocks = BlockManager(32, BLOCK, n)
+    pool = KVPool(n, 32, BLOCK, cfg.num_kv_heads, cfg.head_dim, model.kv_dtype, "cpu")
+    blocks.add_sequence(0)
+    runner = LayerRunner(model, blocks, pool)
+    runner.forward(0, 0, torch.tensor(PROMPT), 0, n)
+    return runner
+
+
+@pytest.fixture
+def eager(model, monkeypatch):
+    if model.eager:
+        monkeypatch.setenv("HISPEC_FUSED", "0")
+
+
+@torch.no_grad()
+def test_tree_nodes_equal_their_chain(model, eager):
+    n, root = model.num_layers, len(PROMPT)
+    chain = _runner(model).forward(0, root, torch.tensor([TOKENS[i] for i in PATH]), 0, n)  # [4, H]
+    tree = TreeLayout(root, PARENTS)
+    runner = _runner(model)
+    # the tree in two passes over two layer ranges: nodes 0..3, then 4..6 (their ancestors written)
+    low = runner.forward_many([(0, root, torch.tensor(TOKENS[:4]))], 0, 1, trees=[tree])[0]
+    low = torch.cat([low, runner.forward_many([(0, root + 4, torch.tensor(TOKENS[4:]))], 0, 1, trees=[tree])[0]])
+    high = runner.forward_many([(0, root, low)], 1, n, trees=[tree])[0]  # [7, H]
+    assert torch.equal(high[PATH], chain)
+    # a branch's node differs from the path's node at its depth (it is another token there)
+    assert not torch.equal(high[1], chain[1])
+
+
+@torch.no_grad()
+def test_kept_path_decodes_as_the_chain(model, eager):
+    n, root = model.num_layers, len(PROMPT)
+    ref = _runner(model)
+    ref.forward(0, root, torch.tensor([TOKENS[i] for i in PATH]), 0, n)
+    after_chain = ref.forward(0, root + len(PATH), torch.tensor([7, 8]), 0, n)
+    runner, tree = _runner(model), TreeLayout(root, PARENTS)
+    runner.forward_many([(0, root, torch.tensor(TOKENS))], 0, n, trees=[tree])
+    runner.keep_path(0, tree, PATH)
+    assert [runner.blocks.length(0, layer) for layer in range(n)] == [root + len(PATH)] * n
+    assert torch.equal(runner.forward(0, root + len(PATH), torch.tensor([7, 8]), 0, n), after_chain)
+
+
+@torch.no_grad()
+def test_kept_path_where_deeper_layers_hold_part_of_the_tree(model, eager):
+    """Layers that hold only the first nodes keep the part of the path among them."""
+    n, root = model.num_layers, len(PROMPT)
+    runner, tree = _runner(model), TreeLayout(root, PARENTS)
+    h = runner.forward_many([(0, root, torch.tensor(TOKENS))], 0, 1, trees=[tree])[0]
+    runner.forward_many([(0, root, h[:3])], 1, n, trees=[tree])  # nodes 0..2 reach the last layers
+    runner.keep_path(0, tree, PATH)
+    assert runner.blocks.length(0, 0) == root + 4 and runner.blocks.length(0, n - 1) == root + 2
+
+
+def test_tree_layout_checks_parents():
+    with pytest.raises(AssertionError):
+        TreeLayout(3, (-1, 2, 0))
+    t = TreeLayout(3, PARENTS)
+    assert [t.depth(i) for i in range(7)] == [0, 1, 1, 2, 2, 3, 3] and t.path(5) == [0, 2, 4, 5]
