@@ -178,7 +178,7 @@ class SamplingParams:
 
 
 DRAFT_POLICIES = ("fixed", "svip", "confidence", "heuristic")
-MAX_LOOKUP_DRAFT, MAX_LOOKUP_NGRAM = 32, 8
+MAX_LOOKUP_DRAFT, MAX_LOOKUP_NGRAM, MAX_LOOKUP_BRANCHES, MAX_TREE_WIDTH = 32, 8, 4, 8
 
 
 @dataclass(slots=True)
@@ -200,6 +200,8 @@ class SpecConfig:
     max_draft: int = 16  # upper bound for the heuristic policy
     lookup_max_draft: int = 4  # free drafts (prompt lookup) per round at most; 0 = none (hispec: exits only)
     lookup_ngram: int = 3  # the longest suffix looked up in prompt + output (tried longest first, down to 1)
+    tree_width: int = 1  # exit candidates per draft position: 1 = a chain; m: the top-m, the runners-up as leaves
+    lookup_branches: int = 1  # prompt-lookup matches verified together as the branches of one tree
     num_layers: int = field(default=0, repr=False)  # the model's depth, for validation
 
     def __post_init__(self) -> None:
@@ -228,13 +230,18 @@ class SpecConfig:
                               f"got {self.lookup_max_draft}")
         if not 1 <= self.lookup_ngram <= MAX_LOOKUP_NGRAM:
             raise ConfigError(f"--lookup-ngram must be between 1 and {MAX_LOOKUP_NGRAM}, got {self.lookup_ngram}")
+        if not 1 <= self.tree_width <= MAX_TREE_WIDTH:
+            raise ConfigError(f"--tree-width must be between 1 (a chain) and {MAX_TREE_WIDTH}, got {self.tree_width}")
+        if not 1 <= self.lookup_branches <= MAX_LOOKUP_BRANCHES:
+            raise ConfigError(f"--lookup-branches must be between 1 and {MAX_LOOKUP_BRANCHES}, "
+                              f"got {self.lookup_branches}")
 
     @property
     def lookahead(self) -> int:
         """An upper bound on the positions one round writes past the pending token: the window,
         the longest draft the policy may ask for, the bonus position and spare."""
         longest = max(self.num_draft, self.max_draft if self.draft_policy == "heuristic" else 0)
-        return max(self.window + longest + 3, self.lookup_max_draft + 2)
+        return max(self.window + longest * self.tree_width + 3, self.lookup_max_draft * self.lookup_branches + 2)
 
 
 # The speculation settings by name, in declaration order: every SpecConfig field but the model's

@@ -82,6 +82,11 @@ def add_spec_options(p: argparse.ArgumentParser) -> None:
                    help="free drafts per round from prompt lookup (lookup and hispec; 0 = none; default 4)")
     g.add_argument("--lookup-ngram", type=int, default=None, metavar="N",
                    help="the longest suffix of the text looked up for free drafts (default 3)")
+    g.add_argument("--lookup-branches", type=int, default=None, metavar="B",
+                   help="prompt-lookup matches verified together as one token tree's branches (default 1)")
+    g.add_argument("--tree-width", type=int, default=None, metavar="M",
+                   help="selfspec/hispec: the exit's top-M candidates at each draft position, verified as a "
+                        "token tree (1 = a chain; default 1)")
 
 
 def add_prefill_option(group) -> None:

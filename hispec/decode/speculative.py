@@ -39,6 +39,7 @@ from .base import DecodeContext, Strategy, process_rows, split_rows
 from .lookup import RowCost, free_drafts
 from .policies import DraftPolicy, draft_confidence, make_policy
 from .stats import phase_timer
+from .tree import DraftTree, accept_tree, exit_tree
 
 
 @dataclass
@@ -48,6 +49,7 @@ class Proposal:
     tokens: torch.Tensor  # [k] proposed token ids
     probs: torch.Tensor | None  # [k, V] distribution each was drawn from (None when greedy)
     hidden: torch.Tensor  # [k + 1, H] states at the proposing exit for positions start .. start + k
+    runners_up: list[list[int]] | None = None  # beside each draft, the exit's next candidates (token trees)
 
 
 @dataclass
@@ -62,7 +64,7 @@ class Verdict:
 
 
 def draft(batch: list[DecodeContext], starts: list[tuple[int, int]], layer: int, limits: list[int],
-          prefixes: list[list[int]]) -> list[Proposal]:
+          prefixes: list[list[int]], width: int = 1) -> list[Proposal]:
     """Draft at exit ``layer`` for each sequence, from its ``(token, position)``: up to
     ``min(policy, limit)`` tokens (at least one), fewer if its policy stops early.
     ``prefixes[b]``: the speculative tokens (not yet committed) up to and including the start token.
@@ -71,12 +73,14 @@ def draft(batch: list[DecodeContext], starts: list[tuple[int, int]], layer: int,
     exit head), so the verifier can score the position after it (the bonus position). Each
     draft position is one pass for the batch: greedy and sampled rows are chosen together and
     the drafted tokens stay on the device (a host sync only for a confidence-based policy, once
-    per position, or for a request with a logits processor).
+    per position, or for a request with a logits processor). ``width > 1``: beside each draft, the
+    exit's next ``width - 1`` candidates (by the processed logits) are kept as its runners-up.
     """
     runner = batch[0].runner
     k_max = [max(1, min(c.policy.max_drafts(), lim)) for c, lim in zip(batch, limits)]
     x = list(batch[0].token_tensor([tok for tok, _ in starts]).split(1))  # B x [1]: each one's next input
     hidden, tokens, probs = [[] for _ in batch], [[] for _ in batch], [[] for _ in batch]
+    runners_up: list[list[list[int]]] = [[] for _ in batch]
     active, j = list(range(len(batch))), 0
     while active:
         hs = runner.forward_many([(batch[b].seq_id, starts[b][1] + j, x[b]) for b in active], 0, layer)
@@ -98,6 +102,9 @@ def draft(batch: list[DecodeContext], starts: list[tuple[int, int]], layer: int,
                 if not rows:
                     break
         chosen, q = choose(logits, [c.params for c in ctxs], [c.generator for c in ctxs])  # [R], [S, V]
+        if width > 1:
+            for (b, _), alts in zip(rows, _runners_up(logits, chosen, width)):
+                runners_up[b].append(alts)
         s = 0
         for i, (b, _) in enumerate(rows):
             x[b] = chosen[i:i + 1]
@@ -108,8 +115,18 @@ def draft(batch: list[DecodeContext], starts: list[tuple[int, int]], layer: int,
         active, j = [b for b, _ in rows], j + 1
     for c, h in zip(batch, hidden):
         c.stats.draft_forward_tokens += len(h)
-    return [Proposal(torch.cat(t), torch.cat(p) if p else None, torch.cat(h))
-            for t, p, h in zip(tokens, probs, hidden)]
+    return [Proposal(torch.cat(t), torch.cat(p) if p else None, torch.cat(h), r if width > 1 else None)
+            for t, p, h, r in zip(tokens, probs, hidden, runners_up)]
+
+
+def _runners_up(logits: torch.Tensor, chosen: torch.Tensor, width: int) -> list[list[int]]:
+    """Per row of ``logits [R, V]``, its top ``width`` tokens but the chosen one (``chosen [R]``),
+    best first, at most ``width - 1``, never a token the request's processing ruled out (-inf)."""
+    values, ids = logits.topk(width, dim=-1)  # [R, width]
+    out = []
+    for vals, toks, c in zip(values.tolist(), ids.tolist(), chosen.tolist()):
+        out.append([t for v, t in zip(vals, toks) if t != c and v != float("-inf")][:width - 1])
+    return out
 
 
 def _keep_drafting(batch: list[DecodeContext], logits: torch.Tensor) -> list[bool]:
@@ -240,6 +257,55 @@ def _rows_of(seqs: list[int], sizes: list[int], num_seqs: int) -> list[int] | No
     return [r for b in seqs for r in range(starts[b], starts[b + 1])]
 
 
+def verify_tree(batch: list[DecodeContext], trees: list[DraftTree], roots: list[int], inputs: list[torch.Tensor],
+                from_layer: int, to_layer: int, level: str, prefixes: list[list[int]]) -> list[Verdict]:
+    """``verify`` for token trees (``decode/tree.py``): every node of ``trees[b]`` (its flat order
+    at positions ``roots[b] ..``; ``inputs[b]``: token ids ``[N]`` from layer 0, else the states
+    ``[N, H]`` entering ``from_layer``) through layers ``[from_layer, to_layer)`` in one pass, each
+    node attending to the prefix and its own ancestors; the longest accepted path kept
+    (``accept_tree``, ``LayerRunner.keep_path``). A verdict's tokens are the path's then the next
+    token, its states the path's, and (sampling) its distributions one-hot rows: tree nodes are
+    fixed drafts to any later level."""
+    model, runner = batch[0].model, batch[0].runner
+    layouts = [t.layout(r) for t, r in zip(trees, roots)]
+    hs = runner.forward_many([(c.seq_id, r, x) for c, r, x in zip(batch, roots, inputs)], from_layer, to_layer,
+                             trees=layouts)  # B x [N_b, H]
+    logits = runner.exit_logits([(c.seq_id, r, h) for c, r, h in zip(batch, roots, hs)], to_layer, trees=layouts)
+    verdicts = []
+    for c, t, lay, h, lg, pre in zip(batch, trees, layouts, hs, split_rows(logits, [len(t) for t in trees]), prefixes):
+        path, nxt = accept_tree(c, t, lg, pre)
+        runner.keep_path(c.seq_id, lay, path)
+        toks = [t.tokens[i] for i in path[1:]] + [nxt]
+        if to_layer == model.num_layers:
+            c.target_logits = lg[path]
+        c.stats.level(level).record(len(t) - 1, len(path) - 1)
+        probs = None if c.params.greedy else torch.nn.functional.one_hot(c.token_tensor(toks), lg.shape[-1]).float()
+        verdicts.append(Verdict(toks, h[path], probs))
+    return verdicts
+
+
+def tree_round(batch: list[DecodeContext], props: list[Proposal], starts: list[tuple[int, int]], draft_layer: int,
+               to_layer: int, level: str, prefixes: list[list[int]]) -> list[Verdict]:
+    """Verify each proposal as a token tree, its runners-up beside its drafts (``exit_tree``):
+    the runners-up first go through the draft layers ``[0, draft_layer)`` (one pass, the chain's
+    K/V already there), then every node through ``[draft_layer, to_layer)`` (``verify_tree``)."""
+    runner = batch[0].runner
+    roots = [pos for _, pos in starts]
+    # at most up to the last position the sequence may hold (the scheduler reserves no slot past it)
+    trees = [exit_tree(tok, p.tokens.tolist(), p.runners_up or []).first(c.max_tokens + 1 - root)
+             for c, (tok, root), p in zip(batch, starts, props)]
+    hidden = [p.hidden for p in props]  # [k_b + 1, H]: the chain's nodes
+    grow = [b for b, (t, h) in enumerate(zip(trees, hidden)) if len(t) > h.shape[0]]
+    if grow:
+        hs = runner.forward_many([(batch[b].seq_id, roots[b] + hidden[b].shape[0],
+                                   batch[b].token_tensor(trees[b].tokens[hidden[b].shape[0]:])) for b in grow],
+                                 0, draft_layer, trees=[trees[b].layout(roots[b]) for b in grow])
+        for b, h in zip(grow, hs):
+            batch[b].stats.draft_forward_tokens += h.shape[0]
+            hidden[b] = torch.cat([hidden[b], h])
+    return verify_tree(batch, trees, roots, hidden, draft_layer, to_layer, level, prefixes)
+
+
 def verify_free(batch: list[DecodeContext], drafts: list[list[int]], level: str = "lookup->final") -> list[list[int]]:
     """Verify drafts that cost no model time: each sequence's pending token and its drafts
     ``drafts[b]`` (``k_b >= 0``) through every layer in one pass (``[sum (k_b + 1), H]``), then
@@ -280,15 +346,47 @@ def lookup_round(spec: SpecConfig, batch: list[DecodeContext], cost: RowCost | N
         return None
     take = [b for b, (c, d) in enumerate(zip(batch, drafts)) if d or c.params.greedy]
     ctxs, mine = [batch[b] for b in take], [drafts[b] for b in take]
+    trees = _lookup_trees(ctxs, mine, spec.lookup_branches)
     t0 = time.perf_counter()
     with phase_timer([c.stats for c in ctxs], "full_verify", ctxs[0].model.device):
-        commits = verify_free(ctxs, mine)
+        commits = verify_free(ctxs, mine) if trees is None else verify_free_trees(ctxs, trees)
     if cost is not None:
-        cost.record(len(ctxs) + sum(map(len, mine)), time.perf_counter() - t0)
+        rows = len(ctxs) + (sum(map(len, mine)) if trees is None else sum(len(t) - 1 for t in trees))
+        cost.record(rows, time.perf_counter() - t0)
     out: list[list[int] | None] = [None] * len(batch)
     for b, chunk in zip(take, commits):
         out[b] = chunk
     return out
+
+
+def _lookup_trees(batch: list[DecodeContext], drafts: list[list[int]], branches: int) -> list[DraftTree] | None:
+    """Each sequence's drafts with the other continuations of its match beside them (up to
+    ``branches`` in all, each as long as its drafts, merged where they share tokens), or None
+    when that gives no sequence a second branch."""
+    if branches < 2:
+        return None
+    trees = []
+    for c, d in zip(batch, drafts):
+        more = c.lookup.index.branches_of(c.tokens, len(d))[:branches] if d else []
+        tree = DraftTree.of_branches(c.tokens[-1], [d] + [b for b in more if b != d][:branches - 1])
+        trees.append(tree.first(c.max_tokens + 1 - (len(c.tokens) - 1)))
+    return None if all(t.is_chain for t in trees) else trees
+
+
+def verify_free_trees(batch: list[DecodeContext], trees: list[DraftTree]) -> list[list[int]]:
+    """``verify_free`` for free drafts in several branches: each tree through every layer in one
+    pass (``verify_tree``); the same bookkeeping, the first branch's length as the draft length."""
+    n = batch[0].model.num_layers
+    roots = [len(c.tokens) - 1 for c in batch]
+    verdicts = verify_tree(batch, trees, roots, [c.token_tensor(t.tokens) for c, t in zip(batch, trees)], 0, n,
+                           "lookup->final", [[] for _ in batch])
+    for c, t, v in zip(batch, trees, verdicts):
+        c.stats.full_passes += 1
+        if len(t) > 1:
+            first = next((i for i in range(1, len(t)) if t.parents[i] != i - 1), len(t)) - 1  # nodes 1 .. first
+            c.lookup.length.record(c.lookup.last_n, first, min(v.num_accepted, first))
+        c.stats.count_round("lookup" if len(t) > 1 else "plain")
+    return [v.tokens for v in verdicts]
 
 
 def _check_layers(spec: SpecConfig, num_layers: int, hierarchical: bool) -> None:
@@ -319,12 +417,16 @@ class SelfSpec(Strategy):
         _ensure_policies(batch, self.spec)
         stats = [c.stats for c in batch]
         positions = [len(c.tokens) - 1 for c in batch]
+        starts, width = [(c.tokens[-1], p) for c, p in zip(batch, positions)], self.spec.tree_width
         with phase_timer(stats, "draft", model.device):
-            props = draft(batch, [(c.tokens[-1], p) for c, p in zip(batch, positions)], draft_layer,
-                          [c.remaining for c in batch], [[] for _ in batch])
+            props = draft(batch, starts, draft_layer, [c.remaining for c in batch], [[] for _ in batch], width)
         with phase_timer(stats, "full_verify", model.device):
-            verdicts = verify(batch, props, positions, draft_layer, model.num_layers, "draft->final",
-                              [[] for _ in batch])
+            if width > 1:
+                verdicts = tree_round(batch, props, starts, draft_layer, model.num_layers, "draft->final",
+                                      [[] for _ in batch])
+            else:
+                verdicts = verify(batch, props, positions, draft_layer, model.num_layers, "draft->final",
+                                  [[] for _ in batch])
         commits = []
         for c, p, v in zip(batch, props, verdicts):
             c.policy.update(p.tokens.shape[0], v.num_accepted)
@@ -396,12 +498,17 @@ class HiSpec(Strategy):
             ctxs, wins = [batch[b] for b in open_], [windows[b] for b in open_]
             positions = [w.base + len(w) for w in wins]
             starts = [(w.tokens[-1] if w.tokens else c.tokens[-1], p) for c, w, p in zip(ctxs, wins, positions)]
+            width = self.spec.tree_width
             with phase_timer([c.stats for c in ctxs], "draft", device):
                 props = draft(ctxs, starts, draft_layer, [self._room(c, w) for c, w in zip(ctxs, wins)],
-                              [list(w.tokens) for w in wins])
+                              [list(w.tokens) for w in wins], width)
             with phase_timer([c.stats for c in ctxs], "intermediate_verify", device):
-                verdicts = verify(ctxs, props, positions, draft_layer, verify_layer, "draft->intermediate",
-                                  [list(w.tokens) for w in wins])
+                if width > 1:  # the intermediate exit prunes the tree: only its accepted path goes deeper
+                    verdicts = tree_round(ctxs, props, starts, draft_layer, verify_layer, "draft->intermediate",
+                                          [list(w.tokens) for w in wins])
+                else:
+                    verdicts = verify(ctxs, props, positions, draft_layer, verify_layer, "draft->intermediate",
+                                      [list(w.tokens) for w in wins])
             for c, w, p, v in zip(ctxs, wins, props, verdicts):
                 c.policy.update(p.tokens.shape[0], v.num_accepted)
                 self._add_to_window(c, w, v)

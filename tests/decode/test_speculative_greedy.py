@@ -81,7 +81,8 @@ def cases(draw, hierarchical: bool):
     spec = SpecConfig(draft_layer=draft_layer, verify_layer=verify_layer,
                       num_draft=draw(st.integers(1, 6)), window=draw(st.integers(1, 6)),
                       draft_policy=policy, svip_threshold=draw(st.floats(0.05, 6.0)),
-                      max_draft=draw(st.integers(1, 10)))
+                      max_draft=draw(st.integers(1, 10)), tree_width=draw(st.sampled_from([1, 1, 2, 4])),
+                      lookup_branches=draw(st.sampled_from([1, 1, 2, 4])))
     prompt = draw(st.lists(st.integers(0, 127), min_size=1, max_size=30))
     params = SamplingParams(max_new_tokens=draw(st.integers(1, 40)), ignore_eos=draw(st.booleans()))
     return name, spec, prompt, params
