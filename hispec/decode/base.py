@@ -160,7 +160,7 @@ class LayerRunner:
             kept = next((j for j, n in enumerate(path) if n >= held), len(path))  # path[:kept] held here
             moves = [(slot(tree.root + n), slot(tree.root + j)) for j, n in enumerate(path[:kept]) if n != j]
             if moves:
-                self.pool.move(layer, [m[0] for m in moves], [m[1] for m in moves])
+                self.model.move_kv(self.pool, layer, [m[0] for m in moves], [m[1] for m in moves])
             self.blocks.set_filled(seq_id, layer, layer + 1, tree.root + kept)
 
     def truncate(self, seq_id: int, length: int) -> None:

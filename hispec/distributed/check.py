@@ -12,6 +12,7 @@ way to run. ``tests/distributed/test_tensor_parallel.py`` and ``scripts/gpu-chec
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -76,16 +77,19 @@ def greedy_equal(ref_gen, tp_gen, prompts: list[list[int]], max_new: int, spec) 
 
     params = SamplingParams(max_new_tokens=max_new, ignore_eos=True)
     n = tp_gen.model.num_layers
-    specs = {"ar": None, "hispec": spec,
-             "selfspec": type(spec)(draft_layer=spec.draft_layer, verify_layer=n, num_layers=n)}
+    selfspec = dataclasses.replace(spec, verify_layer=n)
+    trees = {"tree_width": 3, "lookup_branches": 3}  # token trees: K/V moved on every rank
+    specs = {"ar": None, "selfspec": selfspec, "hispec": spec,
+             "selfspec-tree": dataclasses.replace(selfspec, **trees), "hispec-tree": dataclasses.replace(spec, **trees)}
     single = [ref_gen.generate(p, params, "ar").token_ids for p in prompts]
     tp_ar = [tp_gen.generate(p, params, "ar").token_ids for p in prompts]
     vs_single, vs_tp_ar = {}, {}
-    for strategy in ("ar", "selfspec", "hispec"):
-        got = tp_ar if strategy == "ar" else [tp_gen.generate(p, params, strategy, spec=specs[strategy]).token_ids
+    for name, s in specs.items():
+        strategy = name.split("-")[0]
+        got = tp_ar if strategy == "ar" else [tp_gen.generate(p, params, strategy, spec=s).token_ids
                                               for p in prompts]
-        vs_single[strategy] = got == single
-        vs_tp_ar[strategy] = got == tp_ar
+        vs_single[name] = got == single
+        vs_tp_ar[name] = got == tp_ar
     return vs_single, vs_tp_ar
 
 

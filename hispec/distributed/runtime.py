@@ -33,7 +33,7 @@ from torch import nn
 
 from .comm import DEFAULT_TIMEOUT_S, Comm, TensorParallelError, init_group
 
-STOP, NOOP, EMBED, LAYERS, FINAL, EXIT, POOL, FREE, HEAD, GATHER_KV = range(10)
+STOP, NOOP, EMBED, LAYERS, FINAL, EXIT, POOL, FREE, HEAD, GATHER_KV, MOVE_KV = range(11)
 HEADER = 8  # op, a, b, c, d, payload length, hidden mode, spare
 SEND_DATA, HELD = 0, 1  # where a call's input hidden states come from
 
@@ -57,23 +57,28 @@ class _Tables:
 
 
 def encode_batch(batch, block_size: int) -> list[int]:
-    """``[n, (seq_id, start, num_tokens, table_len, *table) * n]`` of an ``AttentionBatch``."""
+    """``[n, (seq_id, start, num_tokens, table_len, *table, tree_root, num_nodes, *parents) * n]`` of an
+    ``AttentionBatch`` (``tree_root`` -1 and no parents for a chain)."""
     out = [len(batch.chunks)]
     for c, slots in zip(batch.chunks, batch.context_slots):
         table = (slots[::block_size] // block_size).tolist()
-        out += [c.seq_id, c.start, c.num_tokens, len(table)] + table
+        tree = [-1, 0] if c.tree is None else [c.tree.root, len(c.tree.parents), *c.tree.parents]
+        out += [c.seq_id, c.start, c.num_tokens, len(table)] + table + tree
     return out
 
 
 def decode_batch(payload: list[int], block_size: int, device):
-    from ..cache.kv_cache import AttentionBatch, SeqChunk
+    from ..cache.kv_cache import AttentionBatch, SeqChunk, TreeLayout
 
     n, i, chunks, tables = payload[0], 1, [], {}
     for _ in range(n):
         seq_id, start, num, tlen = payload[i:i + 4]
         tables[seq_id] = payload[i + 4:i + 4 + tlen]
-        chunks.append(SeqChunk(seq_id, start, num))
         i += 4 + tlen
+        root, nodes = payload[i:i + 2]
+        tree = TreeLayout(root, tuple(payload[i + 2:i + 2 + nodes])) if root >= 0 else None
+        chunks.append(SeqChunk(seq_id, start, num, tree))
+        i += 2 + nodes
     return AttentionBatch(chunks, _Tables(block_size, tables), device)
 
 
@@ -175,6 +180,12 @@ class LeaderMixin:
             out = self._tp_hold(super().run_layers(h, start, end, batch, pool))
             self._tp_record("layers", start, end, h.shape[0], before)
             return out
+
+    def move_kv(self, pool, layer: int, src: list[int], dst: list[int]) -> None:
+        with self._tp_lock:
+            if layer < self.cfg.num_layers:  # (the followers' pools hold the decoder layers)
+                self._tp_send(MOVE_KV, a=layer, c=self._tp_pool(pool), payload=list(src) + list(dst))
+            super().move_kv(pool, layer, src, dst)
 
     def final_logits(self, h: torch.Tensor) -> torch.Tensor:
         with self._tp_lock:
@@ -322,6 +333,8 @@ def follow(model: nn.Module, *, fail_after: int | None = None, fail_mode: str = 
                 if name != "vocab_ids":
                     comm.broadcast_data(t)
             model.exits[a] = head
+        elif op == MOVE_KV:
+            model.move_kv(pools[c], a, payload[:len(payload) // 2], payload[len(payload) // 2:])
         elif op == GATHER_KV:
             _gather_kv(model, pools[c], a, torch.tensor(payload, dtype=torch.long))
         else:

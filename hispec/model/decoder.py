@@ -418,6 +418,11 @@ class DecoderModel(nn.Module):
             h = self.layers[layer](h, layer, rope, batch, pool)
         return h
 
+    def move_kv(self, pool: KVPool, layer: int, src: list[int], dst: list[int]) -> None:
+        """Copy layer ``layer``'s K/V at slots ``src`` to ``dst`` (a token tree's kept path; see
+        ``LayerRunner.keep_path``); a tensor-parallel model has its followers do the same."""
+        pool.move(layer, src, dst)
+
     def decode_step(self, tokens: list[int], positions: list[int], tables: list[list[int]],
                     pool: KVPool) -> torch.Tensor | None:
         """Logits ``[B, V]`` of the model's own head for one new token per sequence, ``tokens[b]`` at

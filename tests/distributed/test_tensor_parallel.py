@@ -31,12 +31,15 @@ def run_check(model_dir: Path, *args: str, limit: float = 240) -> tuple[int, dic
     return proc.returncode, json.loads(lines[-1]), proc.stderr, time.perf_counter() - t0
 
 
+ALL_EQUAL = {"ar": True, "selfspec": True, "hispec": True, "selfspec-tree": True, "hispec-tree": True}
+
+
 def assert_lossless(report: dict) -> None:
     assert report["ok"], report.get("error")
     for name, diff in report["logits_max_abs_diff"].items():
         assert diff < 1e-4, (name, diff)
-    assert report["greedy_equal_to_single_process_ar"] == {"ar": True, "selfspec": True, "hispec": True}
-    assert report["greedy_equal_to_tp_ar"] == {"ar": True, "selfspec": True, "hispec": True}
+    assert report["greedy_equal_to_single_process_ar"] == ALL_EQUAL
+    assert report["greedy_equal_to_tp_ar"] == ALL_EQUAL
     kv = report["kv_after_rejections"]
     assert kv["rejected"] > 0 and kv["max_abs_diff"] < 1e-5 and kv["layer_lengths"] == [kv["positions"]]
 
@@ -80,8 +83,8 @@ def test_tp2_default_model_with_its_shipped_exits():
     assert report["ok"], report.get("error")
     assert set(report["logits_max_abs_diff"]) > {"final"}, "no exit heads were compared"
     assert max(report["logits_max_abs_diff"].values()) < 1e-3
-    assert report["greedy_equal_to_single_process_ar"] == {"ar": True, "selfspec": True, "hispec": True}
-    assert report["greedy_equal_to_tp_ar"] == {"ar": True, "selfspec": True, "hispec": True}
+    assert report["greedy_equal_to_single_process_ar"] == ALL_EQUAL
+    assert report["greedy_equal_to_tp_ar"] == ALL_EQUAL
 
 
 @pytest.mark.parametrize("mode", ["raise", "hang"])
