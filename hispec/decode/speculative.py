@@ -240,10 +240,12 @@ def _rows_of(seqs: list[int], sizes: list[int], num_seqs: int) -> list[int] | No
     return [r for b in seqs for r in range(starts[b], starts[b + 1])]
 
 
-def verify_free(batch: list[DecodeContext], drafts: list[list[int]], level: str = "lookup->final") -> list[list[int]]:
+def verify_free(batch: list[DecodeContext], drafts: list[list[int]], level: str | None = None) -> list[list[int]]:
     """Verify drafts that cost no model time: each sequence's pending token and its drafts
     ``drafts[b]`` (``k_b >= 0``) through every layer in one pass (``[sum (k_b + 1), H]``), then
     ``accept`` with one-hot draft distributions. A sequence without drafts takes one plain row.
+    Statistics: the level ``level``, by default that of the drafts' source (``lookup->final`` or
+    ``suffix->final``, ``ctx.lookup.source``), and a round of that source.
     Afterwards each cache holds the committed tokens but the new pending one."""
     model, runner, n = batch[0].model, batch[0].runner, batch[0].model.num_layers
     positions = [len(c.tokens) - 1 for c in batch]
@@ -261,9 +263,9 @@ def verify_free(batch: list[DecodeContext], drafts: list[list[int]], level: str 
         c.runner.truncate(c.seq_id, pos + num + 1)
         c.stats.full_passes += 1
         if d:
-            c.stats.level(level).record(len(d), num)
+            c.stats.level(level or f"{c.lookup.source}->final").record(len(d), num)
             c.lookup.length.record(c.lookup.last_n, len(d), num)
-        c.stats.count_round("lookup" if d else "plain")
+        c.stats.count_round(c.lookup.source if d else "plain")
     return accepted
 
 
