@@ -249,8 +249,10 @@ KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")  # what the KV cache holds; au
 
 # The suffix cache of earlier outputs (free drafts across requests, ``decode.lookup.SuffixStore``):
 # n-grams kept per scope and scopes kept, each least recently used out. An n-gram holds at most
-# 4 continuations of --lookup-max-draft tokens: the defaults bound it at about 30 MB in all.
-DEFAULT_SUFFIX_ENTRIES, DEFAULT_SUFFIX_SCOPES = 4096, 64
+# 4 continuations of --lookup-max-draft tokens; measured (tracemalloc, 4-token continuations of
+# 128-token outputs) 300-430 bytes an n-gram: the defaults hold ~2700 output tokens (3 n-grams a
+# token) in about 3 MB per scope, about 50 MB when all 16 scopes are full.
+DEFAULT_SUFFIX_ENTRIES, DEFAULT_SUFFIX_SCOPES = 8192, 16
 MAX_SUFFIX_ENTRIES, MAX_SUFFIX_SCOPES = 1 << 22, 1 << 16
 
 # option -> (test, what a valid value is). An option left at None is "not set" where None is allowed.
