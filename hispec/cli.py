@@ -113,8 +113,8 @@ def _generate_many(gen, args, params, spec, prompts) -> int:
     total, seconds, tokens = DecodeStats(args.strategy), 0.0, 0
     suffix = SuffixStore.for_spec(spec, args.suffix_cache_entries, DEFAULT_SUFFIX_SCOPES)  # one scope: this run's
     for p in tqdm(prompts, desc=f"{args.strategy}", unit="prompt", file=sys.stderr, disable=None):
-        out = gen.generate(_prompt_of(p), params, args.strategy, chat=args.chat, spec=spec, adaptive=not args.no_adaptive,
-                           suffix=suffix)
+        out = gen.generate(_prompt_of(p), params, args.strategy, chat=args.chat, spec=spec,
+                           adaptive=not args.no_adaptive, suffix=suffix)
         total.merge(out.stats)
         seconds, tokens = seconds + out.seconds, tokens + out.new_tokens
         if args.json:

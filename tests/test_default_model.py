@@ -203,9 +203,10 @@ def test_suffix_drafts_on_the_quantized_default_equal_its_ar(quantized, quantize
 
     prompts, expected = quantized_ar
     model = quantized.model
+    blocks = len(prompts) * kv_blocks_for(model, 16, min_tokens=max(map(len, prompts)) + 96)
     engine = Engine(model, make_strategy("hispec", default_specs(quantized, "hispec"), model.num_layers),
                     tokenizer=quantized.tokenizer, eos_ids=quantized.eos_ids, max_batch_size=len(prompts),
-                    adaptive=False, kv_blocks=len(prompts) * kv_blocks_for(model, 16, min_tokens=max(map(len, prompts)) + 96))
+                    adaptive=False, kv_blocks=blocks)
     params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
     passes = []
     for _ in range(2):

@@ -166,7 +166,9 @@ class SuffixStore:
     def cache_for(self, scope: str | None) -> SuffixCache:
         """The scope's cache (made if it has none; a use, for the least-recently-used order)."""
         scope = DEFAULT_SCOPE if scope is None else scope
-        cache = self.caches.pop(scope, None) or SuffixCache(self.max_ngram, self.k, self.entries, self.branches)
+        cache = self.caches.pop(scope, None)
+        if cache is None:
+            cache = SuffixCache(self.max_ngram, self.k, self.entries, self.branches)
         self.caches[scope] = cache
         while len(self.caches) > self.scopes:
             self.caches.popitem(last=False)

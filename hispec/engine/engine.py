@@ -101,7 +101,7 @@ class Engine:
         # drafts are weighed against the measured cost of rows either way)
         self._switches = self.adaptive is not None and getattr(strategy, "adaptive_steps", True)
         self.suffix = None  # the suffix caches of earlier outputs, per scope
-        if getattr(strategy, "free_round", None) is not None:
+        if getattr(type(strategy), "free_round", Strategy.free_round) is not Strategy.free_round:  # it has free rounds
             self.suffix = suffix if suffix is not None else SuffixStore.for_spec(
                 getattr(strategy, "spec", None), self.config.suffix_cache_entries, self.config.suffix_cache_scopes)
         self._seq_ids = itertools.count()

@@ -42,7 +42,10 @@ def test_continuations_are_output_only_and_kept_per_next_token():
 
 def test_scopes_never_share_and_the_least_recently_used_goes():
     store = SuffixStore(entries=64, scopes=2, max_ngram=3, k=4)
+    waiting = store.cache_for("a")  # a request in flight holds its scope's cache, empty so far
+    assert store.cache_for("a") is waiting
     store.add("a", [1, 2], [5, 6, 7, 8])
+    assert waiting.propose([2, 5], 4) == (2, [6, 7, 8])  # it sees what finished meanwhile
     assert store.cache_for("b").propose([2, 5], 4) == (0, [])
     assert store.cache_for("a").propose([2, 5], 4) == (2, [6, 7, 8])
     store.add(None, [1, 2], [5, 9])  # the default scope: a third one, "b" (least recently used) goes
@@ -175,7 +178,7 @@ def test_greedy_equals_ar_with_earlier_outputs_drafting(gen, strategy, adaptive)
 
 def test_off_and_out_of_range(gen):
     assert engine_for(gen, "lookup", suffix_cache_entries=0).suffix is None
-    assert engine_for(gen, "ar").suffix is None  # no free rounds
+    assert engine_for(gen, "ar").suffix is None and engine_for(gen, "selfspec").suffix is None  # no free rounds
     engine = engine_for(gen, "lookup", suffix_cache_entries=0)
     params = SamplingParams(max_new_tokens=20, ignore_eos=True)
     run(engine, PLAIN_PROMPT, params)
