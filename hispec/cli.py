@@ -17,7 +17,8 @@ import time
 
 from .config import ConfigError
 from .options import (UsageError, add_model_options, add_parallel_options, add_prefill_option, add_sampling_options,
-                      add_spec_options, add_strategy_option, check_engine_args, sampling_from_args, spec_from_args)
+                      add_spec_options, add_strategy_option, add_suffix_option, check_engine_args, sampling_from_args,
+                      spec_from_args)
 
 # feature modules that add sub-commands: each defines register(subparsers)
 COMMAND_MODULES = ("hispec.train.commands", "hispec.bench.commands", "hispec.server.commands")
@@ -61,6 +62,7 @@ def register_generate(sub) -> None:
     b.add_argument("--kv-blocks", type=int, default=None, help="KV-cache blocks of 16 tokens (default: enough for a full batch)")
     b.add_argument("--kv-memory-fraction", type=float, default=None, help="size the KV pool as this fraction of free memory")
     add_prefill_option(b)
+    add_suffix_option(b)
     add_model_options(p)
     add_parallel_options(p)
     add_sampling_options(p)
@@ -104,11 +106,15 @@ def _generate_one(gen, args, params, spec) -> int:
 def _generate_many(gen, args, params, spec, prompts) -> int:
     from tqdm import tqdm
 
+    from .config import DEFAULT_SUFFIX_SCOPES
+    from .decode.lookup import SuffixStore
     from .decode.stats import DecodeStats
 
     total, seconds, tokens = DecodeStats(args.strategy), 0.0, 0
+    suffix = SuffixStore.for_spec(spec, args.suffix_cache_entries, DEFAULT_SUFFIX_SCOPES)  # one scope: this run's
     for p in tqdm(prompts, desc=f"{args.strategy}", unit="prompt", file=sys.stderr, disable=None):
-        out = gen.generate(_prompt_of(p), params, args.strategy, chat=args.chat, spec=spec, adaptive=not args.no_adaptive)
+        out = gen.generate(_prompt_of(p), params, args.strategy, chat=args.chat, spec=spec,
+                           adaptive=not args.no_adaptive, suffix=suffix)
         total.merge(out.stats)
         seconds, tokens = seconds + out.seconds, tokens + out.new_tokens
         if args.json:
@@ -128,7 +134,7 @@ def _generate_batched(gen, args, params, spec, prompts) -> int:
 
     llm = LLM(gen, args.strategy, spec=spec, max_batch_size=args.batch_size, kv_blocks=args.kv_blocks,
               kv_memory_fraction=args.kv_memory_fraction, adaptive=not args.no_adaptive,
-              prefill_chunk=args.prefill_chunk)
+              prefill_chunk=args.prefill_chunk, suffix_cache_entries=args.suffix_cache_entries)
     total = DecodeStats(args.strategy)
     with tqdm(total=len(prompts), desc=f"{args.strategy} batch {args.batch_size}", unit="prompt", file=sys.stderr,
               disable=None) as bar:

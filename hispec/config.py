@@ -254,6 +254,14 @@ SPEC_FIELDS = tuple(f.name for f in fields(SpecConfig) if f.name != "num_layers"
 QUANTIZE = ("auto", "none", "native", "int4", "int8")  # weight formats (model/load/checkpoint.py)
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")  # what the KV cache holds; auto = the model's dtype
 
+# The suffix cache of earlier outputs (free drafts across requests, ``decode.lookup.SuffixStore``):
+# n-grams kept per scope and scopes kept, each least recently used out. An n-gram holds at most
+# 4 continuations of --lookup-max-draft tokens; measured (tracemalloc, 4-token continuations of
+# 128-token outputs) 300-430 bytes an n-gram: the defaults hold ~2700 output tokens (3 n-grams a
+# token) in about 3 MB per scope, about 50 MB when all 16 scopes are full.
+DEFAULT_SUFFIX_ENTRIES, DEFAULT_SUFFIX_SCOPES = 8192, 16
+MAX_SUFFIX_ENTRIES, MAX_SUFFIX_SCOPES = 1 << 22, 1 << 16
+
 # option -> (test, what a valid value is). An option left at None is "not set" where None is allowed.
 _OPTION_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "block_size": (lambda v: v >= 1, ">= 1"),
@@ -263,6 +271,10 @@ _OPTION_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "prefill_chunk": (lambda v: isinstance(v, int) and v >= 0, "an integer >= 0 (0 = whole prompts)"),
     "threads": (lambda v: v is None or v >= 1, ">= 1"),
     "tensor_parallel_size": (lambda v: v >= 1, ">= 1"),
+    "suffix_cache_entries": (lambda v: isinstance(v, int) and 0 <= v <= MAX_SUFFIX_ENTRIES,
+                             f"an integer between 0 (off) and {MAX_SUFFIX_ENTRIES}"),
+    "suffix_cache_scopes": (lambda v: isinstance(v, int) and 1 <= v <= MAX_SUFFIX_SCOPES,
+                            f"an integer between 1 and {MAX_SUFFIX_SCOPES}"),
     "quantize": (lambda v: v in QUANTIZE, "one of " + ", ".join(QUANTIZE)),
     # a name, None (= auto) or the torch dtype of a name (str(torch.bfloat16) == "torch.bfloat16")
     "kv_cache_dtype": (lambda v: v is None or str(v).removeprefix("torch.") in KV_CACHE_DTYPES,
@@ -294,6 +306,10 @@ class EngineConfig:
     device's free memory, else enough for ``max_batch_size`` sequences of the longest request
     (or of ``min(context, DEFAULT_SEQ_TOKENS)`` tokens when no request is known yet), each
     with the strategy's look-ahead: see ``engine.engine.kv_blocks_for``.
+
+    The suffix cache (``decode.lookup.SuffixStore``): the outputs of finished requests, for free
+    drafts of later greedy requests in the same scope (``Engine.add_request``'s ``draft_scope``),
+    at most ``suffix_cache_entries`` n-grams per scope and ``suffix_cache_scopes`` scopes.
     """
 
     block_size: int = 16
@@ -302,6 +318,8 @@ class EngineConfig:
     kv_memory_fraction: float | None = None
     adaptive: bool = True  # per step, speculate only where measured speculation pays
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK  # prompt tokens prefilled per step, all sequences together; 0 = no limit
+    suffix_cache_entries: int = DEFAULT_SUFFIX_ENTRIES  # n-grams of earlier outputs kept per scope; 0 = off
+    suffix_cache_scopes: int = DEFAULT_SUFFIX_SCOPES  # scopes (clients) whose outputs are kept
 
     def __post_init__(self) -> None:
         check_engine_options({f.name: getattr(self, f.name) for f in fields(self) if f.name in _OPTION_RULES})

@@ -18,6 +18,7 @@ from .cache.paged import PagedCache
 from .config import ConfigError, EngineConfig, SamplingParams, SpecConfig, check_engine_options
 from .decode import make_strategy
 from .decode.base import Strategy
+from .decode.lookup import SuffixStore
 from .engine.adaptive import AdaptiveController
 from .engine.engine import Engine, PromptTooLongError  # noqa: F401 (PromptTooLongError re-exported)
 from .engine.outputs import GenerationOutput
@@ -146,32 +147,37 @@ class Generator:
     def pool(self):
         return self._cache.pool if self._cache else None
 
-    def _engine_for(self, strategy: Strategy, num_tokens: int, adaptive: bool) -> Engine:
+    def _engine_for(self, strategy: Strategy, num_tokens: int, adaptive: bool,
+                    suffix: SuffixStore | None = None) -> Engine:
         """A single-request engine for ``strategy`` over the generator's KV pool (grown to hold
         ``num_tokens`` positions). With ``adaptive``, one controller per strategy and settings
-        learns across calls whether speculation pays."""
+        learns across calls whether speculation pays. ``suffix``: earlier outputs that may draft
+        (none by default: a call is not shaped by the calls before it)."""
         key = f"{strategy.name} {getattr(strategy, 'spec', None)!r}"
         controller = self._controllers.setdefault(key, AdaptiveController()) if adaptive else None
         engine = Engine(self.model, strategy, EngineConfig(block_size=self.block_size, max_batch_size=1,
-                                                           adaptive=adaptive),
+                                                           adaptive=adaptive, suffix_cache_entries=0),
                         tokenizer=self.tokenizer, eos_ids=self.eos_ids, controller=controller, cache=self._cache,
-                        seq_tokens=num_tokens, num_seqs=1)
+                        seq_tokens=num_tokens, num_seqs=1, suffix=suffix)
         self._cache = engine.cache
         return engine
 
     def generate(self, prompt: str | list[int], params: SamplingParams | None = None, strategy: str | Strategy = "ar",
                  *, chat: bool | None = None, spec: SpecConfig | None = None,
-                 on_text: Callable[[str], None] | None = None, adaptive: bool = False) -> GenerationOutput:
+                 on_text: Callable[[str], None] | None = None, adaptive: bool = False,
+                 suffix: SuffixStore | None = None, draft_scope: str | None = None) -> GenerationOutput:
         """Generate a continuation of ``prompt`` (text, or token ids). ``on_text`` receives the
         committed text as it grows (deltas; never tentative tokens). ``adaptive``: decode plainly
-        on the steps where measured speculation does not pay (greedy only; same output either way)."""
+        on the steps where measured speculation does not pay (greedy only; same output either way).
+        ``suffix``: a ``SuffixStore`` of earlier outputs kept across calls (free drafts, greedy
+        only; the output goes into ``draft_scope``'s cache); None: this call alone."""
         params = params or SamplingParams()
         prompt_ids = list(prompt) if isinstance(prompt, list) else self.encode_prompt(prompt, chat)
         if isinstance(strategy, str):
             strategy = make_strategy(strategy, spec or self.spec_for(strategy), self.model.num_layers)
         engine = self._engine_for(strategy, min(len(prompt_ids) + params.max_new_tokens,
-                                                self.model.cfg.max_position_embeddings), adaptive)
-        request_id = engine.add_request(prompt_ids, params)
+                                                self.model.cfg.max_position_embeddings), adaptive, suffix)
+        request_id = engine.add_request(prompt_ids, params, draft_scope=draft_scope)
         final = None
         try:
             while final is None:

@@ -6,7 +6,7 @@ from typing import Callable
 
 import torch
 
-from .config import DEFAULT_PREFILL_CHUNK, ConfigError, EngineConfig, SamplingParams, SpecConfig
+from .config import DEFAULT_PREFILL_CHUNK, DEFAULT_SUFFIX_ENTRIES, ConfigError, EngineConfig, SamplingParams, SpecConfig
 from .decode import make_strategy
 from .engine.engine import Engine
 from .engine.outputs import GenerationOutput
@@ -21,15 +21,20 @@ class LLM:
     Sequences run together in ragged batches of up to ``max_batch_size``; each one's greedy
     output equals its own batch-of-one ``ar`` output. With ``adaptive=True`` the engine decides
     per step whether speculation pays at the current batch size (see ``engine/adaptive.py``).
+
+    The outputs of finished prompts draft for later greedy prompts of the same ``draft_scope``
+    (``generate``'s; by default one scope per ``LLM``), in a cache of ``suffix_cache_entries``
+    n-grams per scope (0 = off): see ``decode.lookup.SuffixStore``.
     """
 
     def __init__(self, model: str | Generator = "default", strategy: str = DEFAULT_STRATEGY, *,
                  spec: SpecConfig | None = None, device: str = "cpu", dtype: torch.dtype | None = None,
                  max_batch_size: int = 16, kv_blocks: int | None = None, kv_memory_fraction: float | None = None,
                  block_size: int = 16, adaptive: bool = True, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
-                 kv_cache_dtype: str = "auto") -> None:
+                 kv_cache_dtype: str = "auto", suffix_cache_entries: int = DEFAULT_SUFFIX_ENTRIES) -> None:
         config = EngineConfig(block_size=block_size, max_batch_size=max_batch_size, kv_blocks=kv_blocks,
-                              kv_memory_fraction=kv_memory_fraction, adaptive=adaptive, prefill_chunk=prefill_chunk)
+                              kv_memory_fraction=kv_memory_fraction, adaptive=adaptive, prefill_chunk=prefill_chunk,
+                              suffix_cache_entries=suffix_cache_entries)
         strategy_kind(strategy)  # an unknown name fails before a model is loaded
         if isinstance(model, Generator):
             if kv_cache_dtype != "auto":
@@ -51,13 +56,14 @@ class LLM:
         e.fit_pool(longest, min(e.max_batch_size, len(prompts)))
 
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None,
-                 *, chat: bool | None = None, on_output: Callable | None = None) -> list[GenerationOutput]:
+                 *, chat: bool | None = None, on_output: Callable | None = None,
+                 draft_scope: str | None = None) -> list[GenerationOutput]:
         params = params or SamplingParams()
         plist = params if isinstance(params, list) else [params] * len(prompts)
         ids = [p if isinstance(p, list) else self.generator.encode_prompt(p, chat) for p in prompts]
         self._size_pool(ids, plist)
         start = time.perf_counter()
-        request_ids = [self.engine.add_request(p, sp) for p, sp in zip(ids, plist)]
+        request_ids = [self.engine.add_request(p, sp, draft_scope=draft_scope) for p, sp in zip(ids, plist)]
         done = {}
         while self.engine.has_unfinished():
             for out in self.engine.step():

@@ -89,6 +89,15 @@ def add_spec_options(p: argparse.ArgumentParser) -> None:
                         "token tree (1 = a chain; default 1)")
 
 
+def add_suffix_option(group) -> None:
+    from .config import DEFAULT_SUFFIX_ENTRIES
+
+    group.add_argument("--suffix-cache-entries", type=int, default=DEFAULT_SUFFIX_ENTRIES, metavar="N",
+                       help="free drafts from earlier outputs (lookup and hispec, greedy requests): n-grams of "
+                            "finished requests' outputs kept per scope, least recently used out (SuffixDecoding's "
+                            f"cache; 0 = off; default: {DEFAULT_SUFFIX_ENTRIES})")
+
+
 def add_prefill_option(group) -> None:
     from .config import DEFAULT_PREFILL_CHUNK
 

@@ -193,6 +193,32 @@ def test_quantized_default_strategies_equal_its_ar(quantized, quantized_ar, two_
     assert quantized.generate(prompts[0], params, strategy, spec=spec).token_ids == expected[0]
 
 
+def test_suffix_drafts_on_the_quantized_default_equal_its_ar(quantized, quantized_ar, two_threads):
+    """The shipped default with the suffix cache of earlier outputs on (its default): the same
+    prompts twice through one engine (hispec, always speculating), every output its ``ar``
+    output both times; the second pass drafts from the first's outputs, in fewer passes."""
+    from hispec.engine import Engine
+    from hispec.engine.engine import kv_blocks_for
+    from hispec.generate import make_strategy
+
+    prompts, expected = quantized_ar
+    model = quantized.model
+    blocks = len(prompts) * kv_blocks_for(model, 16, min_tokens=max(map(len, prompts)) + 96)
+    engine = Engine(model, make_strategy("hispec", default_specs(quantized, "hispec"), model.num_layers),
+                    tokenizer=quantized.tokenizer, eos_ids=quantized.eos_ids, max_batch_size=len(prompts),
+                    adaptive=False, kv_blocks=blocks)
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    passes = []
+    for _ in range(2):
+        ids = [engine.add_request(p, params) for p in prompts]
+        final = engine.run_to_completion()
+        assert [final[r].token_ids for r in ids] == expected
+        passes.append([final[r].stats for r in ids])
+    assert not any("suffix" in s.rounds for s in passes[0])
+    assert sum(s.levels["suffix->final"].accepted_tokens for s in passes[1] if "suffix->final" in s.levels) > 0
+    assert sum(s.full_passes for s in passes[1]) < sum(s.full_passes for s in passes[0])
+
+
 @pytest.fixture(scope="module")
 def bf16_cache(quantized, quantized_ar):
     """The quantized default with a bfloat16 KV cache (its pool remade at the next request) and its

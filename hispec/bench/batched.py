@@ -10,12 +10,15 @@ of ``b`` below it), llama.cpp at batch size 1 only (llama-cpp-python has no batc
 """
 from __future__ import annotations
 
+import itertools
 import json
 import sys
 import time
 from pathlib import Path
 
 from ..config import SamplingParams
+
+_RUNS = itertools.count()
 
 
 def run_batch_sizes(gen, strategies: dict, prompt_ids: list[list[int]], params: SamplingParams,
@@ -81,7 +84,8 @@ def _own(llm, b: int):
     def run(prompt_ids, params):
         llm.engine.set_max_batch_size(b)
         t0 = time.perf_counter()
-        outs = llm.generate(prompt_ids, params)
+        # a scope of its own per run: the same prompts' outputs of earlier rounds never draft for it
+        outs = llm.generate(prompt_ids, params, draft_scope=f"run {next(_RUNS)}")
         return [o.token_ids for o in outs], time.perf_counter() - t0
     return run
 

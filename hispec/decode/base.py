@@ -183,6 +183,7 @@ class DecodeContext:
     policy: object | None = None  # the strategy's per-sequence draft-length policy, made on first use
     processor: LogitsProcessor | None = None  # penalties and biases, applied at every level
     lookup: object | None = None  # its free-draft source (``decode.lookup.LookupState``), made on first use
+    suffix: object | None = None  # its scope's outputs of earlier requests (``decode.lookup.SuffixCache``), or None
     # The final layer's raw logits [n, V] of the n tokens the last step committed (row j chose
     # token j); set by every strategy where it verifies, read by the engine for logprobs.
     target_logits: torch.Tensor | None = None

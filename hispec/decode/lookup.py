@@ -10,6 +10,9 @@
 - **A suffix cache over recent outputs** (SuffixDecoding, arXiv 2411.04975, simplified): the
   continuations that followed each n-gram in the outputs of recent requests, bounded in
   entries (least recently used out), for what recurs across requests rather than within one.
+  ``SuffixStore`` keeps one per scope (a client: the server's API key and ``user``), bounded
+  in scopes too; the engine adds each finished request's output to its scope's cache, and a
+  greedy sequence drafts from it where its match is longer than prompt lookup's.
 - **Draft length** (``DraftLength``, ``RowCost``): a draft is worth its verification row when
   its chance of being accepted outweighs the row's cost. Each sequence keeps its running
   acceptance per draft position and match length; the cost of rows is measured from the
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 
 def continuation(tokens: list[int], end: int, k: int) -> list[int]:
@@ -85,34 +89,108 @@ class NgramIndex:
 
 
 class SuffixCache:
-    """Continuations seen after n-grams in the outputs of recent requests (shared by the
-    requests of one strategy), bounded: at most ``capacity`` n-grams, least recently used out.
+    """Continuations that followed n-grams in the outputs of recent requests of one scope (a
+    client: see ``SuffixStore``), bounded: at most ``capacity`` n-grams, least recently used out,
+    each with at most ``branches`` continuations (distinct next tokens, most recent last) of at
+    most ``k`` tokens. Memory: ``capacity * (max_ngram + branches * k)`` token ids at most.
 
-    ``add(output)`` records, for each n-gram (``n = 1 .. max_ngram``) of a finished output,
-    the ``k`` tokens that followed its last occurrence; ``propose(tokens, k)`` looks up the
-    longest suffix of ``tokens`` as ``NgramIndex.propose`` does."""
+    ``add(tokens, start)`` records, for each n-gram (``n = 1 .. max_ngram``) of ``tokens``, the
+    ``k`` tokens that followed it, where they start at ``start`` or later: the n-grams may reach
+    into ``tokens[:start]`` (the end of the prompt) but their continuations are output only.
+    ``propose(tokens, k)`` looks up the longest suffix of ``tokens`` as ``NgramIndex.propose``
+    does; ``branches_of`` gives every continuation kept for it."""
 
-    def __init__(self, max_ngram: int, k: int, capacity: int = 65536) -> None:
-        self.max_ngram, self.k, self.capacity = max_ngram, k, capacity
-        self.table: OrderedDict[tuple[int, ...], tuple[int, ...]] = OrderedDict()
+    def __init__(self, max_ngram: int, k: int, capacity: int = 65536, branches: int = 4) -> None:
+        self.max_ngram, self.k, self.capacity, self.branches = max_ngram, k, capacity, branches
+        self.table: OrderedDict[tuple[int, ...], list[tuple[int, ...]]] = OrderedDict()
 
-    def add(self, output: list[int]) -> None:
-        for e in range(len(output) - 1):
-            follow = tuple(output[e + 1:e + 1 + self.k])
+    def __len__(self) -> int:
+        return len(self.table)
+
+    def add(self, tokens: list[int], start: int = 0) -> None:
+        for e in range(max(start - 1, 0), len(tokens) - 1):
+            follow = tuple(tokens[e + 1:e + 1 + self.k])
             for n in range(1, min(self.max_ngram, e + 1) + 1):
-                key = tuple(output[e - n + 1:e + 1])
-                self.table[key] = follow
-                self.table.move_to_end(key)
+                key = tuple(tokens[e - n + 1:e + 1])
+                kept = [f for f in self.table.pop(key, ()) if f[0] != follow[0]]  # one per next token
+                kept.append(follow)
+                self.table[key] = kept[-self.branches:]  # (re)inserted last: the most recently used
         while len(self.table) > self.capacity:
             self.table.popitem(last=False)
 
-    def propose(self, tokens: list[int], k: int) -> tuple[int, list[int]]:
+    def match(self, tokens: list[int]) -> tuple[int, list[tuple[int, ...]]]:
+        """The longest ``n`` whose last-``n``-token suffix of ``tokens`` is in the table, and its
+        continuations (most recent last); ``(0, [])`` if none. A match counts as a use (LRU)."""
         for n in range(min(self.max_ngram, len(tokens)), 0, -1):
-            follow = self.table.get(tuple(tokens[len(tokens) - n:]))
-            if follow:
-                self.table.move_to_end(tuple(tokens[len(tokens) - n:]))
-                return n, list(follow[:k])
+            key = tuple(tokens[len(tokens) - n:])
+            follows = self.table.get(key)
+            if follows:
+                self.table.move_to_end(key)
+                return n, follows
         return 0, []
+
+    def propose(self, tokens: list[int], k: int) -> tuple[int, list[int]]:
+        """``(n, drafts)``: up to ``k`` tokens of the most recent continuation of the longest
+        matching suffix (``n`` tokens); ``(0, [])`` without a match."""
+        n, follows = self.match(tokens)
+        return (n, list(follows[-1][:k])) if n and k > 0 else (0, [])
+
+    def branches_of(self, tokens: list[int], k: int) -> list[list[int]]:
+        """Up to ``branches`` distinct continuations (up to ``k`` tokens each) of the longest
+        matching suffix, most recent first (for a token tree)."""
+        n, follows = self.match(tokens)
+        return [list(f[:k]) for f in reversed(follows)] if n and k > 0 else []
+
+
+DEFAULT_SCOPE = ""  # the scope of requests that name none (a library's, a server's without a key or user)
+
+
+class SuffixStore:
+    """One ``SuffixCache`` per scope, at most ``scopes`` of them (least recently used out), so
+    that the memory of all of them is bounded (``scopes * entries`` n-grams) and one scope's
+    outputs never shape another's drafts (nor, through them, its timing). A scope is any string
+    (the server makes it from a hash of the API key and the request's ``user``)."""
+
+    def __init__(self, entries: int, scopes: int, max_ngram: int, k: int, branches: int = 4) -> None:
+        self.entries, self.scopes, self.max_ngram, self.k, self.branches = entries, scopes, max_ngram, k, branches
+        self.caches: OrderedDict[str, SuffixCache] = OrderedDict()
+
+    @classmethod
+    def for_spec(cls, spec, entries: int, scopes: int) -> "SuffixStore | None":
+        """A store for the free drafts of a strategy run with ``spec`` (its lookup length and
+        draft count); None when it has none (no spec, ``lookup_max_draft`` 0) or ``entries`` is 0."""
+        if spec is None or not entries or getattr(spec, "lookup_max_draft", 0) < 1:
+            return None
+        return cls(entries, scopes, spec.lookup_ngram, spec.lookup_max_draft)
+
+    def cache_for(self, scope: str | None) -> SuffixCache:
+        """The scope's cache (made if it has none; a use, for the least-recently-used order)."""
+        scope = DEFAULT_SCOPE if scope is None else scope
+        cache = self.caches.pop(scope, None)
+        if cache is None:
+            cache = SuffixCache(self.max_ngram, self.k, self.entries, self.branches)
+        self.caches[scope] = cache
+        while len(self.caches) > self.scopes:
+            self.caches.popitem(last=False)
+        return cache
+
+    def add(self, scope: str | None, prompt: list[int], output: list[int]) -> None:
+        """A finished request's output, into its scope's cache. Only the output's tokens become
+        continuations: they are the model's own text, which is what a later request's model will
+        write; the prompt is the client's (and prompt lookup already covers the request's own).
+        The prompt's last tokens lead the output in, so that the n-grams of the output's first
+        positions (e.g. a chat template's assistant header) draft its first tokens."""
+        lead = prompt[len(prompt) - self.max_ngram:] if self.max_ngram < len(prompt) else list(prompt)
+        if output:
+            self.cache_for(scope).add(lead + list(output), start=len(lead))
+
+    @property
+    def num_entries(self) -> int:
+        return sum(len(c) for c in self.caches.values())
+
+    def to_dict(self) -> dict:
+        return {"scopes": len(self.caches), "entries": self.num_entries,
+                "max_scopes": self.scopes, "max_entries_per_scope": self.entries}
 
 
 @dataclass
@@ -191,30 +269,77 @@ class DraftLength:
             rates[j] += self.alpha * (float(j < accepted) - rates[j])
 
 
+class Branch(NamedTuple):
+    """A free continuation: where it came from (``LOOKUP`` or ``SUFFIX``), the length ``n`` of
+    the match that found it, its tokens."""
+
+    source: str
+    n: int
+    tokens: list[int]
+
+
+LOOKUP, SUFFIX = "lookup", "suffix"  # free-draft sources: prompt lookup, the suffix cache of earlier outputs
+
+
 class LookupState:
-    """A sequence's free-draft source: its n-gram index and its draft-length estimates."""
+    """A sequence's free-draft source: its n-gram index and its draft-length estimates, one table
+    per source and match length (row ``n`` for prompt lookup, ``max_ngram + n`` for the suffix
+    cache: a match in another request's output is not as likely to go on as one in this text)."""
 
     def __init__(self, max_draft: int, max_ngram: int) -> None:
+        self.max_ngram = max_ngram
         self.index = NgramIndex(max_ngram)
-        self.length = DraftLength(max_draft, max_ngram)
-        self.last_n = 0  # the match length of the drafts now being verified
+        self.length = DraftLength(max_draft, 2 * max_ngram)
+        self.last_n = 0  # the rate row (``row``) of the drafts now being verified
+        self.source = LOOKUP  # where they came from
+
+    def row(self, source: str, n: int) -> int:
+        """The rate table row of a match of ``n`` tokens from ``source``."""
+        return self.max_ngram + min(n, self.max_ngram) if source == SUFFIX and n else n
+
+    def find(self, tokens: list[int], suffix: SuffixCache | None, k: int) -> Branch:
+        """Up to ``k`` drafts after ``tokens``: from the longest match, the sequence's own text
+        (prompt lookup) where the suffix cache's is not longer."""
+        n, ends = self.index.match(tokens)
+        if suffix is not None:
+            m, follow = suffix.propose(tokens, k)
+            if m > n:
+                return Branch(SUFFIX, m, follow)
+        return Branch(LOOKUP, n, continuation(tokens, ends[-1], k) if n and k > 0 else [])
+
+    def branches(self, tokens: list[int], suffix: SuffixCache | None, k: int) -> list[Branch]:
+        """Every distinct continuation both sources offer (up to ``k`` tokens each, up to
+        ``branches`` per source), longest match first, prompt lookup first at equal length,
+        most recent first within a source: the free branches of a token tree."""
+        n, _ = self.index.match(tokens)
+        found = [Branch(LOOKUP, n, b) for b in self.index.branches_of(tokens, k)]
+        if suffix is not None:
+            m, _ = suffix.match(tokens)
+            found += [Branch(SUFFIX, m, b) for b in suffix.branches_of(tokens, k)]
+        found.sort(key=lambda b: -b.n)  # stable: the order above within equal lengths
+        seen: set[tuple[int, ...]] = set()
+        return [b for b in found if not (tuple(b.tokens) in seen or seen.add(tuple(b.tokens)))]
 
 
 def free_drafts(batch: list, max_draft: int, max_ngram: int, cost: RowCost | None) -> list[list[int]]:
-    """Each sequence's prompt-lookup drafts for this round (``[]``: none), at most ``max_draft``
-    and never past its token limit. ``cost`` None: every draft the match gives; else as many as
-    pay for their rows (``DraftLength.choose``) at the measured row cost. Sampled sequences
-    weigh rows at the prior cost, so that their random streams never depend on timing (a seeded
-    request gives the same output on any machine, alone or batched)."""
+    """Each sequence's free drafts for this round (``[]``: none), at most ``max_draft`` and never
+    past its token limit: from prompt lookup, or from its scope's suffix cache of earlier outputs
+    (``ctx.suffix``) where that matches a longer suffix. ``cost`` None: every draft the match
+    gives; else as many as pay for their rows (``DraftLength.choose``, per source) at the
+    measured row cost. Sampled sequences weigh rows at the prior cost and take no drafts from the
+    suffix cache, so that their random streams never depend on timing nor on earlier requests (a
+    seeded request gives the same output on any machine, alone or batched, first or not)."""
     out = []
     for ctx in batch:
         if ctx.lookup is None:
             ctx.lookup = LookupState(max_draft, max_ngram)
         state: LookupState = ctx.lookup
         room = min(max_draft, ctx.remaining - 1)  # the bonus token may be the last one allowed
-        n, ends = state.index.match(ctx.tokens) if room > 0 else (0, [])
-        k = room if cost is None or not n else state.length.choose(
-            n, room, cost.relative(len(batch)) if ctx.params.greedy else cost.prior)
-        state.last_n = n
-        out.append(continuation(ctx.tokens, ends[-1], k) if n and k else [])
+        found = state.find(ctx.tokens, ctx.suffix if ctx.params.greedy else None, room) if room > 0 \
+            else Branch(LOOKUP, 0, [])
+        row = state.row(found.source, found.n)
+        k = len(found.tokens) if cost is None or not found.n else state.length.choose(
+            row, len(found.tokens), cost.relative(len(batch)) if ctx.params.greedy else cost.prior)
+        state.source, state.last_n = found.source, row
+        out.append(found.tokens[:k])
     return out

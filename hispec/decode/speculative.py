@@ -306,10 +306,12 @@ def tree_round(batch: list[DecodeContext], props: list[Proposal], starts: list[t
     return verify_tree(batch, trees, roots, hidden, draft_layer, to_layer, level, prefixes)
 
 
-def verify_free(batch: list[DecodeContext], drafts: list[list[int]], level: str = "lookup->final") -> list[list[int]]:
+def verify_free(batch: list[DecodeContext], drafts: list[list[int]], level: str | None = None) -> list[list[int]]:
     """Verify drafts that cost no model time: each sequence's pending token and its drafts
     ``drafts[b]`` (``k_b >= 0``) through every layer in one pass (``[sum (k_b + 1), H]``), then
     ``accept`` with one-hot draft distributions. A sequence without drafts takes one plain row.
+    Statistics: the level ``level``, by default that of the drafts' source (``lookup->final`` or
+    ``suffix->final``, ``ctx.lookup.source``), and a round of that source.
     Afterwards each cache holds the committed tokens but the new pending one."""
     model, runner, n = batch[0].model, batch[0].runner, batch[0].model.num_layers
     positions = [len(c.tokens) - 1 for c in batch]
@@ -327,9 +329,9 @@ def verify_free(batch: list[DecodeContext], drafts: list[list[int]], level: str 
         c.runner.truncate(c.seq_id, pos + num + 1)
         c.stats.full_passes += 1
         if d:
-            c.stats.level(level).record(len(d), num)
+            c.stats.level(level or f"{c.lookup.source}->final").record(len(d), num)
             c.lookup.length.record(c.lookup.last_n, len(d), num)
-        c.stats.count_round("lookup" if d else "plain")
+        c.stats.count_round(c.lookup.source if d else "plain")
     return accepted
 
 
@@ -367,7 +369,8 @@ def _lookup_trees(batch: list[DecodeContext], drafts: list[list[int]], branches:
         return None
     trees = []
     for c, d in zip(batch, drafts):
-        more = c.lookup.index.branches_of(c.tokens, len(d))[:branches] if d else []
+        more = [b.tokens for b in c.lookup.branches(c.tokens, c.suffix if c.params.greedy else None, len(d))] \
+            if d else []  # (sampled sequences: no suffix drafts, as in ``free_drafts``)
         tree = DraftTree.of_branches(c.tokens[-1], [d] + [b for b in more if b != d][:branches - 1])
         trees.append(tree.first(c.max_tokens + 1 - (len(c.tokens) - 1)))
     return None if all(t.is_chain for t in trees) else trees
@@ -379,13 +382,13 @@ def verify_free_trees(batch: list[DecodeContext], trees: list[DraftTree]) -> lis
     n = batch[0].model.num_layers
     roots = [len(c.tokens) - 1 for c in batch]
     verdicts = verify_tree(batch, trees, roots, [c.token_tensor(t.tokens) for c, t in zip(batch, trees)], 0, n,
-                           "lookup->final", [[] for _ in batch])
+                           "tree->final", [[] for _ in batch])
     for c, t, v in zip(batch, trees, verdicts):
         c.stats.full_passes += 1
         if len(t) > 1:
             first = next((i for i in range(1, len(t)) if t.parents[i] != i - 1), len(t)) - 1  # nodes 1 .. first
             c.lookup.length.record(c.lookup.last_n, first, min(v.num_accepted, first))
-        c.stats.count_round("lookup" if len(t) > 1 else "plain")
+        c.stats.count_round(c.lookup.source if len(t) > 1 else "plain")
     return [v.tokens for v in verdicts]
 
 

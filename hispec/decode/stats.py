@@ -74,7 +74,8 @@ class DecodeStats:
     phase_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
     draft_forward_tokens: int = 0  # tokens run through the draft layers
     plain_steps: int = 0  # steps the adaptive controller decoded plainly (no speculation)
-    # rounds by where their drafts came from: "lookup" (free drafts), "exits" (draft exits), "plain" (none)
+    # rounds by where their drafts came from: "lookup" (prompt lookup), "suffix" (earlier requests' outputs),
+    # "exits" (draft exits), "plain" (none)
     rounds: dict[str, int] = field(default_factory=dict)
 
     def count_round(self, kind: str) -> None:

@@ -18,6 +18,7 @@ from ..cache.paged import PagedCache
 from ..config import ConfigError, EngineConfig, SamplingParams, check_engine_options
 from ..decode.autoregressive import Autoregressive
 from ..decode.base import DecodeContext, LayerRunner, Strategy
+from ..decode.lookup import SuffixStore
 from ..decode.stats import DecodeStats, phase_timer
 from ..model.decoder import DecoderModel
 from ..sampling.logprobs import TokenLogprob, token_logprobs
@@ -77,12 +78,17 @@ class Engine:
     The scheduler is the only allocator: before each step it reserves, for every running
     sequence, the slots the step may write (the strategy's ``lookahead``); the layer runner only
     reads the block tables, and a rollback inside a step keeps the reserved blocks.
+
+    Free drafts across requests: a strategy with free rounds (``lookup``, ``hispec``) drafts
+    for greedy sequences from the outputs of the engine's finished requests of the same scope
+    (``add_request``'s ``draft_scope``; ``suffix``: a ``SuffixStore`` that outlives the engine,
+    else one of its own sized by the config; none with ``suffix_cache_entries=0``).
     """
 
     def __init__(self, model: DecoderModel, strategy: Strategy, config: EngineConfig | None = None, *,
                  tokenizer=None, eos_ids=frozenset(), controller: AdaptiveController | None = None,
                  cache: PagedCache | None = None, seq_tokens: int | None = None, num_seqs: int | None = None,
-                 **settings) -> None:
+                 suffix: SuffixStore | None = None, **settings) -> None:
         self.model, self.tokenizer = model, tokenizer
         self.config = dataclasses.replace(config or EngineConfig(), **settings)
         self.strategy = strategy
@@ -94,6 +100,10 @@ class Engine:
         # whether the controller chooses between the strategy's step and a plain one (free
         # drafts are weighed against the measured cost of rows either way)
         self._switches = self.adaptive is not None and getattr(strategy, "adaptive_steps", True)
+        self.suffix = None  # the suffix caches of earlier outputs, per scope
+        if getattr(type(strategy), "free_round", Strategy.free_round) is not Strategy.free_round:  # it has free rounds
+            self.suffix = suffix if suffix is not None else SuffixStore.for_spec(
+                getattr(strategy, "spec", None), self.config.suffix_cache_entries, self.config.suffix_cache_scopes)
         self._seq_ids = itertools.count()
         self._requests: dict[str, Sequence] = {}
         self._max_batch_size = self.config.max_batch_size
@@ -152,7 +162,10 @@ class Engine:
         self._max_batch_size = self.scheduler.max_batch_size = n
 
     # ---- requests ------------------------------------------------------------------------
-    def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
+                    draft_scope: str | None = None) -> str:
+        """Queue a request; its id. ``draft_scope``: whose earlier outputs may draft for it and
+        take its output when it finishes (None: the engine's default scope); see ``SuffixStore``."""
         max_pos = self.model.cfg.max_position_embeddings
         if not prompt_ids:
             raise ConfigError("the prompt is empty")
@@ -172,7 +185,10 @@ class Engine:
                             frozenset() if params.ignore_eos else self.eos_ids)
         if params.modifies_logits:
             ctx.processor = LogitsProcessor(params, self.model.cfg.vocab_size, self.model.device)
+        if self.suffix is not None and params.greedy:  # sampled sequences take no drafts from it (free_drafts)
+            ctx.suffix = self.suffix.cache_for(draft_scope)
         seq = Sequence(request_id, ctx, self._decode, max_pos)
+        seq.draft_scope = draft_scope
         self._requests[request_id] = seq
         self.scheduler.add(seq)
         return request_id
@@ -363,6 +379,8 @@ class Engine:
         if seq.finished:
             self.scheduler.finish(seq)
             self._requests.pop(seq.request_id, None)
+            if self.suffix is not None:
+                self.suffix.add(seq.draft_scope, seq.prompt_ids, seq.new_tokens)
         return self._output(seq, kept, seq.text.delta(), logprobs)
 
     @staticmethod
@@ -392,4 +410,5 @@ class Engine:
             "running": self.num_running,
             "preemptions": self.scheduler.num_preemptions,
             "adaptive": self.adaptive.to_dict() if self.adaptive else None,
+            "suffix_cache": self.suffix.to_dict() if self.suffix is not None else None,
         }

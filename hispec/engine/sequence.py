@@ -38,6 +38,7 @@ class Sequence:
         self.num_preemptions = 0
         self.prompt_logprobs: list | None = None  # set at the first prefill when the request asks
         self.scheduled_time: float | None = None  # the first prefill (perf_counter)
+        self.draft_scope: str | None = None  # whose earlier outputs draft for it (the engine's SuffixStore)
 
     @property
     def seq_id(self) -> int:

@@ -128,8 +128,9 @@ class AsyncEngine:
             self._thread = threading.Thread(target=self._run, name="hispec-engine", daemon=True)
             self._thread.start()
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams) -> RequestStream:
-        """Queue a request (call from the event loop); raises ``QueueFullError`` or ``EngineStoppedError``."""
+    def submit(self, prompt_ids: list[int], params: SamplingParams, draft_scope: str | None = None) -> RequestStream:
+        """Queue a request (call from the event loop); raises ``QueueFullError`` or ``EngineStoppedError``.
+        ``draft_scope``: as ``Engine.add_request``'s."""
         with self._lock:
             if not self._accepting or self._thread is None or not self._thread.is_alive():
                 raise EngineStoppedError("the server is shutting down")
@@ -140,7 +141,7 @@ class AsyncEngine:
             self._pending += 1
         stream = RequestStream(f"cmpl-{next(self._ids)}", len(prompt_ids), asyncio.get_running_loop())
         self.metrics.add_prompt(len(prompt_ids))
-        self._commands.put(("add", stream, list(prompt_ids), params))
+        self._commands.put(("add", stream, list(prompt_ids), params, draft_scope))
         return stream
 
     def abort(self, request_id: str) -> None:
@@ -209,9 +210,10 @@ class AsyncEngine:
             except queue.Empty:
                 return added, False
 
-    def _add(self, stream: RequestStream, prompt_ids: list[int], params: SamplingParams) -> None:
+    def _add(self, stream: RequestStream, prompt_ids: list[int], params: SamplingParams,
+             draft_scope: str | None) -> None:
         try:
-            self.engine.add_request(prompt_ids, params, stream.request_id)
+            self.engine.add_request(prompt_ids, params, stream.request_id, draft_scope)
         except Exception as e:  # validated before, so unexpected: answer it as an error
             self._send(stream, Delta("", 0, True, "error", error=str(e)))
             self.metrics.finish("error", None, 0, time.perf_counter() - stream.arrival, None)

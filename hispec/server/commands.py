@@ -21,8 +21,9 @@ example:
 
 
 def register(subparsers) -> None:
+    from ..config import DEFAULT_SUFFIX_SCOPES
     from ..options import (add_model_options, add_parallel_options, add_prefill_option, add_spec_options,
-                           add_strategy_option)
+                           add_strategy_option, add_suffix_option)
 
     p = subparsers.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API",
                               description="An OpenAI-compatible HTTP server: every client's requests join one "
@@ -40,6 +41,11 @@ def register(subparsers) -> None:
     g.add_argument("--kv-blocks", type=int, default=None, metavar="N",
                    help="KV-cache blocks of 16 tokens (default: enough for a full batch of 1024-token sequences)")
     add_prefill_option(g)
+    add_suffix_option(g)
+    g.add_argument("--suffix-cache-scopes", type=int, default=DEFAULT_SUFFIX_SCOPES, metavar="N",
+                   help="clients whose outputs the suffix cache keeps, least recently used out: a scope is the "
+                        "API key (hashed) and the request's 'user'; without --api-key, the 'user' alone, and "
+                        f"requests without one share a scope (default: {DEFAULT_SUFFIX_SCOPES})")
     g.add_argument("--max-queue", type=int, default=256, metavar="N",
                    help="waiting requests allowed before answering 429 (default: 256)")
     g.add_argument("--shutdown-timeout", type=float, default=10.0, metavar="S",

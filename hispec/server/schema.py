@@ -176,7 +176,8 @@ class _Sampling(_Body):
     logit_bias: Optional[LogitBias] = Field(None, description="token id -> bias in [-100, 100]")
     ignore_eos: bool = Field(False, description="extension (vLLM's)")
     response_format: Optional[ResponseFormat] = Field(None, description="structured output (JSON)")
-    user: Optional[Ignored] = Field(None, description="ignored")
+    user: Optional[Ignored] = Field(None, description="the end user: with the API key, whose earlier outputs "
+                                                       "may serve as free drafts (the server's suffix cache)")
 
     @field_validator("stop")
     @classmethod
@@ -201,7 +202,15 @@ class _Sampling(_Body):
                     ignore_eos=self.ignore_eos, presence_penalty=self.presence_penalty,
                     frequency_penalty=self.frequency_penalty,
                     logit_bias=tuple((int(k), v) for k, v in (self.logit_bias or {}).items()),
-                    json_schema=self.response_format.schema_of_output() if self.response_format else None)
+                    json_schema=self.response_format.schema_of_output() if self.response_format else None,
+                    user=_user_of(self.user))
+
+
+def _user_of(user: Any) -> str | None:
+    """The ``user`` field as text: a string as sent, any other JSON value in canonical JSON."""
+    if user is None or isinstance(user, str):
+        return user
+    return json.dumps(user, sort_keys=True, separators=(",", ":"))
 
 
 # ---- the parsed request ----------------------------------------------------------------------------------
@@ -233,6 +242,7 @@ class ParsedRequest:
     messages: list[dict] = field(default_factory=list)  # chat, normalised {"role", "content": str, ...}
     tools: list[dict] = field(default_factory=list)  # chat: function definitions {"name", "parameters", ...}
     tool_choice: str | None = None  # "none", "auto", "required" or a function name (None: no tools)
+    user: str | None = None  # OpenAI's end-user id, as text (None: not sent): scopes the suffix cache
 
 
 # ---- completions ------------------------------------------------------------------------------------------

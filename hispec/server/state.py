@@ -6,6 +6,8 @@ Ray Serve replica, and tests in-process).
 from __future__ import annotations
 
 import copy
+import hashlib
+import json
 import threading
 import time
 from dataclasses import dataclass, field
@@ -140,6 +142,20 @@ class ServerState:
         except GrammarError as e:
             raise bad(str(e), "tools" if param == "tool_choice" else param) from None
 
+    def draft_scope(self, authorization: str | None, user: str | None) -> str | None:
+        """Whose earlier outputs may draft for a request, and take its output (the engine's
+        suffix cache, ``decode.lookup.SuffixStore``): a hash of the API key the request was
+        let in with and of its ``user`` (OpenAI's end-user id), so that one client's text never
+        shapes another's drafts, nor through them its timing, and no key is kept in the clear.
+        Without ``--api-key`` the bearer token is not checked, so it names no one: the scope is
+        the ``user``, and requests without one share the default scope (None), as one client
+        would (a server without a key serves one party: its requests gain from each other's)."""
+        scheme, _, token = (authorization or "").partition(" ")
+        key = token.strip() if self.api_key is not None and scheme.lower() == "bearer" else None
+        if key is None and user is None:
+            return None
+        return hashlib.sha256(json.dumps([key, user]).encode()).hexdigest()
+
     def sampling_params(self, req: ParsedRequest, num_prompt: int, sample: int = 0, grammar=None) -> SamplingParams:
         """The engine's parameters for sample ``sample`` (0 .. best_of - 1) of a prompt: sample j
         uses seed + j, so every choice of a seeded request is reproducible."""
@@ -214,7 +230,8 @@ def build_server_state(args, gen) -> ServerState:
     # use from two threads at once, and a shared lock would stall every stream behind a huge prompt.
     tokenizer = copy.deepcopy(gen.tokenizer)
     config = EngineConfig(block_size=gen.block_size, max_batch_size=args.max_batch_size, kv_blocks=args.kv_blocks,
-                          adaptive=not args.no_adaptive, prefill_chunk=args.prefill_chunk)
+                          adaptive=not args.no_adaptive, prefill_chunk=args.prefill_chunk,
+                          suffix_cache_entries=args.suffix_cache_entries, suffix_cache_scopes=args.suffix_cache_scopes)
     # default pool: a full batch of min(context, 1024)-token sequences
     engine = Engine(model, strategy, config, tokenizer=tokenizer, eos_ids=gen.eos_ids)
     ctx = model.cfg.max_position_embeddings
