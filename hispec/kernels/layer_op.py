@@ -104,7 +104,7 @@ def decode_layers(h: torch.Tensor, op_range, rope, batch, cfg) -> torch.Tensor:
     cos, ssin = (r.view(r.shape[0], r.shape[-1]) for r in rope)  # [T, D]
     parallel = meta.keys * cfg.num_heads * cfg.head_dim >= fused.PARALLEL_MIN_WORK
     return layers_op()(h.contiguous(), cos.contiguous(), ssin.contiguous(), batch.write_slots, meta.tables, meta.seq,
-                       meta.lengths, meta.block_size, parallel, op_range)
+                       meta.lengths, meta.tail_start, meta.tail, meta.block_size, parallel, op_range)
 
 
 def op_head(embed: torch.Tensor, norm: torch.Tensor, weight: torch.Tensor, params: torch.Tensor, kind: int,

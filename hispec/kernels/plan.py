@@ -142,8 +142,8 @@ class FastPath:
         layers = self.model.layers
         if start == end or not layers[start].runs_fused(h, rope, pool, start) or not layer_op.layers_op():
             return None
-        if batch.has_tree or any(c.num_tokens >= SDPA_MIN_QUERIES for c in batch.chunks):
-            return None  # (token trees: the per-layer kernels, the same bits)
+        if any(c.num_tokens >= SDPA_MIN_QUERIES for c in batch.chunks):
+            return None
         plans, has_float = self.plans_for(start, end, batch.prefill, h.shape[0] > SMALL_ROWS)
         if plans is None or (has_float and h.shape[0] > max(panel_rows(), SMALL_ROWS)):
             return None

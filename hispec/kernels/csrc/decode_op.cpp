@@ -170,7 +170,8 @@ struct Range : torch::CustomClassHolder {
 // h [T, H] float32 entering the range's first layer -> after its last.
 at::Tensor decode_layers(const at::Tensor& h_in, const at::Tensor& cos, const at::Tensor& ssin,
                          const at::Tensor& slots, const at::Tensor& tables, const at::Tensor& seq,
-                         const at::Tensor& lengths, int64_t block_size, bool parallel,
+                         const at::Tensor& lengths, const std::optional<at::Tensor>& tail_start,
+                         const std::optional<at::Tensor>& tail, int64_t block_size, bool parallel,
                          const c10::intrusive_ptr<Range>& range) {
     const int64_t n = range->layers();
     const auto& norms = range->norms;
@@ -216,7 +217,9 @@ at::Tensor decode_layers(const at::Tensor& h_in, const at::Tensor& cos, const at
         {
             Timed t(ATTENTION);
             hs_paged_attention(q.data_ptr<float>(), kp.data_ptr(), vp.data_ptr(), is_bf(kp), tables.data_ptr<int32_t>(),
-                            tables.size(1), seq.data_ptr<int32_t>(), lengths.data_ptr<int32_t>(), nullptr, nullptr, 0, T, num_heads,
+                            tables.size(1), seq.data_ptr<int32_t>(), lengths.data_ptr<int32_t>(),
+                            tail ? tail_start->data_ptr<int32_t>() : nullptr, tail ? tail->data_ptr<int64_t>() : nullptr,
+                            tail ? tail->size(1) : 0, T, num_heads,
                             kp.size(0), kp.size(1), D, block_size, scale, att.data_ptr(), out_bf, parallel ? 1 : 0);
         }
         const at::Tensor o = mm(1, att).contiguous();  // [T, H]
@@ -300,7 +303,7 @@ at::Tensor decode_step(const std::vector<int64_t>& tokens, const std::vector<int
     int64_t keys = B;
     for (const int64_t p : positions) keys += p;
     setup.reset();
-    const at::Tensor out = decode_layers(h, cos, ssin, slots, tab, seq, lengths, block_size, keys >= parallel_min_keys,
+    const at::Tensor out = decode_layers(h, cos, ssin, slots, tab, seq, lengths, std::nullopt, std::nullopt, block_size, keys >= parallel_min_keys,
                                          range);
     at::Tensor x = at::empty({B, H}, fopt), logits;
     {
@@ -374,7 +377,8 @@ TORCH_LIBRARY(hispec_fused, m) {
     m.class_<Head>("Head").def(torch::init<at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t, int64_t, double>());
     m.def("profile(bool on) -> (float[], int[])", profile);
     m.def("decode_layers(Tensor h, Tensor cos, Tensor ssin, Tensor slots, Tensor tables, Tensor seq, Tensor lengths, "
-          "int block_size, bool parallel, __torch__.torch.classes.hispec_fused.Range range) -> Tensor",
+          "Tensor? tail_start, Tensor? tail, int block_size, bool parallel, "
+          "__torch__.torch.classes.hispec_fused.Range range) -> Tensor",
           decode_layers);
     m.def("decode_step(int[] tokens, int[] positions, int[] tables, int block_size, Tensor cos, Tensor ssin, "
           "int parallel_min_keys, __torch__.torch.classes.hispec_fused.Range range, "
