@@ -6,10 +6,12 @@ Syntax: a comma-separated list of ``NAME[:OPTION[:OPTION...]]``.
 - ``selfspec`` / ``hispec``: options are a draft policy (``fixed``, ``svip``, ``confidence``,
   ``heuristic``) and ``KEY=VALUE`` overrides of the speculation settings: ``d`` (draft exit L_d),
   ``i`` (intermediate exit L_i), ``k`` (tokens per draft round N_d), ``w`` (window N_i), ``t`` (svip
-  threshold, nats), ``c`` (confidence threshold, top-1 probability).
+  threshold, nats), ``c`` (confidence threshold, top-1 probability), ``m`` (token tree width: the
+  exit's top-m at each draft position), ``b`` (prompt-lookup branches per tree), ``l`` (free
+  drafts per round at most). ``lookup`` takes ``b=`` and ``l=`` too.
   Unset values come from the command line's speculation options, then the exit heads'
   recommendation, then the depth-based defaults. Examples: ``hispec:svip``,
-  ``selfspec:heuristic``, ``selfspec:d=4:k=6``, ``hispec:d=2:i=8:w=8``.
+  ``selfspec:heuristic``, ``selfspec:d=4:k=6``, ``hispec:d=2:i=8:w=8``, ``hispec:m=3:b=2``.
 - ``hf``: transformers ``generate`` on the same model folder (greedy, or sampling with the same
   temperature / top-k / top-p).
 - ``hf-early-exit[:L]``: transformers' LayerSkip-style self-speculation,
@@ -36,7 +38,7 @@ OWN_KINDS = STRATEGIES
 KINDS = OWN_KINDS + ("hf", "hf-early-exit", "hf-lookup")
 HF_LOOKUP_TOKENS, HF_LOOKUP_NGRAM = 4, 3
 SPEC_KEYS = {"d": "draft_layer", "i": "verify_layer", "k": "num_draft", "w": "window", "t": "svip_threshold",
-             "c": "confidence_threshold"}
+             "c": "confidence_threshold", "m": "tree_width", "b": "lookup_branches", "l": "lookup_max_draft"}
 
 
 @dataclass

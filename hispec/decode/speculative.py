@@ -565,7 +565,7 @@ class Lookup(Strategy):
             raise ConfigError(f"the lookup strategy needs --lookup-max-draft >= 1, got {spec.lookup_max_draft}")
         self.spec = spec
         self._ar = Autoregressive()
-        self.lookahead = max(spec.lookup_max_draft + 2, self._ar.lookahead)
+        self.lookahead = max(spec.lookup_max_draft * spec.lookup_branches + 2, self._ar.lookahead)
 
     def free_round(self, batch: list[DecodeContext], cost: RowCost | None) -> list[list[int] | None] | None:
         return lookup_round(self.spec, batch, cost)
