@@ -255,7 +255,7 @@ def empirical(gen, strategy, params, num_seeds, prompt):
     return counts, drafted
 
 
-@pytest.mark.parametrize("setting", ["T1", "T1-penalties"])
+@pytest.mark.parametrize("setting", ["T1", "T1-penalties", "T0.8-topk3", "T1.3-topp0.8"])
 @pytest.mark.parametrize("strategy", ["lookup", "hispec"])
 def test_sampling_follows_the_target(sampling_gen, hf_model, monkeypatch, strategy, setting):
     """PROMPT's last token occurs earlier in it (an 8-token vocabulary repeats often), so the
@@ -270,6 +270,39 @@ def test_sampling_follows_the_target(sampling_gen, hf_model, monkeypatch, strate
     assert drafted > 300  # lookup drafts were really verified
     result = fit(counts, exact_joint(hf_model, params))
     report(f"{strategy}-lookup/{setting}", result)
+    assert result["stat"] <= result["bound"], result
+
+
+@pytest.mark.parametrize("strategy", ["lookup", "hispec"])
+def test_batched_sampling_follows_the_target(sampling_gen, hf_model, monkeypatch, strategy):
+    """Under continuous batching: six seeded requests at a time share each lookup pass (the
+    batched acceptance rule, one-hot draft distributions), joined by one more whenever one ends."""
+    from collections import Counter
+
+    import tests.decode.test_speculative_sampling as ref
+
+    prompt = PROMPT + PROMPT[:2]
+    monkeypatch.setattr(ref, "PROMPT", prompt)
+    params = _copy(SETTINGS["T1"])
+    engine = Engine(sampling_gen.model, make_strategy(strategy, LOOKUP_SPEC, sampling_gen.model.num_layers),
+                    EngineConfig(max_batch_size=6, kv_blocks=128, block_size=4, adaptive=False))
+    counts, drafted, seeds, batched = Counter(), 0, iter(range(600)), 0
+    while True:
+        while engine.num_running + engine.num_waiting < 6 and (seed := next(seeds, None)) is not None:
+            engine.add_request(prompt, SamplingParams(temperature=params.temperature, seed=seed,
+                                                      max_new_tokens=params.max_new_tokens))
+        if not engine.has_unfinished():
+            break
+        outs = engine.step()
+        batched = max(batched, len(outs))  # sequences in one round
+        for out in outs:
+            if out.finished:
+                counts[tuple(out.token_ids)] += 1
+                lv = out.stats.levels.get("lookup->final")
+                drafted += lv.draft_tokens if lv else 0
+    assert sum(counts.values()) == 600 and drafted > 300 and batched == 6
+    result = fit(counts, exact_joint(hf_model, params))
+    report(f"{strategy}-lookup-batched/T1", result)
     assert result["stat"] <= result["bound"], result
 
 
