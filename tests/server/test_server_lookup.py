@@ -5,6 +5,7 @@ completion, give in-process ``ar``'s tokens and log-probabilities. The prompts r
 and the responses' ``hispec_stats`` show lookup rounds, so the tests can fail."""
 from __future__ import annotations
 
+import json
 import math
 from concurrent.futures import ThreadPoolExecutor
 
@@ -68,8 +69,6 @@ def test_concurrent_requests_with_penalties_logprobs_and_a_schema_equal_ar(serve
     pytest.importorskip("llguidance")
     from hispec.sampling.grammar import Grammar, llguidance_tokenizer
     from tests.sampling.test_structured_output import EXAMPLE, SCHEMA, valid
-
-    import json
 
     prompt = ids_of("the cat sat on the mat; the cat sat on the mat; the cat")
     penalised = dict(presence_penalty=-1.0, frequency_penalty=0.2, logit_bias={str(ids_of("t")[0]): 1.5})
