@@ -58,9 +58,9 @@ def run_staggered(engine: Engine, arrivals: list[tuple[int, list[int], SamplingP
 @pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("adaptive", [False, True])
 def test_staggered_arrivals_equal_batch_of_one_ar(model, strategy, adaptive):
-    """Seven requests arrive over eleven steps into a batch of at most four (some wait for a
-    slot): repeating and random prompts, token limits and EOS inside rounds. Each greedy output
-    equals its own ``ar`` output; the seeded sampled one equals the same request run alone."""
+    """Eight requests (seven greedy, one seeded sampled) arrive over eleven steps into a batch of
+    at most four (some wait for a slot): repeating and random prompts, token limits and EOS.
+    Each greedy output equals its own ``ar`` output; the sampled one equals itself run alone."""
     rng = random.Random(11)
     prompts = [repeating(rng, p, n) for p, n in ((5, 23), (3, 10), (9, 40), (4, 4))]
     prompts += [[rng.randrange(3, 128) for _ in range(n)] for n in (1, 12, 30)]
@@ -68,7 +68,7 @@ def test_staggered_arrivals_equal_batch_of_one_ar(model, strategy, adaptive):
     gen = Generator(model)
     free = [gen.generate(p, SamplingParams(max_new_tokens=n, ignore_eos=True), "ar").token_ids
             for p, n in zip(prompts, limits)]
-    eos = free[2][len(free[2]) // 2]  # a token one sequence repeats: EOS falls inside its lookup rounds
+    eos = free[2][len(free[2]) // 2]  # a token of a repeating sequence's output: it ends there
     gen.eos_ids = frozenset({eos})
     want = [gen.generate(p, SamplingParams(max_new_tokens=n), "ar").token_ids for p, n in zip(prompts, limits)]
     assert len(want[2]) < limits[2]
@@ -107,7 +107,7 @@ def test_chunked_prefill_of_repeating_prompts_equals_ar(model, strategy):
         outs = {o.request_id: o for o in engine.step()}
         final.update(outs)
         chunks += 1
-        assert all(r in outs or r in final and final[r].finished for r in short_ids)  # they decode meanwhile
+        assert all(r in outs or (r in final and final[r].finished) for r in short_ids)  # they decode meanwhile
     assert chunks >= (95 + 61) // 7
     final.update(engine.run_to_completion())
     outs = [final[i] for i in short_ids + long_ids]
