@@ -6,6 +6,7 @@ is given (CLI, API, server) with a message that names the field.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Mapping
 
@@ -225,6 +226,9 @@ class SpecConfig:
             raise ConfigError(f"svip threshold must be > 0, got {self.svip_threshold}")
         if not 0 < self.confidence_threshold < 1:
             raise ConfigError(f"confidence threshold must be in (0, 1), got {self.confidence_threshold}")
+        for name in ("lookup_max_draft", "lookup_ngram"):  # counts: 2.0 or True would fail later, far from here
+            if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), numbers.Integral):
+                raise ConfigError(f"--{name.replace('_', '-')} must be an integer, got {getattr(self, name)!r}")
         if not 0 <= self.lookup_max_draft <= MAX_LOOKUP_DRAFT:
             raise ConfigError(f"--lookup-max-draft must be between 0 and {MAX_LOOKUP_DRAFT}, "
                               f"got {self.lookup_max_draft}")

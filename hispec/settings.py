@@ -83,4 +83,7 @@ def resolve_spec(strategy: str, num_layers: int, recommended: Mapping[str, SpecC
     fields.update({k: v for k, v in overrides.items() if v is not None})
     if kind.full_verify and overrides.get("verify_layer") is None and strategy not in recommended:
         fields["verify_layer"] = num_layers
-    return SpecConfig(**fields, num_layers=num_layers)
+    spec = SpecConfig(**fields, num_layers=num_layers)
+    if strategy == "lookup" and spec.lookup_max_draft < 1:  # refused before any work (the strategy checks it too)
+        raise ConfigError(f"the lookup strategy needs --lookup-max-draft >= 1, got {spec.lookup_max_draft}")
+    return spec

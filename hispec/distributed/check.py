@@ -3,7 +3,8 @@
     python -m hispec.distributed.check MODEL_DIR --tp 2 [--device cuda --dtype bfloat16] [--exit-heads 2,4]
 
 Prints one JSON object: the largest logit difference (full model and exits), whether greedy
-``ar``/``selfspec``/``hispec`` under TP equal single-process ``ar`` token for token, whether
+``ar``/``selfspec``/``hispec``/``lookup`` under TP equal single-process ``ar`` token for token
+(on a repeating prompt too, so that ``lookup`` verifies free drafts), whether
 every rank's KV shard equals the single-process K/V after speculative rounds with rejections,
 and the all-reduce/all-gather calls and bytes per drafted and per verified token (counted in
 code, per rank). Rank 0 also holds a full single-process copy here: this is a check, not a
@@ -67,8 +68,9 @@ def logits_diff(ref, leader, prompt: list[int]) -> dict:
     return out
 
 
-def greedy_equal(ref_gen, tp_gen, prompts: list[list[int]], max_new: int, spec) -> tuple[dict, dict]:
-    """Whether each strategy under TP gives single-process ``ar``'s tokens, and TP ``ar``'s tokens.
+def greedy_equal(ref_gen, tp_gen, prompts: list[list[int]], max_new: int, spec) -> tuple[dict, dict, int]:
+    """Whether each strategy under TP gives single-process ``ar``'s tokens, and TP ``ar``'s tokens;
+    and how many free-draft rounds ``lookup`` ran under TP.
 
     The second is the lossless guarantee (same precision, same kernels, same group); the first
     also needs the all-reduce's summation order not to flip an argmax (float32: it does not on
@@ -83,14 +85,18 @@ def greedy_equal(ref_gen, tp_gen, prompts: list[list[int]], max_new: int, spec) 
              "selfspec-tree": dataclasses.replace(selfspec, **trees), "hispec-tree": dataclasses.replace(spec, **trees)}
     single = [ref_gen.generate(p, params, "ar").token_ids for p in prompts]
     tp_ar = [tp_gen.generate(p, params, "ar").token_ids for p in prompts]
-    vs_single, vs_tp_ar = {}, {}
+    specs["lookup"] = spec
+    specs["lookup-tree"] = dataclasses.replace(spec, lookup_branches=3)
+    vs_single, vs_tp_ar, lookup_rounds = {}, {}, 0
     for name, s in specs.items():
         strategy = name.split("-")[0]
-        got = tp_ar if strategy == "ar" else [tp_gen.generate(p, params, strategy, spec=s).token_ids
-                                              for p in prompts]
+        outs = [tp_gen.generate(p, params, strategy, spec=s) for p in prompts] if strategy != "ar" else []
+        got = tp_ar if strategy == "ar" else [o.token_ids for o in outs]
         vs_single[name] = got == single
         vs_tp_ar[name] = got == tp_ar
-    return vs_single, vs_tp_ar
+        if name == "lookup":
+            lookup_rounds = sum(o.stats.rounds.get("lookup", 0) for o in outs)
+    return vs_single, vs_tp_ar, lookup_rounds
 
 
 def kv_consistent(ref, leader, prompt: list[int], spec, steps: int) -> dict:
@@ -222,8 +228,9 @@ def main(argv: list[str] | None = None) -> int:
         vocab = ref.cfg.vocab_size
         prompts = [torch.randint(3, vocab, (k,), generator=g).tolist() for k in (5, 17)]
         report["logits_max_abs_diff"] = logits_diff(ref, leader, prompts[1])
-        report["greedy_equal_to_single_process_ar"], report["greedy_equal_to_tp_ar"] = greedy_equal(
-            ref_gen, tp_gen, prompts, args.max_new_tokens, spec)
+        repeating = prompts[0] * 3  # prompt lookup finds drafts in it
+        (report["greedy_equal_to_single_process_ar"], report["greedy_equal_to_tp_ar"],
+         report["lookup_rounds"]) = greedy_equal(ref_gen, tp_gen, prompts + [repeating], args.max_new_tokens, spec)
         report["kv_after_rejections"] = kv_consistent(ref, leader, prompts[0], spec, steps=6)
         report["comm_per_token"] = collectives_per_token(leader, tp_gen, prompts[0], args.max_new_tokens, spec)
         report["spec"] = {"draft_layer": spec.draft_layer, "verify_layer": spec.verify_layer, "num_layers": n}

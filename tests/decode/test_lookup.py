@@ -109,12 +109,50 @@ def test_settings_are_validated_with_the_flag_named():
     assert (spec.lookup_max_draft, spec.lookup_ngram) == (6, 2) and spec.lookahead >= 8
 
 
-def test_cli_refuses_an_out_of_range_flag(tiny_model_dir, capsys):
-    from hispec.cli import main
+def test_library_refuses_what_is_not_a_count():
+    for field, value in (("lookup_max_draft", 2.5), ("lookup_ngram", True), ("lookup_ngram", "3")):
+        with pytest.raises(ConfigError, match=f"--{field.replace('_', '-')} must be an integer"):
+            SpecConfig(draft_layer=1, verify_layer=2, **{field: value})
+    with pytest.raises(ConfigError, match="--lookup-max-draft >= 1"):  # before a model or engine is made
+        resolve_spec("lookup", 6, lookup_max_draft=0)
+    assert resolve_spec("hispec", 6, lookup_max_draft=0).lookup_max_draft == 0  # hispec: exits only
 
-    assert main(["generate", "[1, 2]", "--model", str(tiny_model_dir("llama")), "--strategy", "lookup",
-                 "--lookup-max-draft", "99", "--no-exits"]) == 2
-    assert "--lookup-max-draft" in capsys.readouterr().err
+
+BAD_LOOKUP = [("--lookup-max-draft", "-1", "--lookup-max-draft must be between 0 and 32"),
+              ("--lookup-max-draft", "33", "--lookup-max-draft must be between 0 and 32"),
+              ("--lookup-max-draft", "0", "the lookup strategy needs --lookup-max-draft >= 1"),
+              ("--lookup-ngram", "0", "--lookup-ngram must be between 1 and 8"),
+              ("--lookup-ngram", "9", "--lookup-ngram must be between 1 and 8"),
+              ("--lookup-ngram", "two", "argument --lookup-ngram: invalid int value")]
+
+
+@pytest.mark.parametrize("flag,value,needle", BAD_LOOKUP)
+def test_generate_and_bench_refuse_an_out_of_range_flag(tiny_text_model_dir, tmp_path, flag, value, needle):
+    """Refused before any generation, one line naming the flag: ``generate`` (one prompt, a
+    prompt file, batched) and ``bench`` (nothing is written)."""
+    from tests.test_cli import run_cli
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "abcabc"}\n')
+    model = ["--model", str(tiny_text_model_dir), "--no-exits", "--max-new-tokens", "4"]
+    for args in (["generate", "abcabc", "--strategy", "lookup"],
+                 ["generate", "--prompts", str(prompts), "--batch-size", "2", "--strategy", "lookup"],
+                 ["bench", "--data", str(prompts), "--strategies", "ar,lookup", "--out", str(tmp_path / "out")]):
+        proc = run_cli(*args, *model, flag, value)
+        assert proc.returncode == 2 and needle in proc.stderr, (args, proc.stderr)
+        assert "Traceback" not in proc.stderr and not proc.stdout, (args, proc.stdout)
+    assert not list(tmp_path.glob("out/*"))  # no results written
+
+
+@pytest.mark.parametrize("flag,value,needle", [BAD_LOOKUP[1], BAD_LOOKUP[2], BAD_LOOKUP[4]])
+def test_serve_refuses_an_out_of_range_flag_at_start(tiny_text_model_dir, flag, value, needle):
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "hispec.cli", "serve", "--model", str(tiny_text_model_dir),
+                           "--no-exits", "--strategy", "lookup", "--port", "0", flag, value],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and needle in proc.stderr.strip().splitlines()[-1], proc.stderr
 
 
 # ---- greedy: the same ids as ar ---------------------------------------------------------------
@@ -217,7 +255,7 @@ def empirical(gen, strategy, params, num_seeds, prompt):
     return counts, drafted
 
 
-@pytest.mark.parametrize("setting", ["T1", "T1-penalties"])
+@pytest.mark.parametrize("setting", ["T1", "T1-penalties", "T0.8-topk3", "T1.3-topp0.8"])
 @pytest.mark.parametrize("strategy", ["lookup", "hispec"])
 def test_sampling_follows_the_target(sampling_gen, hf_model, monkeypatch, strategy, setting):
     """PROMPT's last token occurs earlier in it (an 8-token vocabulary repeats often), so the
@@ -232,6 +270,39 @@ def test_sampling_follows_the_target(sampling_gen, hf_model, monkeypatch, strate
     assert drafted > 300  # lookup drafts were really verified
     result = fit(counts, exact_joint(hf_model, params))
     report(f"{strategy}-lookup/{setting}", result)
+    assert result["stat"] <= result["bound"], result
+
+
+@pytest.mark.parametrize("strategy", ["lookup", "hispec"])
+def test_batched_sampling_follows_the_target(sampling_gen, hf_model, monkeypatch, strategy):
+    """Under continuous batching: six seeded requests at a time share each lookup pass (the
+    batched acceptance rule, one-hot draft distributions), joined by one more whenever one ends."""
+    from collections import Counter
+
+    import tests.decode.test_speculative_sampling as ref
+
+    prompt = PROMPT + PROMPT[:2]
+    monkeypatch.setattr(ref, "PROMPT", prompt)
+    params = _copy(SETTINGS["T1"])
+    engine = Engine(sampling_gen.model, make_strategy(strategy, LOOKUP_SPEC, sampling_gen.model.num_layers),
+                    EngineConfig(max_batch_size=6, kv_blocks=128, block_size=4, adaptive=False))
+    counts, drafted, seeds, batched = Counter(), 0, iter(range(600)), 0
+    while True:
+        while engine.num_running + engine.num_waiting < 6 and (seed := next(seeds, None)) is not None:
+            engine.add_request(prompt, SamplingParams(temperature=params.temperature, seed=seed,
+                                                      max_new_tokens=params.max_new_tokens))
+        if not engine.has_unfinished():
+            break
+        outs = engine.step()
+        batched = max(batched, len(outs))  # sequences in one round
+        for out in outs:
+            if out.finished:
+                counts[tuple(out.token_ids)] += 1
+                lv = out.stats.levels.get("lookup->final")
+                drafted += lv.draft_tokens if lv else 0
+    assert sum(counts.values()) == 600 and drafted > 300 and batched == 6
+    result = fit(counts, exact_joint(hf_model, params))
+    report(f"{strategy}-lookup-batched/T1", result)
     assert result["stat"] <= result["bound"], result
 
 

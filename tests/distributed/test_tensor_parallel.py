@@ -31,7 +31,8 @@ def run_check(model_dir: Path, *args: str, limit: float = 240) -> tuple[int, dic
     return proc.returncode, json.loads(lines[-1]), proc.stderr, time.perf_counter() - t0
 
 
-ALL_EQUAL = {"ar": True, "selfspec": True, "hispec": True, "selfspec-tree": True, "hispec-tree": True}
+ALL_EQUAL = {"ar": True, "selfspec": True, "hispec": True, "lookup": True, "selfspec-tree": True, "hispec-tree": True,
+             "lookup-tree": True}
 
 
 def assert_lossless(report: dict) -> None:
@@ -40,6 +41,7 @@ def assert_lossless(report: dict) -> None:
         assert diff < 1e-4, (name, diff)
     assert report["greedy_equal_to_single_process_ar"] == ALL_EQUAL
     assert report["greedy_equal_to_tp_ar"] == ALL_EQUAL
+    assert report["lookup_rounds"] > 0  # lookup verified free drafts under TP
     kv = report["kv_after_rejections"]
     assert kv["rejected"] > 0 and kv["max_abs_diff"] < 1e-5 and kv["layer_lengths"] == [kv["positions"]]
 
@@ -60,7 +62,7 @@ def test_layout_splits_whole_kv_groups_unevenly():
 
 
 def test_tp2_llama_equals_single_process(tiny_model_dir):
-    """Logits (final and two exit heads, one vocabulary-restricted), greedy ar/selfspec/hispec, KV shards."""
+    """Logits (final and two exit heads, one vocabulary-restricted), greedy ar/selfspec/hispec/lookup, KV shards."""
     rc, report, err, _ = run_check(tiny_model_dir("llama"), "--exit-heads", "1,3")
     assert rc == 0, err
     assert_lossless(report)
@@ -77,7 +79,7 @@ def test_tp2_qwen_uneven_heads_equals_single_process(tiny_model_dir):
 def test_tp2_default_model_with_its_shipped_exits():
     """SmolLM2-135M on 2 ranks with the exit heads it ships (vocabulary-restricted ones among them,
     whose rows each rank takes from its own part of the output head): the same greedy ids as one
-    process for ar, selfspec and hispec. Logits differ only by the order of the reductions."""
+    process for ar, selfspec, hispec and lookup. Logits differ only by the order of the reductions."""
     rc, report, err, _ = run_check(Path("default"), "--shipped-exits", limit=400)
     assert rc == 0, err
     assert report["ok"], report.get("error")
@@ -85,6 +87,7 @@ def test_tp2_default_model_with_its_shipped_exits():
     assert max(report["logits_max_abs_diff"].values()) < 1e-3
     assert report["greedy_equal_to_single_process_ar"] == ALL_EQUAL
     assert report["greedy_equal_to_tp_ar"] == ALL_EQUAL
+    assert report["lookup_rounds"] > 0
 
 
 @pytest.mark.parametrize("mode", ["raise", "hang"])

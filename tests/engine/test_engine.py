@@ -22,6 +22,7 @@ STRATEGIES = {
     "hispec": SpecConfig(1, 3, num_draft=3, window=4),
     "hispec-svip": SpecConfig(2, 4, draft_policy="svip", svip_threshold=3.0),
     "hispec-heuristic": SpecConfig(1, 4, draft_policy="heuristic"),
+    "lookup": SpecConfig(1, 3),
 }
 
 
@@ -190,7 +191,7 @@ MIXED = [SamplingParams(max_new_tokens=14, temperature=0.9, top_p=0.95, seed=11,
          SamplingParams(max_new_tokens=14, temperature=0.5, seed=15, logit_bias=((3, 2.0),), ignore_eos=True)]
 
 
-@pytest.mark.parametrize("name", ["ar", "selfspec", "hispec", "hispec-svip"])
+@pytest.mark.parametrize("name", ["ar", "selfspec", "hispec", "hispec-svip", "lookup"])
 @pytest.mark.parametrize("cpu_block", ["whole batch", "a few rows"])
 def test_a_batch_mixing_greedy_and_sampled_requests_gives_each_its_batch_of_one_output(model, workload, name,
                                                                                       cpu_block, monkeypatch):
@@ -221,7 +222,7 @@ EXTREME = [SamplingParams(max_new_tokens=12, temperature=1e-40, seed=1),  # 1/T 
            SamplingParams(max_new_tokens=12, temperature=2.0, top_k=1, top_p=1e-30, seed=4)]
 
 
-@pytest.mark.parametrize("name", ["ar", "selfspec", "hispec", "hispec-svip"])
+@pytest.mark.parametrize("name", ["ar", "selfspec", "hispec", "hispec-svip", "lookup"])
 def test_extreme_sampling_values_behave_as_greedy_in_a_greedy_batch(model, workload, name):
     """A temperature that underflows is greedy, a top_p that keeps nothing keeps the top token:
     every one of these requests gives the greedy output, and so do the greedy ones beside them."""

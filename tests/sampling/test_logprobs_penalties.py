@@ -26,6 +26,7 @@ STRATEGIES = {
     "selfspec": SpecConfig(2, 6, num_draft=3),
     "hispec": SpecConfig(1, 3, num_draft=3, window=4),
     "hispec-svip": SpecConfig(2, 4, draft_policy="svip", svip_threshold=3.0),
+    "lookup": SpecConfig(1, 3, lookup_max_draft=4),
 }
 PROMPTS = [[5, 17, 3, 99, 42], [7], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]]
 
@@ -85,7 +86,7 @@ def test_logprobs_are_the_targets_raw_logprobs(model, name, temperature):
 def test_logprobs_are_the_same_for_every_strategy_and_batch(model):
     params = lambda: [SamplingParams(max_new_tokens=10, ignore_eos=True, logprobs=2) for _ in PROMPTS]  # noqa: E731
     ref = run(model, "ar", params())
-    for name in ("selfspec", "hispec"):
+    for name in ("selfspec", "hispec", "lookup"):
         for (out, lps), (ref_out, ref_lps) in zip(run(model, name, params(), adaptive=True), ref):
             assert out.token_ids == ref_out.token_ids
             torch.testing.assert_close(torch.tensor([lp.logprob for lp in lps]),
@@ -140,8 +141,65 @@ def test_penalised_greedy_output_is_the_same_for_every_strategy(model, penalty):
                                                               for _ in PROMPTS])]
     assert plain != unpenalised  # the penalty changes the output: the test has power
     assert plain[0] == reference_greedy(model, PROMPTS[0], params()[0])
-    for name in ("selfspec", "hispec", "hispec-svip"):
+    for name in ("selfspec", "hispec", "hispec-svip", "lookup"):
         assert [out.token_ids for out, _ in run(model, name, params())] == plain, name
+
+
+# ---- on rows of free drafts (prompt lookup) -------------------------------------------------------
+
+# Prompts that repeat themselves: prompt lookup drafts from the first round on.
+REPEATING = [[5, 17, 3, 99, 42] * 3, [7, 8] * 6, [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21] * 2 + [11, 12]]
+
+
+def lookup_rounds(results) -> int:
+    return sum(out.stats.rounds.get("lookup", 0) for out, _ in results)
+
+
+# Besides PENALTIES (which push the model away from its loops: lookup drafts are rejected), two
+# that let it repeat, so drafts are accepted and the rows after them count them; with these a row
+# that counted its own draft among its ancestors (off by one) changes the output.
+LOOKUP_PENALTIES = PENALTIES + [dict(presence_penalty=-2.0), dict(frequency_penalty=0.2, presence_penalty=-1.0),
+                                dict(logit_bias=((12, 4.0), (5, 3.0)))]
+
+
+@pytest.mark.parametrize("penalty", LOOKUP_PENALTIES, ids=lambda p: ",".join(f"{k}={v}" for k, v in p.items()))
+@pytest.mark.parametrize("name", ["lookup", "hispec"])
+def test_penalties_on_lookup_rows_equal_ar(model, name, penalty):
+    """Each row of a lookup pass is penalised and biased by the committed output plus the drafts
+    before it (its own ancestors): the output and its log-probabilities equal ``ar``'s."""
+    params = lambda: [SamplingParams(max_new_tokens=16, ignore_eos=True, logprobs=2, **penalty)  # noqa: E731
+                      for _ in REPEATING]
+    want = run(model, "ar", params(), REPEATING)
+    got = run(model, name, params(), REPEATING)
+    assert [out.token_ids for out, _ in got] == [out.token_ids for out, _ in want]
+    assert lookup_rounds(got) > 0
+    for (_, lps), (_, ref_lps) in zip(got, want):
+        torch.testing.assert_close(torch.tensor([lp.logprob for lp in lps]),
+                                   torch.tensor([lp.logprob for lp in ref_lps]), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["lookup", "hispec"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_logprobs_on_lookup_rows_are_the_targets_raw_logprobs(model, name, temperature):
+    """Greedy: the same log-probabilities and top alternatives as ``ar``; sampled: those of a
+    plain full forward pass over prompt + output, for tokens committed by lookup rounds."""
+    params = [SamplingParams(temperature=temperature, seed=s, max_new_tokens=14, ignore_eos=True, logprobs=3)
+              for s in range(len(REPEATING))]
+    got = run(model, name, params, REPEATING)
+    assert lookup_rounds(got) > 0
+    for prompt, (out, lps) in zip(REPEATING, got):
+        assert [lp.token for lp in lps] == out.token_ids
+        ref = torch.log_softmax(full_logits(model, prompt + out.token_ids)[len(prompt) - 1:-1].float(), -1)
+        want = ref.gather(1, torch.tensor(out.token_ids)[:, None]).squeeze(1)
+        torch.testing.assert_close(torch.tensor([lp.logprob for lp in lps]), want, atol=1e-4, rtol=0)
+        for lp, row in zip(lps, ref):
+            torch.testing.assert_close(torch.tensor([v for _, v in lp.top]), row.topk(3).values, atol=1e-4, rtol=0)
+    if temperature == 0.0:
+        want = run(model, "ar", [SamplingParams(max_new_tokens=14, ignore_eos=True, logprobs=3) for _ in REPEATING],
+                   REPEATING)
+        assert [out.token_ids for out, _ in got] == [out.token_ids for out, _ in want]
+        assert [[t for t, _ in lp.top] for _, lps in got for lp in lps] == \
+            [[t for t, _ in lp.top] for _, lps in want for lp in lps]
 
 
 def test_processor_rows_follow_their_speculative_prefix():

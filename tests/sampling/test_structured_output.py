@@ -32,7 +32,7 @@ SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0
           "required": ["n", "ok", "tag"], "additionalProperties": False,
           "x-guidance": {"whitespace_flexible": False}}
 STRATEGIES = {"ar": None, "selfspec": SpecConfig(2, 6, num_draft=3), "hispec": SpecConfig(1, 3, num_draft=3, window=4),
-              "hispec-svip": SpecConfig(1, 2, draft_policy="svip", svip_threshold=3.0)}
+              "hispec-svip": SpecConfig(1, 2, draft_policy="svip", svip_threshold=3.0), "lookup": SpecConfig(1, 3)}
 
 
 @pytest.fixture(scope="module", params=["agreeing", "plain"])
@@ -85,6 +85,29 @@ def test_json_schema_output_in_every_strategy(char_gen, temperature, strict_comm
     if temperature == 0.0:
         for prompt in ("Hi", "JSON please: "):
             assert len({tuple(outputs[name, prompt]) for name in STRATEGIES}) == 1, prompt
+
+
+# A prompt that shows the answer's shape twice: prompt lookup drafts the JSON's keys and values.
+EXAMPLE = '{"n":12,"ok":true,"tag":"ab"} {"n":12,"ok":true,"tag":"ab"} {"n":12,"ok":'
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_json_schema_with_lookup_drafts(char_gen, temperature, strict_commits):
+    """Lookup drafts under a grammar: each row masked by the grammar's state after the committed
+    tokens and the drafts before it. Greedy: ``lookup`` and ``hispec`` give ``ar``'s output;
+    sampled: a seeded request gives the same valid JSON twice. Lookup rounds ran."""
+    grammar = Grammar.json_schema(SCHEMA, llguidance_tokenizer(char_gen.tokenizer, char_gen.model.cfg.vocab_size))
+    outputs, rounds = {}, 0
+    for name in ("ar", "lookup", "hispec"):
+        for seed in (3, 3) if temperature else (3,):
+            params = SamplingParams(temperature=temperature, seed=seed, max_new_tokens=60, grammar=grammar)
+            out = char_gen.generate(EXAMPLE, params, name, spec=STRATEGIES.get(name), chat=False)
+            assert out.finish_reason == "eos" and valid(json.loads(out.text)), (name, out.text)
+            assert outputs.setdefault(name, out.token_ids) == out.token_ids, name  # the seeded run reproduces
+            rounds += out.stats.rounds.get("lookup", 0) if name != "ar" else 0
+    assert rounds > 0
+    if temperature == 0.0:
+        assert outputs["lookup"] == outputs["ar"] and outputs["hispec"] == outputs["ar"]
 
 
 # ---- exactness on an 8-token model ----------------------------------------------------------------------
@@ -158,6 +181,43 @@ def test_hispec_samples_the_constrained_distribution(gen8, hf_model, eight):
     result = fit(empirical(gen8, "hispec", params, grammar, 400), joint)
     report("hispec/T1-grammar", result)
     assert result["stat"] <= result["bound"], result
+
+
+def lookup_empirical(gen, params, grammar, num_seeds, prompt) -> tuple:
+    from collections import Counter
+
+    counts, drafted = Counter(), 0
+    for seed in range(num_seeds):
+        p = SamplingParams(temperature=params.temperature, seed=seed, max_new_tokens=params.max_new_tokens,
+                           grammar=grammar)
+        out = gen.generate(prompt, p, "lookup", spec=SpecConfig(1, 2, lookup_ngram=1))
+        counts[tuple(out.token_ids)] += 1
+        lv = out.stats.levels.get("lookup->final")
+        drafted += lv.draft_tokens if lv else 0
+    return counts, drafted
+
+
+@pytest.mark.parametrize("blind", [False, True], ids=["right", "WRONG-blind-mask"])
+def test_lookup_samples_the_constrained_distribution(gen8, hf_model, eight, monkeypatch, blind):
+    """PROMPT + its first two tokens ends in 5 ('f'), which occurred before 3 7 1 ('d h b'): the
+    first round verifies lookup drafts the grammar allows ('d', 'h') and then one it forbids
+    ('b'). The committed tokens follow the masked target; a mask that ignores the drafts before
+    each row (WRONG) is rejected by the same statistic."""
+    _, grammar = eight
+    prompt = PROMPT + PROMPT[:2]
+    monkeypatch.setitem(globals(), "PROMPT", prompt)  # exact_joint's prompt
+    if blind:
+        from hispec.sampling.grammar import GrammarState
+
+        right = GrammarState.mask
+        monkeypatch.setattr(GrammarState, "mask",
+                            lambda self, logits, spec: torch.cat([right(self, row, []) for row in logits.split(1)]))
+    params = SamplingParams(temperature=1.0, max_new_tokens=3)
+    counts, drafted = lookup_empirical(gen8, params, grammar, 150 if blind else 400, prompt)
+    assert drafted > 400 if not blind else drafted > 0  # lookup drafts were really verified
+    result = fit(counts, exact_joint(hf_model, grammar, params))
+    report(f"{'WRONG blind grammar/' if blind else ''}lookup/T1-grammar", result)
+    assert (result["stat"] > result["bound"]) if blind else (result["stat"] <= result["bound"]), result
 
 
 def test_the_statistic_rejects_a_mask_blind_to_speculative_tokens(gen8, hf_model, eight, monkeypatch):
