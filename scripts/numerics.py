@@ -1,7 +1,7 @@
 """How far each 4-bit kernel's greedy tokens follow float32's: the first position where they part.
 
     python scripts/numerics.py --data question.jsonl [--limit 16] [--model default] [--max-new-tokens 64]
-                               [--kernels q4,int4,q8a] [--kv-bf16] [--llama-cpp] [--threads 2]
+                               [--kernels q4,int4,q8a] [--kv-bf16] [--llama-cpp] [--threads 2] [--save JSON]
 
 Greedy ``ar`` on each prompt (chat template, as ``hispec bench``), float32 weights (``--quantize none``)
 as the reference, then the GGUF's own 4-bit weights (``--quantize native``) on each kernel named
@@ -11,15 +11,18 @@ greedy tokens on the same Q4_1 GGUF and prompt ids (``hispec bench``'s peer proc
 ``$HISPEC_HOME/peers/llamacpp``). Prints per prompt the first differing position (``=``: identical),
 then per kernel: prompts identical, median first divergence and mean tokens agreeing before it (an
 identical prompt counts its length), against float32 and (``--llama-cpp``) against llama.cpp's.
-Run from the repository root with ``PYTHONPATH=.`` to use that copy.
+Run from the repository root with ``PYTHONPATH=.`` to use that copy; on a machine busier than its
+cores, ``OMP_WAIT_POLICY=passive`` (see ``bench-kernels.py``).
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 
@@ -40,20 +43,25 @@ def summarize(refs: list[list[int]], outs: list[list[int]]) -> tuple[int, float,
     return same, statistics.median(agree), statistics.mean(agree)
 
 
-def _hispec_ids(model: str, prompt_ids: list[list[int]], params, *, kernel: str | None, kv: str = "auto"):
-    """Greedy ``ar`` ids of every prompt: float32 weights where ``kernel`` is None, else the GGUF's
-    4-bit blocks on ``kernel``; and what the model runs on (``select.describe``)."""
+def _hispec_ids(model: str, prompt_ids: list[list[int]], params, *, kernel: str, kv: str = "auto") -> list[list[int]]:
+    """Greedy ``ar`` ids of every prompt on the GGUF's 4-bit blocks on ``kernel`` (what the model runs
+    on, ``select.describe``, to stderr)."""
     from hispec.generate import Generator
     from hispec.kernels import quant, select
 
-    if kernel is None:
-        os.environ.pop("HISPEC_Q4_KERNEL", None)
-    else:
-        os.environ["HISPEC_Q4_KERNEL"] = kernel
+    os.environ["HISPEC_Q4_KERNEL"] = kernel
     quant.four_bit_kernel.cache_clear()  # decided once per process: again for this kernel
-    gen = Generator.from_pretrained(model, progress=False, exits=False, kv_cache_dtype=kv,
-                                    quantize="none" if kernel is None else "native")
-    return [gen.generate(ids, params, "ar").token_ids for ids in prompt_ids], select.describe(gen.model)
+    gen = Generator.from_pretrained(model, progress=False, exits=False, kv_cache_dtype=kv, quantize="native")
+    print(f"{kernel}{' kv ' + kv if kv != 'auto' else ''}: {select.describe(gen.model)}", file=sys.stderr, flush=True)
+    return [gen.generate(ids, params, "ar").token_ids for ids in prompt_ids]
+
+
+def _load_saved(path: str | None, key: dict) -> dict[str, list[list[int]]]:
+    """The runs ``--save`` kept from an earlier call with the same model, prompt ids and length."""
+    if not path or not Path(path).exists():
+        return {}
+    saved = json.loads(Path(path).read_text())
+    return saved["runs"] if saved.get("key") == key else {}
 
 
 def _llama_cpp_ids(gen, model: str, prompt_ids: list[list[int]], params, threads: int) -> list[list[int]]:
@@ -80,6 +88,8 @@ def main() -> None:
     ap.add_argument("--kv-bf16", action="store_true", help="also q4 with a bfloat16 KV cache")
     ap.add_argument("--llama-cpp", action="store_true", help="also llama.cpp's tokens on the same Q4_1 GGUF")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--save", metavar="JSON", help="keep every run's ids here; a later call with the same "
+                                                   "prompts reuses them (resume a long run)")
     args = ap.parse_args()
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
 
@@ -95,16 +105,25 @@ def main() -> None:
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
     ref_gen = Generator.from_pretrained(args.model, progress=False, exits=False, quantize="none")
     prompt_ids = encode_prompts(ref_gen, prompts, chat=None)
-    refs = [ref_gen.generate(ids, params, "ar").token_ids for ids in prompt_ids]
-    runs: dict[str, list[list[int]]] = {}
+    key = {"model": args.model, "prompt_ids": prompt_ids, "max_new_tokens": args.max_new_tokens}
+    runs = _load_saved(args.save, key)
+    jobs = {"float32": lambda: [ref_gen.generate(ids, params, "ar").token_ids for ids in prompt_ids]}
     if args.llama_cpp:
-        runs["llama.cpp Q4_1"] = _llama_cpp_ids(ref_gen, args.model, prompt_ids, params, args.threads)
-    del ref_gen
-    configs = [(k, k, "auto") for k in args.kernels.split(",") if k] + ([("q4 kv-bf16", "q4", "bfloat16")]
-                                                                          if args.kv_bf16 else [])
-    for label, kernel, kv in configs:
-        runs[label], described = _hispec_ids(args.model, prompt_ids, params, kernel=kernel, kv=kv)
-        print(f"{label}: {described}", file=sys.stderr, flush=True)
+        jobs["llama.cpp Q4_1"] = lambda: _llama_cpp_ids(ref_gen, args.model, prompt_ids, params, args.threads)
+    for kernel in filter(None, args.kernels.split(",")):
+        jobs[kernel] = lambda kernel=kernel: _hispec_ids(args.model, prompt_ids, params, kernel=kernel)
+    if args.kv_bf16:
+        jobs["q4 kv-bf16"] = lambda: _hispec_ids(args.model, prompt_ids, params, kernel="q4", kv="bfloat16")
+    for label, job in jobs.items():
+        if label not in runs:
+            t0 = time.perf_counter()
+            runs[label] = job()
+            print(f"{label}: {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+            if args.save:
+                Path(args.save).write_text(json.dumps({"key": key, "runs": runs}))
+        if label == ("llama.cpp Q4_1" if args.llama_cpp else "float32"):
+            ref_gen = None  # the last job to use it: one model in memory at a time
+    refs = runs.pop("float32")
 
     labels = list(runs)
     print(f"{len(prompts)} prompts from {args.data}, greedy ar, {args.max_new_tokens} new tokens; first position "
