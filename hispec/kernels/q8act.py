@@ -74,12 +74,15 @@ def supported_isas() -> list[str]:
 
 @functools.lru_cache(maxsize=1)
 def best_isa() -> str:
-    """The fastest path this CPU has; says once (a log line) when it is not AVX-512 VNNI, and why."""
+    """The fastest path this CPU has; says once (a log line) when it is not AVX-512 VNNI, and why: a
+    warning for the plain C path (no AVX2: slow, the same bits), else an info line."""
     best = _lib().hs_q8a_best_isa()
     name = next(n for n, i in _isa_ids().items() if i == best)
     if name != "avx512vnni":
         lacking = {"scalar": "no AVX2", "avx2": "no AVX-512 VNNI or AVX-VNNI", "vnni256": "no AVX-512 VNNI"}[name]
-        log.info("8-bit-activation kernels: the %s path (%s on this CPU)", name, lacking)
+        (log.warning if name == "scalar" else log.info)(
+            "8-bit-activation kernels: the %s path (%s on this CPU)%s", name, lacking,
+            ": same results, several times slower" if name == "scalar" else "")
     return name
 
 

@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 from pathlib import Path
 
@@ -67,6 +68,8 @@ from .. import envs
 from . import build, fused, q8act
 from .matmul import linear
 from .timing import interleaved_medians
+
+log = logging.getLogger(__name__)
 
 ACT_DTYPE = torch.bfloat16
 GROUP = 32  # GGUF's block size, and the default group of --quantize int4
@@ -400,8 +403,13 @@ def four_bit_kernel() -> tuple[str, str]:
     if forced is not None and forced not in FORCED_FOUR_BIT:
         raise ValueError(f"HISPEC_Q4_KERNEL={forced!r}: choose from {', '.join(FORCED_FOUR_BIT)}")
     if forced is not None and (forced == "int4" or fused.available()):
+        if forced == "q8a":
+            q8act.best_isa()  # says once which path runs where the CPU lacks VNNI (or AVX2)
         return forced, f"HISPEC_Q4_KERNEL={forced}"
     if not fused.available():
+        if forced:
+            log.warning("HISPEC_Q4_KERNEL=%s: hispec's compiled kernels are unavailable; 4-bit weights run on "
+                        "PyTorch's int4 kernel", forced)
         return "int4", "hispec's compiled kernels unavailable" + (f" (HISPEC_Q4_KERNEL={forced})" if forced else "")
     path = _four_bit_choice_file()
     try:

@@ -244,6 +244,44 @@ def test_best_path_is_said_once(caplog):
         assert len(notes) == 1 and f"the {best} path" in notes[0]
 
 
+class CpuWithout:
+    """The C library as a CPU with only the plain C path would show it (``hs_q8a_best_isa`` and
+    ``hs_q8a_isa_supported`` say scalar); every other call goes to the real library."""
+
+    def __init__(self, lib) -> None:
+        self.lib, self.scalar = lib, q8act._isa_ids()["scalar"]
+
+    def hs_q8a_best_isa(self) -> int:
+        return self.scalar
+
+    def hs_q8a_isa_supported(self, isa: int) -> int:
+        return int(isa == self.scalar)
+
+    def __getattr__(self, name: str):
+        return getattr(self.lib, name)
+
+
+def test_cpu_without_avx2_runs_the_plain_c_path_with_one_warning(monkeypatch, caplog):
+    """No AVX2: the plain C path, said in one warning, with the bits this CPU's best path gives."""
+    gen = torch.Generator().manual_seed(5)
+    _, qs, dm = four_bit(48, 128, "Q4_1", gen)
+    x = activations(3, 128, gen)
+    want = q8act.q4_matmul(x, qs, dm)  # this CPU's best path
+    monkeypatch.setattr(q8act, "library", lambda lib=q8act.library(): CpuWithout(lib))
+    q8act.best_isa.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="hispec.kernels.q8act"):
+            assert q8act.supported_isas() == ["scalar"] and q8act.best_isa() == "scalar"
+            got = [q8act.q4_matmul(x, qs, dm) for _ in range(2)]
+        notes = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        assert len(notes) == 1 and "the scalar path (no AVX2 on this CPU)" in notes[0], notes
+        assert all(torch.equal(g, want) for g in got)
+        with pytest.raises(ValueError, match="cannot run the avx2 path"):
+            q8act.q4_matmul(x, qs, dm, isa="avx2")
+    finally:
+        q8act.best_isa.cache_clear()
+
+
 def test_no_compiler_falls_back_with_a_note(monkeypatch, tmp_path, caplog):
     """q8act is part of the one C library: without a compiler there is none, said once, and a call says why."""
     monkeypatch.setenv("HISPEC_HOME", str(tmp_path))

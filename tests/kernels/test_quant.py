@@ -145,6 +145,36 @@ def test_four_bit_kernel_choice(monkeypatch):
 
 
 @needs_fused
+def test_forced_q8a_says_its_path_or_falls_back_with_a_note(monkeypatch, caplog):
+    """HISPEC_Q4_KERNEL=q8a on a CPU without AVX2: q8a still (the plain C path, the same bits), said
+    in one warning at the choice; without hispec's compiled kernels: int4, said in one warning."""
+    import logging
+
+    from hispec.kernels import q8act
+    from tests.kernels.test_q8act import CpuWithout
+
+    monkeypatch.setenv("HISPEC_Q4_KERNEL", "q8a")
+    monkeypatch.setattr(q8act, "library", lambda lib=q8act.library(): CpuWithout(lib))
+    quant.four_bit_kernel.cache_clear(), q8act.best_isa.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="hispec.kernels"):
+            assert quant.four_bit_kernel()[0] == "q8a"
+        notes = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        assert len(notes) == 1 and "scalar path (no AVX2" in notes[0], notes
+        caplog.clear()
+        monkeypatch.setattr(fused, "available", lambda: False)
+        quant.four_bit_kernel.cache_clear()
+        with caplog.at_level(logging.WARNING, logger="hispec.kernels"):
+            kind, why = quant.four_bit_kernel()
+        assert kind == "int4" and "HISPEC_Q4_KERNEL=q8a" in why
+        notes = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        assert len(notes) == 1 and notes[0].startswith("HISPEC_Q4_KERNEL=q8a: hispec's compiled kernels are "
+                                                       "unavailable"), notes
+    finally:
+        quant.four_bit_kernel.cache_clear(), q8act.best_isa.cache_clear()
+
+
+@needs_fused
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
 def test_q8a_kernel_runs_the_q4_weights_on_8_bit_activations(kind):
     """``q8a``: the file's nibbles and exact d, m as ``q4`` keeps them (the same dequantized and

@@ -247,6 +247,60 @@ def test_non_llama_architecture_raises(tmp_path):
     _no_tmp_left(tmp_path)
 
 
+def _write_raw_gguf(path, types: dict[str, "Q"]) -> None:
+    """A GGUF of zero-filled 4 x 256 tensors of the given types (no metadata: the types are checked first)."""
+    from gguf.constants import GGML_QUANT_SIZES
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    for name, qtype in types.items():
+        block, size = GGML_QUANT_SIZES[qtype]
+        w.add_tensor(name, np.zeros((4, 256 // block * size), dtype=np.uint8), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def _set_type_id(path, tensor: str, type_id: int) -> None:
+    """Overwrite ``tensor``'s type id in the file's tensor infos (name, n_dims u32, dims u64 x n, type u32)."""
+    data = bytearray(path.read_bytes())
+    at = data.find(tensor.encode()) + len(tensor)
+    n_dims = int.from_bytes(data[at:at + 4], "little")
+    at += 4 + 8 * n_dims
+    data[at:at + 4] = type_id.to_bytes(4, "little")
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_K, Q.I32], ids=lambda q: q.name)
+def test_unreadable_tensor_type_is_refused_naming_tensor_and_type(tmp_path, qtype):
+    src = tmp_path / "odd.gguf"
+    _write_raw_gguf(src, {"blk.0.attn_q.weight": Q.Q8_0, "blk.0.ffn_down.weight": qtype})
+    out = tmp_path / "out"
+    with pytest.raises(gc.GGUFTypeError, match=rf"'blk\.0\.ffn_down\.weight' has type {qtype.name}\b"):
+        convert_gguf(src, out, progress=False)
+    assert not out.exists()
+    _no_tmp_left(tmp_path)
+
+
+def test_unknown_tensor_type_id_is_refused_naming_the_tensor(tmp_path):
+    src = tmp_path / "newer.gguf"
+    _write_raw_gguf(src, {"blk.0.attn_q.weight": Q.Q8_0, "blk.0.ffn_up.weight": Q.Q8_0})
+    _set_type_id(src, "blk.0.ffn_up.weight", 250)
+    with pytest.raises(gc.GGUFTypeError, match=r"'blk\.0\.ffn_up\.weight' in newer\.gguf has type id 250"):
+        convert_gguf(src, tmp_path / "out", progress=False)
+    from hispec.model.load.gguf_weights import gguf_tensors
+
+    with pytest.raises(gc.GGUFTypeError, match="ffn_up"):  # the native loader reads the file the same way
+        gguf_tensors(src)
+
+
+def test_k_and_iq_types_are_readable(tmp_path):
+    """Types with no hispec kernel but a dequantization (K-quants, IQ) pass the check: they run as float32."""
+    src = tmp_path / "kquants.gguf"
+    _write_raw_gguf(src, {"blk.0.attn_q.weight": Q.Q5_K, "blk.0.ffn_up.weight": Q.IQ2_XXS, "output.weight": Q.Q6_K})
+    gc.check_tensor_types(gc.read_gguf(src))
+
+
 @pytest.mark.parametrize("where", ["_dequantize", "_save_tokenizer"])
 def test_atomic_on_failure(tiny_tied, tmp_path, monkeypatch, where):
     """A failure midway (during tensors, or after model.safetensors is written) leaves nothing behind."""
@@ -434,7 +488,7 @@ def test_native_weights_are_the_files_own(tmp_path, qtype):
     ref = load_model(out)
     native = load_model(out, quantize="native", gguf=src) if qtype != Q.Q8_0 else None
     if native is None:  # Q8_0 decoder tensors have no kernel here: nothing to run natively
-        with pytest.raises(Exception, match="no Q4_0/Q4_1"):
+        with pytest.raises(Exception, match=r"no Q4_0/Q4_1 .*blk\.0\.attn_q\.weight is Q8_0"):
             apply_quantization(load_model(out), "native", src)
         return
     assert native.weight_format == "native"

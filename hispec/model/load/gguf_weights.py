@@ -56,9 +56,9 @@ def gguf_tensors(gguf_path: str | Path) -> list:
 
 @functools.lru_cache(maxsize=2)
 def _tensors(path: str, mtime_ns: int, size: int) -> list:
-    from gguf import GGUFReader
+    from .gguf_convert import read_gguf
 
-    return GGUFReader(path).tensors
+    return read_gguf(path).tensors
 
 
 def _unpermute_rows(t: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -92,6 +92,17 @@ def native_linears(gguf_path: str | Path, num_heads: int, num_kv_heads: int) -> 
             out[f"layers.{i}.{fused}"] = QuantLinear.from_blocks(torch.cat(qs), torch.cat(ds), torch.cat(ms),
                                                                  "+".join(sorted({t.tensor_type.name for t in tensors})))
     return out, "+".join(sorted(kinds))
+
+
+def decoder_types(gguf_path: str | Path) -> dict[str, str]:
+    """The types of the file's decoder linear tensors (``FUSED``'s parts), each with the first tensor
+    of that type, e.g. ``{"Q5_K": "blk.0.attn_q.weight"}``: for messages."""
+    parts = {p for ps in FUSED.values() for p in ps}
+    out: dict[str, str] = {}
+    for t in gguf_tensors(gguf_path):
+        if t.name.startswith("blk.") and t.name.split(".")[2] in parts:
+            out.setdefault(t.tensor_type.name, t.name)
+    return out
 
 
 def _q8_blocks(tensor) -> tuple[torch.Tensor, torch.Tensor]:
