@@ -19,13 +19,8 @@ import httpx  # noqa: E402
 from hispec.config import SamplingParams  # noqa: E402
 from hispec.generate import Generator  # noqa: E402
 
-from tests.server.test_server import MODEL, ServerProcess, make_model_dir  # noqa: E402
-from tests.server.test_server_api import ids_of  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def model_dir(tiny_model_dir, tmp_path_factory):
-    return make_model_dir(tiny_model_dir, tmp_path_factory)
+from tests.server.test_server import MODEL, ServerProcess  # noqa: E402
+from tests.server.test_server_api import ids_of, model_dir  # noqa: E402,F401 (a fixture)
 
 
 @pytest.fixture(scope="module")
