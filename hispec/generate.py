@@ -19,7 +19,7 @@ from .config import ConfigError, EngineConfig, SamplingParams, SpecConfig, check
 from .decode import make_strategy
 from .decode.base import Strategy
 from .decode.lookup import SuffixStore
-from .engine.adaptive import AdaptiveController
+from .engine.adaptive import AdaptiveController, adaptive_modes
 from .engine.engine import Engine, PromptTooLongError  # noqa: F401 (PromptTooLongError re-exported)
 from .engine.outputs import GenerationOutput
 from .model.exits.attached import ExitSet
@@ -154,7 +154,8 @@ class Generator:
         learns across calls whether speculation pays. ``suffix``: earlier outputs that may draft
         (none by default: a call is not shaped by the calls before it)."""
         key = f"{strategy.name} {getattr(strategy, 'spec', None)!r}"
-        controller = self._controllers.setdefault(key, AdaptiveController()) if adaptive else None
+        controller = self._controllers.setdefault(key, AdaptiveController(modes=adaptive_modes(strategy))) \
+            if adaptive else None
         engine = Engine(self.model, strategy, EngineConfig(block_size=self.block_size, max_batch_size=1,
                                                            adaptive=adaptive, suffix_cache_entries=0),
                         tokenizer=self.tokenizer, eos_ids=self.eos_ids, controller=controller, cache=self._cache,

@@ -8,6 +8,10 @@ second of step time, an exponential moving average), picks the better one, and n
 re-measures the other: every ``explore_every`` steps at first, twice as long after each
 re-measurement that changes nothing (up to ``max_backoff`` times), back to the start when the
 other mode wins. Both modes are lossless, so switching never changes the output.
+
+A strategy that drafts token trees (``--tree-width``) has a third mode, ``chain``: its rounds with
+one draft per position. The controller then weighs the three (trees pay only where verification
+rows are cheap: ``decode/tree.py``), re-measuring the losers in turn.
 """
 from __future__ import annotations
 
@@ -15,7 +19,14 @@ from dataclasses import dataclass, field
 
 from ..decode.lookup import RowCost
 
-SPECULATE, PLAIN = "speculate", "plain"
+SPECULATE, CHAIN, PLAIN = "speculate", "chain", "plain"
+
+
+def adaptive_modes(strategy) -> tuple[str, ...]:
+    """The modes the controller weighs for ``strategy``: its rounds and plain ones, and its rounds
+    as chains where it drafts trees."""
+    spec = getattr(strategy, "spec", None)
+    return (SPECULATE, CHAIN, PLAIN) if getattr(spec, "tree_width", 1) > 1 else (SPECULATE, PLAIN)
 
 
 @dataclass
@@ -34,12 +45,17 @@ class AdaptiveController:
     explore_every: int = 24  # steps between re-measurements of the losing mode (at first)
     max_backoff: int = 8  # the interval grows to at most explore_every * max_backoff
     alpha: float = 0.3
+    modes: tuple[str, ...] = (SPECULATE, PLAIN)  # the first wins ties
     rates: dict[tuple[int, str], _Rate] = field(default_factory=dict)
-    steps: dict[str, int] = field(default_factory=lambda: {SPECULATE: 0, PLAIN: 0})
+    steps: dict[str, int] = field(default_factory=dict)
     _since_explore: dict[int, int] = field(default_factory=dict)
     _backoff: dict[int, int] = field(default_factory=dict)  # bucket -> interval multiplier
     _best_before: dict[int, str] = field(default_factory=dict)  # bucket -> best mode at the last exploration
     row_cost: RowCost = field(default_factory=RowCost)  # seconds of a pass by its rows: what free drafts cost
+    _explored: dict[tuple[int, str], int] = field(default_factory=dict)  # (bucket, mode) -> when last re-measured
+
+    def __post_init__(self) -> None:
+        self.steps = {m: self.steps.get(m, 0) for m in self.modes}
 
     @staticmethod
     def bucket(batch_size: int) -> int:
@@ -48,11 +64,11 @@ class AdaptiveController:
 
     def choose(self, batch_size: int) -> str:
         b = self.bucket(batch_size)
-        spec, plain = self._rate(b, SPECULATE), self._rate(b, PLAIN)
-        for mode, rate in ((SPECULATE, spec), (PLAIN, plain)):
+        rates = {m: self._rate(b, m) for m in self.modes}
+        for mode, rate in rates.items():
             if rate.samples < self.warmup:
                 return mode
-        best = SPECULATE if spec.tokens_per_second >= plain.tokens_per_second else PLAIN
+        best = max(self.modes, key=lambda m: rates[m].tokens_per_second)  # the first of equals
         if b in self._best_before:  # the first choice after an exploration: did it change anything?
             same = self._best_before.pop(b) == best
             self._backoff[b] = min(self.max_backoff, 2 * self._backoff.get(b, 1)) if same else 1
@@ -60,11 +76,13 @@ class AdaptiveController:
         if self._since_explore[b] >= self.explore_every * self._backoff.get(b, 1):
             self._since_explore[b] = 0
             self._best_before[b] = best
-            return PLAIN if best == SPECULATE else SPECULATE
+            mode = min((m for m in self.modes if m != best), key=lambda m: self._explored.get((b, m), -1))
+            self._explored[(b, mode)] = sum(self.steps.values())  # the losers in turn
+            return mode
         return best
 
     def record(self, batch_size: int, mode: str, tokens: int, seconds: float) -> None:
-        self.steps[mode] += 1
+        self.steps[mode] = self.steps.get(mode, 0) + 1
         if seconds > 0:
             self._rate(self.bucket(batch_size), mode).add(tokens / seconds, self.alpha)
 

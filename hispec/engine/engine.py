@@ -24,7 +24,7 @@ from ..model.decoder import DecoderModel
 from ..sampling.logprobs import TokenLogprob, token_logprobs
 from ..sampling.processors import LogitsProcessor
 from ..settings import SPECULATIVE
-from .adaptive import SPECULATE, AdaptiveController
+from .adaptive import CHAIN, PLAIN, SPECULATE, AdaptiveController, adaptive_modes
 from .outputs import RequestOutput
 from .scheduler import Scheduler
 from .sequence import Sequence
@@ -96,7 +96,10 @@ class Engine:
         self._ar = Autoregressive()
         self.adaptive = None
         if self.config.adaptive and strategy.name in SPECULATIVE:
-            self.adaptive = controller if controller is not None else AdaptiveController()
+            self.adaptive = controller if controller is not None else AdaptiveController(modes=adaptive_modes(strategy))
+        # the strategy's rounds as chains, where it drafts trees and the controller weighs both
+        self._chain = type(strategy)(dataclasses.replace(strategy.spec, tree_width=1)) \
+            if self.adaptive is not None and CHAIN in self.adaptive.modes else None
         # whether the controller chooses between the strategy's step and a plain one (free
         # drafts are weighed against the measured cost of rows either way)
         self._switches = self.adaptive is not None and getattr(strategy, "adaptive_steps", True)
@@ -291,10 +294,10 @@ class Engine:
         # a seeded request must give the same output whatever else shares its batch.
         adaptive = self._switches and all(c.params.greedy for c in batch)
         mode = self.adaptive.choose(len(batch)) if adaptive else SPECULATE
-        strategy = self.strategy if mode == SPECULATE else self._ar
+        strategy = {SPECULATE: self.strategy, CHAIN: self._chain, PLAIN: self._ar}[mode]
         t0 = time.perf_counter()
         commits = strategy.step(batch)
-        if strategy is not self.strategy:
+        if strategy is self._ar:
             for c in batch:
                 c.stats.plain_steps += 1
         if self.model.device.type == "cuda":

@@ -215,3 +215,18 @@ def test_second_lookup_branch_is_accepted(agreeing, monkeypatch):
     monkeypatch.setattr(spec_mod, "free_drafts", oracle)
     assert agreeing.generate(prompt, params, "lookup", spec=spec).token_ids == want
     assert spy.off_chain > 0
+
+
+def test_adaptive_tree_engine_weighs_chains_and_equals_ar(agreeing):
+    """Adaptive decoding of a tree-drafting strategy runs trees, chains and plain steps, and its
+    output is ar's whichever ran."""
+    from hispec.llm import LLM
+
+    spec = SpecConfig(draft_layer=1, verify_layer=3, num_draft=3, tree_width=3, lookup_max_draft=0)
+    llm = LLM(agreeing, "hispec", spec=spec, max_batch_size=4, adaptive=True)
+    llm.engine.adaptive.warmup, llm.engine.adaptive.explore_every = 1, 2
+    prompts = [torch.randint(3, 128, (10,), generator=torch.Generator().manual_seed(s)).tolist() for s in range(4)]
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    got = [o.token_ids for o in llm.generate(prompts, params)]
+    assert got == [agreeing.generate(p, params, "ar").token_ids for p in prompts]
+    assert all(n > 0 for n in llm.engine.adaptive.steps.values()), llm.engine.adaptive.steps

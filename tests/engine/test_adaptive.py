@@ -45,3 +45,25 @@ def test_buckets_are_measured_separately():
     drive(ctl, {SPECULATE: 20, PLAIN: 10}, 10, batch_size=1)
     drive(ctl, {SPECULATE: 10, PLAIN: 20}, 10, batch_size=16)
     assert ctl.choose(1) == SPECULATE and ctl.choose(16) == PLAIN
+
+
+def test_three_modes_follow_the_fastest_and_re_measure_each_loser():
+    """A tree-drafting strategy's controller weighs trees, chains and plain steps."""
+    from hispec.engine.adaptive import CHAIN
+
+    ctl = AdaptiveController(modes=(SPECULATE, CHAIN, PLAIN), warmup=1, explore_every=4, max_backoff=1)
+    modes = drive(ctl, {SPECULATE: 10, CHAIN: 30, PLAIN: 20}, 3 + 40)
+    assert modes[:3] == [SPECULATE, CHAIN, PLAIN]
+    rest = modes[3:]
+    assert rest.count(CHAIN) >= 28 and rest.count(SPECULATE) >= 3 and rest.count(PLAIN) >= 3
+    assert ctl.steps == {SPECULATE: modes.count(SPECULATE), CHAIN: modes.count(CHAIN), PLAIN: modes.count(PLAIN)}
+
+
+def test_tree_strategies_get_a_chain_mode():
+    from hispec.config import SpecConfig
+    from hispec.decode.speculative import HiSpec
+    from hispec.engine.adaptive import CHAIN, adaptive_modes
+
+    spec = SpecConfig(draft_layer=1, verify_layer=3)
+    assert adaptive_modes(HiSpec(spec)) == (SPECULATE, PLAIN)
+    assert adaptive_modes(HiSpec(SpecConfig(draft_layer=1, verify_layer=3, tree_width=3))) == (SPECULATE, CHAIN, PLAIN)
