@@ -434,7 +434,7 @@ class SelfSpec(Strategy):
         for c, p, v in zip(batch, props, verdicts):
             c.policy.update(p.tokens.shape[0], v.num_accepted)
             c.stats.full_passes += 1
-            c.stats.count_round("exits")
+            c.stats.count_round("tree" if self.spec.tree_width > 1 else "exits")
             commits.append(v.tokens)
         return commits
 
@@ -547,7 +547,7 @@ class HiSpec(Strategy):
             if len(w):
                 c.stats.level("intermediate->final").record(len(w), num)
             c.stats.full_passes += 1
-            c.stats.count_round("exits")
+            c.stats.count_round("tree" if self.spec.tree_width > 1 else "exits")
             commits.append(toks)
         return commits
 
