@@ -72,6 +72,9 @@ def register(subparsers) -> None:
     g.add_argument("--rounds", type=int, default=3, metavar="N",
                    help="with --batch-sizes: runs per engine and batch size, interleaved; the median is reported (default 3)")
     g.add_argument("--no-adaptive", action="store_true", help="with --batch-sizes: always speculate")
+    g.add_argument("--adaptive", action="store_true",
+                   help="without --batch-sizes: decode each prompt adaptively, as hispec generate does (one "
+                        "controller per strategy, learning across the prompts; default: always speculate)")
     g.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     peers = p.add_argument_group("peer engines (each in its own process and venv; greedy; see PEERS below)")
     peers.add_argument("--peers", default=None, metavar="P,P",
@@ -197,7 +200,7 @@ def _bench(args, gen, strategies, exit_layers, categories, prompts, params, out,
         "prompt_tokens": [len(ids) for ids in run.prompt_ids],
         "strategies": [r.label for r in runners if r.kind != "peer"], "peers": [p.label for p in peers],
         "agree_first": args.agree_first, "hf_exit_layers": exit_layers,
-        "max_new_tokens": params.max_new_tokens,
+        "max_new_tokens": params.max_new_tokens, "adaptive": args.adaptive,
         "sampling": {"temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p,
                      "seed": params.seed, "stop": list(params.stop), "ignore_eos": params.ignore_eos},
         "chat": chat, "warmup": args.warmup, "batch_size": 1, "out": portable(out),

@@ -235,7 +235,9 @@ def setup_lines(results: dict) -> list[str]:
         f"- generation: max {cfg['max_new_tokens']} new tokens, "
         + ("greedy" if cfg["sampling"]["temperature"] == 0 else f"sampling {cfg['sampling']}")
         + f", chat template {'on' if cfg['chat'] else 'off'}, batch size 1, warm-up {cfg['warmup']} prompt(s), "
-          "prompts interleaved round-robin across strategies",
+          "prompts interleaved round-robin across strategies, "
+        + ("adaptive (plain steps where measured speculation does not pay)" if cfg.get("adaptive")
+           else "always speculating"),
         f"- command: `{cfg['command']}`",
     ] + _roofline_lines(m)
 

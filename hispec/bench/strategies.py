@@ -157,11 +157,12 @@ class Runner:
 
 
 class OwnRunner(Runner):
-    """``ar``, ``selfspec`` and ``hispec`` through ``Generator.generate``."""
+    """``ar``, ``selfspec``, ``hispec`` and ``lookup`` through ``Generator.generate`` (``adaptive``: as
+    ``hispec generate`` decodes, plain steps where measured speculation does not pay)."""
 
-    def __init__(self, strategy: StrategySpec, generator, spec: SpecConfig | None) -> None:
+    def __init__(self, strategy: StrategySpec, generator, spec: SpecConfig | None, adaptive: bool = False) -> None:
         self.label, self.kind = strategy.label, strategy.kind
-        self.gen, self.spec = generator, spec
+        self.gen, self.spec, self.adaptive = generator, spec, adaptive
 
     def describe(self) -> dict:
         return {"kind": self.kind, "spec": None if self.spec is None else
@@ -169,7 +170,7 @@ class OwnRunner(Runner):
 
     def run(self, prompt_ids: list[int], params: SamplingParams) -> Sample:
         with KVPeak(self.gen.model) as kv:
-            out = self.gen.generate(list(prompt_ids), params, self.kind, spec=self.spec)
+            out = self.gen.generate(list(prompt_ids), params, self.kind, spec=self.spec, adaptive=self.adaptive)
         return Sample(out.token_ids, out.seconds, out.stats, kv.bytes)
 
 
@@ -359,7 +360,7 @@ def build_runners(strategies: list[StrategySpec], args: argparse.Namespace, gene
     runners: list[Runner] = []
     for s in strategies:
         if s.kind in OWN_KINDS:
-            runners.append(OwnRunner(s, generator, spec_for(s, args, generator)))
+            runners.append(OwnRunner(s, generator, spec_for(s, args, generator), getattr(args, "adaptive", False)))
         else:
             runners.append(HFRunner(s, generator, hf))
     return runners

@@ -52,10 +52,11 @@ class Comparison:
     source: str = ""
     transcribed_from: str | None = None
     note: str | None = None
+    adaptive: bool | None = None  # speculation decoded adaptively (None: not recorded)
     key: tuple = field(init=False)
 
     def __post_init__(self) -> None:
-        self.key = (self.machine, self.batch_size, tuple(sorted(r.label for r in self.rows)))
+        self.key = (self.machine, self.batch_size, tuple(sorted(r.label for r in self.rows)), bool(self.adaptive))
 
 
 # ---- reading result files ------------------------------------------------------------------
@@ -125,7 +126,7 @@ def _from_results(data: dict, source: str) -> Comparison:
                         e.get("tokens_per_second_median"), _same(e, label, own)))
     return Comparison(_machine(data.get("machine")), int(cfg.get("batch_size") or 1), rows,
                       prompts=cfg.get("num_prompts"), max_new_tokens=cfg.get("max_new_tokens"),
-                      command=cfg.get("command"), **_provenance(data, source))
+                      command=cfg.get("command"), adaptive=cfg.get("adaptive", False), **_provenance(data, source))
 
 
 def _provenance(data: dict, source: str) -> dict:
@@ -150,7 +151,8 @@ def _from_batch(data: dict, source: str) -> list[Comparison]:
             rows.append(Row(label, own, weights, r.get("tokens_per_second"), None, _same(r, label, own)))
         out.append(Comparison(_machine(data.get("machine")), int(b), rows, prompts=data.get("num_prompts"),
                               max_new_tokens=data.get("max_new_tokens"), rounds=data.get("rounds"),
-                              command=data.get("command"), **_provenance(data, source)))
+                              command=data.get("command"), adaptive=data.get("adaptive"),
+                              **_provenance(data, source)))
     return out
 
 
@@ -196,6 +198,8 @@ def _setup(c: Comparison) -> str:
         parts.append(f"{c.max_new_tokens} new tokens")
     if c.rounds is not None:
         parts.append(f"median of {c.rounds} interleaved rounds")
+    if c.adaptive is not None and any(r.own and r.label != "ar" for r in c.rows):
+        parts.append("adaptive" if c.adaptive else "always speculating")
     if c.load is not None:
         parts.append("load average " + " -> ".join("?" if x is None else f"{x:.2f}" for x in c.load))
     else:

@@ -179,3 +179,18 @@ def test_benchmarks_markdown_from_results(results, capsys):
     text = capsys.readouterr().out
     assert text.startswith("# Benchmarks") and "## Where the time goes" in text and "- `hispec` (" in text
     assert "python -m hispec.bench.report" in text
+
+
+def test_adaptive_runs_and_tree_options(tiny_model, prompt_file, tmp_path):
+    """``--adaptive`` decodes each prompt as ``hispec generate`` does (recorded, and said in the
+    report); trees and lookup branches are strategy options."""
+    assert bench(tiny_model, prompt_file, tmp_path, "--strategies", "ar,hispec:m=3:b=2,lookup:b=2", "--adaptive",
+                 "--no-plots") == 0
+    r = json.loads((tmp_path / "results.json").read_text())
+    assert r["config"]["adaptive"] is True
+    assert r["strategies"]["hispec:m=3:b=2"]["identical_to_ar"] is True
+    assert r["strategies"]["lookup:b=2"]["identical_to_ar"] is True
+    assert "adaptive (plain steps" in (tmp_path / "report.md").read_text()
+    specs = parse_strategies("hispec:m=3:b=2:l=6,lookup:b=4")
+    assert specs[0].overrides == {"tree_width": 3, "lookup_branches": 2, "lookup_max_draft": 6}
+    assert specs[1].overrides == {"lookup_branches": 4}
