@@ -194,11 +194,11 @@ class KernelBatch:
                 lengths += range(c.start + 1, c.start + c.num_tokens + 1)
                 tails += [None] * c.num_tokens
                 continue
-            for j in range(c.num_tokens):
-                keys = c.keys(j)
-                lengths.append(len(keys))
-                tails.append((c.tree.root, [table[p // block_size] * block_size + p % block_size
-                                            for p in keys[c.tree.root:]]))
+            root = c.tree.root
+            for node in c.nodes():
+                path = [root + a for a in c.tree.path(node)]  # the positions it sees after the prefix
+                lengths.append(root + len(path))
+                tails.append((root, [table[p // block_size] * block_size + p % block_size for p in path]))
         self.seq = torch.tensor(seq, dtype=torch.int32)
         self.lengths = torch.tensor(lengths, dtype=torch.int32)
         self.tail_start = self.tail = None
