@@ -163,6 +163,23 @@ def test_lookup_drafts_equal_ar_on_spec_bench(generator, ar_reference, two_threa
         assert generator.generate(ids, params, strategy, spec=spec, adaptive=True).token_ids == want
 
 
+TREES = {"hispec": {"tree_width": 3, "lookup_branches": 2}, "selfspec": {"tree_width": 3},
+         "lookup": {"lookup_branches": 3}}
+
+
+@pytest.mark.parametrize("strategy", ["hispec"])
+def test_token_trees_equal_ar_on_spec_bench(generator, ar_reference, two_threads, strategy):
+    """Token trees (the exit's runners-up, several lookup branches) on all 20 prompts, batched and
+    always speculating: each prompt's tokens are its ``ar`` tokens."""
+    import dataclasses
+
+    prompts, expected = ar_reference
+    spec = dataclasses.replace(default_specs(generator, strategy), **TREES[strategy])
+    _, outputs = run_batched(generator, strategy, spec, prompts)
+    assert [out.token_ids for out in outputs] == expected
+    assert sum(out.stats.rounds.get("tree", 0) for out in outputs) > 0
+
+
 # ---- the quantized default (the file's own Q4_1 / Q8_0 weights on the int4 kernel) ----------------
 NUM_QUANT_PROMPTS = 4
 
@@ -191,6 +208,31 @@ def test_quantized_default_strategies_equal_its_ar(quantized, quantized_ar, two_
     assert [out.token_ids for out in outputs] == expected
     params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
     assert quantized.generate(prompts[0], params, strategy, spec=spec).token_ids == expected[0]
+
+
+@pytest.mark.parametrize("strategy", ["selfspec", "hispec", "lookup"])
+def test_quantized_default_token_trees_equal_its_ar(quantized, quantized_ar, two_threads, strategy, monkeypatch):
+    """Token trees on the shipped default's own kernels: the same tokens as its ``ar``, batched and
+    one at a time, with nodes off the first branch accepted (else the trees were never tested)."""
+    import dataclasses
+
+    import hispec.decode.speculative as spec_mod
+
+    off_branch, real = [0], spec_mod.accept_tree
+
+    def spy(ctx, tree, logits, prefix=()):
+        path, nxt = real(ctx, tree, logits, prefix)
+        off_branch[0] += sum(1 for j, n in enumerate(path) if n != j)
+        return path, nxt
+
+    monkeypatch.setattr(spec_mod, "accept_tree", spy)
+    prompts, expected = quantized_ar
+    spec = dataclasses.replace(default_specs(quantized, strategy), **TREES[strategy])
+    _, outputs = run_batched(quantized, strategy, spec, prompts)
+    assert [out.token_ids for out in outputs] == expected
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    assert quantized.generate(prompts[0], params, strategy, spec=spec).token_ids == expected[0]
+    assert off_branch[0] > 0
 
 
 def test_suffix_drafts_on_the_quantized_default_equal_its_ar(quantized, quantized_ar, two_threads):
