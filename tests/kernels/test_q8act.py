@@ -139,6 +139,30 @@ def test_quantize_matches_reference():
     assert all(torch.equal(q8act.quantize(x[i:i + 1]).codes[0], got.codes[i]) for i in range(7))
 
 
+def test_quantize_blocks_with_nan_or_inf_follow_the_definition():
+    """The vector quantizer hands a block holding a NaN or an infinity to the plain-C definition:
+    a NaN is left out of the block's max and coded 0; an infinite max gives scale 1/0 = inf and
+    codes 0. The block's neighbours are quantized as usual."""
+    gen = torch.Generator().manual_seed(2)
+    x = activations(2, 128, gen)
+    x[0, 3], x[0, 40], x[1, 70], x[1, 100] = float("nan"), float("inf"), float("-inf"), float("nan")
+    got = q8act.quantize(x)
+    finite = x.clone()
+    finite[0, :64], finite[1, 64:] = 1.0, 1.0  # the blocks without specials
+    want = quantize_ref(finite.numpy())
+    for b in (2, 3, 4, 5):  # row 0's blocks 2, 3 and row 1's blocks 0, 1 are finite
+        r, blk = (0, b) if b < 4 else (1, b - 4)
+        assert np.array_equal(got.codes[r, blk * 32:(blk + 1) * 32].numpy(), want[0][r, blk * 32:(blk + 1) * 32])
+    nan_block = x[0, :32].numpy()
+    amax = np.nanmax(np.abs(nan_block))
+    codes = np.rint(np.nan_to_num(nan_block * (F32(127) / amax), nan=0.0)).astype(np.int8)
+    assert np.array_equal(got.codes[0, :32].numpy(), codes) and got.dx[0, 0] == F32(amax / F32(127))
+    assert got.sx[0, 0] == codes.astype(np.int32).sum()
+    for r, blk in ((0, 1), (1, 2)):  # an infinite max: scale inf, codes 0
+        assert got.dx[r, blk] == float("inf") and not got.codes[r, blk * 32:(blk + 1) * 32].any()
+    assert got.codes[1, 96 + 4] == 0  # the NaN itself
+
+
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("n,k", SHAPES)

@@ -53,23 +53,71 @@ static inline int8_t clamp_code(float v) {  /* NaN -> 0 */
     return (int8_t)(v >= -127.0f && v <= 127.0f ? v : v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : 0.0f);
 }
 
+/* One block of 32 inputs: codes, and returns amax (the definition: plain C). */
+static inline float quantize_block(const float *xb, int8_t *qb, int32_t *sum) {
+    float amax = 0.0f;
+    for (int j = 0; j < BLOCK; j++) {
+        float a = fabsf(xb[j]);
+        amax = a > amax ? a : amax;
+    }
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    int32_t s = 0;
+    for (int j = 0; j < BLOCK; j++) {
+        qb[j] = clamp_code(nearbyintf(xb[j] * inv));
+        s += qb[j];
+    }
+    *sum = s;
+    return amax;
+}
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+/* The same block on AVX2 (the same bits: |x| and max are exact, x * inv is one IEEE product, and
+ * cvtps rounds to nearest even as nearbyintf does in the default rounding mode; |x * inv| <= 127.0x
+ * needs no clamp). A block holding a NaN or an infinity goes to quantize_block. */
+static int quantize_block_avx2(const float *xb, int8_t *qb, int32_t *sum, float *amax_out) {
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 v[4], a = _mm256_setzero_ps();
+    __m256i special = _mm256_setzero_si256();
+    const __m256i expmask = _mm256_set1_epi32(0x7f800000);
+    for (int i = 0; i < 4; i++) {
+        v[i] = _mm256_loadu_ps(xb + 8 * i);
+        const __m256 av = _mm256_and_ps(v[i], absmask);
+        special = _mm256_or_si256(special, _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_castps_si256(av), expmask), expmask));
+        a = _mm256_max_ps(a, av);
+    }
+    if (!_mm256_testz_si256(special, special)) return 0;
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
+    const float amax = _mm_cvtss_f32(h);
+    const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+    __m256i c[4];
+    for (int i = 0; i < 4; i++) c[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
+    __m256i s = _mm256_add_epi32(_mm256_add_epi32(c[0], c[1]), _mm256_add_epi32(c[2], c[3]));
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+    /* int32 -> int8, in order: packs interleave the 128-bit lanes, the permute puts them back */
+    const __m256i p16 = _mm256_packs_epi32(c[0], c[1]), q16 = _mm256_packs_epi32(c[2], c[3]);
+    const __m256i p8 = _mm256_packs_epi16(p16, q16);
+    _mm256_storeu_si256((__m256i *)qb, _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    *sum = _mm_cvtsi128_si32(s4);
+    *amax_out = amax;
+    return 1;
+}
+#pragma GCC pop_options
+
 /* x [T, K] float32 -> codes int8 [T, K], dx float32 [T, K/32], sx int32 [T, K/32], dxs float32 [T, K/32]. */
 void hs_q8a_quantize(const float *x, int64_t T, int64_t K, int8_t *codes, float *dx, int32_t *sx, float *dxs) {
     const int64_t nb = K / BLOCK;
+    const int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
     for (int64_t i = 0; i < T * nb; i++) {
-        const float *xb = x + i * BLOCK;
-        int8_t *qb = codes + i * BLOCK;
-        float amax = 0.0f;
-        for (int j = 0; j < BLOCK; j++) {
-            float a = fabsf(xb[j]);
-            amax = a > amax ? a : amax;
-        }
-        const float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-        int32_t s = 0;
-        for (int j = 0; j < BLOCK; j++) {
-            qb[j] = clamp_code(nearbyintf(xb[j] * inv));
-            s += qb[j];
-        }
+        float amax;
+        int32_t s;
+        if (!(avx2 && quantize_block_avx2(x + i * BLOCK, codes + i * BLOCK, &s, &amax)))
+            amax = quantize_block(x + i * BLOCK, codes + i * BLOCK, &s);
+        const float d = amax / 127.0f;
         dx[i] = d;
         sx[i] = s;
         dxs[i] = d * (float)s;
