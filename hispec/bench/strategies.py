@@ -38,7 +38,8 @@ OWN_KINDS = STRATEGIES
 KINDS = OWN_KINDS + ("hf", "hf-early-exit", "hf-lookup")
 HF_LOOKUP_TOKENS, HF_LOOKUP_NGRAM = 4, 3
 SPEC_KEYS = {"d": "draft_layer", "i": "verify_layer", "k": "num_draft", "w": "window", "t": "svip_threshold",
-             "c": "confidence_threshold", "m": "tree_width", "b": "lookup_branches", "l": "lookup_max_draft"}
+             "c": "confidence_threshold", "m": "tree_width", "p": "tree_min_prob",
+             "b": "lookup_branches", "l": "lookup_max_draft"}
 
 
 @dataclass
@@ -93,7 +94,7 @@ def _parse_one(item: str) -> StrategySpec:
         elif "=" in opt and opt.split("=", 1)[0] in SPEC_KEYS:
             key, value = opt.split("=", 1)
             try:
-                spec.overrides[SPEC_KEYS[key]] = float(value) if key in ("t", "c") else int(value)
+                spec.overrides[SPEC_KEYS[key]] = float(value) if key in ("t", "c", "p") else int(value)
             except ValueError:
                 raise ConfigError(f"strategy {item!r}: {key}= needs a number, got {value!r}") from None
         else:

@@ -64,7 +64,7 @@ class Verdict:
 
 
 def draft(batch: list[DecodeContext], starts: list[tuple[int, int]], layer: int, limits: list[int],
-          prefixes: list[list[int]], width: int = 1) -> list[Proposal]:
+          prefixes: list[list[int]], width: int = 1, min_prob: float = 0.0) -> list[Proposal]:
     """Draft at exit ``layer`` for each sequence, from its ``(token, position)``: up to
     ``min(policy, limit)`` tokens (at least one), fewer if its policy stops early.
     ``prefixes[b]``: the speculative tokens (not yet committed) up to and including the start token.
@@ -74,13 +74,16 @@ def draft(batch: list[DecodeContext], starts: list[tuple[int, int]], layer: int,
     draft position is one pass for the batch: greedy and sampled rows are chosen together and
     the drafted tokens stay on the device (a host sync only for a confidence-based policy, once
     per position, or for a request with a logits processor). ``width > 1``: beside each draft, the
-    exit's next ``width - 1`` candidates (by the processed logits) are kept as its runners-up.
+    exit's next ``width - 1`` candidates (by the processed logits) are kept as its runners-up, those
+    whose branch the exit gives at least ``min_prob``: a candidate's probability times that of the
+    drafts before it in the round (the chance, by the exit's reckoning, that the row pays).
     """
     runner = batch[0].runner
     k_max = [max(1, min(c.policy.max_drafts(), lim)) for c, lim in zip(batch, limits)]
     x = list(batch[0].token_tensor([tok for tok, _ in starts]).split(1))  # B x [1]: each one's next input
     hidden, tokens, probs = [[] for _ in batch], [[] for _ in batch], [[] for _ in batch]
     runners_up: list[list[list[int]]] = [[] for _ in batch]
+    reach = [1.0] * len(batch)  # the exit's probability of the round's drafts so far, per sequence
     active, j = list(range(len(batch))), 0
     while active:
         hs = runner.forward_many([(batch[b].seq_id, starts[b][1] + j, x[b]) for b in active], 0, layer)
@@ -103,8 +106,10 @@ def draft(batch: list[DecodeContext], starts: list[tuple[int, int]], layer: int,
                     break
         chosen, q = choose(logits, [c.params for c in ctxs], [c.generator for c in ctxs])  # [R], [S, V]
         if width > 1:
-            for (b, _), alts in zip(rows, _runners_up(logits, chosen, width)):
-                runners_up[b].append(alts)
+            alts, p_chosen = _runners_up(logits, chosen, width, min_prob, [reach[b] for b, _ in rows])
+            for (b, _), a, pc in zip(rows, alts, p_chosen):
+                runners_up[b].append(a)
+                reach[b] *= pc
         s = 0
         for i, (b, _) in enumerate(rows):
             x[b] = chosen[i:i + 1]
@@ -119,14 +124,25 @@ def draft(batch: list[DecodeContext], starts: list[tuple[int, int]], layer: int,
             for t, p, h, r in zip(tokens, probs, hidden, runners_up)]
 
 
-def _runners_up(logits: torch.Tensor, chosen: torch.Tensor, width: int) -> list[list[int]]:
+def _runners_up(logits: torch.Tensor, chosen: torch.Tensor, width: int, min_prob: float = 0.0,
+                reach: list[float] | None = None) -> tuple[list[list[int]], list[float]]:
     """Per row of ``logits [R, V]``, its top ``width`` tokens but the chosen one (``chosen [R]``),
-    best first, at most ``width - 1``, never a token the request's processing ruled out (-inf)."""
-    values, ids = logits.topk(width, dim=-1)  # [R, width]
+    best first, at most ``width - 1``, never a token the request's processing ruled out (-inf),
+    only those with ``reach[r] * p(token) >= min_prob`` (``p``: the row's softmax); and each row's
+    ``p(chosen)``."""
+    probs = torch.softmax(logits.float(), dim=-1)  # [R, V]
+    values, ids = probs.topk(width, dim=-1)  # [R, width]
+    p_chosen = probs.gather(1, chosen.view(-1, 1).to(probs.device)).view(-1).tolist()  # [R]
+    reach = reach or [1.0] * len(p_chosen)
     out = []
-    for vals, toks, c in zip(values.tolist(), ids.tolist(), chosen.tolist()):
-        out.append([t for v, t in zip(vals, toks) if t != c and v != float("-inf")][:width - 1])
-    return out
+    for vals, toks, c, r in zip(values.tolist(), ids.tolist(), chosen.tolist(), reach):
+        out.append([t for v, t in zip(vals, toks) if t != c and v > 0 and r * v >= min_prob][:width - 1])
+    return out, p_chosen
+
+
+def _branched(props: list[Proposal]) -> bool:
+    """Whether any proposal has a runner-up beside its drafts (else the round verifies chains)."""
+    return any(alts for p in props for alts in (p.runners_up or []))
 
 
 def _keep_drafting(batch: list[DecodeContext], logits: torch.Tensor) -> list[bool]:
@@ -422,9 +438,11 @@ class SelfSpec(Strategy):
         positions = [len(c.tokens) - 1 for c in batch]
         starts, width = [(c.tokens[-1], p) for c, p in zip(batch, positions)], self.spec.tree_width
         with phase_timer(stats, "draft", model.device):
-            props = draft(batch, starts, draft_layer, [c.remaining for c in batch], [[] for _ in batch], width)
+            props = draft(batch, starts, draft_layer, [c.remaining for c in batch], [[] for _ in batch], width,
+                          self.spec.tree_min_prob)
+        branched = _branched(props)
         with phase_timer(stats, "full_verify", model.device):
-            if width > 1:
+            if branched:
                 verdicts = tree_round(batch, props, starts, draft_layer, model.num_layers, "draft->final",
                                       [[] for _ in batch])
             else:
@@ -434,7 +452,7 @@ class SelfSpec(Strategy):
         for c, p, v in zip(batch, props, verdicts):
             c.policy.update(p.tokens.shape[0], v.num_accepted)
             c.stats.full_passes += 1
-            c.stats.count_round("tree" if self.spec.tree_width > 1 else "exits")
+            c.stats.count_round("tree" if branched else "exits")
             commits.append(v.tokens)
         return commits
 
@@ -448,6 +466,7 @@ class Window:
     hidden: list[torch.Tensor] = field(default_factory=list)  # rows [*, H]: inputs of positions base .. base+m-1
     probs: list[torch.Tensor] = field(default_factory=list)  # rows [*, V]: p_i(. | prefix) of each w_j
     closed: bool = False  # an end-of-sequence token is in the window
+    branched: bool = False  # one of its draft rounds was a token tree
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -504,9 +523,10 @@ class HiSpec(Strategy):
             width = self.spec.tree_width
             with phase_timer([c.stats for c in ctxs], "draft", device):
                 props = draft(ctxs, starts, draft_layer, [self._room(c, w) for c, w in zip(ctxs, wins)],
-                              [list(w.tokens) for w in wins], width)
+                              [list(w.tokens) for w in wins], width, self.spec.tree_min_prob)
+            branched = _branched(props)
             with phase_timer([c.stats for c in ctxs], "intermediate_verify", device):
-                if width > 1:  # the intermediate exit prunes the tree: only its accepted path goes deeper
+                if branched:  # the intermediate exit prunes the tree: only its accepted path goes deeper
                     verdicts = tree_round(ctxs, props, starts, draft_layer, verify_layer, "draft->intermediate",
                                           [list(w.tokens) for w in wins])
                 else:
@@ -514,6 +534,7 @@ class HiSpec(Strategy):
                                       [list(w.tokens) for w in wins])
             for c, w, p, v in zip(ctxs, wins, props, verdicts):
                 c.policy.update(p.tokens.shape[0], v.num_accepted)
+                w.branched = w.branched or branched
                 self._add_to_window(c, w, v)
 
     @staticmethod
@@ -547,7 +568,7 @@ class HiSpec(Strategy):
             if len(w):
                 c.stats.level("intermediate->final").record(len(w), num)
             c.stats.full_passes += 1
-            c.stats.count_round("tree" if self.spec.tree_width > 1 else "exits")
+            c.stats.count_round("tree" if w.branched else "exits")
             commits.append(toks)
         return commits
 

@@ -191,6 +191,6 @@ def test_adaptive_runs_and_tree_options(tiny_model, prompt_file, tmp_path):
     assert r["strategies"]["hispec:m=3:b=2"]["identical_to_ar"] is True
     assert r["strategies"]["lookup:b=2"]["identical_to_ar"] is True
     assert "adaptive (plain steps" in (tmp_path / "report.md").read_text()
-    specs = parse_strategies("hispec:m=3:b=2:l=6,lookup:b=4")
-    assert specs[0].overrides == {"tree_width": 3, "lookup_branches": 2, "lookup_max_draft": 6}
+    specs = parse_strategies("hispec:m=3:b=2:l=6:p=0.15,lookup:b=4")
+    assert specs[0].overrides == {"tree_width": 3, "lookup_branches": 2, "lookup_max_draft": 6, "tree_min_prob": 0.15}
     assert specs[1].overrides == {"lookup_branches": 4}

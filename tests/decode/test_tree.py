@@ -110,10 +110,54 @@ def test_trees_from_branches_and_exits():
 
 
 @pytest.mark.parametrize("flag,value", [("tree_width", 0), ("tree_width", 9), ("lookup_branches", 0),
-                                        ("lookup_branches", 5)])
+                                        ("lookup_branches", 5), ("tree_min_prob", -0.1), ("tree_min_prob", 1.0)])
 def test_out_of_range_settings_name_the_flag(flag, value):
     with pytest.raises(ConfigError, match="--" + flag.replace("_", "-")):
         SpecConfig(draft_layer=1, verify_layer=2, **{flag: value})
+
+
+def test_runners_up_kept_by_their_branch_probability():
+    """A runner-up joins the tree when its probability times the chain's before it (``reach``)
+    reaches ``min_prob``; -inf (ruled out) never; and each row's chosen probability comes back."""
+    p = torch.tensor([[0.5, 0.3, 0.15, 0.05, 0.0], [0.9, 0.04, 0.03, 0.02, 0.01]])
+    logits = torch.log(p)  # row 0's last token ruled out (-inf)
+    chosen = torch.tensor([0, 0])
+    alts, p_chosen = spec_mod._runners_up(logits, chosen, 5)
+    assert alts == [[1, 2, 3], [1, 2, 3, 4]] and p_chosen == pytest.approx([0.5, 0.9])
+    alts, _ = spec_mod._runners_up(logits, chosen, 5, min_prob=0.1)
+    assert alts == [[1, 2], []]
+    alts, _ = spec_mod._runners_up(logits, chosen, 5, min_prob=0.1, reach=[0.5, 1.0])
+    assert alts == [[1], []]  # 0.5 * 0.3 >= 0.1 > 0.5 * 0.15
+    alts, _ = spec_mod._runners_up(logits, torch.tensor([1, 0]), 3, min_prob=0.0)
+    assert alts[0] == [0, 2]  # the chosen one is never its own runner-up; at most width - 1
+
+
+LIKELY = 1e-2  # the tiny agreeing model's exits are sure of themselves: its runners-up are unlikely
+
+
+def test_min_prob_trees_draft_only_likely_branches(agreeing, monkeypatch):
+    """``tree_min_prob`` keeps the trees lossless and smaller: fewer nodes verified than with every
+    runner-up, and a round with none verifies a chain (counted as an ``exits`` round)."""
+    sizes = {}
+    real = spec_mod.verify_tree
+
+    def spy(batch, trees, *args, **kwargs):
+        sizes.setdefault(key, []).extend(len(t) for t in trees)
+        return real(batch, trees, *args, **kwargs)
+
+    monkeypatch.setattr(spec_mod, "verify_tree", spy)
+    prompt = torch.randint(3, 128, (12,), generator=torch.Generator().manual_seed(3)).tolist()
+    params = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    want = agreeing.generate(prompt, params, "ar").token_ids
+    rounds = {}
+    for key, p in (("all", 0.0), ("likely", LIKELY), ("none", 0.99)):
+        spec = SpecConfig(draft_layer=1, verify_layer=6, num_draft=3, tree_width=4, tree_min_prob=p,
+                          lookup_max_draft=0)
+        out = agreeing.generate(prompt, params, "selfspec", spec=spec)
+        assert out.token_ids == want, key
+        rounds[key] = dict(out.stats.rounds)
+    assert sum(sizes["all"]) > sum(sizes.get("likely", [])) > 0, sizes
+    assert "none" not in sizes and rounds["none"].get("tree", 0) == 0 and rounds["none"]["exits"] > 0
 
 
 # ---- end to end: sampling with trees follows the target ---------------------------------------
