@@ -41,9 +41,9 @@ VARIABLES: dict[str, Var] = {
                                              "(default `$HISPEC_HOME/peers`)"),
     "HISPEC_FUSED": Var("1", _on, "`0`: no compiled C kernels; the model runs its eager PyTorch path"),
     "HISPEC_FUSED_LAYERS": Var("1", _on, "`0`: no C++ layer op; decoder layers run one kernel call at a time"),
-    "HISPEC_Q4_KERNEL": Var(None, _choice, "`q4` or `int4`: force the 4-bit weight kernel instead of timing both "
-                                           "once per machine; `q8a`: q4's weights on 8-bit activations (and a Q8_0 "
-                                           "head too; faster on several rows, tokens may differ from q4's)"),
+    "HISPEC_Q4_KERNEL": Var(None, _choice, "`q4`, `int4` or `q8a`: force the 4-bit weight kernel instead of "
+                                           "timing them once per machine (`q8a`: q4's weights on 8-bit activations, "
+                                           "a Q8_0 head too; faster on several rows, tokens may differ from q4's)"),
     "HISPEC_Q8": Var("1", _on, "`0`: 8-bit weights run on PyTorch's int4x2 path instead of hispec's `q8` kernel"),
     "HISPEC_PREFILL_DENSE": Var("1", _on, "`0`: 4-bit layers prefill on their own kernel instead of a dense "
                                           "bfloat16 copy (CPUs with bfloat16 hardware)"),

@@ -25,10 +25,12 @@ kernels), both on a GGUF file's blocks as stored, with float32 activations:
   keeps 1.5e-5 of the block's largest value). Faster than ``q4`` on more than one row (AVX2:
   1.31x one row's time at 4 rows where ``q4`` takes 1.50x, 2.85x at 16 where ``q4`` takes 5.19x;
   AVX-512 VNNI more), about equal on one; its tokens differ from ``q4``'s (logits move by ~0.1:
-  greedy ``ar`` on the default model, 8 Spec-Bench prompts of 8 categories, 64 tokens: ``q4`` gave
-  float32's tokens on 8 of 8, ``q8a`` on 2 of 8, the others parting at token 2 to 25, 27 on
-  average counting the equal ones as 64), so it is never chosen by timing: only ``HISPEC_Q4_KERNEL=q8a`` selects it, and then the
-  Q8_0 output head runs on 8-bit activations too (``q8a8``). Prompt chunks run as ``q4``'s.
+  greedy ``ar`` on the default model, 16 held-out Spec-Bench prompts, 64 tokens: ``q4`` gave
+  float32's tokens on 16 of 16, ``q8a`` on 10 of 16; llama.cpp's Q4_1 on 7 of 16,
+  ``scripts/numerics.py``). The timed choice takes it only where it is no slower on one row and
+  clearly faster on four (:func:`four_bit_kernel`: a CPU with integer dot products, VNNI);
+  ``HISPEC_Q4_KERNEL=q8a`` asks for it anywhere. With it the Q8_0 output head runs on 8-bit
+  activations too (``q8a8``). Prompt chunks run as ``q4``'s.
 - ``q8``: a GGUF Q8_0 weight ``W[n, k] = d[n, k / 32] * q[n, k]`` as stored in the file, times
   float32 activations. It runs the default model's output head (49,152 x 576) in ~1.7 ms per
   token instead of ~2.8 ms for the same values as two int4 halves (``int4x2``, used where no C
@@ -353,52 +355,105 @@ def float_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
 
 
 # ---- which 4-bit kernel runs on this CPU ------------------------------------------------------
+TIMED_ROWS = (1, 4)  # rows per product timed: a decode step, and a verification window or small batch
+
+
+STREAM_BYTES = 64 << 20  # 4-bit weights timed per kernel: more than a CPU's last-level cache holds
+STEP_WEIGHTS = 5  # a decode step of the default model: ~5 x 12 such weights (106 M) beside its head (28 M)
+LAYER_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # (N, K): a SmolLM2-135M layer's matmuls
+
+
 @functools.lru_cache(maxsize=1)
 def format_timings(reps: int = 5) -> dict[str, float]:
-    """Median seconds of one row times 12 weights of a SmolLM2 MLP's size (85 MB, more than a cache
-    holds, so they are read from memory as in a decode step) for each weight format this machine
-    runs, timed once per process, interleaved: ``float32``, ``q4`` (where hispec's kernels are
-    built), ``int4`` (where PyTorch has its kernel) and ``q8a`` where ``HISPEC_Q4_KERNEL=q8a`` chose
-    it (never a candidate of the timed choice, see :func:`four_bit_kernel`). :func:`four_bit_kernel`
-    and ``select.quantized_kernels_pay`` read these."""
+    """Median seconds of ``rows`` rows times 12 weights of a SmolLM2 MLP's shape, read from memory as
+    in a decode step, for each weight format this machine runs, timed once per process, interleaved:
+    ``float32`` (12 weights, 85 MB); per 4-bit kernel, a stream of ~``STREAM_BYTES`` of copies of
+    one SmolLM2-135M layer's matmuls (``LAYER_SHAPES``; its time scaled to 12 MLP weights' worth)
+    and, as ``name.head``, a Q8_0 output head (49,152 x 576) on the kernel :func:`eight_bit_kernel`
+    gives beside it: ``q4`` (``q8``) and ``q8a`` (``q8a8``) where hispec's kernels are built,
+    ``int4`` (``q8``, or ``int4x2`` without them) where PyTorch has its kernel. One row: ``name``;
+    four: ``name@4``. :func:`four_bit_kernel` and ``select.quantized_kernels_pay`` read these."""
+    import copy
+
     g = torch.Generator().manual_seed(0)
     weights = [torch.randn(3072, 576, generator=g) * 0.02 for _ in range(12)]
-    x = torch.randn(1, 576, generator=g)
-    xb = x.to(torch.bfloat16)
-    fns = {"float32": lambda: [linear(x, w) for w in weights]}
-    if fused.available():
-        q4 = [QuantLinear.from_float(w, "int4", kernel="q4") for w in weights]
-        fns["q4"] = lambda: [q(x) for q in q4]
-        if envs.HISPEC_Q4_KERNEL == "q8a":
-            q8a = [QuantLinear.from_float(w, "int4", kernel="q8a") for w in weights]
-            fns["q8a"] = lambda: [q(x) for q in q8a]
-    try:
-        int4 = [QuantLinear.from_float(w, "int4", kernel="int4") for w in weights]
-        fns["int4"] = lambda: [q(xb) for q in int4]
-    except RuntimeError:  # PyTorch's int4 kernel is missing on this build / CPU
-        pass
+    layer = [weights[0][:n, :k] if k == 576 else torch.randn(n, k, generator=g) * 0.02 for n, k in LAYER_SHAPES]
+    head_q = torch.randint(-127, 128, (49152, 576), generator=g, dtype=torch.int8)
+    head_d = (torch.rand((49152, 18), generator=g) * 0.01 + 1e-3).half()
+    xs = {(t, k): torch.randn(t, k, generator=g) for t in TIMED_ROWS for k in (576, 1536)}
+    fns = {"float32": lambda: [linear(xs[(1, 576)], w) for w in weights]}
+    kernels = {"q4": "q8", "q8a": "q8a8"} if fused.available() else {}
+    kernels["int4"] = "q8" if fused.available() else "int4x2"  # the head eight_bit_kernel() gives it
+    share = {}
+    for name, head_kernel in kernels.items():
+        try:
+            one = [QuantLinear.from_float(w.contiguous(), "int4", kernel=name) for w in layer]
+            head = QuantLinear.from_q8_blocks(head_q, head_d, kernel=head_kernel)
+        except RuntimeError:  # PyTorch's int4 kernel is missing on this build / CPU
+            continue
+        size = sum(t.numel() * t.element_size() for q in one for t in (q.qweight, q.qparams) if t is not None)
+        copies = max(1, STREAM_BYTES // max(1, size))
+        stream = one + [copy.deepcopy(q) for _ in range(copies - 1) for q in one]
+        share[name] = 12 * 3072 * 576 / (copies * sum(n * k for n, k in LAYER_SHAPES))
+        for t in TIMED_ROWS:
+            dt = torch.bfloat16 if name == "int4" else torch.float32
+            x = {k: xs[(t, k)].to(dt) for k in (576, 1536)}
+            key = name if t == 1 else f"{name}@{t}"
+            fns[key] = lambda stream=stream, x=x: [q(x[q.in_features]) for q in stream]
+            fns[key.replace(name, name + ".head", 1)] = lambda head=head, x=x: head(x[576])
     with torch.no_grad():
-        return interleaved_medians(fns, reps, warmup=1)
+        med = interleaved_medians(fns, reps, warmup=1)
+    return {k: v * share.get(k.split("@")[0], 1.0) for k, v in med.items()}
 
 
-FOUR_BIT = ("q4", "int4")  # the timed choice's candidates
-FORCED_FOUR_BIT = (*FOUR_BIT, "q8a")  # what HISPEC_Q4_KERNEL may name
+def step_seconds(med: dict[str, float], name: str, rows: int = 1) -> float:
+    """A decode step's matmuls on kernel ``name`` from :func:`format_timings`: ``STEP_WEIGHTS`` x 12
+    weights and the output head (on ``rows`` rows, 1 or 4)."""
+    suffix = "" if rows == 1 else f"@{rows}"
+    return STEP_WEIGHTS * med[name + suffix] + med.get(f"{name}.head{suffix}", 0.0)
+
+
+FOUR_BIT = ("q4", "int4")  # the float-activation candidates of the timed choice
+TIMED_FOUR_BIT = (*FOUR_BIT, "q8a")  # what the timed choice may pick
+FORCED_FOUR_BIT = TIMED_FOUR_BIT  # what HISPEC_Q4_KERNEL may name
 INT4_MARGIN = 0.85  # int4 must take at most this fraction of q4's time
+# q8a: at most this fraction of the other's step time on one row, and on four. On the 2-core AVX2
+# Zen 2 the stream timing put its one-row step level with q4's (9.3-9.6 ms vs 9.4-9.5) and its
+# four-row step at 0.86 of q4's, while end to end its `ar` ran ~4% slower: q4 stays there.
+Q8A_ONE_ROW = 1.0
+Q8A_FOUR_ROWS = 0.8
+
+
+def timed_choice(med: dict[str, float]) -> tuple[str, str]:
+    """(kernel, why) from :func:`format_timings`: ``q4`` unless ``int4`` wins clearly on a decode
+    step's matmuls (``INT4_MARGIN``: ``q4`` reads float32 activations, its tokens equal float32
+    ``ar``'s where ``int4``'s bfloat16 ones drift); then ``q8a`` only where its step is no slower on
+    one row (``Q8A_ONE_ROW``) and clearly faster on four (``Q8A_FOUR_ROWS``): its 8-bit activations
+    move the tokens further from float32's, which cheaper verification rows and batches pay for
+    only where a plain step loses nothing (a CPU with integer dot products)."""
+    ms = lambda name, rows=1: f"{step_seconds(med, name, rows) * 1e3:.2f} ms"  # noqa: E731
+    if "int4" not in med:
+        best, why = "q4", "PyTorch's int4 kernel unavailable"
+    else:
+        best = "int4" if step_seconds(med, "int4") < INT4_MARGIN * step_seconds(med, "q4") else "q4"
+        why = f"a decode step's matmuls: q4 {ms('q4')} vs int4 {ms('int4')}"
+    if "q8a" in med and f"{best}@4" in med:
+        why += f"; q8a {ms('q8a')}, and on 4 rows {ms('q8a', 4)} vs {best} {ms(best, 4)}"
+        if (step_seconds(med, "q8a") <= Q8A_ONE_ROW * step_seconds(med, best)
+                and step_seconds(med, "q8a", 4) <= Q8A_FOUR_ROWS * step_seconds(med, best, 4)):
+            best = "q8a"
+    return best, why
 
 
 @functools.lru_cache(maxsize=1)
 def four_bit_kernel() -> tuple[str, str]:
     """(the kernel 4-bit weights run on, why), decided once per process: ``HISPEC_Q4_KERNEL=q4|int4|q8a``
-    if set (``q8a`` only so: its 8-bit activations change tokens against ``q4``'s float32 ones, so
-    timing never swaps it in under a user who had ``q4``; ``q4``/``q8a`` need hispec's compiled
-    kernels, without them ``int4`` runs); ``int4`` (PyTorch's) when hispec's compiled kernels are unavailable; else the faster
-    in :func:`format_timings`, ``int4`` only if it wins clearly (``INT4_MARGIN``): ``q4`` reads float32
-    activations (its tokens equal float32 ``ar``'s where ``int4``'s bfloat16 ones drift), and a
-    coin-flip between near-equal timings made the kernel change from one load to the next on a
-    busy machine. The timed choice is kept on disk (``_four_bit_choice_file``) and reused by later
-    loads on this machine: even past the margin, a noisy machine chose differently from one run
-    to the next (seen on a Zen 4), and with it the text of the same command. On CPUs without
-    bfloat16 hardware (AVX2) ``q4`` wins; with it (AVX-512 BF16) it depends on the CPU."""
+    if set (``q4``/``q8a`` need hispec's compiled kernels, without them ``int4`` runs); ``int4``
+    (PyTorch's) when hispec's compiled kernels are unavailable; else :func:`timed_choice`. The timed
+    choice is kept on disk (``_four_bit_choice_file``) and reused by later loads on this machine:
+    a coin-flip between near-equal timings made the kernel, and with it the text of the same
+    command, change from one load to the next on a busy machine (seen on a Zen 4). On CPUs without
+    bfloat16 hardware or integer dot products (AVX2) ``q4`` wins; with them it depends on the CPU."""
     forced = envs.HISPEC_Q4_KERNEL
     if forced is not None and forced not in FORCED_FOUR_BIT:
         raise ValueError(f"HISPEC_Q4_KERNEL={forced!r}: choose from {', '.join(FORCED_FOUR_BIT)}")
@@ -414,34 +469,41 @@ def four_bit_kernel() -> tuple[str, str]:
     path = _four_bit_choice_file()
     try:
         saved = json.loads(path.read_text())
-        if saved.get("kernel") in FOUR_BIT:
+        if saved.get("kernel") in TIMED_FOUR_BIT:
             return saved["kernel"], f"{saved.get('why', '')} (timed at an earlier load; delete {path.name} in {path.parent} to time again)"
     except (OSError, ValueError, AttributeError):
         pass
     med = format_timings()
-    if "int4" not in med:
-        best, why = "q4", "PyTorch's int4 kernel unavailable"
-    else:
-        best = "int4" if med["int4"] < INT4_MARGIN * med["q4"] else "q4"
-        why = f"q4 {med['q4'] * 1e6 / 12:.0f} us vs int4 {med['int4'] * 1e6 / 12:.0f} us per matmul"
+    best, why = timed_choice(med)
+    if best == "q8a":
+        q8act.best_isa()
     try:  # written whole or not at all (concurrent loads)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"kernel": best, "why": why}))
+        tmp.write_text(json.dumps({"kernel": best, "why": why, "timings": med}))
         os.replace(tmp, path)
     except OSError:
         pass
     return best, why
 
 
+def machine_timings() -> dict[str, float]:
+    """:func:`format_timings` as kept beside :func:`four_bit_kernel`'s timed choice on this machine
+    (timed now where none is kept: the stream of 4-bit weights costs ~1 s and ~250 MB at load)."""
+    try:
+        saved = json.loads(_four_bit_choice_file().read_text())["timings"]
+        return {str(k): float(v) for k, v in saved.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return format_timings()
+
+
 def eight_bit_kernel() -> str:
     """The kernel GGUF Q8_0 weights (an output head) run on by default: ``q8a8`` where the 4-bit
-    kernel is ``q8a`` (``HISPEC_Q4_KERNEL=q8a``: one activation rounding for the whole model; read
-    from the variable, as :func:`four_bit_kernel` would without timing anything), ``q8`` where
-    hispec's compiled kernels are built (and ``HISPEC_Q8=0`` is not set), else ``int4x2``."""
+    kernel is ``q8a`` (one activation rounding for the whole model), ``q8`` where hispec's compiled
+    kernels are built (and ``HISPEC_Q8=0`` is not set), else ``int4x2``."""
     if not (fused.available() and envs.HISPEC_Q8):
         return "int4x2"
-    return "q8a8" if envs.HISPEC_Q4_KERNEL == "q8a" else "q8"
+    return "q8a8" if four_bit_kernel()[0] == "q8a" else "q8"
 
 
 def _four_bit_choice_file() -> Path:

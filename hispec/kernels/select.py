@@ -7,8 +7,8 @@ AVX-512 BF16). Elsewhere it is not obvious (an AVX2 CPU without bfloat16 instruc
 decode-sized products over weights larger than the cache are timed both ways at load time and
 the quantized weights are used only if they win clearly: nothing gets slower than the float32
 path. Which 4-bit kernel runs (PyTorch's ``int4`` on bfloat16 activations, hispec's ``q4`` on
-float32 ones) is timed too (``quant.four_bit_kernel``); ``q8a`` (8-bit activations) runs only where
-``HISPEC_Q4_KERNEL=q8a`` asks for it.
+float32 ones) or ``q8a`` (8-bit activations, where it is no slower on one row and clearly faster on
+several) is timed too (``quant.four_bit_kernel``).
 """
 from __future__ import annotations
 
@@ -36,8 +36,10 @@ def cpu_has_bf16() -> bool:
 
 
 def time_matmuls() -> tuple[float, float]:
-    """``quant.format_timings`` of (the 4-bit kernel ``quant.four_bit_kernel`` chose, float32)."""
-    med, kind = quant.format_timings(), quant.four_bit_kernel()[0]
+    """``quant.format_timings`` (kept per machine) of (the 4-bit kernel ``quant.four_bit_kernel`` chose,
+    float32)."""
+    kind = quant.four_bit_kernel()[0]
+    med = quant.machine_timings()
     if kind not in med:
         raise RuntimeError(f"no {kind} kernel on this build")
     return med[kind], med["float32"]

@@ -138,10 +138,29 @@ def test_four_bit_kernel_choice(monkeypatch):
         monkeypatch.delenv("HISPEC_Q4_KERNEL")
         quant.four_bit_kernel.cache_clear()
         kind, why = quant.four_bit_kernel()
-        assert kind in ("q4", "int4") and "us" in why  # never q8a: it changes tokens, so only asked for
-        assert quant.eight_bit_kernel() == "q8"
+        assert kind in quant.TIMED_FOUR_BIT and " ms" in why
+        assert quant.eight_bit_kernel() == ("q8a8" if kind == "q8a" else "q8")
     finally:
         quant.four_bit_kernel.cache_clear()
+
+
+@pytest.mark.parametrize("times,want", [
+    ({"q4": 10, "q4@4": 20, "int4": 12, "int4@4": 30, "q8a": 11, "q8a@4": 12}, "q4"),  # q8a slower on one row
+    ({"q4": 10, "q4@4": 20, "int4": 12, "int4@4": 30, "q8a": 10, "q8a@4": 12}, "q8a"),  # level on one, faster on 4
+    ({"q4": 10, "q4@4": 20, "int4": 12, "int4@4": 30, "q8a": 10.2, "q8a@4": 12}, "q4"),  # a little slower on one
+    ({"q4": 10, "q4@4": 20, "int4": 12, "int4@4": 30, "q8a": 9, "q8a@4": 17}, "q4"),  # not clearly faster on 4
+    ({"q4": 10, "q4@4": 20, "q4.head": 5, "q4.head@4": 5, "q8a": 9.5, "q8a@4": 12, "q8a.head": 8,
+      "q8a.head@4": 9}, "q4"),  # a slower head: slower steps
+    ({"q4": 10, "q4@4": 20, "int4": 8, "int4@4": 14, "q8a": 8, "q8a@4": 13}, "int4"),  # measured against int4
+    ({"q4": 10, "q4@4": 20, "q8a": 10, "q8a@4": 10}, "q8a"),  # no PyTorch int4 kernel
+])
+def test_timed_choice_takes_q8a_only_where_a_plain_step_loses_nothing(times, want):
+    """q8a's 8-bit activations move tokens further from float32's: the timed choice takes it only
+    where a decode step's matmuls (5 x 12 weights and the head) are no slower on one row and clearly
+    faster on four (0.8), and says both timings."""
+    kind, why = quant.timed_choice(times)
+    assert kind == want
+    assert "q8a" in why and "on 4 rows" in why and why.count(" ms") == (5 if "int4" in times else 3)
 
 
 @needs_fused
