@@ -192,9 +192,11 @@ def print_stats_table(stats, tokens: int, seconds: float, file, kernels: str | N
     lines.append(f"  seconds per phase: {phases}")
     if d["rounds"]:
         lines.append("  rounds: " + ", ".join(f"{kind} {n}" for kind, n in sorted(d["rounds"].items())))
-    if d["plain_steps"]:
-        lines.append(f"  adaptive: {d['plain_steps']} of {d['full_passes']} steps decoded plainly (measured "
-                     f"speculation did not pay there; --no-adaptive to always speculate)")
+    if d["modes"]:
+        rates = ", ".join(f"{m} {r:.1f}" for m, r in d["mode_rates"].items())
+        lines.append("  adaptive rounds: " + ", ".join(f"{m} {n}" for m, n in d["modes"].items())
+                     + f" (the controller's measured tokens/s per mode at this batch size: {rates}; "
+                       "--no-adaptive to always speculate)")
     if d["verification_wall"] is not None:
         lines.append(f"  verification wall: {d['verification_wall']:.2f} (full-verify s/token / draft s/token)")
     print("\n".join(lines), file=file)

@@ -70,6 +70,7 @@ def test_streams_text_and_prints_stats(tiny):
                        "--strategy", "hispec")
     assert proc.returncode == 0, proc.stderr
     assert "strategy hispec" in proc.stderr and "mean accepted length" in proc.stderr
+    assert "adaptive rounds: speculate" in proc.stderr and "measured tokens/s per mode" in proc.stderr, proc.stderr
     as_json = run_cli("generate", "hello", "--model", tiny, "--max-new-tokens", "10", "--ignore-eos", "--json")
     assert proc.stdout == json.loads(as_json.stdout)["text"] + "\n"  # the streamed text is the whole text
 

@@ -77,6 +77,10 @@ class DecodeStats:
     # rounds by where their drafts came from: "lookup" (prompt lookup), "suffix" (earlier requests' outputs),
     # "exits" (draft exits), "plain" (none)
     rounds: dict[str, int] = field(default_factory=dict)
+    # adaptive decoding: rounds by the mode the controller chose ("speculate", "chain", "plain"), and
+    # the tokens/s it had measured for each mode at this batch size when it last chose (why it chose)
+    modes: dict[str, int] = field(default_factory=dict)
+    mode_rates: dict[str, float] = field(default_factory=dict)
 
     def count_round(self, kind: str) -> None:
         self.rounds[kind] = self.rounds.get(kind, 0) + 1
@@ -102,6 +106,9 @@ class DecodeStats:
         self.plain_steps += other.plain_steps
         for kind, n in other.rounds.items():
             self.rounds[kind] = self.rounds.get(kind, 0) + n
+        for mode, n in other.modes.items():
+            self.modes[mode] = self.modes.get(mode, 0) + n
+        self.mode_rates = dict(other.mode_rates) or self.mode_rates
         for name, lv in other.levels.items():
             self.level(name).merge(lv)
         for k, v in other.phase_seconds.items():
@@ -115,6 +122,8 @@ class DecodeStats:
             "full_passes": self.full_passes,
             "plain_steps": self.plain_steps,
             "rounds": dict(self.rounds),
+            "modes": dict(self.modes),
+            "mode_rates": {m: round(r, 2) for m, r in self.mode_rates.items()},
             "mean_accepted_length": round(self.mean_accepted_length, 4),
             "levels": {name: lv.to_dict() for name, lv in self.levels.items()},
             "phase_seconds": {k: round(v, 6) for k, v in self.phase_seconds.items()},

@@ -86,6 +86,11 @@ class AdaptiveController:
         if seconds > 0:
             self._rate(self.bucket(batch_size), mode).add(tokens / seconds, self.alpha)
 
+    def rates_at(self, batch_size: int) -> dict[str, float]:
+        """The measured tokens/s of each mode at this batch size (those measured so far)."""
+        b = self.bucket(batch_size)
+        return {m: self.rates[(b, m)].tokens_per_second for m in self.modes if (b, m) in self.rates}
+
     def _rate(self, bucket: int, mode: str) -> _Rate:
         return self.rates.setdefault((bucket, mode), _Rate())
 

@@ -305,6 +305,10 @@ class Engine:
         elapsed = time.perf_counter() - t0
         if adaptive:
             self.adaptive.record(len(batch), mode, sum(len(c) for c in commits), elapsed)
+            rates = self.adaptive.rates_at(len(batch))
+            for c in batch:
+                c.stats.modes[mode] = c.stats.modes.get(mode, 0) + 1
+                c.stats.mode_rates = rates
         if cost is not None and (strategy is self._ar or not self._switches):  # a plain round: the cost of rows
             cost.record(len(batch), elapsed / max(map(len, commits)))
         return commits

@@ -136,7 +136,11 @@ def test_single_request_adaptive_generation(model, workload):
     assert [o.token_ids for o in outs] == expected
     plain = sum(o.stats.plain_steps for o in outs)
     assert 0 < plain < sum(o.stats.full_passes for o in outs)  # both modes were measured
-    assert gen.generate(prompts[0], SamplingParams(max_new_tokens=limits[0]), strategy).stats.plain_steps == 0
+    assert sum(o.stats.modes.get("plain", 0) for o in outs) == plain  # rounds by mode, and why
+    assert all(sum(o.stats.modes.values()) > 0 for o in outs)
+    assert set(outs[-1].stats.to_dict()["mode_rates"]) == {"speculate", "plain"}
+    always = gen.generate(prompts[0], SamplingParams(max_new_tokens=limits[0]), strategy).stats
+    assert always.plain_steps == 0 and not always.modes
 
 
 def test_abort_frees_blocks(model):
