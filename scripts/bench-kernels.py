@@ -1,7 +1,7 @@
 """One decode step's matmuls (decoder linears + output head) per kernel, at 1, 2, 4, 8 and 16 rows.
 
     python scripts/bench-kernels.py [--model default] [--rows 1,2,4,8,16] [--repeats 15] [--threads 2]
-                                    [--kernels q4,int4,q8act]
+                                    [--kernels q4,int4,q8act] [--driver c|python]
 
 Shapes from the cached model's config (``$HISPEC_HOME/models/<model>/config.json``; the default
 model: 30 layers x (qkv 576 -> 960, o 576 -> 576, gate_up 576 -> 3072, down 1536 -> 576) and the
@@ -13,6 +13,13 @@ Kernels:
 - ``int4``: PyTorch's int4 kernel with bfloat16 activations (decoder; head as two int4 halves, ``int4x2``);
 - ``q8act``: the 8-bit-activation integer kernels (``kernels.q8act``) on the best path this CPU
   has; ``q8act-<path>``: on another path (``avx2``, ``vnni256``, ``avx512vnni``, ``scalar``).
+
+Drivers: ``c`` (the default) times the step in C (``scripts/bench-kernels-step.c``, built here
+against hispec's kernel library): the calls back to back as the decode op makes them, so a row's
+figure is the kernels' alone (``int4``, PyTorch's, is not callable from C: skipped there).
+``python`` calls each matmul from Python (torch tensors, ~25 us per call: ~3 ms of a one-row step
+of the default model, which the decode op does not pay, so its ratios to one row look better than
+the kernels' are).
 
 Run from the repository root with ``PYTHONPATH=.`` to time that copy. On a machine busier than its
 cores, OpenMP's spinning threads wait out each other's time slices (steps ~10x slower for every
@@ -54,6 +61,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--kernels", default="q4,int4,q8act")
+    ap.add_argument("--driver", choices=("c", "python"), default="c",
+                    help="c: the step's calls back to back in C (default); python: each call from Python")
     args = ap.parse_args()
     os.environ["OMP_NUM_THREADS"] = str(args.threads)  # before any OpenMP runtime starts
 
@@ -66,6 +75,8 @@ def main() -> None:
 
     layers, per_layer, (hk, hn) = shapes(args.model)
     rows = [int(r) for r in args.rows.split(",")]
+    if args.driver == "c":
+        return c_driver(args, layers, per_layer, (hk, hn), rows)
     gen = torch.Generator().manual_seed(0)
     print(f"{layers} layers x {per_layer} (K, N) + head ({hk}, {hn}); {args.threads} threads; "
           f"q8act paths on this CPU: {', '.join(q8act.supported_isas())}", flush=True)
@@ -126,6 +137,52 @@ def main() -> None:
         ms = [1e3 * statistics.median(times[(name, t)]) for t in rows]
         print(f"{name:<18}" + "".join(f"{v:8.2f} ms  " for v in ms))
         print(f"{'':<18}" + "".join(f"{v / ms[0]:8.2f} x   " for v in ms))
+
+
+def c_driver(args, layers: int, per_layer: list[tuple[int, int]], head: tuple[int, int], rows: list[int]) -> None:
+    """Build ``bench-kernels-step.c`` against the kernel library and run it: the same table."""
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    from hispec.kernels import build, q8act
+
+    lib = build.build_library()
+    names = {"q4": "q4", "q8act": "q8a:0"}  # 0: HS_Q8A_AUTO, the best path this CPU has
+    ids = q8act._isa_ids()  # path name -> the header's hs_q8a_isa value
+    kernels = {}
+    for name in args.kernels.split(","):
+        isa = name.partition("-")[2] if name.startswith("q8act-") else None
+        if name in names:
+            kernels[name] = names[name]
+        elif isa is not None and isa in q8act.supported_isas():
+            kernels[name] = f"q8a:{ids[isa]}"
+        elif name == "int4":
+            print("skipping int4: PyTorch's kernel is not callable from C (--driver python times it)")
+        elif isa is not None:
+            print(f"skipping {name}: this CPU cannot run it")
+        else:
+            raise SystemExit(f"unknown kernel {name!r}")
+    src = Path(__file__).with_name("bench-kernels-step.c")
+    with tempfile.TemporaryDirectory() as tmp:
+        exe = Path(tmp) / "bench-kernels-step"
+        subprocess.run(["cc", "-O2", "-I", str(build.CSRC), str(src), str(lib), f"-Wl,-rpath,{lib.parent}", "-o",
+                        str(exe)], check=True)
+        shape_args = [str(v) for k, n in per_layer for v in (k, n)]
+        out = subprocess.run([str(exe), str(layers), *shape_args, *map(str, head), ",".join(map(str, rows)),
+                              str(args.repeats), *kernels.values()], check=True, capture_output=True, text=True).stdout
+    ms = {}
+    for line in out.split("\n"):
+        if line.strip():
+            kernel, t, step_ms, head_ms = line.split()
+            ms[(kernel, int(t))] = (float(step_ms), float(head_ms))
+    print(f"ms per step, in C (median of {args.repeats}; the output head's share in brackets); ratio to one row",
+          flush=True)
+    print(f"{'kernel':<18}" + "".join(f"{t:>14} rows " for t in rows))
+    for name, kernel in kernels.items():
+        row = [ms[(kernel, t)] for t in rows]
+        print(f"{name:<18}" + "".join(f"{a:8.2f} ({b:5.2f}) " for a, b in row))
+        print(f"{'':<18}" + "".join(f"{a / row[0][0]:13.2f} x   " for a, _ in row))
 
 
 if __name__ == "__main__":
