@@ -354,16 +354,21 @@ def test_a_set_may_mix_designs(tiny_model_dir, tmp_path):
 
 
 # ---- the tuner simulates what runs -----------------------------------------------------------------
-@pytest.mark.parametrize("policy", ["fixed", "confidence"])
-def test_tuner_simulation_matches_the_engine_with_block_exits(tiny_model_dir, policy):
-    from hispec.train import tune
-
+def tuner_model(tiny_model_dir):
+    """A tiny model whose block exit at layer 2 agrees often with its last layer (damped later layers)."""
     model = load_model(tiny_model_dir("llama"))
     for layer in model.layers[1:]:
         layer.o_proj.weight.data.mul_(0.1)
         layer.down_proj.weight.data.mul_(0.1)
     model.exits = block_exits(model, [2], "zero")
-    gen = Generator(model)
+    return model, Generator(model)
+
+
+@pytest.mark.parametrize("policy", ["fixed", "confidence"])
+def test_tuner_simulation_matches_the_engine_with_block_exits(tiny_model_dir, policy):
+    from hispec.train import tune
+
+    model, gen = tuner_model(tiny_model_dir)
     spec = SpecConfig(2, model.num_layers, num_draft=3, draft_policy=policy, confidence_threshold=0.05,
                       num_layers=model.num_layers)
     params = SamplingParams(max_new_tokens=24, ignore_eos=True)
@@ -385,12 +390,7 @@ def test_tuner_simulates_token_trees_as_the_engine_accepts_them(tiny_model_dir, 
     engine's: a broken chain's runner-up is accepted where the trace's token is among them."""
     from hispec.train import tune
 
-    model = load_model(tiny_model_dir("llama"))
-    for layer in model.layers[1:]:
-        layer.o_proj.weight.data.mul_(0.1)
-        layer.down_proj.weight.data.mul_(0.1)
-    model.exits = block_exits(model, [2], "zero")
-    gen = Generator(model)
+    model, gen = tuner_model(tiny_model_dir)
     chain = SpecConfig(2, model.num_layers, num_draft=3, num_layers=model.num_layers, lookup_max_draft=0)
     tree = dataclasses.replace(chain, tree_width=3, tree_min_prob=min_prob)
     params = SamplingParams(max_new_tokens=24, ignore_eos=True)
