@@ -203,8 +203,9 @@ class SpecConfig:
     lookup_ngram: int = 3  # the longest suffix looked up in prompt + output (tried longest first, down to 1)
     tree_width: int = 1  # exit candidates per draft position: 1 = a chain; m: the top-m, the runners-up as leaves
     # a runner-up joins the tree only where the exit gives its branch at least this probability (its
-    # own times the chain's drafts' before it): rows where a branch is likely, none where the exit is sure
-    tree_min_prob: float = 0.0
+    # own times the chain's drafts' before it): rows where a branch is likely, none where the exit is
+    # sure. None: a verification row's measured cost relative to a plain step (decode/speculative.py)
+    tree_min_prob: float | None = None
     lookup_branches: int = 1  # prompt-lookup matches verified together as the branches of one tree
     num_layers: int = field(default=0, repr=False)  # the model's depth, for validation
 
@@ -239,7 +240,7 @@ class SpecConfig:
             raise ConfigError(f"--lookup-ngram must be between 1 and {MAX_LOOKUP_NGRAM}, got {self.lookup_ngram}")
         if not 1 <= self.tree_width <= MAX_TREE_WIDTH:
             raise ConfigError(f"--tree-width must be between 1 (a chain) and {MAX_TREE_WIDTH}, got {self.tree_width}")
-        if not 0 <= self.tree_min_prob < 1:
+        if self.tree_min_prob is not None and not 0 <= self.tree_min_prob < 1:
             raise ConfigError(f"--tree-min-prob must be in [0, 1), got {self.tree_min_prob}")
         if not 1 <= self.lookup_branches <= MAX_LOOKUP_BRANCHES:
             raise ConfigError(f"--lookup-branches must be between 1 and {MAX_LOOKUP_BRANCHES}, "

@@ -89,7 +89,8 @@ def add_spec_options(p: argparse.ArgumentParser) -> None:
                         "token tree (1 = a chain; default 1)")
     g.add_argument("--tree-min-prob", type=float, default=None, metavar="P",
                    help="with --tree-width: a runner-up joins the tree only if the exit gives its branch at least "
-                        "probability P (its own times the drafts' before it; default 0: every runner-up)")
+                        "probability P (its own times the drafts' before it; default: the measured cost of a "
+                        "verification row relative to a plain step; 0: every runner-up)")
 
 
 def add_suffix_option(group) -> None:

@@ -163,7 +163,8 @@ def test_lookup_drafts_equal_ar_on_spec_bench(generator, ar_reference, two_threa
         assert generator.generate(ids, params, strategy, spec=spec, adaptive=True).token_ids == want
 
 
-TREES = {"hispec": {"tree_width": 3, "lookup_branches": 2}, "selfspec": {"tree_width": 3},
+TREES = {"hispec": {"tree_width": 3, "tree_min_prob": 0.0, "lookup_branches": 2},
+         "selfspec": {"tree_width": 3, "tree_min_prob": 0.0},
          "lookup": {"lookup_branches": 3}}
 
 

@@ -184,6 +184,7 @@ class DecodeContext:
     processor: LogitsProcessor | None = None  # penalties and biases, applied at every level
     lookup: object | None = None  # its free-draft source (``decode.lookup.LookupState``), made on first use
     suffix: object | None = None  # its scope's outputs of earlier requests (``decode.lookup.SuffixCache``), or None
+    row_cost: float | None = None  # a verification row's measured cost relative to a plain step (the engine's)
     # The final layer's raw logits [n, V] of the n tokens the last step committed (row j chose
     # token j); set by every strategy where it verifies, read by the engine for logprobs.
     target_logits: torch.Tensor | None = None

@@ -64,7 +64,7 @@ class Verdict:
 
 
 def draft(batch: list[DecodeContext], starts: list[tuple[int, int]], layer: int, limits: list[int],
-          prefixes: list[list[int]], width: int = 1, min_prob: float = 0.0) -> list[Proposal]:
+          prefixes: list[list[int]], width: int = 1, min_prob: float | list[float] = 0.0) -> list[Proposal]:
     """Draft at exit ``layer`` for each sequence, from its ``(token, position)``: up to
     ``min(policy, limit)`` tokens (at least one), fewer if its policy stops early.
     ``prefixes[b]``: the speculative tokens (not yet committed) up to and including the start token.
@@ -75,8 +75,9 @@ def draft(batch: list[DecodeContext], starts: list[tuple[int, int]], layer: int,
     the drafted tokens stay on the device (a host sync only for a confidence-based policy, once
     per position, or for a request with a logits processor). ``width > 1``: beside each draft, the
     exit's next ``width - 1`` candidates (by the processed logits) are kept as its runners-up, those
-    whose branch the exit gives at least ``min_prob``: a candidate's probability times that of the
-    drafts before it in the round (the chance, by the exit's reckoning, that the row pays).
+    whose branch the exit gives at least ``min_prob`` (one value, or one per sequence): a
+    candidate's probability times that of the drafts before it in the round (the chance, by the
+    exit's reckoning, that the row pays).
     """
     runner = batch[0].runner
     k_max = [max(1, min(c.policy.max_drafts(), lim)) for c, lim in zip(batch, limits)]
@@ -84,6 +85,7 @@ def draft(batch: list[DecodeContext], starts: list[tuple[int, int]], layer: int,
     hidden, tokens, probs = [[] for _ in batch], [[] for _ in batch], [[] for _ in batch]
     runners_up: list[list[list[int]]] = [[] for _ in batch]
     reach = [1.0] * len(batch)  # the exit's probability of the round's drafts so far, per sequence
+    least = min_prob if isinstance(min_prob, list) else [min_prob] * len(batch)
     active, j = list(range(len(batch))), 0
     while active:
         hs = runner.forward_many([(batch[b].seq_id, starts[b][1] + j, x[b]) for b in active], 0, layer)
@@ -106,7 +108,8 @@ def draft(batch: list[DecodeContext], starts: list[tuple[int, int]], layer: int,
                     break
         chosen, q = choose(logits, [c.params for c in ctxs], [c.generator for c in ctxs])  # [R], [S, V]
         if width > 1:
-            alts, p_chosen = _runners_up(logits, chosen, width, min_prob, [reach[b] for b, _ in rows])
+            alts, p_chosen = _runners_up(logits, chosen, width, [least[b] for b, _ in rows],
+                                         [reach[b] for b, _ in rows])
             for (b, _), a, pc in zip(rows, alts, p_chosen):
                 runners_up[b].append(a)
                 reach[b] *= pc
@@ -124,20 +127,35 @@ def draft(batch: list[DecodeContext], starts: list[tuple[int, int]], layer: int,
             for t, p, h, r in zip(tokens, probs, hidden, runners_up)]
 
 
-def _runners_up(logits: torch.Tensor, chosen: torch.Tensor, width: int, min_prob: float = 0.0,
+def _runners_up(logits: torch.Tensor, chosen: torch.Tensor, width: int, min_prob: float | list[float] = 0.0,
                 reach: list[float] | None = None) -> tuple[list[list[int]], list[float]]:
     """Per row of ``logits [R, V]``, its top ``width`` tokens but the chosen one (``chosen [R]``),
     best first, at most ``width - 1``, never a token the request's processing ruled out (-inf),
-    only those with ``reach[r] * p(token) >= min_prob`` (``p``: the row's softmax); and each row's
-    ``p(chosen)``."""
+    only those with ``reach[r] * p(token) >= min_prob[r]`` (``p``: the row's softmax); and each
+    row's ``p(chosen)``."""
     probs = torch.softmax(logits.float(), dim=-1)  # [R, V]
     values, ids = probs.topk(width, dim=-1)  # [R, width]
     p_chosen = probs.gather(1, chosen.view(-1, 1).to(probs.device)).view(-1).tolist()  # [R]
     reach = reach or [1.0] * len(p_chosen)
+    least = min_prob if isinstance(min_prob, list) else [min_prob] * len(p_chosen)
     out = []
-    for vals, toks, c, r in zip(values.tolist(), ids.tolist(), chosen.tolist(), reach):
-        out.append([t for v, t in zip(vals, toks) if t != c and v > 0 and r * v >= min_prob][:width - 1])
+    for vals, toks, c, r, m in zip(values.tolist(), ids.tolist(), chosen.tolist(), reach, least):
+        out.append([t for v, t in zip(vals, toks) if t != c and v > 0 and r * v >= m][:width - 1])
     return out, p_chosen
+
+
+def tree_min_probs(batch: list[DecodeContext], spec: SpecConfig, to_layer: int) -> list[float]:
+    """Per sequence, the least branch probability for which a runner-up joins its tree:
+    ``spec.tree_min_prob``, or where that is None, what a runner-up's row costs relative to a plain
+    step, ``c * to_layer / L`` (it runs through ``to_layer`` of the ``L`` layers before it is
+    pruned or kept; ``c``: the engine's measured cost of a full row, ``DecodeContext.row_cost``).
+    A sampled sequence takes the prior ``c`` (``RowCost.prior``): its random stream, which the
+    walk over the tree's children draws from, must not depend on timing."""
+    if spec.tree_min_prob is not None:
+        return [spec.tree_min_prob] * len(batch)
+    share = to_layer / batch[0].model.num_layers
+    return [min(0.99, share * (c.row_cost if c.params.greedy and c.row_cost is not None else RowCost.prior))
+            for c in batch]
 
 
 def _branched(props: list[Proposal]) -> bool:
@@ -439,7 +457,7 @@ class SelfSpec(Strategy):
         starts, width = [(c.tokens[-1], p) for c, p in zip(batch, positions)], self.spec.tree_width
         with phase_timer(stats, "draft", model.device):
             props = draft(batch, starts, draft_layer, [c.remaining for c in batch], [[] for _ in batch], width,
-                          self.spec.tree_min_prob)
+                          tree_min_probs(batch, self.spec, model.num_layers))
         branched = _branched(props)
         with phase_timer(stats, "full_verify", model.device):
             if branched:
@@ -523,7 +541,7 @@ class HiSpec(Strategy):
             width = self.spec.tree_width
             with phase_timer([c.stats for c in ctxs], "draft", device):
                 props = draft(ctxs, starts, draft_layer, [self._room(c, w) for c, w in zip(ctxs, wins)],
-                              [list(w.tokens) for w in wins], width, self.spec.tree_min_prob)
+                              [list(w.tokens) for w in wins], width, tree_min_probs(ctxs, self.spec, verify_layer))
             branched = _branched(props)
             with phase_timer([c.stats for c in ctxs], "intermediate_verify", device):
                 if branched:  # the intermediate exit prunes the tree: only its accepted path goes deeper

@@ -80,7 +80,7 @@ def greedy_equal(ref_gen, tp_gen, prompts: list[list[int]], max_new: int, spec) 
     params = SamplingParams(max_new_tokens=max_new, ignore_eos=True)
     n = tp_gen.model.num_layers
     selfspec = dataclasses.replace(spec, verify_layer=n)
-    trees = {"tree_width": 3, "lookup_branches": 3}  # token trees: K/V moved on every rank
+    trees = {"tree_width": 3, "tree_min_prob": 0.0, "lookup_branches": 3}  # token trees: K/V moved on every rank
     specs = {"ar": None, "selfspec": selfspec, "hispec": spec,
              "selfspec-tree": dataclasses.replace(selfspec, **trees), "hispec-tree": dataclasses.replace(spec, **trees)}
     single = [ref_gen.generate(p, params, "ar").token_ids for p in prompts]

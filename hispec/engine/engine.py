@@ -295,6 +295,9 @@ class Engine:
         adaptive = self._switches and all(c.params.greedy for c in batch)
         mode = self.adaptive.choose(len(batch)) if adaptive else SPECULATE
         strategy = {SPECULATE: self.strategy, CHAIN: self._chain, PLAIN: self._ar}[mode]
+        row_cost = cost.relative(len(batch)) if cost is not None else None
+        for c in batch:  # what a verification row costs now: token trees add the rows that pay for it
+            c.row_cost = row_cost
         t0 = time.perf_counter()
         commits = strategy.step(batch)
         if strategy is self._ar:

@@ -17,7 +17,8 @@ The best few can then be checked end to end, interleaved with ``ar`` (``--valida
 
 Token trees (``tree_width``, ``tree_min_prob``) are simulated from the same traces: each exit's
 top candidates and their probabilities at every position give the runners-up a round would add
-(those whose branch the exit rates at least ``tree_min_prob``); a round whose chain breaks at a
+(those whose branch the exit rates at least ``tree_min_prob``, or, where that is None, at least
+a row's measured cost relative to a plain step); a round whose chain breaks at a
 position where the reference token is among them accepts that runner-up too. Their cost is one
 more pass of those rows through the draft layers and that many more verification rows, at the
 measured per-row costs: the tree budget that pays on this machine is chosen by the same search.
@@ -65,6 +66,13 @@ class CostModel:
         if n in self.per_layer:
             return n
         return min(self.per_layer, key=lambda m: (abs(m - n), -m))
+
+    def row_share(self) -> float:
+        """One more row of a full-model pass as a share of a one-row pass (``RowCost.relative``'s
+        figure at batch 1): what ``tree_min_prob=None`` weighs runners-up against."""
+        one = self.forward(self.num_layers, 1) + self.exit(self.num_layers, 1)
+        two = self.forward(self.num_layers, 2) + self.exit(self.num_layers, 2)
+        return max(0.0, two - one) / one if one > 0 else 0.0
 
     def ar_token(self) -> float:
         return self.forward(self.num_layers, 1) + self.exit(self.num_layers, 1)
@@ -261,12 +269,20 @@ def _draft_and_verify_seconds(costs: CostModel, d: int, to_layer: int, k: int, e
             + costs.forward(to_layer - d, rows) + costs.exit(to_layer, rows) + costs.sampling)
 
 
-def _round(trace: Trace, spec: SpecConfig, layer: int, t: int, k: int, run: int, ref: list[int]) -> tuple[int, int]:
+def _least(spec: SpecConfig, costs: CostModel, to_layer: int) -> float:
+    """``speculative.tree_min_probs`` of a greedy sequence, the row cost taken from ``costs``."""
+    if spec.tree_min_prob is not None:
+        return spec.tree_min_prob
+    return min(0.99, costs.row_share() * to_layer / costs.num_layers)
+
+
+def _round(trace: Trace, spec: SpecConfig, layer: int, t: int, k: int, run: int, ref: list[int],
+           least: float = 0.0) -> tuple[int, int]:
     """(drafts accepted, runners-up verified) of a round of ``k`` drafts at exit ``layer`` from trace
     position ``t`` against the reference tokens ``ref`` (``run``: how many drafts agree with them
     from ``t`` on). With ``spec.tree_width > 1`` the exit's runners-up at each draft position join
-    the tree where their branch is likely enough (``speculative._runners_up``'s rule); where the
-    chain breaks, a runner-up equal to the reference token is accepted as well."""
+    the tree where their branch is at least ``least`` likely (``speculative._runners_up``'s rule);
+    where the chain breaks, a runner-up equal to the reference token is accepted as well."""
     acc = min(run, k)
     if spec.tree_width <= 1 or layer not in trace.top_ids:
         return acc, 0
@@ -274,7 +290,7 @@ def _round(trace: Trace, spec: SpecConfig, layer: int, t: int, k: int, run: int,
     reach, extra, hit = 1.0, 0, 0
     for n in range(min(k, len(ids) - t)):
         alts = [x for x, p in zip(ids[t + n][1:spec.tree_width], probs[t + n][1:spec.tree_width])
-                if p > 0 and reach * p >= spec.tree_min_prob]
+                if p > 0 and reach * p >= least]
         extra += len(alts)
         if n == acc and acc < k and ref[t + n] in alts:
             hit = 1
@@ -284,13 +300,13 @@ def _round(trace: Trace, spec: SpecConfig, layer: int, t: int, k: int, run: int,
 
 def simulate_selfspec(traces: list[Trace], spec: SpecConfig, costs: CostModel) -> SimResult:
     d, N = spec.draft_layer, costs.num_layers
-    r = SimResult()
+    r, least = SimResult(), _least(spec, costs, N)
     for tr in _prepared(traces):
         T, t, pol = len(tr.trace.y), 0, make_policy(spec)
         run_dy = tr.runs(d, None)
         while t < T:
             k, evals = _drafts(pol, tr.trace, d, t, T - t)
-            acc, extra = _round(tr.trace, spec, d, t, k, run_dy[t], tr.trace.y)
+            acc, extra = _round(tr.trace, spec, d, t, k, run_dy[t], tr.trace.y, least)
             r.seconds += _draft_and_verify_seconds(costs, d, N, k, evals, extra)
             pol.update(k, min(acc, k))
             r.drafted += k + extra
@@ -306,7 +322,7 @@ def simulate_hispec(traces: list[Trace], spec: SpecConfig, costs: CostModel) -> 
     """Window tokens are the intermediate exit's argmax at their positions; the leading ones
     that equal the final trajectory are committed (plus one correction/bonus token)."""
     d, i, N = spec.draft_layer, spec.verify_layer, costs.num_layers
-    r = SimResult()
+    r, least = SimResult(), _least(spec, costs, i)
     for tr in _prepared(traces):
         T, t, pol = len(tr.trace.y), 0, make_policy(spec)
         run_di, run_iy = tr.runs(d, i), tr.runs(i, None)
@@ -314,7 +330,7 @@ def simulate_hispec(traces: list[Trace], spec: SpecConfig, costs: CostModel) -> 
             m = 0  # window length
             while m < spec.window and t + m < T:
                 k, evals = _drafts(pol, tr.trace, d, t + m, T - t - m)
-                acc, extra = _round(tr.trace, spec, d, t + m, k, run_di[t + m], tr.trace.argmax[i])
+                acc, extra = _round(tr.trace, spec, d, t + m, k, run_di[t + m], tr.trace.argmax[i], least)
                 r.seconds += _draft_and_verify_seconds(costs, d, i, k, evals, extra)
                 pol.update(k, min(acc, k))
                 r.drafted += k + extra
@@ -370,7 +386,7 @@ class SearchSpace:
     verify_layers: tuple[int, ...] | None = None
     # token trees, tried on the best chains of each strategy: widths and runner-up probabilities
     tree_widths: tuple[int, ...] = (2, 3, 4)
-    tree_min_probs: tuple[float, ...] = (0.0, 0.05, 0.1, 0.2, 0.3)
+    tree_min_probs: tuple[float | None, ...] = (None, 0.0, 0.05, 0.1, 0.2, 0.3)  # None: the measured row cost
     trees_on_best: int = 6
 
 
@@ -447,6 +463,8 @@ def format_table(rows: list[dict], limit: int = 25) -> str:
             v = r.get(c)
             if r["strategy"] == "selfspec" and c in ("verify_layer", "window"):
                 v = "-"
+            if c == "tree_min_prob" and v is None:
+                v = "auto"  # the measured cost of a row
             if c == "svip_threshold":
                 v = {"svip": r.get("svip_threshold"), "confidence": r.get("confidence_threshold")}.get(
                     r["draft_policy"], "-")

@@ -82,7 +82,7 @@ def cases(draw, hierarchical: bool):
                       num_draft=draw(st.integers(1, 6)), window=draw(st.integers(1, 6)),
                       draft_policy=policy, svip_threshold=draw(st.floats(0.05, 6.0)),
                       max_draft=draw(st.integers(1, 10)), tree_width=draw(st.sampled_from([1, 1, 2, 4])),
-                      tree_min_prob=draw(st.sampled_from([0.0, 0.0, 0.05, 0.3])),
+                      tree_min_prob=draw(st.sampled_from([None, 0.0, 0.05, 0.3])),
                       lookup_branches=draw(st.sampled_from([1, 1, 2, 4])))
     prompt = draw(st.lists(st.integers(0, 127), min_size=1, max_size=30))
     params = SamplingParams(max_new_tokens=draw(st.integers(1, 40)), ignore_eos=draw(st.booleans()))

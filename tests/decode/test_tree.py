@@ -132,6 +132,25 @@ def test_runners_up_kept_by_their_branch_probability():
     assert alts[0] == [0, 2]  # the chosen one is never its own runner-up; at most width - 1
 
 
+def test_tree_min_probs_follow_the_measured_row_cost(agreeing):
+    """``tree_min_prob=None``: a greedy sequence weighs a runner-up against what its row costs (the
+    engine's measured share of a plain step, times the layers it runs through); a sampled one
+    against the prior (its random stream must not depend on timing); a number is taken as it is."""
+    from hispec.decode.lookup import RowCost
+
+    model = agreeing.model
+    n = model.num_layers
+    greedy, sampled = SamplingParams(), SamplingParams(temperature=1.0)
+    batch = [SimpleNamespace(model=model, params=greedy, row_cost=0.4),
+             SimpleNamespace(model=model, params=sampled, row_cost=0.4),
+             SimpleNamespace(model=model, params=greedy, row_cost=None)]
+    auto = SpecConfig(draft_layer=1, verify_layer=3, tree_width=3)
+    assert auto.tree_min_prob is None
+    got = spec_mod.tree_min_probs(batch, auto, 3)
+    assert got == pytest.approx([0.4 * 3 / n, RowCost.prior * 3 / n, RowCost.prior * 3 / n])
+    assert spec_mod.tree_min_probs(batch, replace(auto, tree_min_prob=0.07), 3) == [0.07] * 3
+
+
 LIKELY = 1e-2  # the tiny agreeing model's exits are sure of themselves: its runners-up are unlikely
 
 
@@ -161,7 +180,7 @@ def test_min_prob_trees_draft_only_likely_branches(agreeing, monkeypatch):
 
 
 # ---- end to end: sampling with trees follows the target ---------------------------------------
-TREE_SPEC = replace(SPEC, tree_width=3, lookup_branches=3)
+TREE_SPEC = replace(SPEC, tree_width=3, tree_min_prob=0.0, lookup_branches=3)  # every runner-up
 
 
 @pytest.mark.parametrize("strategy,num_seeds", [("selfspec", 800), ("hispec", 1000)])
@@ -212,7 +231,7 @@ PENALISED = dict(presence_penalty=0.5, frequency_penalty=0.7, logit_bias=((3, 2.
 def test_greedy_exit_trees_equal_ar(agreeing, monkeypatch, strategy, extra):
     spy = PathSpy(monkeypatch)
     spec = SpecConfig(draft_layer=1, verify_layer=6 if strategy == "selfspec" else 3, num_draft=3, window=4,
-                      tree_width=4, lookup_max_draft=0)
+                      tree_width=4, tree_min_prob=0.0, lookup_max_draft=0)
     for seed in range(6):
         prompt = torch.randint(3, 128, (12,), generator=torch.Generator().manual_seed(seed)).tolist()
         params = SamplingParams(max_new_tokens=30, ignore_eos=True, **extra)
@@ -266,7 +285,8 @@ def test_adaptive_tree_engine_weighs_chains_and_equals_ar(agreeing):
     output is ar's whichever ran."""
     from hispec.llm import LLM
 
-    spec = SpecConfig(draft_layer=1, verify_layer=3, num_draft=3, tree_width=3, lookup_max_draft=0)
+    spec = SpecConfig(draft_layer=1, verify_layer=3, num_draft=3, tree_width=3, tree_min_prob=0.0,
+                      lookup_max_draft=0)
     llm = LLM(agreeing, "hispec", spec=spec, max_batch_size=4, adaptive=True)
     llm.engine.adaptive.warmup, llm.engine.adaptive.explore_every = 1, 2
     prompts = [torch.randint(3, 128, (10,), generator=torch.Generator().manual_seed(s)).tolist() for s in range(4)]

@@ -34,8 +34,9 @@ SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0
 STRATEGIES = {"ar": None, "selfspec": SpecConfig(2, 6, num_draft=3), "hispec": SpecConfig(1, 3, num_draft=3, window=4),
               "hispec-svip": SpecConfig(1, 2, draft_policy="svip", svip_threshold=3.0), "lookup": SpecConfig(1, 3),
               # token trees: each node masked by the grammar's state after its own ancestors
-              "selfspec-tree": SpecConfig(2, 6, num_draft=3, tree_width=3),
-              "hispec-tree": SpecConfig(1, 3, num_draft=3, window=4, tree_width=3, lookup_branches=2)}
+              "selfspec-tree": SpecConfig(2, 6, num_draft=3, tree_width=3, tree_min_prob=0.0),
+              "hispec-tree": SpecConfig(1, 3, num_draft=3, window=4, tree_width=3, tree_min_prob=0.0,
+                                         lookup_branches=2)}
 
 
 @pytest.fixture(scope="module", params=["agreeing", "plain"])
