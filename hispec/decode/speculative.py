@@ -312,7 +312,7 @@ def verify_tree(batch: list[DecodeContext], trees: list[DraftTree], roots: list[
         toks = [t.tokens[i] for i in path[1:]] + [nxt]
         if to_layer == model.num_layers:
             c.target_logits = lg[path]
-        c.stats.level(level).record(len(t) - 1, len(path) - 1)
+        c.stats.level(level).record(len(t) - 1, len(path) - 1, depth=t.depth)  # per position: per depth
         probs = None if c.params.greedy else torch.nn.functional.one_hot(c.token_tensor(toks), lg.shape[-1]).float()
         verdicts.append(Verdict(toks, h[path], probs))
     return verdicts

@@ -24,13 +24,16 @@ class LevelStats:
     accepted_per_position: list[int] = field(default_factory=list)  # [j]: rounds whose draft j was accepted
     drafted_per_position: list[int] = field(default_factory=list)  # [j]: rounds that proposed a draft j
 
-    def record(self, num_drafted: int, num_accepted: int) -> None:
+    def record(self, num_drafted: int, num_accepted: int, depth: int | None = None) -> None:
+        """A round that proposed ``num_drafted`` tokens and accepted ``num_accepted``; a token tree
+        proposes positions up to its ``depth`` (several nodes per position), a chain ``num_drafted``."""
+        positions = num_drafted if depth is None else depth
         self.rounds += 1
         self.draft_tokens += num_drafted
         self.accepted_tokens += num_accepted
-        _grow(self.accepted_per_position, num_drafted)
-        _grow(self.drafted_per_position, num_drafted)
-        for j in range(num_drafted):
+        _grow(self.accepted_per_position, positions)
+        _grow(self.drafted_per_position, positions)
+        for j in range(positions):
             self.drafted_per_position[j] += 1
             self.accepted_per_position[j] += j < num_accepted
 

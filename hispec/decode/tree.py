@@ -85,6 +85,14 @@ class DraftTree:
         return [self.tokens[i] for i in self.layout(0).path(node)[1:]]
 
     @property
+    def depth(self) -> int:
+        """The most tokens on a path below the root (a chain's: its drafts)."""
+        depths = [0] * len(self.tokens)
+        for i in range(1, len(self.tokens)):
+            depths[i] = depths[self.parents[i]] + 1
+        return max(depths)
+
+    @property
     def is_chain(self) -> bool:
         return all(p == i - 1 for i, p in enumerate(self.parents))
 

@@ -116,6 +116,21 @@ def test_out_of_range_settings_name_the_flag(flag, value):
         SpecConfig(draft_layer=1, verify_layer=2, **{flag: value})
 
 
+def test_tree_levels_count_nodes_and_positions_by_depth():
+    """A tree's round proposes every node (draft tokens) but positions only down to its depth: the
+    acceptance per position is per depth, as a chain's."""
+    from hispec.decode.stats import LevelStats
+
+    t = exit_tree(9, [1, 2], [[3, 4], [5]])  # depth 2, 5 nodes below the root
+    assert t.depth == 2 and DraftTree([9]).depth == 0 and DraftTree.of_branches(9, [[1, 2, 3], [4]]).depth == 3
+    lv = LevelStats()
+    lv.record(len(t) - 1, 1, depth=t.depth)
+    lv.record(3, 3)  # a chain
+    d = lv.to_dict()
+    assert d["draft_tokens"] == 8 and d["accepted_tokens"] == 4
+    assert d["acceptance_per_position"] == [1.0, 0.5, 1.0]
+
+
 def test_runners_up_kept_by_their_branch_probability():
     """A runner-up joins the tree when its probability times the chain's before it (``reach``)
     reaches ``min_prob``; -inf (ruled out) never; and each row's chosen probability comes back."""
