@@ -22,9 +22,9 @@ kernels), both on a GGUF file's blocks as stored, with float32 activations:
   bfloat16 hardware (AVX2) ``q4`` is the faster.
 - ``q8a``: the ``q4`` weights (the same nibbles, ``d`` and ``m``) times activations rounded to 8 bits
   per block of 32 (``q8act.py``: integer dot products, ``amax / 254`` error per input where ``q4``
-  keeps 1.5e-5 of the block's largest value). Faster than ``q4`` on more than one row (AVX2:
-  1.31x one row's time at 4 rows where ``q4`` takes 1.50x, 2.85x at 16 where ``q4`` takes 5.19x;
-  AVX-512 VNNI more), about equal on one; its tokens differ from ``q4``'s (logits move by ~0.1:
+  keeps 1.5e-5 of the block's largest value). Faster than ``q4`` on more than one row (AVX2, a
+  decode step's matmuls timed in C: 1.41x one row's time at 4 rows where ``q4`` takes 1.74x, 3.03x
+  at 16 where ``q4`` takes 5.74x), ~10% slower on one there (its Q8_0 head most); its tokens differ from ``q4``'s (logits move by ~0.1:
   greedy ``ar`` on the default model, 16 held-out Spec-Bench prompts, 64 tokens: ``q4`` gave
   float32's tokens on 16 of 16, ``q8a`` on 10 of 16; llama.cpp's Q4_1 on 7 of 16,
   ``scripts/numerics.py``). The timed choice takes it only where it is no slower on one row and
@@ -418,8 +418,9 @@ TIMED_FOUR_BIT = (*FOUR_BIT, "q8a")  # what the timed choice may pick
 FORCED_FOUR_BIT = TIMED_FOUR_BIT  # what HISPEC_Q4_KERNEL may name
 INT4_MARGIN = 0.85  # int4 must take at most this fraction of q4's time
 # q8a: at most this fraction of the other's step time on one row, and on four. On the 2-core AVX2
-# Zen 2 the stream timing put its one-row step level with q4's (9.3-9.6 ms vs 9.4-9.5) and its
-# four-row step at 0.86 of q4's, while end to end its `ar` ran ~4% slower: q4 stays there.
+# Zen 2 the timing put its one-row step level with q4's (12.5-12.8 ms vs 12.4-12.7, Python calls
+# included) and its four-row step at 0.88-0.93 of q4's, while end to end its `ar` ran ~4% slower:
+# q4 stays there.
 Q8A_ONE_ROW = 1.0
 Q8A_FOUR_ROWS = 0.8
 
