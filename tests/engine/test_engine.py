@@ -129,7 +129,7 @@ def test_adaptive_decisions_show_in_the_stats(model, workload, monkeypatch):
     engine, got = run_engine(model, "hispec", prompts, limits, eos, batch_size=4, kv_blocks=400)
     assert got == expected
     steps = engine.stats()["adaptive"]["steps"]
-    assert steps["speculate"] > 0 and steps["plain"] > 0  # both were measured
+    assert steps["speculate"] > 0 and steps["plain"] > 0, steps  # both were measured
 
 
 def test_single_request_adaptive_generation(model, workload):
