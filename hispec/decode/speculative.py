@@ -64,7 +64,7 @@ class Verdict:
 
 
 def draft(batch: list[DecodeContext], starts: list[tuple[int, int]], layer: int, limits: list[int],
-          prefixes: list[list[int]], width: int = 1, min_prob: float | list[float] = 0.0) -> list[Proposal]:
+          prefixes: list[list[int]], width: int = 1, min_probs: list[float] | None = None) -> list[Proposal]:
     """Draft at exit ``layer`` for each sequence, from its ``(token, position)``: up to
     ``min(policy, limit)`` tokens (at least one), fewer if its policy stops early.
     ``prefixes[b]``: the speculative tokens (not yet committed) up to and including the start token.
@@ -75,7 +75,7 @@ def draft(batch: list[DecodeContext], starts: list[tuple[int, int]], layer: int,
     the drafted tokens stay on the device (a host sync only for a confidence-based policy, once
     per position, or for a request with a logits processor). ``width > 1``: beside each draft, the
     exit's next ``width - 1`` candidates (by the processed logits) are kept as its runners-up, those
-    whose branch the exit gives at least ``min_prob`` (one value, or one per sequence): a
+    whose branch the exit gives at least ``min_probs[b]`` (``tree_min_probs``; None: every one): a
     candidate's probability times that of the drafts before it in the round (the chance, by the
     exit's reckoning, that the row pays).
     """
@@ -85,7 +85,7 @@ def draft(batch: list[DecodeContext], starts: list[tuple[int, int]], layer: int,
     hidden, tokens, probs = [[] for _ in batch], [[] for _ in batch], [[] for _ in batch]
     runners_up: list[list[list[int]]] = [[] for _ in batch]
     reach = [1.0] * len(batch)  # the exit's probability of the round's drafts so far, per sequence
-    least = min_prob if isinstance(min_prob, list) else [min_prob] * len(batch)
+    least = min_probs or [0.0] * len(batch)
     active, j = list(range(len(batch))), 0
     while active:
         hs = runner.forward_many([(batch[b].seq_id, starts[b][1] + j, x[b]) for b in active], 0, layer)
@@ -127,17 +127,17 @@ def draft(batch: list[DecodeContext], starts: list[tuple[int, int]], layer: int,
             for t, p, h, r in zip(tokens, probs, hidden, runners_up)]
 
 
-def _runners_up(logits: torch.Tensor, chosen: torch.Tensor, width: int, min_prob: float | list[float] = 0.0,
+def _runners_up(logits: torch.Tensor, chosen: torch.Tensor, width: int, min_probs: list[float] | None = None,
                 reach: list[float] | None = None) -> tuple[list[list[int]], list[float]]:
     """Per row of ``logits [R, V]``, its top ``width`` tokens but the chosen one (``chosen [R]``),
     best first, at most ``width - 1``, never a token the request's processing ruled out (-inf),
-    only those with ``reach[r] * p(token) >= min_prob[r]`` (``p``: the row's softmax); and each
-    row's ``p(chosen)``."""
+    only those with ``reach[r] * p(token) >= min_probs[r]`` (``p``: the row's softmax; None: 0);
+    and each row's ``p(chosen)``."""
     probs = torch.softmax(logits.float(), dim=-1)  # [R, V]
     values, ids = probs.topk(width, dim=-1)  # [R, width]
     p_chosen = probs.gather(1, chosen.view(-1, 1).to(probs.device)).view(-1).tolist()  # [R]
     reach = reach or [1.0] * len(p_chosen)
-    least = min_prob if isinstance(min_prob, list) else [min_prob] * len(p_chosen)
+    least = min_probs or [0.0] * len(p_chosen)
     out = []
     for vals, toks, c, r, m in zip(values.tolist(), ids.tolist(), chosen.tolist(), reach, least):
         out.append([t for v, t in zip(vals, toks) if t != c and v > 0 and r * v >= m][:width - 1])
@@ -153,9 +153,15 @@ def tree_min_probs(batch: list[DecodeContext], spec: SpecConfig, to_layer: int) 
     walk over the tree's children draws from, must not depend on timing."""
     if spec.tree_min_prob is not None:
         return [spec.tree_min_prob] * len(batch)
-    share = to_layer / batch[0].model.num_layers
-    return [min(0.99, share * (c.row_cost if c.params.greedy and c.row_cost is not None else RowCost.prior))
-            for c in batch]
+    n = batch[0].model.num_layers
+    return [branch_threshold(c.row_cost if c.params.greedy and c.row_cost is not None else RowCost.prior,
+                             to_layer, n) for c in batch]
+
+
+def branch_threshold(row_cost: float, to_layer: int, num_layers: int) -> float:
+    """The least branch probability a runner-up needs to pay for its row: a full row's cost
+    relative to a plain step, ``row_cost``, times the share of the layers it runs through."""
+    return min(0.99, row_cost * to_layer / num_layers)
 
 
 def _branched(props: list[Proposal]) -> bool:
@@ -457,7 +463,7 @@ class SelfSpec(Strategy):
         starts, width = [(c.tokens[-1], p) for c, p in zip(batch, positions)], self.spec.tree_width
         with phase_timer(stats, "draft", model.device):
             props = draft(batch, starts, draft_layer, [c.remaining for c in batch], [[] for _ in batch], width,
-                          tree_min_probs(batch, self.spec, model.num_layers))
+                          tree_min_probs(batch, self.spec, model.num_layers) if width > 1 else None)
         branched = _branched(props)
         with phase_timer(stats, "full_verify", model.device):
             if branched:
@@ -541,7 +547,8 @@ class HiSpec(Strategy):
             width = self.spec.tree_width
             with phase_timer([c.stats for c in ctxs], "draft", device):
                 props = draft(ctxs, starts, draft_layer, [self._room(c, w) for c, w in zip(ctxs, wins)],
-                              [list(w.tokens) for w in wins], width, tree_min_probs(ctxs, self.spec, verify_layer))
+                              [list(w.tokens) for w in wins], width,
+                              tree_min_probs(ctxs, self.spec, verify_layer) if width > 1 else None)
             branched = _branched(props)
             with phase_timer([c.stats for c in ctxs], "intermediate_verify", device):
                 if branched:  # the intermediate exit prunes the tree: only its accepted path goes deeper

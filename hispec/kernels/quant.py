@@ -57,6 +57,7 @@ beside the kernel's copy), so fingerprints and reference paths see what is in th
 """
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import logging
@@ -373,8 +374,6 @@ def format_timings(reps: int = 5) -> dict[str, float]:
     gives beside it: ``q4`` (``q8``) and ``q8a`` (``q8a8``) where hispec's kernels are built,
     ``int4`` (``q8``, or ``int4x2`` without them) where PyTorch has its kernel. One row: ``name``;
     four: ``name@4``. :func:`four_bit_kernel` and ``select.quantized_kernels_pay`` read these."""
-    import copy
-
     g = torch.Generator().manual_seed(0)
     weights = [torch.randn(3072, 576, generator=g) * 0.02 for _ in range(12)]
     layer = [weights[0][:n, :k] if k == 576 else torch.randn(n, k, generator=g) * 0.02 for n, k in LAYER_SHAPES]

@@ -38,6 +38,7 @@ from ..cache.kv_cache import KVPool
 from ..config import SpecConfig
 from ..decode.base import LayerRunner
 from ..decode.policies import DraftConfidence, DraftPolicy, make_policy
+from ..decode.speculative import branch_threshold
 from ..engine.engine import EngineConfig
 from .collect import greedy_continuations
 from .teacher import exit_logits_along
@@ -273,7 +274,7 @@ def _least(spec: SpecConfig, costs: CostModel, to_layer: int) -> float:
     """``speculative.tree_min_probs`` of a greedy sequence, the row cost taken from ``costs``."""
     if spec.tree_min_prob is not None:
         return spec.tree_min_prob
-    return min(0.99, costs.row_share() * to_layer / costs.num_layers)
+    return branch_threshold(costs.row_share(), to_layer, costs.num_layers)
 
 
 def _round(trace: Trace, spec: SpecConfig, layer: int, t: int, k: int, run: int, ref: list[int],
@@ -450,7 +451,8 @@ def measure_end_to_end(gen, prompts: list[list[int]], candidates: list[Candidate
 
 def format_table(rows: list[dict], limit: int = 25) -> str:
     cols = ["strategy", "draft_layer", "verify_layer", "num_draft", "window", "draft_policy", "svip_threshold",
-            "tree_width", "tree_min_prob", "predicted_speedup", "tokens_per_full_pass", "accept_inter", "accept_full", "measured_speedup"]
+            "tree_width", "tree_min_prob", "predicted_speedup", "tokens_per_full_pass", "accept_inter", "accept_full",
+            "measured_speedup"]
     short = {"strategy": "strategy", "draft_layer": "L_d", "verify_layer": "L_i", "num_draft": "N_d",
              "window": "N_i", "draft_policy": "policy", "svip_threshold": "thr", "tree_width": "tree m",
              "tree_min_prob": "tree p", "predicted_speedup": "pred x",

@@ -139,11 +139,11 @@ def test_runners_up_kept_by_their_branch_probability():
     chosen = torch.tensor([0, 0])
     alts, p_chosen = spec_mod._runners_up(logits, chosen, 5)
     assert alts == [[1, 2, 3], [1, 2, 3, 4]] and p_chosen == pytest.approx([0.5, 0.9])
-    alts, _ = spec_mod._runners_up(logits, chosen, 5, min_prob=0.1)
+    alts, _ = spec_mod._runners_up(logits, chosen, 5, [0.1, 0.1])
     assert alts == [[1, 2], []]
-    alts, _ = spec_mod._runners_up(logits, chosen, 5, min_prob=0.1, reach=[0.5, 1.0])
+    alts, _ = spec_mod._runners_up(logits, chosen, 5, [0.1, 0.1], reach=[0.5, 1.0])
     assert alts == [[1], []]  # 0.5 * 0.3 >= 0.1 > 0.5 * 0.15
-    alts, _ = spec_mod._runners_up(logits, torch.tensor([1, 0]), 3, min_prob=0.0)
+    alts, _ = spec_mod._runners_up(logits, torch.tensor([1, 0]), 3)
     assert alts[0] == [0, 2]  # the chosen one is never its own runner-up; at most width - 1
 
 
