@@ -5,6 +5,10 @@ Per strategy, overall and per category:
 - ``tokens_per_second``: total new tokens / total generation seconds (prefill included);
   ``tokens_per_second_median``: the median of the per-prompt rates;
 - ``speedup_vs_ar``: ``tokens_per_second`` / ``ar``'s, on the same prompts in the same run;
+- ``decode_tokens_per_second``: new tokens / the seconds after the prompt's prefill (hispec's own
+  strategies, whose phases are timed; null for peers), and ``decode_speedup_vs_ar``: the same
+  against ``ar``'s. Speculation changes only this part: with short outputs and long prompts the
+  prefill, the same for every strategy, dilutes ``speedup_vs_ar`` towards 1;
 - ``speedup_vs_plain``: a speculative method against its own plain decoding in the same run:
   hispec's strategies against ``ar``, transformers' (``hf-lookup``, ``hf-early-exit``) against
   ``hf``, a peer's speculative mode (``llama.cpp:q4_1:lookup``, ``vllm:float32:ngram``) against the
@@ -33,7 +37,8 @@ import statistics
 from ..decode.stats import DecodeStats
 from .runner import BenchRun, Record
 
-FIELDS = ("tokens_per_second", "tokens_per_second_median", "speedup_vs_ar", "identical_to_ar", "agreement_with_ar",
+FIELDS = ("tokens_per_second", "tokens_per_second_median", "speedup_vs_ar", "decode_tokens_per_second",
+          "decode_speedup_vs_ar", "identical_to_ar", "agreement_with_ar",
           "mean_accepted_length", "acceptance", "phase_seconds", "verification_wall", "peak_memory_bytes",
           "kv_cache_bytes")
 
@@ -91,6 +96,7 @@ def _fields(run: BenchRun, recs: list[Record], ref: list[Record] | None) -> dict
         ref_tps = sum(x.new_tokens for x in ref) / ref_seconds if ref_seconds > 0 else None
     stats = _merged_stats(recs)
     d = stats.to_dict() if stats is not None else None
+    decode, ref_decode = decode_rate(recs), decode_rate(ref) if ref else None
     return {
         "num_prompts": len(recs),
         "new_tokens": tokens,
@@ -99,6 +105,8 @@ def _fields(run: BenchRun, recs: list[Record], ref: list[Record] | None) -> dict
         "tokens_per_second_median": round(statistics.median(
             [x.new_tokens / x.seconds if x.seconds > 0 else 0.0 for x in recs]), 3) if recs else 0.0,
         "speedup_vs_ar": round(tps / ref_tps, 4) if ref_tps else None,
+        "decode_tokens_per_second": round(decode, 3) if decode else None,
+        "decode_speedup_vs_ar": round(decode / ref_decode, 4) if decode and ref_decode else None,
         "identical_to_ar": _identical(run, recs, ref),
         "agreement_with_ar": _agreement(run, recs, ref),
         "mean_accepted_length": d["mean_accepted_length"] if d else None,
@@ -110,6 +118,16 @@ def _fields(run: BenchRun, recs: list[Record], ref: list[Record] | None) -> dict
         "memory_added_bytes": _max(x.memory_added_bytes for x in recs),
         "kv_cache_bytes": _max(x.sample.kv_cache_bytes for x in recs),
     }
+
+
+def decode_rate(recs: list[Record]) -> float | None:
+    """New tokens per second of decoding alone: each prompt's seconds less its prefill phase (the
+    prompt but its last token; the first new token is a decode step's). None unless every record
+    has hispec's phase timings (peers are timed end to end)."""
+    if not recs or any(x.sample.stats is None for x in recs):
+        return None
+    seconds = sum(x.seconds - x.sample.stats.phase_seconds.get("prefill", 0.0) for x in recs)
+    return sum(x.new_tokens for x in recs) / seconds if seconds > 0 else None
 
 
 def _merged_stats(recs: list[Record]) -> DecodeStats | None:

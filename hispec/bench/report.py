@@ -42,13 +42,15 @@ def overall_table(strategies: dict) -> list[str]:
     rows = []
     for label, e in strategies.items():
         if not e["available"]:
-            rows.append([f"`{label}`", "unavailable"] + ["–"] * 8)
+            rows.append([f"`{label}`", "unavailable"] + ["–"] * 9)
             continue
         rows.append([f"`{label}`", _num(e["tokens_per_second"]), _num(e["tokens_per_second_median"]),
-                     _num(e["speedup_vs_ar"], "{:.2f}x"), _bool(e["identical_to_ar"]),
+                     _num(e["speedup_vs_ar"], "{:.2f}x"), _num(e.get("decode_speedup_vs_ar"), "{:.2f}x"),
+                     _bool(e["identical_to_ar"]),
                      _num(e["mean_accepted_length"]), _acceptance_cell(e["acceptance"]),
                      _num(e["verification_wall"]), _mib(e["peak_memory_bytes"]), _mib(e["kv_cache_bytes"])])
-    return _table(["strategy", "tokens/s", "median tokens/s", "speedup vs ar", "identical to ar",
+    return _table(["strategy", "tokens/s", "median tokens/s", "speedup vs ar", "decode speedup vs ar",
+                   "identical to ar",
                    "mean accepted length", "acceptance rate per level", "verification wall", "peak memory",
                    "KV cache"], rows)
 
@@ -66,10 +68,10 @@ def category_table(strategies: dict) -> list[str]:
         row.append(str(n))
         for e in available.values():
             f = e if c == "overall" else e["per_category"].get(c, {})
-            sp = f.get("speedup_vs_ar")
+            sp, dsp = f.get("speedup_vs_ar"), f.get("decode_speedup_vs_ar")
             cell = _num(f.get("tokens_per_second"), "{:.1f}")
             if sp is not None and e["kind"] != "ar":
-                cell += f" ({sp:.2f}x)"
+                cell += f" ({sp:.2f}x" + (f"; decode {dsp:.2f}x)" if dsp is not None else ")")
             if f.get("identical_to_ar") is False:
                 cell += " ≠ar"
             row.append(cell)
@@ -257,12 +259,14 @@ def body_lines(results: dict, h: str = "##") -> list[str]:
     lines = [
         f"{h} Overall", "",
         "tokens/s = all new tokens / all generation seconds (prefill included); speedup against `ar` in "
-        "the same run on the same prompts; acceptance rate per level = accepted / drafted tokens; "
+        "the same run on the same prompts; decode speedup: the same with each prompt's prefill left out "
+        "(new tokens / the seconds after it; hispec's strategies only), the part speculation changes; "
+        "acceptance rate per level = accepted / drafted tokens; "
         "verification wall = full-verification seconds per committed token / drafting seconds per drafted token.",
         "",
         *overall_table(strategies), "",
         f"{h} Per category", "",
-        "tokens/s (speedup vs `ar`)", "",
+        "tokens/s (speedup vs `ar`; decode: the same with the prefill left out)", "",
         *category_table(strategies), "",
         *_speculation_section(strategies, h),
         f"{h} Acceptance per position", "",

@@ -35,6 +35,7 @@ class Row:
     tokens_per_second: float | None
     median: float | None  # per-prompt median (batch 1 runs)
     same_ids: str  # agreement with the run's ``ar``: "reference", "yes", "NO", "k/n" or "–"
+    decode: float | None = None  # tokens/s with the prefill left out (hispec's strategies, batch 1 runs)
 
 
 @dataclass
@@ -123,10 +124,22 @@ def _from_results(data: dict, source: str) -> Comparison:
             continue
         own = e.get("kind") in STRATEGIES
         rows.append(Row(label, own, _own_weights(model) if own else e.get("weights"), e.get("tokens_per_second"),
-                        e.get("tokens_per_second_median"), _same(e, label, own)))
+                        e.get("tokens_per_second_median"), _same(e, label, own), _decode(e) if own else None))
     return Comparison(_machine(data.get("machine")), int(cfg.get("batch_size") or 1), rows,
                       prompts=cfg.get("num_prompts"), max_new_tokens=cfg.get("max_new_tokens"),
                       command=cfg.get("command"), adaptive=cfg.get("adaptive", False), **_provenance(data, source))
+
+
+def _decode(e: dict) -> float | None:
+    """A strategy's tokens/s with the prefill left out: the file's ``decode_tokens_per_second``, or
+    for files written before that field, the same from its seconds and prefill phase."""
+    if e.get("decode_tokens_per_second"):
+        return e["decode_tokens_per_second"]
+    prefill = (e.get("phase_seconds") or {}).get("prefill")
+    seconds, tokens = e.get("seconds"), e.get("new_tokens")
+    if prefill is None or not seconds or not tokens or seconds <= prefill:
+        return None
+    return tokens / (seconds - prefill)
 
 
 def _provenance(data: dict, source: str) -> dict:
@@ -178,15 +191,19 @@ def _name(r: Row) -> str:
 
 
 def table(c: Comparison) -> list[str]:
-    ar = next((r.tokens_per_second for r in c.rows if r.label == "ar"), None)
+    ar = next((r for r in c.rows if r.label == "ar"), None)
     batch1 = c.batch_size == 1
-    header = ["engine / weights", "tokens/s"] + (["per-prompt median"] if batch1 else []) + ["vs `ar`",
-                                                                                           "same ids as `ar`"]
+    decode = batch1 and ar is not None and ar.decode is not None and any(r.decode for r in c.rows if r is not ar)
+    header = (["engine / weights", "tokens/s"] + (["per-prompt median"] if batch1 else []) + ["vs `ar`"]
+              + (["decode vs `ar`"] if decode else []) + ["same ids as `ar`"])
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join(" --- " for _ in header) + "|"]
     for r in c.rows:
-        ratio = r.tokens_per_second / ar if ar and r.tokens_per_second is not None else None
-        cells = [_name(r), _num(r.tokens_per_second)] + ([_num(r.median)] if batch1 else [])
-        lines.append("| " + " | ".join(cells + [_num(ratio, "{:.2f}x"), r.same_ids]) + " |")
+        ratio = r.tokens_per_second / ar.tokens_per_second \
+            if ar and ar.tokens_per_second and r.tokens_per_second is not None else None
+        cells = [_name(r), _num(r.tokens_per_second)] + ([_num(r.median)] if batch1 else []) + [_num(ratio, "{:.2f}x")]
+        if decode:
+            cells.append(_num(r.decode / ar.decode if r.decode is not None else None, "{:.2f}x"))
+        lines.append("| " + " | ".join(cells + [r.same_ids]) + " |")
     return lines
 
 
@@ -213,8 +230,10 @@ def render(comparisons: list[Comparison], sources: list[str], target: str = "BEN
     lines = ["## Current summary", "",
              "The newest run of each comparison (machine, batch size, engines) among the result files "
              f"({', '.join(f'`{s}`' for s in sources) or 'none given'}). tokens/s include prefill; `vs ar` is "
-             f"tokens/s over hispec `ar`'s in the same run; greedy. Made by `hispec bench --summary {target}`: "
-             "it rewrites only this section, the rest of the file stays as it is.", ""]
+             "tokens/s over hispec `ar`'s in the same run; `decode vs ar` (batch 1, hispec's strategies) is the "
+             "same with each prompt's prefill left out, the part speculation changes; greedy. Made by "
+             f"`hispec bench --summary {target}`: it rewrites "
+             "only this section, the rest of the file stays as it is.", ""]
     if not comparisons:
         lines += ["(no result files)", ""]
     for c in comparisons:

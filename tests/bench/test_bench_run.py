@@ -104,6 +104,14 @@ def test_own_strategies_report_speculation_metrics(results):
     assert s["selfspec:heuristic"]["spec"]["draft_policy"] == "heuristic"
     assert s["hispec"]["kv_overhead_vs_ar_bytes"] >= 0
     assert s["hf"]["acceptance"] is None and s["hf"]["speedup_vs_ar"] > 0
+    # decoding alone: hispec's strategies, whose prefill is timed; transformers' peers end to end only
+    assert s["ar"]["decode_speedup_vs_ar"] == 1.0 and s["hf"]["decode_tokens_per_second"] is None
+    for label in ("ar", "hispec", "selfspec"):
+        e = s[label]
+        prefill = e["phase_seconds"]["prefill"]
+        assert 0 < prefill < e["seconds"], label
+        assert e["decode_tokens_per_second"] == pytest.approx(e["new_tokens"] / (e["seconds"] - prefill), rel=0.02)  # rounded fields
+        assert e["decode_tokens_per_second"] > e["tokens_per_second"], label
 
 
 def test_unavailable_peer_is_reported_with_its_reason(results):

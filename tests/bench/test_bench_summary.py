@@ -74,6 +74,23 @@ def test_only_the_text_between_the_markers_changes(tmp_path):
     assert "| 90.0 |" in again and "| 80.0 |" not in again
 
 
+def test_decode_ratio_leaves_the_prefill_out(tmp_path):
+    """Batch-1 files with hispec's phase timings get a ``decode vs ar`` column: from the file's
+    ``decode_tokens_per_second``, or for older files from its seconds less the prefill phase."""
+    data = results_json("2026-12-03T10:00:00+0000", 80.0, 40.0)
+    s = data["strategies"]
+    # ar: 64 tokens in 1.0 s of which 0.5 s prefill -> 128 tokens/s decoding (older file: no field)
+    s["ar"] |= {"new_tokens": 64, "seconds": 1.0, "phase_seconds": {"prefill": 0.5}}
+    s["hispec"]["decode_tokens_per_second"] = 160.0  # a newer file's own field
+    inner = summary.render([summary.read(write(tmp_path / "results.json", data))[0]], ["runs"])
+    assert "| engine / weights | tokens/s | per-prompt median | vs `ar` | decode vs `ar` | same ids as `ar` |" in inner
+    assert "| hispec `ar` (native) | 80.0 | 81.0 | 1.00x | 1.00x | reference |" in inner
+    assert "| hispec `hispec` (native) | 40.0 | – | 0.50x | 1.25x | yes |" in inner
+    assert "| `llama.cpp:q4_1` (model.Q4_1.gguf) | 40.0 | – | 0.50x | – | 3/4 |" in inner  # peers: end to end
+    del s["ar"]["phase_seconds"]  # no decode figure for ar: no column
+    assert "decode vs" not in "\n".join(summary.table(summary.read(write(tmp_path / "r2.json", data))[0]))
+
+
 def test_newest_run_of_each_comparison(tmp_path):
     runs = tmp_path / "runs"
     runs.mkdir()
