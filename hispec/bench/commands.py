@@ -213,7 +213,7 @@ def _bench(args, gen, strategies, exit_layers, categories, prompts, params, out,
 def _bench_batch_sizes(args, gen, strategies, prompts, params, batch_sizes, out: Path, peers=()) -> int:
     from ..options import UsageError
     from .batched import run_batch_sizes, write_batch_outputs
-    from .results import git_commit, load_average, machine_info
+    from .results import git_commit, load_average, machine_info, weight_kernels
     from .runner import encode_prompts
     from .strategies import spec_for
 
@@ -238,7 +238,7 @@ def _bench_batch_sizes(args, gen, strategies, prompts, params, batch_sizes, out:
     machine = machine_info(gen.model.device) | {"load_average_at_start": load_at_start,
                                                  "load_average_at_end": load_average()}
     meta = {"machine": machine, "model": args.model, "num_prompts": len(prompts), "created": created,
-            "weights": _weights(gen.model),
+            "weights": _weights(gen.model), "kernels": weight_kernels(gen.model),
             "peers": {p.label: p.describe() | {"available": p.unavailable is None, "reason": p.unavailable}
                       for p in peers},
             "max_new_tokens": params.max_new_tokens, "adaptive": not args.no_adaptive, "rounds": args.rounds,

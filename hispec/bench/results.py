@@ -80,6 +80,7 @@ def model_info(generator, name: str) -> dict:
         "weight_format": model.weight_format,
         "kv_cache_dtype": str(model.kv_dtype).replace("torch.", ""),
         "parameters": _parameters(model),
+        "kernels": weight_kernels(model),
     }
     exits = generator.exits
     rec = generator.recommended_spec
@@ -89,6 +90,18 @@ def model_info(generator, name: str) -> dict:
         "recommended_spec": None if rec is None else
         {k: v for k, v in dataclasses.asdict(rec).items() if k != "num_layers"}}
     return info
+
+
+def weight_kernels(model) -> list[str]:
+    """The kernels the model's quantized weights ran on (``QuantLinear.kernel``: e.g. ``q4`` and ``q8``
+    for the decoder's 4-bit blocks and a Q8_0 head), sorted; empty for float weights. Which 4-bit
+    kernel runs is timed per machine (or set by ``HISPEC_Q4_KERNEL``), so a result file says it."""
+    from ..kernels.quant import QuantLinear
+
+    modules = getattr(model, "modules", None)
+    if not callable(modules):
+        return []
+    return sorted({m.kernel for m in modules() if isinstance(m, QuantLinear)})
 
 
 def _parameters(model) -> int | None:

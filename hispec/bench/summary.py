@@ -57,7 +57,8 @@ class Comparison:
     key: tuple = field(init=False)
 
     def __post_init__(self) -> None:
-        self.key = (self.machine, self.batch_size, tuple(sorted(r.label for r in self.rows)), bool(self.adaptive))
+        self.key = (self.machine, self.batch_size, tuple(sorted(r.label for r in self.rows)), bool(self.adaptive),
+                    next((r.weights for r in self.rows if r.own), None))  # e.g. runs on another kernel
 
 
 # ---- reading result files ------------------------------------------------------------------
@@ -150,7 +151,12 @@ def _provenance(data: dict, source: str) -> dict:
 
 def _own_weights(model: dict) -> str | None:
     fmt = model.get("weight_format")
-    return fmt if fmt and fmt != "none" else model.get("dtype")
+    return _with_kernels(fmt if fmt and fmt != "none" else model.get("dtype"), model.get("kernels"))
+
+
+def _with_kernels(weights: str | None, kernels: list | None) -> str | None:
+    """``native`` -> ``native on q4/q8``: which kernels ran (result files record it since they may differ)."""
+    return f"{weights} on {'/'.join(kernels)}" if weights and kernels else weights
 
 
 def _from_batch(data: dict, source: str) -> list[Comparison]:
@@ -160,7 +166,8 @@ def _from_batch(data: dict, source: str) -> list[Comparison]:
         rows = []
         for label, r in row.items():
             own = label not in peers
-            weights = data.get("weights") if own else (peers[label] or {}).get("weights")
+            weights = _with_kernels(data.get("weights"), data.get("kernels")) if own \
+                else (peers[label] or {}).get("weights")
             rows.append(Row(label, own, weights, r.get("tokens_per_second"), None, _same(r, label, own)))
         out.append(Comparison(_machine(data.get("machine")), int(b), rows, prompts=data.get("num_prompts"),
                               max_new_tokens=data.get("max_new_tokens"), rounds=data.get("rounds"),

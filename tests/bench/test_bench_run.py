@@ -72,6 +72,7 @@ def test_results_json_has_every_field(results):
     assert {"machine", "model", "commit", "config", "strategies"} <= set(r)
     assert {"cpu", "threads", "torch", "device"} <= set(r["machine"])
     assert r["model"]["num_layers"] == 6
+    assert r["model"]["kernels"] == [] and r["model"]["weight_format"] == "none"  # float weights: no kernels
     assert r["config"]["num_prompts"] == 2 and r["config"]["max_new_tokens"] == 8
     assert list(r["strategies"]) == ["ar", "selfspec", "selfspec:heuristic", "hispec", "hispec:svip:w=6", "hf",
                                      "hf-early-exit:1", "hf-early-exit:2", "hf-early-exit:9"]

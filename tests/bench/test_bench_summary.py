@@ -91,6 +91,19 @@ def test_decode_ratio_leaves_the_prefill_out(tmp_path):
     assert "decode vs" not in "\n".join(summary.table(summary.read(write(tmp_path / "r2.json", data))[0]))
 
 
+def test_runs_on_other_kernels_are_other_comparisons(tmp_path):
+    """The kernels a run's weights used (recorded since the 4-bit kernel is chosen per machine or by
+    HISPEC_Q4_KERNEL) name its rows, and a run on other kernels is not replaced by a newer one."""
+    q4, q8a = (results_json(day, ar, 40.0) for day, ar in (("2026-12-03T10:00:00+0000", 80.0),
+                                                          ("2026-12-04T10:00:00+0000", 90.0)))
+    q4["model"]["kernels"], q8a["model"]["kernels"] = ["q4", "q8"], ["q8a", "q8a8"]
+    write(tmp_path / "q4.json", q4)
+    write(tmp_path / "q8a.json", q8a)
+    shown = summary.latest([c for f in summary.result_files([tmp_path]) for c in summary.read(f)])
+    assert sorted(c.rows[0].weights for c in shown) == ["native on q4/q8", "native on q8a/q8a8"]
+    assert "| hispec `ar` (native on q8a/q8a8) | 90.0 |" in "\n".join(summary.table(shown[0]))
+
+
 def test_newest_run_of_each_comparison(tmp_path):
     runs = tmp_path / "runs"
     runs.mkdir()
@@ -176,3 +189,17 @@ def test_summary_of_real_bench_runs(tiny_text_model_dir, tmp_path):
     assert "| hispec `hispec` (float32) |" in text and "| hispec `selfspec` (float32) |" in text
     assert text.count("| reference |") == 3 and "load not recorded" not in text
     assert "date not recorded" not in text
+
+
+def test_result_files_record_the_weight_kernels():
+    """``weight_kernels``: the kernels of the model's quantized layers, as a result file records them."""
+    import torch
+
+    from hispec.bench.results import weight_kernels
+    from hispec.kernels.quant import QuantLinear
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64, bias=False),
+                                QuantLinear.from_float(torch.randn(64, 64), "int4", kernel="int4"),
+                                QuantLinear.from_float(torch.randn(32, 64), "int8"))
+    assert weight_kernels(model) == ["int4", "int8"]
+    assert weight_kernels(torch.nn.Linear(4, 4)) == [] and weight_kernels(object()) == []
