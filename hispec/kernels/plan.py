@@ -50,8 +50,9 @@ def matmul_plan(m: nn.Module | None, act_dtype: torch.dtype | None, prefill: boo
         if m.kernel in Q4_STORAGE and act_dtype in (None, torch.float32):  # q4, q8a: prompt chunks alike
             if prefill and m.dense is not None:
                 return m.dense, m.dense, layer_op.MM_DENSE_BF16, 0  # the second is a placeholder
-            decode = layer_op.MM_Q4 if m.kernel == "q4" else layer_op.MM_Q8A4
-            return m.qweight, m.qparams, layer_op.MM_Q4_PANELS if prefill else decode, m.group
+            if m.kernel == "q4":
+                return m.qweight, m.qparams, layer_op.MM_Q4_PANELS if prefill else layer_op.MM_Q4, m.group
+            return m.qweight, m.qparams, layer_op.MM_Q8A4_PANELS if prefill else layer_op.MM_Q8A4, m.group
         if m.kernel in Q8_STORAGE and act_dtype in (None, torch.float32):
             return m.qweight, m.qparams, layer_op.MM_Q8 if m.kernel == "q8" else layer_op.MM_Q8A8, 0
         return None

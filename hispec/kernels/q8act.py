@@ -8,6 +8,13 @@ formats' offset ``m``), then multiplied with integer dot products by weights as 
   ``dm [2, N, K / 32]`` float32 (``d``, ``m``): ``W = d * q + m`` (Q4_0: ``m = -8 d``).
 - 8-bit (GGUF Q8_0): ``q [N, K]`` int8, ``d [N, K / 32]`` float32: ``W = d * q``.
 
+The kernels read these **tiled** (:func:`tile4`, :func:`tile8`, once at load; :func:`untile4`,
+:func:`untile8` give the rows back): the same bytes and shapes, reordered so that per tile of 16
+output columns and per block, each 4-byte piece of the 16 columns' blocks lies side by side (one
+512-bit load; the last ``N % 16`` columns stay rows). The kernel then reads its weights as plain
+loads instead of gathering and transposing 16 columns' blocks at every call, which cost a one-row
+step about as much as the products.
+
 Per output and block, the 32 products are summed exactly in int32 and added in block order:
 ``acc = fma(idot, d * dx, acc)``, ``macc = fma(m, dxs, macc)``, ``y = acc + macc`` (8-bit: ``acc``).
 Every path (``ISAS``: plain C, AVX2 ``maddubs``, 256-bit VNNI, AVX-512 VNNI) computes exactly
@@ -16,8 +23,9 @@ Against the float product with the dequantized weights, the error is the activat
 at most half a step, ``amax / 254``, per input.
 
 ``hs_q8a_q4_matmul`` / ``hs_q8a_q8_matmul`` take the arguments of ``gguf.c``'s ``hs_q4_matmul`` /
-``hs_q8_matmul`` (same weight tensors, float32 ``x``; bfloat16 too for 8-bit), so the torch op runs
-them in their place (``HS_MM_Q8A4`` / ``HS_MM_Q8A8``) when QuantLinear's 4-bit kernel is ``q8a``.
+``hs_q8_matmul`` (the weight tensors tiled, float32 ``x``; bfloat16 too for 8-bit), so the torch op
+runs them in their place (``HS_MM_Q8A4`` / ``HS_MM_Q8A8``) when QuantLinear's 4-bit kernel is
+``q8a``; prompt chunks take ``q4``'s float32 panels (``hs_q8a_q4_panel_matmul``, the same bits).
 
 ``csrc/q8act.c`` is part of the one C library (``build.py``, bound from ``hispec_kernels.h`` by
 ``binding.py``); every path is built into it (``#pragma GCC target``) and chosen at run time by what
@@ -169,28 +177,84 @@ def _matmul(fmt: int, w: torch.Tensor, d: int, m: int | None, x: torch.Tensor | 
     return y
 
 
-def q4_matmul(x: torch.Tensor | QActs, qs: torch.Tensor, dm: torch.Tensor, isa: str | None = None) -> torch.Tensor:
-    """``x [T, K]`` (float32, or already :func:`quantize`-d) times the transpose of a 4-bit block weight
-    ``W = d * q + m`` (``qs [N, K / 2]`` uint8 nibbles as in the file, ``dm [2, N, K / 32]`` float32)
-    -> ``[T, N]`` float32. ``isa``: one of ``ISAS`` (default: the best this CPU has)."""
+def _q4_weight(qs: torch.Tensor, dm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """(qs, dm, N, K) checked: ``qs [N, K / 2]`` uint8, ``dm [2, N, K / 32]`` float32."""
     if not isinstance(qs, torch.Tensor) or qs.dim() != 2:
         raise TypeError(f"q8act: qs must be a 2-D tensor [N, K / 2], got {getattr(qs, 'shape', type(qs).__name__)}")
     n, k = qs.shape[0], qs.shape[1] * 2
     if k % BLOCK:
         raise ValueError(f"q8act: qs [N, K / 2] gives K = {k}, not a multiple of {BLOCK}")
-    qs = _need(qs, "qs", torch.uint8, (n, k // 2))
-    dm = _need(dm, "dm", torch.float32, (2, n, k // BLOCK))
-    return _matmul(_formats()[0], qs, dm.data_ptr(), dm.data_ptr() + 4 * n * (k // BLOCK), x, n, k, isa)
+    return _need(qs, "qs", torch.uint8, (n, k // 2)), _need(dm, "dm", torch.float32, (2, n, k // BLOCK)), n, k
 
 
-def q8_matmul(x: torch.Tensor | QActs, q: torch.Tensor, d: torch.Tensor, isa: str | None = None) -> torch.Tensor:
-    """``x [T, K]`` (float32, or already :func:`quantize`-d) times the transpose of a Q8_0 weight
-    ``W = d * q`` (``q [N, K]`` int8, ``d [N, K / 32]`` float32) -> ``[T, N]`` float32."""
+def _q8_weight(q: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """(q, d, N, K) checked: ``q [N, K]`` int8, ``d [N, K / 32]`` float32."""
     if not isinstance(q, torch.Tensor) or q.dim() != 2:
         raise TypeError(f"q8act: q must be a 2-D tensor [N, K], got {getattr(q, 'shape', type(q).__name__)}")
     n, k = q.shape
     if k % BLOCK:
         raise ValueError(f"q8act: K = {k} must be a multiple of {BLOCK}")
-    q = _need(q, "q", torch.int8, (n, k))
-    d = _need(d, "d", torch.float32, (n, k // BLOCK))
+    return _need(q, "q", torch.int8, (n, k)), _need(d, "d", torch.float32, (n, k // BLOCK)), n, k
+
+
+def _tile(fmt: int, w: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, n: int, k: int,
+          untile: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    w_out, d_out, m_out = torch.empty_like(w), torch.empty_like(d), None if m is None else torch.empty_like(m)
+    _lib().hs_q8a_tile(fmt, w.data_ptr(), d.data_ptr(), None if m is None else m.data_ptr(), n, k, w_out.data_ptr(),
+                       d_out.data_ptr(), None if m_out is None else m_out.data_ptr(), int(untile))
+    return w_out, d_out, m_out
+
+
+def tile4(qs: torch.Tensor, dm: torch.Tensor, untile: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """A 4-bit weight (``qs [N, K / 2]`` as in the file, ``dm [2, N, K / 32]``) in the kernels' tiled
+    layout (the same shapes; see the module's docstring); ``untile``: the reverse."""
+    qs, dm, n, k = _q4_weight(qs, dm)
+    w, d, m = _tile(_formats()[0], qs, dm[0].contiguous(), dm[1].contiguous(), n, k, untile)
+    return w, torch.stack([d, m])
+
+
+def untile4(qs: torch.Tensor, dm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`tile4`'s input back from its output."""
+    return tile4(qs, dm, untile=True)
+
+
+def tile8(q: torch.Tensor, d: torch.Tensor, untile: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Q8_0 weight (``q [N, K]``, ``d [N, K / 32]``) in the kernels' tiled layout; ``untile``: the reverse."""
+    q, d, n, k = _q8_weight(q, d)
+    w, d, _ = _tile(_formats()[1], q, d, None, n, k, untile)
+    return w, d
+
+
+def untile8(q: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`tile8`'s input back from its output."""
+    return tile8(q, d, untile=True)
+
+
+def q4_matmul(x: torch.Tensor | QActs, qs: torch.Tensor, dm: torch.Tensor, isa: str | None = None) -> torch.Tensor:
+    """``x [T, K]`` (float32, or already :func:`quantize`-d) times the transpose of a 4-bit block weight
+    ``W = d * q + m`` (``qs [N, K / 2]`` uint8 nibbles, ``dm [2, N, K / 32]`` float32, both tiled:
+    :func:`tile4`) -> ``[T, N]`` float32. ``isa``: one of ``ISAS`` (default: the best this CPU has)."""
+    qs, dm, n, k = _q4_weight(qs, dm)
+    return _matmul(_formats()[0], qs, dm.data_ptr(), dm.data_ptr() + 4 * n * (k // BLOCK), x, n, k, isa)
+
+
+def q4_panel_matmul(x: torch.Tensor, qs: torch.Tensor, dm: torch.Tensor) -> torch.Tensor:
+    """Prompt chunks on tiled 4-bit weights: ``fused.q4_matmul(x, *untile4(qs, dm), panels=True)``'s
+    bits (float32 activations and panels), without keeping the rows."""
+    qs, dm, n, k = _q4_weight(qs, dm)
+    t, kx = _rows(x)
+    if kx != k:
+        raise ValueError(f"q8act: x has K = {kx} inputs, the weight {k}")
+    x = _need(x, "x", torch.float32, (t, k))
+    y = torch.empty((t, n), dtype=torch.float32)
+    if t and n:
+        _lib().hs_q8a_q4_panel_matmul(qs.data_ptr(), dm.data_ptr(), dm.data_ptr() + 4 * n * (k // BLOCK), x.data_ptr(),
+                                      t, n, k, y.data_ptr(), 1)
+    return y
+
+
+def q8_matmul(x: torch.Tensor | QActs, q: torch.Tensor, d: torch.Tensor, isa: str | None = None) -> torch.Tensor:
+    """``x [T, K]`` (float32, or already :func:`quantize`-d) times the transpose of a Q8_0 weight
+    ``W = d * q`` (``q [N, K]`` int8, ``d [N, K / 32]`` float32, both tiled: :func:`tile8`) -> ``[T, N]`` float32."""
+    q, d, n, k = _q8_weight(q, d)
     return _matmul(_formats()[1], q, d.data_ptr(), None, x, n, k, isa)

@@ -20,7 +20,8 @@ kernels), both on a GGUF file's blocks as stored, with float32 activations:
   bfloat16 copy (``dense``, 1.7-1.8x faster than the panels on a Zen 4). Which of ``q4`` and ``int4`` runs the 4-bit
   weights is decided by timing both at load (:func:`four_bit_kernel`): on CPUs without
   bfloat16 hardware (AVX2) ``q4`` is the faster.
-- ``q8a``: the ``q4`` weights (the same nibbles, ``d`` and ``m``) times activations rounded to 8 bits
+- ``q8a``: the ``q4`` weights (the same nibbles, ``d`` and ``m``, tiled for its kernel:
+  ``q8act.tile4``; :meth:`QuantLinear.blocks` gives them in row order) times activations rounded to 8 bits
   per block of 32 (``q8act.py``: integer dot products, ``amax / 254`` error per input where ``q4``
   keeps 1.5e-5 of the block's largest value). Faster than ``q4`` on more than one row (AVX2, a
   decode step's matmuls timed in C: 1.41x one row's time at 4 rows where ``q4`` takes 1.74x, 3.03x
@@ -30,7 +31,7 @@ kernels), both on a GGUF file's blocks as stored, with float32 activations:
   ``scripts/numerics.py``). The timed choice takes it only where it is no slower on one row and
   clearly faster on four (:func:`four_bit_kernel`: a CPU with integer dot products, VNNI);
   ``HISPEC_Q4_KERNEL=q8a`` asks for it anywhere. With it the Q8_0 output head runs on 8-bit
-  activations too (``q8a8``). Prompt chunks run as ``q4``'s.
+  activations too (``q8a8``, tiled too). Prompt chunks run as ``q4``'s (the same panels).
 - ``q8``: a GGUF Q8_0 weight ``W[n, k] = d[n, k / 32] * q[n, k]`` as stored in the file, times
   float32 activations. It runs the default model's output head (49,152 x 576) in ~1.7 ms per
   token instead of ~2.8 ms for the same values as two int4 halves (``int4x2``, used where no C
@@ -80,8 +81,10 @@ INNER_K_TILES = 2
 SCHEMES = ("int4", "int8")
 KERNELS = ("int4", "int8", "int4x2", "q8", "q4", "q8a", "q8a8")
 FLOAT_INPUT = ("q8", "q4", "q8a", "q8a8")  # kernels that read float32 activations (the others: ACT_DTYPE)
-Q4_STORAGE = ("q4", "q8a")  # kernels of GGUF 4-bit blocks as stored: qweight nibbles, qparams [2, N, K / 32] d, m
-Q8_STORAGE = ("q8", "q8a8")  # kernels of GGUF Q8_0 blocks as stored: qweight q [N, K] int8, qparams d [N, K / 32]
+# kernels of GGUF 4-bit blocks as stored: qweight nibbles, qparams [2, N, K / 32] d, m (q8a: tiled, q8act.tile4)
+Q4_STORAGE = ("q4", "q8a")
+# kernels of GGUF Q8_0 blocks as stored: qweight q [N, K] int8, qparams d [N, K / 32] (q8a8: tiled, q8act.tile8)
+Q8_STORAGE = ("q8", "q8a8")
 EIGHT_BIT_ACTS = ("q8a", "q8a8")  # kernels that round activations to 8 bits per block (q8act.py)
 
 
@@ -149,8 +152,10 @@ class QuantLinear(nn.Module):
         if kernel is None:
             kernel = four_bit_kernel()[0] if group == 32 else "int4"
         if kernel in Q4_STORAGE:
-            dm = torch.stack([d.float(), m.float()]).contiguous()
-            return cls(kernel, k, n, pack_nibbles(q), dm, group, bias, source)
+            qs, dm = pack_nibbles(q), torch.stack([d.float(), m.float()]).contiguous()
+            if kernel == "q8a":  # its kernels read the blocks tiled (the same bytes)
+                qs, dm = q8act.tile4(qs, dm)
+            return cls(kernel, k, n, qs, dm, group, bias, source)
         return cls("int4", k, n, pack_int4(q), scales_zeros(d, m.float() + 8 * d.float()), group, bias, source)
 
     @classmethod
@@ -177,7 +182,10 @@ class QuantLinear(nn.Module):
         if kernel == "auto":
             kernel = eight_bit_kernel()
         if kernel in Q8_STORAGE:
-            layer = cls(kernel, k, n, q.to(torch.int8).contiguous(), d.float().contiguous(), group, source=source)
+            q8, d8 = q.to(torch.int8).contiguous(), d.float().contiguous()
+            if kernel == "q8a8":  # its kernels read the blocks tiled (the same bytes)
+                q8, d8 = q8act.tile8(q8, d8)
+            layer = cls(kernel, k, n, q8, d8, group, source=source)
             layer._exact = {"d": d.half(), "m": torch.zeros_like(d, dtype=torch.float16)}
             return layer
         q = q.to(torch.int32)
@@ -235,8 +243,10 @@ class QuantLinear(nn.Module):
         if self.kernel in Q4_STORAGE and self.dense is not None:
             return torch.nn.functional.linear(rows.to(torch.bfloat16), self.dense)
         if self.kernel in Q4_STORAGE:
-            return fused.q4_matmul(rows.float() if rows.dtype != torch.float32 else rows, self.qweight, self.qparams,
-                                   panels=True)
+            rows = rows.float() if rows.dtype != torch.float32 else rows
+            if self.kernel == "q8a":
+                return q8act.q4_panel_matmul(rows, self.qweight, self.qparams)
+            return fused.q4_matmul(rows, self.qweight, self.qparams, panels=True)
         if self.dense is None:
             return self.mm(rows)
         return torch.nn.functional.linear(rows, self.dense)
@@ -260,6 +270,15 @@ class QuantLinear(nn.Module):
         out = int4(rows, self.qweight[0], self.group, self.qparams[0]).float()
         return out.add_(int4(rows, self.qweight[1], self.group, self.qparams[1]))
 
+    def blocks(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(qweight, qparams) with the blocks in the file's row order (``q8a``, ``q8a8`` store them
+        tiled for their kernels; the others as they are)."""
+        if self.kernel == "q8a":
+            return q8act.untile4(self.qweight, self.qparams)
+        if self.kernel == "q8a8":
+            return q8act.untile8(self.qweight, self.qparams)
+        return self.qweight, self.qparams
+
     def _int4_codes(self, part: int | None = None) -> torch.Tensor:
         """The stored ``q [N, K]`` (0..15, float32), read back through the kernel itself (identity
         input, scale 1, zero 8), so no assumption about the packed layout is needed. ``int4x2``:
@@ -267,7 +286,7 @@ class QuantLinear(nn.Module):
         if self.kernel == "int4x2" and part is None:
             return 16 * (self._int4_codes(0) - 8) + self._int4_codes(1)
         if self.kernel in Q4_STORAGE:
-            return unpack_nibbles(self.qweight).float()
+            return unpack_nibbles(self.blocks()[0]).float()
         packed, params = (self.qweight, self.qparams) if part is None else (self.qweight[part], self.qparams[part])
         eye = torch.eye(self.in_features, dtype=ACT_DTYPE)
         s = params[..., 0]
@@ -279,12 +298,13 @@ class QuantLinear(nn.Module):
         if self.kernel == "int8":
             return self.qweight.float() * self.qparams.float()[:, None]
         if self.kernel in Q8_STORAGE:  # exact: the file's d (float16) times q
-            return self.qweight.float() * self.qparams.repeat_interleave(self.group, dim=1)
+            q, d = self.blocks()
+            return q.float() * d.repeat_interleave(self.group, dim=1)
         if self.kernel == "int4x2":
             d = self.qparams[1][..., 0].float().T.repeat_interleave(self.group, dim=1)
             return self._int4_codes() * d
         if self.kernel in Q4_STORAGE:  # exact: d * q is exact in float32, + m rounded once
-            d, m = (p.repeat_interleave(self.group, dim=1) for p in self.qparams)
+            d, m = (p.repeat_interleave(self.group, dim=1) for p in self.blocks()[1])
             return self._int4_codes() * d + m
         s, z = (self.qparams[..., i].float().T.repeat_interleave(self.group, dim=1) for i in (0, 1))
         return (self._int4_codes() - 8) * s + z

@@ -98,9 +98,11 @@ def activations(t: int, k: int, gen: torch.Generator) -> torch.Tensor:
 
 
 def run(kind: str, x, w, isa: str):
+    """The kernel on the weights ``w`` (as :func:`weights` gives them, in row order), tiled first as
+    QuantLinear stores them."""
     if kind == "Q8_0":
-        return q8act.q8_matmul(x, w[0], w[1], isa=isa)
-    return q8act.q4_matmul(x, w[1], w[2], isa=isa)
+        return q8act.q8_matmul(x, *q8act.tile8(w[0], w[1]), isa=isa)
+    return q8act.q4_matmul(x, *q8act.tile4(w[1], w[2]), isa=isa)
 
 
 def weights(kind: str, n: int, k: int, gen: torch.Generator):
@@ -346,4 +348,38 @@ def test_drop_in_entry_points():
         lib.hs_q8a_q8_matmul(q8.data_ptr(), d8.data_ptr(), xin.data_ptr(), int(xin.dtype == torch.bfloat16), 6, 40, 96,
                              y.data_ptr(), 1)
         assert torch.equal(y, q8act.q8_matmul(xin.float(), q8, d8))
+
+
+@pytest.mark.parametrize("n", [16, 40, 7])
+def test_tiled_layout_holds_the_same_bytes(n):
+    """``tile4`` / ``tile8`` reorder the blocks (16 columns side by side, the last ``N % 16`` columns as
+    rows), ``untile4`` / ``untile8`` give them back; a tile's dword i of column c lies where the kernel
+    loads it."""
+    gen = torch.Generator().manual_seed(3)
+    _, qs, dm = four_bit(n, 96, "Q4_1", gen)
+    tq, tdm = q8act.tile4(qs, dm)
+    assert tq.shape == qs.shape and tdm.shape == dm.shape
+    assert torch.equal(tq.flatten().sort().values, qs.flatten().sort().values)
+    assert all(torch.equal(a, b) for a, b in zip(q8act.untile4(tq, tdm), (qs, dm)))
+    full = n // 16 * 16
+    assert torch.equal(tq[full:], qs[full:]) and torch.equal(tdm[:, full:], dm[:, full:])
+    if full:  # block 1, dword 2 of column 3: bytes 16 + 8 .. 16 + 11 of its row
+        at = ((1 * 4 + 2) * 16 + 3) * 4
+        assert torch.equal(tq[:16].flatten()[at:at + 4], qs[3, 16 + 8:16 + 12])
+        assert tdm[0, :16].flatten()[1 * 16 + 3] == dm[0, 3, 1]
+    q8, d8 = eight_bit(n, 96, gen)
+    t8, td8 = q8act.tile8(q8, d8)
+    assert all(torch.equal(a, b) for a, b in zip(q8act.untile8(t8, td8), (q8, d8)))
+    assert not full or not torch.equal(t8, q8)
+
+
+def test_prompt_chunks_on_tiled_weights_take_the_q4_panels():
+    """``q4_panel_matmul`` on the tiled weights gives ``fused.q4_matmul(panels=True)``'s bits on the rows."""
+    from hispec.kernels import fused
+
+    gen = torch.Generator().manual_seed(4)
+    _, qs, dm = four_bit(40, 96, "Q4_1", gen)
+    x = activations(9, 96, gen)
+    got = q8act.q4_panel_matmul(x, *q8act.tile4(qs, dm))
+    assert torch.equal(got, fused.q4_matmul(x, qs, dm, panels=True))
 

@@ -207,7 +207,8 @@ def test_q8a_kernel_runs_the_q4_weights_on_8_bit_activations(kind):
     assert layer.kernel == "q8a" and layer.input_dtype == torch.float32
     w = torch.from_numpy(want)
     assert torch.equal(layer.dequantize(), w) and torch.equal(layer.source_weight(), w)
-    assert torch.equal(layer.qweight, q4.qweight) and torch.equal(layer.qparams, q4.qparams)
+    assert all(torch.equal(a, b) for a, b in zip(layer.blocks(), (q4.qweight, q4.qparams)))  # stored tiled
+    assert not torch.equal(layer.qweight, q4.qweight)
     x = torch.randn(19, 96, generator=torch.Generator().manual_seed(3))
     out = layer(x)
     assert torch.equal(out, q8act.q4_matmul(x, layer.qweight, layer.qparams))
@@ -232,7 +233,7 @@ def test_q8a8_kernel_runs_q8_0_weights_on_8_bit_activations():
     layer = QuantLinear.from_q8_blocks(*_q8_blocks(tensor), kernel="q8a8")
     q8 = QuantLinear.from_q8_blocks(*_q8_blocks(tensor), kernel="q8")
     assert layer.kernel == "q8a8" and torch.equal(layer.dequantize(), torch.from_numpy(want))
-    assert torch.equal(layer.qweight, q8.qweight) and torch.equal(layer.qparams, q8.qparams)
+    assert all(torch.equal(a, b) for a, b in zip(layer.blocks(), (q8.qweight, q8.qparams)))  # stored tiled
     x = torch.randn(6, 96, generator=torch.Generator().manual_seed(4))
     assert torch.equal(layer.mm(x), q8act.q8_matmul(x, layer.qweight, layer.qparams))
     assert torch.equal(layer.mm(x.bfloat16()), layer.mm(x.bfloat16().float()))
@@ -319,7 +320,7 @@ def test_q8_kernel_multiplies_the_files_values_each_row_alone():
     cover its 4-weight-row tiles of one row and 8-row tiles of more, with remainders) or the
     number of threads: verification and batches stay bit-identical to one-token decoding."""
     tensor, want = _gguf_blocks("Q8_0", n=80, k=96)
-    layer = QuantLinear.from_q8_blocks(*_q8_blocks(tensor))
+    layer = QuantLinear.from_q8_blocks(*_q8_blocks(tensor), kernel="q8")
     assert layer.kernel == "q8" and layer.input_dtype == torch.float32
     w = torch.from_numpy(want)
     assert torch.equal(layer.source_weight(), w) and torch.equal(layer.dequantize(), layer.weight)

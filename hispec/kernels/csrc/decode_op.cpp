@@ -59,9 +59,11 @@ at::Tensor run_matmul(int64_t kind, const at::Tensor& x, const at::Tensor& w, co
         hs_panel_matmul(x.data_ptr<float>(), x.size(0), x.size(1), w.data_ptr<float>(), group, y.data_ptr<float>(), 1);
         return y;
     }
-    if (kind == HS_MM_Q4 || kind == HS_MM_Q4_PANELS || kind == HS_MM_Q8A4) {  // p [2, N, K / 32]: d, then m
+    if (kind == HS_MM_Q4 || kind == HS_MM_Q4_PANELS || kind == HS_MM_Q8A4 || kind == HS_MM_Q8A4_PANELS) {
+        // p [2, N, K / 32]: d, then m
         at::Tensor& y = output(out, x, w.size(0));
-        const auto fn = kind == HS_MM_Q4 ? hs_q4_matmul : kind == HS_MM_Q8A4 ? hs_q8a_q4_matmul : hs_q4_panel_matmul;
+        const auto fn = kind == HS_MM_Q4 ? hs_q4_matmul : kind == HS_MM_Q8A4 ? hs_q8a_q4_matmul
+                      : kind == HS_MM_Q8A4_PANELS ? hs_q8a_q4_panel_matmul : hs_q4_panel_matmul;
         TORCH_CHECK(p.is_contiguous() && p.size(0) == 2, "q4 parameters: contiguous [2, N, K / 32]");
         const float* d = p.data_ptr<float>();
         fn(w.data_ptr<uint8_t>(), d, d + p.size(1) * p.size(2), x.data_ptr<float>(), x.size(0), w.size(0), x.size(1),

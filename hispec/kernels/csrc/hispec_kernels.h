@@ -30,8 +30,9 @@ enum hs_matmul_kind {
     HS_MM_PANEL = 7,         /* float32 weight packed in panels (hs_panel_matmul); group = N */
     HS_MM_Q8 = 8,            /* GGUF Q8_0 q [N, K] int8 and d [N, K / 32] float32 on hs_q8_matmul (output heads) */
     HS_MM_DENSE_BF16 = 9,    /* x (float32) cast to bfloat16 @ W.T, W dense bfloat16 (q4 layers' prompt chunks) */
-    HS_MM_Q8A4 = 10,         /* HS_MM_Q4's weights on hs_q8a_q4_matmul: x rounded to 8 bits per block (q8a) */
-    HS_MM_Q8A8 = 11,         /* HS_MM_Q8's weights on hs_q8a_q8_matmul: x rounded to 8 bits per block (q8a8) */
+    HS_MM_Q8A4 = 10,         /* HS_MM_Q4's weights tiled (hs_q8a_tile) on hs_q8a_q4_matmul: x rounded to 8 bits per block (q8a) */
+    HS_MM_Q8A8 = 11,         /* HS_MM_Q8's weights tiled on hs_q8a_q8_matmul: x rounded to 8 bits per block (q8a8) */
+    HS_MM_Q8A4_PANELS = 12,  /* HS_MM_Q8A4's tiled weights rebuilt in float32 panels (hs_q8a_q4_panel_matmul) */
 };
 
 /* ---- norm_rope.c ---- */
@@ -79,7 +80,7 @@ void hs_q4_panel_matmul(const uint8_t *qs, const float *d, const float *m, const
 
 /* ---- q8act.c: 8-bit-activation integer kernels (hispec/kernels/q8act.py) ---- */
 /* Weight formats (fmt) and instruction-set paths (isa) of hs_q8a_matmul. */
-enum hs_q8a_format {
+enum hs_q8a_format {  /* the weights TILED (hs_q8a_tile): 16 columns' blocks side by side */
     HS_Q8A_Q4 = 0,  /* 4-bit: nibbles w = qs [N, K / 2], d, m [N, K / 32]: W = d * q + m */
     HS_Q8A_Q8 = 1,  /* 8-bit: w = q int8 [N, K], d [N, K / 32]: W = d * q (m unused) */
 };
@@ -91,6 +92,9 @@ enum hs_q8a_isa {
     HS_Q8A_AVX512VNNI = 4,
     HS_Q8A_EMULATED = 5,    /* the 256-bit VNNI kernel with dpbusd made of AVX2 (tests; never chosen) */
 };
+/* the file's rows [N, ...] -> the kernels' tiled layout (untile = 0), or back (untile = 1); m NULL for 8-bit */
+void hs_q8a_tile(int fmt, const uint8_t *w, const float *d, const float *m, int64_t N, int64_t K, uint8_t *w_out,
+                 float *d_out, float *m_out, int untile);
 /* x [T, K] float32 -> per block of 32: codes int8 [T, K] = rint(x * 127 / amax), dx = amax / 127,
  * sx = the codes' sum (int32), dxs = dx * sx; all [T, K / 32] */
 void hs_q8a_quantize(const float *x, int64_t T, int64_t K, int8_t *codes, float *dx, int32_t *sx, float *dxs);
@@ -111,6 +115,9 @@ void hs_q8a_q4_matmul(const uint8_t *qs, const float *d, const float *m, const f
                       int64_t K, float *y, int parallel);
 void hs_q8a_q8_matmul(const int8_t *q, const float *d, const void *x, int x_bf, int64_t T, int64_t N, int64_t K,
                       float *y, int parallel);
+/* hs_q4_panel_matmul (prompt chunks: float32 panels, the same bits) on tiled 4-bit weights */
+void hs_q8a_q4_panel_matmul(const uint8_t *qs, const float *d, const float *m, const float *x, int64_t T,
+                            int64_t N, int64_t K, float *y, int parallel);
 
 #ifdef __cplusplus
 }

@@ -18,11 +18,19 @@
  * they give the same bits; a row's outputs depend on that row alone (not on T, the row tiling, the
  * thread split or the vector width).
  *
- * The SIMD paths put output columns in vector lanes. Per tile of COLS output columns, each weight
- * block is loaded and expanded once per call (transposed so that a 32-bit lane holds 4 consecutive
- * codes of one column: 8 vectors per block, vector v pairing with the activation bytes 4v .. 4v+3,
- * which are broadcast to every lane) into a small buffer, then every row of x is run against it, a
- * few rows at a time. The threads share the tiles.
+ * Weights are stored TILED (hs_q8a_tile, once at load): per tile of TILE = 16 output columns, per
+ * block, per dword i of the block's bytes (4 for 4-bit, 8 for 8-bit), the 16 columns' dword i side
+ * by side (64 bytes):  tiled[t * 16 * row_bytes + ((b * D + i) * 16 + c) * 4 + j]
+ *                      = w[(16 t + c) * row_bytes + b * bytes + 4 i + j],       (D = bytes / 4)
+ * and the scales d, m likewise [tile][block][16]. The last N % 16 columns stay as they are (rows),
+ * at the same offsets. The tiled array is the same size as the file's and holds the same bytes.
+ *
+ * The SIMD paths put output columns in vector lanes: a tile's dword i is one 512-bit vector (two
+ * 256-bit ones), a 32-bit lane holding 4 consecutive codes of one column, so a block is read as 4
+ * (8) plain loads, nibbles split in registers: 8 vectors per block, vector v pairing with the
+ * activation bytes 4v .. 4v+3, which are broadcast to every lane. Per tile each block is expanded
+ * once per call into a small buffer, then every row of x is run against it, a few rows at a time.
+ * The threads share the tiles (a thread's tiles are contiguous in memory).
  *
  * Integer dot products: VNNI's dpbusd takes unsigned x signed bytes: 4-bit codes are unsigned as
  * they are; 8-bit codes are stored as q + 128 (q ^ 0x80) and each row's block sum starts at
@@ -45,9 +53,46 @@
 
 #include "hispec_kernels.h" /* the formats (HS_Q8A_Q4, HS_Q8A_Q8) and paths (HS_Q8A_*) */
 #define BLOCK 32
+#define TILE 16 /* output columns per tile of the stored layout (= every path's COLS) */
+#ifndef PREFETCH_TILES
 #define PREFETCH_TILES 2 /* how many tiles ahead the weights are prefetched */
+#endif
 
 static inline int block_bytes(int fmt) { return fmt == HS_Q8A_Q8 ? 32 : 16; }
+
+/* Where block b of column n lies in a tiled weight of N columns and nb blocks a column: its byte j
+ * is at base + (j / 4) * step + j % 4 (step 64 in a tile; 4, i.e. contiguous, in the last N % 16
+ * columns, kept as rows). */
+static inline int64_t tiled_block(int64_t n, int64_t b, int64_t nb, int bytes, int64_t N, int *step) {
+    const int tail = n >= N / TILE * TILE;
+    *step = tail ? 4 : 4 * TILE;
+    return tail ? (n * nb + b) * bytes : n / TILE * TILE * nb * bytes + (b * (bytes / 4) * TILE + n % TILE) * 4;
+}
+
+/* Where scale (or offset) b of column n lies in the tiled scales [N, nb]. */
+static inline int64_t tiled_scale(int64_t n, int64_t b, int64_t nb, int64_t N) {
+    if (n >= N / TILE * TILE) return n * nb + b;
+    return n / TILE * TILE * nb + b * TILE + n % TILE;
+}
+
+/* rows -> tiled (untile = 0) or back (1): w [N, row bytes], d and m (NULL for 8-bit) [N, nb]. */
+void hs_q8a_tile(int fmt, const uint8_t *w, const float *d, const float *m, int64_t N, int64_t K, uint8_t *w_out,
+                 float *d_out, float *m_out, int untile) {
+    const int64_t nb = K / BLOCK;
+    const int bytes = block_bytes(fmt);
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t b = 0; b < nb; b++) {
+            const int64_t r = n * nb + b, t = tiled_scale(n, b, nb, N);
+            int step;
+            const int64_t base = tiled_block(n, b, nb, bytes, N, &step);
+            for (int j = 0; j < bytes; j++) {
+                const int64_t tb = base + (j / 4) * step + (j & 3);
+                if (untile) w_out[r * bytes + j] = w[tb]; else w_out[tb] = w[r * bytes + j];
+            }
+            if (untile) d_out[r] = d[t]; else d_out[t] = d[r];
+            if (m && untile) m_out[r] = m[t]; else if (m) m_out[t] = m[r];
+        }
+}
 
 static inline int8_t clamp_code(float v) {  /* NaN -> 0 */
     return (int8_t)(v >= -127.0f && v <= 127.0f ? v : v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : 0.0f);
@@ -125,26 +170,34 @@ void hs_q8a_quantize(const float *x, int64_t T, int64_t K, int8_t *codes, float 
 }
 
 /* ---- plain C: the definition of the arithmetic ---------------------------------------------- */
-static void scalar_matmul(const uint8_t *w, const float *d, const float *m, const int fmt, const int8_t *codes,
+/* Not vectorized: GCC 12 at -O2/-O3 with -march=native on a CPU with AVX-512 VNNI (a Zen 4) turned the
+ * signed x signed int8 dot product below into dpbusd, which takes one side unsigned: wrong sums for
+ * negative 8-bit weights (seen 2026-12-04). This path is the definition; its speed does not matter. */
+__attribute__((optimize("no-tree-vectorize"))) static void scalar_matmul(const uint8_t *w, const float *d, const float *m, const int fmt, const int8_t *codes,
                           const float *dx, const int32_t *sx, const float *dxs, int64_t T, int64_t N, int64_t K,
                           float *y, int parallel) {
     (void)sx;
-    const int64_t nb = K / BLOCK, bytes = block_bytes(fmt);
+    const int64_t nb = K / BLOCK;
+    const int bytes = block_bytes(fmt);
 #pragma omp parallel for schedule(static) if (parallel)
     for (int64_t n = 0; n < N; n++)
         for (int64_t t = 0; t < T; t++) {
             float acc = 0.0f, macc = 0.0f;
             for (int64_t b = 0; b < nb; b++) {
-                const uint8_t *wb = w + (n * nb + b) * bytes;
                 const int8_t *xb = codes + t * K + b * BLOCK;
+                uint8_t wb[32];  /* the block's bytes as the file has them */
+                int step;
+                const int64_t base = tiled_block(n, b, nb, bytes, N, &step);
+                for (int j = 0; j < bytes; j++) wb[j] = w[base + (j / 4) * step + (j & 3)];
                 int32_t s = 0;
                 if (fmt == HS_Q8A_Q8)
                     for (int j = 0; j < BLOCK; j++) s += (int32_t)(int8_t)wb[j] * xb[j];
                 else
                     for (int j = 0; j < 16; j++) s += (wb[j] & 15) * xb[j] + (wb[j] >> 4) * xb[16 + j];
-                const float c = d[n * nb + b] * dx[t * nb + b];
+                const int64_t sc = tiled_scale(n, b, nb, N);
+                const float c = d[sc] * dx[t * nb + b];
                 acc = fmaf((float)s, c, acc);
-                if (fmt == HS_Q8A_Q4) macc = fmaf(m[n * nb + b], dxs[t * nb + b], macc);
+                if (fmt == HS_Q8A_Q4) macc = fmaf(m[sc], dxs[t * nb + b], macc);
             }
             y[t * N + n] = fmt == HS_Q8A_Q4 ? acc + macc : acc;
         }
@@ -290,7 +343,7 @@ int hs_q8a_matmul_f32(int fmt, const uint8_t *w, const float *d, const float *m,
 }
 
 /* Drop-in replacements with the signatures of hs_q4_matmul and hs_q8_matmul (gguf.c), on the
- * best path this CPU has: the C++ layer op can bind these in their place. x_bf: x is bfloat16 (each
+ * best path this CPU has, for tiled weights: the C++ layer op binds these in their place. x_bf: x is bfloat16 (each
  * value widened exactly to float32 first). */
 void hs_q8a_q4_matmul(const uint8_t *qs, const float *d, const float *m, const float *x, int64_t T, int64_t N,
                       int64_t K, float *y, int parallel) {
@@ -313,6 +366,23 @@ void hs_q8a_q8_matmul(const int8_t *q, const float *d, const void *x, int x_bf, 
     free(xf);
 }
 
+/* The q4 kernel's prompt-chunk product (gguf.c's hs_q4_panel_matmul: float32 panels, the same bits)
+ * on tiled 4-bit weights: the rows put back in a scratch copy first (one pass over W, as the panels'
+ * rebuild is). */
+void hs_q8a_q4_panel_matmul(const uint8_t *qs, const float *d, const float *m, const float *x, int64_t T,
+                            int64_t N, int64_t K, float *y, int parallel) {
+    const int64_t nb = K / BLOCK;
+    uint8_t *rows = malloc((size_t)(N * nb * 16));
+    float *dr = malloc((size_t)(N * nb) * sizeof(float)), *mr = malloc((size_t)(N * nb) * sizeof(float));
+    if (rows && dr && mr) {
+        hs_q8a_tile(HS_Q8A_Q4, qs, d, m, N, K, rows, dr, mr, 1);
+        hs_q4_panel_matmul(rows, dr, mr, x, T, N, K, y, parallel);
+    }
+    free(rows);
+    free(dr);
+    free(mr);
+}
+
 #else /* ---- Q8A_BODY: one instruction set's kernel (VW lanes, TV vectors per tile, RT rows per pass) ---- */
 
 #define COLS (VW * TV)
@@ -328,10 +398,6 @@ void hs_q8a_q8_matmul(const int8_t *q, const float *d, const void *x, int x_bf, 
 #define V_SET1_16 _mm256_set1_epi16
 #define V_SET1_32 _mm256_set1_epi32
 #define V_ZEROI _mm256_setzero_si256
-#define V_UNLO32 _mm256_unpacklo_epi32
-#define V_UNHI32 _mm256_unpackhi_epi32
-#define V_UNLO64 _mm256_unpacklo_epi64
-#define V_UNHI64 _mm256_unpackhi_epi64
 #define V_ADD16 _mm256_add_epi16
 #define V_ADD32 _mm256_add_epi32
 #define V_MADDUBS _mm256_maddubs_epi16
@@ -346,11 +412,6 @@ void hs_q8a_q8_matmul(const int8_t *q, const float *d, const void *x, int x_bf, 
 #define V_MUL _mm256_mul_ps
 #define V_ADDF _mm256_add_ps
 #define V_FMA _mm256_fmadd_ps
-/* lane j (128 bits) of the result: 16 bytes at p[j] */
-static inline __attribute__((always_inline)) vi FN(gather128)(const uint8_t *const *p) {
-    return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)p[0])),
-                                   _mm_loadu_si128((const __m128i *)p[1]), 1);
-}
 static inline __attribute__((always_inline)) void FN(store_cols)(float *y, vf v, int n) {
     if (n >= VW) {
         _mm256_storeu_ps(y, v);
@@ -372,10 +433,6 @@ static inline __attribute__((always_inline)) void FN(store_cols)(float *y, vf v,
 #define V_SET1_16 _mm512_set1_epi16
 #define V_SET1_32 _mm512_set1_epi32
 #define V_ZEROI _mm512_setzero_si512
-#define V_UNLO32 _mm512_unpacklo_epi32
-#define V_UNHI32 _mm512_unpackhi_epi32
-#define V_UNLO64 _mm512_unpacklo_epi64
-#define V_UNHI64 _mm512_unpackhi_epi64
 #define V_ADD32 _mm512_add_epi32
 #define V_DPBUSD _mm512_dpbusd_epi32
 #define V_ZEROF _mm512_setzero_ps
@@ -385,12 +442,6 @@ static inline __attribute__((always_inline)) void FN(store_cols)(float *y, vf v,
 #define V_MUL _mm512_mul_ps
 #define V_ADDF _mm512_add_ps
 #define V_FMA _mm512_fmadd_ps
-static inline __attribute__((always_inline)) vi FN(gather128)(const uint8_t *const *p) {
-    __m512i v = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)p[0]));
-    v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)p[1]), 1);
-    v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)p[2]), 2);
-    return _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)p[3]), 3);
-}
 static inline __attribute__((always_inline)) void FN(store_cols)(float *y, vf v, int n) {
     if (n >= VW)
         _mm512_storeu_ps(y, v);
@@ -405,52 +456,26 @@ static inline __attribute__((always_inline)) vi FN(bcast)(const int8_t *p) {  /*
     return V_SET1_32(v);
 }
 
-/* Dword i (bytes 4i .. 4i+3) of 16 bytes of each of VW columns, i = 0..3, column e in lane e:
- * src[e] points at column e's 16 bytes. A[L] lane j = column 4j + L; a 4x4 transpose in each lane. */
-static inline __attribute__((always_inline)) void FN(transpose16)(const uint8_t *const *src, vi out[4]) {
-    vi A[4];
-    for (int L = 0; L < 4; L++) {
-        const uint8_t *p[VW / 4];
-        for (int j = 0; j < VW / 4; j++) p[j] = src[4 * j + L];
-        A[L] = FN(gather128)(p);
-    }
-    const vi t0 = V_UNLO32(A[0], A[1]), t1 = V_UNHI32(A[0], A[1]), t2 = V_UNLO32(A[2], A[3]),
-             t3 = V_UNHI32(A[2], A[3]);
-    out[0] = V_UNLO64(t0, t2);
-    out[1] = V_UNHI64(t0, t2);
-    out[2] = V_UNLO64(t1, t3);
-    out[3] = V_UNHI64(t1, t3);
-}
-
-/* Expand block b of the tile's COLS columns (column e's codes at cols + e * row_bytes, contiguous
- * rows) into buf[(b * 8 + v) * TV + tv] (vector v: codes 4v .. 4v+3 of each column, as the kernel
- * multiplies them) and sbuf (AVX2 8-bit: the signed codes, buf holding their magnitudes). */
-static inline __attribute__((always_inline)) void FN(expand)(const uint8_t *cols, int64_t row_bytes, int64_t b,
-                                                             const int fmt, vi *buf, vi *sbuf, const uint8_t *ahead,
-                                                             const float *dahead, const float *mahead) {
-    const int bytes = fmt == HS_Q8A_Q8 ? 32 : 16;
+/* Expand block b of a tile (tw: its tiled bytes) into buf[(b * 8 + v) * TV + tv] (vector v: codes
+ * 4v .. 4v+3 of each column, as the kernel multiplies them) and sbuf (AVX2 8-bit: the signed codes,
+ * buf holding their magnitudes). 4-bit: dword i holds codes 4i.. in its low nibbles, 16 + 4i.. in
+ * its high ones. */
+static inline __attribute__((always_inline)) void FN(expand)(const uint8_t *tw, int64_t b, const int fmt, vi *buf,
+                                                             vi *sbuf, const uint8_t *ahead) {
+    const int D = fmt == HS_Q8A_Q8 ? 8 : 4;
+    const uint8_t *src = tw + b * D * TILE * 4;
     (void)sbuf;
-    if (ahead) {  /* a later tile's share of this block step (its columns, and their scales, are
-                   * contiguous): the stream is read 16 columns abreast, which the hardware prefetcher
-                   * follows poorly */
-        for (int i = 0; i < COLS * bytes; i += 64) __builtin_prefetch(ahead + b * COLS * bytes + i, 0, 0);
-        __builtin_prefetch(dahead + b * COLS, 0, 0);
-        if (fmt == HS_Q8A_Q4) __builtin_prefetch(mahead + b * COLS, 0, 0);
-    }
+    if (ahead)  /* the same block of a tile further on: the stream kept ahead of the loads */
+        for (int i = 0; i < D * TILE * 4; i += 64) __builtin_prefetch(ahead + b * D * TILE * 4 + i, 0, 0);
     for (int tv = 0; tv < TV; tv++) {
-        const uint8_t *src[VW];
-        for (int e = 0; e < VW; e++) src[e] = cols + (tv * VW + e) * row_bytes + b * bytes;
         vi V[8];
-        FN(transpose16)(src, V);
+        for (int i = 0; i < D; i++) V[i] = V_LOADI(src + (i * TILE + tv * VW) * 4);
         if (fmt == HS_Q8A_Q4) {
             const vi mask = V_SET1_8(15);
             for (int i = 0; i < 4; i++) {
                 V[4 + i] = V_AND(V_SRLI16(V[i], 4), mask);
                 V[i] = V_AND(V[i], mask);
             }
-        } else {
-            for (int e = 0; e < VW; e++) src[e] += 16;
-            FN(transpose16)(src, V + 4);
         }
         for (int v = 0; v < 8; v++) {
 #if DP_VNNI
@@ -465,12 +490,6 @@ static inline __attribute__((always_inline)) void FN(expand)(const uint8_t *cols
 #endif
         }
     }
-}
-
-/* The tile's scales [COLS, nb] (rows of nb) as dbuf [nb, COLS]. */
-static inline __attribute__((always_inline)) void FN(scales)(const float *src, int64_t nb, float *dst) {
-    for (int e = 0; e < COLS; e++)
-        for (int64_t b = 0; b < nb; b++) dst[b * COLS + e] = src[e * nb + b];
 }
 
 /* R (<= RT, a constant after inlining) rows t0 .. of x times the expanded tile -> y[t, n0 .. n0 + ncols). */
@@ -545,9 +564,8 @@ static inline __attribute__((always_inline)) int FN(run)(const uint8_t *w, const
     {
         const size_t vbytes = (size_t)(nb * 8 * TV) * sizeof(vi);
         vi *buf = aligned_alloc(64, vbytes), *sbuf = DP_VNNI ? NULL : aligned_alloc(64, vbytes);
-        float *dbuf = malloc((size_t)(nb * COLS) * sizeof(float)), *mbuf = malloc((size_t)(nb * COLS) * sizeof(float));
-        /* the last tile, when N is not a multiple of COLS: its columns copied, the missing ones zero
-         * (zero codes and scales; their outputs are not stored) */
+        /* the last tile, when N is not a multiple of COLS: its columns (stored as rows) tiled here,
+         * the missing ones zero (zero codes and scales; their outputs are not stored) */
         uint8_t *pad_w = NULL;
         float *pad_d = NULL, *pad_m = NULL;
         if (N % COLS) {
@@ -555,7 +573,7 @@ static inline __attribute__((always_inline)) int FN(run)(const uint8_t *w, const
             pad_d = calloc((size_t)(COLS * nb), sizeof(float));
             pad_m = calloc((size_t)(COLS * nb), sizeof(float));
         }
-        const int ok = buf && (DP_VNNI || sbuf) && dbuf && mbuf && (N % COLS == 0 || (pad_w && pad_d && pad_m));
+        const int ok = buf && (DP_VNNI || sbuf) && (N % COLS == 0 || (pad_w && pad_d && pad_m));
         if (!ok) {
 #pragma omp atomic write
             failed = 1;
@@ -566,20 +584,20 @@ static inline __attribute__((always_inline)) int FN(run)(const uint8_t *w, const
             const int64_t n0 = tile * COLS;
             const int ncols = (int)(N - n0 < COLS ? N - n0 : COLS);
             const uint8_t *tw = w + n0 * row_bytes;
-            const float *td = d + n0 * nb, *tm = fmt == HS_Q8A_Q4 ? m + n0 * nb : NULL;
-            if (ncols < COLS) {
-                memcpy(pad_w, tw, (size_t)(ncols * row_bytes));
-                memcpy(pad_d, td, (size_t)(ncols * nb) * sizeof(float));
-                if (fmt == HS_Q8A_Q4) memcpy(pad_m, tm, (size_t)(ncols * nb) * sizeof(float));
-                tw = pad_w, td = pad_d, tm = fmt == HS_Q8A_Q4 ? pad_m : NULL;
+            const float *dbuf = d + n0 * nb, *mbuf = fmt == HS_Q8A_Q4 ? m + n0 * nb : NULL;
+            if (ncols < COLS) {  /* the stored rows of the last ncols columns, tiled as a tile of TILE */
+                const int bytes = block_bytes(fmt);
+                for (int c = 0; c < ncols; c++)
+                    for (int64_t b = 0; b < nb; b++) {
+                        for (int j = 0; j < bytes; j++)
+                            pad_w[((b * (bytes / 4) + j / 4) * TILE + c) * 4 + (j & 3)] = tw[(c * nb + b) * bytes + j];
+                        pad_d[b * TILE + c] = dbuf[c * nb + b];
+                        if (fmt == HS_Q8A_Q4) pad_m[b * TILE + c] = mbuf[c * nb + b];
+                    }
+                tw = pad_w, dbuf = pad_d, mbuf = fmt == HS_Q8A_Q4 ? pad_m : NULL;
             }
-            const int64_t n1 = n0 + PREFETCH_TILES * COLS;
-            const int far = n1 + COLS <= N;
-            const uint8_t *ahead = far ? w + n1 * row_bytes : NULL;
-            const float *dahead = far ? d + n1 * nb : NULL, *mahead = far && fmt == HS_Q8A_Q4 ? m + n1 * nb : NULL;
-            for (int64_t b = 0; b < nb; b++) FN(expand)(tw, row_bytes, b, fmt, buf, sbuf, ahead, dahead, mahead);
-            FN(scales)(td, nb, dbuf);
-            if (fmt == HS_Q8A_Q4) FN(scales)(tm, nb, mbuf);
+            const uint8_t *ahead = tile + PREFETCH_TILES < N / COLS ? w + (n0 + PREFETCH_TILES * COLS) * row_bytes : NULL;
+            for (int64_t b = 0; b < nb; b++) FN(expand)(tw, b, fmt, buf, sbuf, ahead);
             for (int64_t t0 = 0; t0 < T; t0 += RT) {
                 float *yt = y + n0;
                 switch (T - t0 < RT ? T - t0 : RT) {  /* constant row counts keep the sums in registers */
@@ -600,8 +618,6 @@ static inline __attribute__((always_inline)) int FN(run)(const uint8_t *w, const
         }
         free(buf);
         free(sbuf);
-        free(dbuf);
-        free(mbuf);
         free(pad_w);
         free(pad_d);
         free(pad_m);
@@ -629,10 +645,6 @@ static int FN(matmul)(const uint8_t *w, const float *d, const float *m, const in
 #undef V_SET1_16
 #undef V_SET1_32
 #undef V_ZEROI
-#undef V_UNLO32
-#undef V_UNHI32
-#undef V_UNLO64
-#undef V_UNHI64
 #undef V_ADD16
 #undef V_ADD32
 #undef V_MADDUBS
