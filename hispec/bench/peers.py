@@ -10,7 +10,9 @@
   float32. ``:ngram``: with its n-gram (prompt lookup) speculative decoding.
   (transformers' prompt lookup is the in-process strategy ``hf-lookup``, against ``hf``.)
 - ``ar:OPT=VALUE[:OPT=VALUE...]``: hispec ``ar`` loaded with other model options (``hispec
-  generate``'s, e.g. ``ar:dtype=bfloat16``), in a second process, so one run compares weights.
+  generate``'s, e.g. ``ar:dtype=bfloat16``), in a second process, so one run compares weights;
+  ``kernel=q4|int4|q8a`` runs 4-bit weights on that kernel (``HISPEC_Q4_KERNEL`` in its process),
+  so one run compares kernels (``ar:kernel=q4``).
 
 Each peer runs ``peer_worker.py`` under its own Python: ``--peer-python ENGINE=PATH`` or
 ``$HISPEC_PEERS/<venv>/bin/python`` (default ``$HISPEC_HOME/peers``, where
@@ -34,6 +36,7 @@ from pathlib import Path
 
 from .. import envs
 from ..config import ConfigError, SamplingParams
+from ..kernels.quant import FORCED_FOUR_BIT
 from .strategies import Runner, Sample
 
 ENGINES = ("llama.cpp", "vllm", "ar")
@@ -122,7 +125,10 @@ def _parse_one(item: str) -> list[PeerSpec]:
         pairs = [o.split("=", 1) for o in options]
         if not pairs or any(len(p) != 2 or not p[0] or not p[1] for p in pairs):
             raise ConfigError(f"peer {item!r}: ar takes model options as KEY=VALUE (e.g. ar:dtype=bfloat16)")
-        return [PeerSpec(item, engine, options={k: v for k, v in pairs})]
+        options = {k: v for k, v in pairs}
+        if "kernel" in options and options["kernel"] not in FORCED_FOUR_BIT:
+            raise ConfigError(f"peer {item!r}: kernel= takes one of {', '.join(FORCED_FOUR_BIT)}")
+        return [PeerSpec(item, engine, options=options)]
     raise ConfigError(f"unknown peer {engine!r} in --peers; choose from {', '.join(ENGINES)} "
                       "(e.g. llama.cpp, llama.cpp:f16, llama.cpp:q4_1:lookup, vllm, vllm:float32:ngram, "
                       "ar:dtype=bfloat16)")
@@ -170,7 +176,8 @@ class Weights:
 def peer_weights(spec: PeerSpec, generator, model_name: str) -> Weights:
     """The file or folder holding the same weights as hispec's model, for this peer."""
     if spec.engine == "ar":
-        return Weights(model_name, f"hispec {_options_argv(spec.options)}")
+        kernel = f" (4-bit kernel {spec.options['kernel']})" if "kernel" in spec.options else ""
+        return Weights(model_name, f"hispec {_options_argv(spec.options)}".rstrip() + kernel)
     folder = generator.model_path
     if spec.engine == "vllm":
         if folder is None:
@@ -192,7 +199,8 @@ def peer_weights(spec: PeerSpec, generator, model_name: str) -> Weights:
 
 
 def _options_argv(options: dict) -> str:
-    return " ".join(f"--{k.replace('_', '-')} {v}" for k, v in options.items())
+    """The model options as ``hispec generate`` flags (``kernel`` is not one: it goes in the environment)."""
+    return " ".join(f"--{k.replace('_', '-')} {v}" for k, v in options.items() if k != "kernel")
 
 
 class PeerError(RuntimeError):
@@ -309,6 +317,8 @@ class PeerRunner(Runner):
             env.setdefault("VLLM_TARGET_DEVICE", "cpu")
         if self.spec.engine != "ar":
             env.pop("PYTHONPATH", None)  # the peer's venv, not this checkout
+        elif "kernel" in self.spec.options:
+            env["HISPEC_Q4_KERNEL"] = self.spec.options["kernel"]
         return env
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, batch_size: int = 1) -> tuple[list, float]:

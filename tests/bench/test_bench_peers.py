@@ -76,7 +76,7 @@ def test_peer_syntax():
     ar = parse_peers("ar:dtype=bfloat16")[0]
     assert (ar.engine, ar.options) == ("ar", {"dtype": "bfloat16"})
     assert parse_peers(None) == [] and parse_peers("") == []
-    for bad in ("llama", "llama.cpp:q5", "vllm:int8", "ar", "ar:dtype", "vllm,vllm:float32"):
+    for bad in ("llama", "llama.cpp:q5", "vllm:int8", "ar", "ar:dtype", "vllm,vllm:float32", "ar:kernel=q5"):
         with pytest.raises(ConfigError):
             parse_peers(bad)
     assert parse_peer_python(["vllm=/x/bin/python"]) == {"vllm": "/x/bin/python"}
@@ -173,6 +173,23 @@ def prompt_file(tmp_path_factory):
 def bench(model, prompts, out, *extra) -> int:
     return main(["bench", "--model", str(model), "--data", str(prompts), "--max-new-tokens", "6",
                  "--out", str(out), "--no-progress", "--threads", "1", "--no-plots", *extra])
+
+
+def test_ar_peer_on_another_kernel(tmp_path):
+    """``ar:kernel=q4``: the 4-bit kernel goes to the peer process's environment (HISPEC_Q4_KERNEL),
+    not to its command line; the other options stay flags."""
+    from types import SimpleNamespace
+
+    from hispec.bench.peers import PeerRunner, peer_weights
+
+    spec = parse_peers("ar:kernel=q4:dtype=float32")[0]
+    gen = SimpleNamespace(model=SimpleNamespace(cfg=SimpleNamespace(max_position_embeddings=512)))
+    runner = PeerRunner(spec, gen, model_name="m", threads=1, python_overrides={}, log_dir=tmp_path)
+    runner.weights = peer_weights(spec, gen, "m")
+    argv = runner._argv()
+    assert argv[argv.index("--") + 1:] == ["--dtype", "float32"]
+    assert runner._env()["HISPEC_Q4_KERNEL"] == "q4"
+    assert runner.weights.describe == "hispec --dtype float32 (4-bit kernel q4)"
 
 
 def test_bench_with_peers(tiny_text_model_dir, prompt_file, fake_vllm_python, tmp_path, monkeypatch, capsys):
@@ -277,9 +294,12 @@ def _real(engine: str) -> str:
 
 @pytest.mark.peers
 @pytest.mark.parametrize("engine,peer", [("llama.cpp", "llama.cpp:q4_1"), ("vllm", "vllm:float32")])
-def test_real_peer_on_the_default_model(engine, peer, tmp_path):
-    """The installed engine on the default model: it runs and agrees with ar on the first tokens."""
+def test_real_peer_on_the_default_model(engine, peer, tmp_path, four_bit_kernel):
+    """The installed engine on the default model: it runs and agrees with ar on the first tokens
+    (hispec on ``q4``, whose tokens follow float32's: ``q8a``'s 8-bit activations, the timed choice
+    on CPUs with VNNI, part from them at the second token of this prompt)."""
     _real(engine)
+    four_bit_kernel("q4")
     from hispec.model.load.registry import DEFAULT_MODEL, KNOWN_MODELS, models_dir
     if not (models_dir() / KNOWN_MODELS[DEFAULT_MODEL].folder).exists():
         pytest.skip("the default model is not converted")
