@@ -261,8 +261,10 @@ def test_suffix_drafts_on_the_quantized_default_equal_its_ar(quantized, quantize
         final = engine.run_to_completion()
         assert [final[r].token_ids for r in ids] == expected
         passes.append([final[r].stats for r in ids])
-    assert not any("suffix" in s.rounds for s in passes[0])
-    assert sum(s.levels["suffix->final"].accepted_tokens for s in passes[1] if "suffix->final" in s.levels) > 0
+    # (in the first pass a sequence that finishes early already feeds the others: compare, not zero)
+    suffix_tokens = [sum(s.levels["suffix->final"].accepted_tokens for s in p if "suffix->final" in s.levels)
+                     for p in passes]
+    assert suffix_tokens[1] > suffix_tokens[0], suffix_tokens
     assert sum(s.full_passes for s in passes[1]) < sum(s.full_passes for s in passes[0])
 
 
