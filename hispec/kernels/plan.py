@@ -27,8 +27,9 @@ from .layer_op import LayerPlans, OpRanges
 from .matmul import SMALL_ROWS, Linear, panel_rows, small_route
 from .quant import ACT_DTYPE, Q4_STORAGE, Q8_STORAGE, QuantLinear
 
-# CPU: a sequence's queries from which attention takes SDPA's fused kernel (model/decoder.py's attend:
-# as fast as the batched matmuls there, and leaner); the op leaves such chunks to that path
+# eager CPU attention (model/decoder.py's attend, where the fused kernels are unavailable): a sequence's
+# queries from which it takes SDPA's fused kernel (as fast as the batched matmuls there, and leaner);
+# the fused paged kernel takes every chunk, so that a prompt's K/V do not depend on its chunking
 SDPA_MIN_QUERIES = 256
 
 
@@ -136,14 +137,11 @@ class FastPath:
     # ---- a range of layers ------------------------------------------------------------------
     def layer_plans(self, h: torch.Tensor, start: int, end: int, rope, batch, pool) -> LayerPlans | None:
         """The layers' plans when ``[start, end)`` can run in one ``layer_op.decode_layers`` call:
-        every layer planned with one activation dtype, chunks below SDPA_MIN_QUERIES tokens (longer
-        ones take SDPA), on float32 weights at most as many tokens as the panel kernel serves
+        every layer planned with one activation dtype, on float32 weights at most as many tokens as the panel kernel serves
         (``panel_rows()``; more take oneDNN, in Python), and the per-layer fused path's own
         conditions (float32 residual stream and pool on the CPU)."""
         layers = self.model.layers
         if start == end or not layers[start].runs_fused(h, rope, pool, start) or not layer_op.layers_op():
-            return None
-        if any(c.num_tokens >= SDPA_MIN_QUERIES for c in batch.chunks):
             return None
         plans, has_float = self.plans_for(start, end, batch.prefill, h.shape[0] > SMALL_ROWS)
         if plans is None or (has_float and h.shape[0] > max(panel_rows(), SMALL_ROWS)):

@@ -238,21 +238,13 @@ class DecoderLayer(nn.Module):
 
     def _attend_fused(self, q: torch.Tensor, layer: int, batch: AttentionBatch, pool: KVPool,
                       dt: torch.dtype) -> torch.Tensor:
-        """Each query over exactly its own context (the paged kernel: no gather), except chunks of
-        at least SDPA_MIN_QUERIES tokens (prefill), which take the fused SDPA kernel."""
-        big = [i for i, c in enumerate(batch.chunks) if c.num_tokens >= SDPA_MIN_QUERIES]
-        kp, vp = pool.k[layer], pool.v[layer]
-        if not big:
-            return fused.paged_attention(q, kp, vp, batch.kernel(), dt)
-        out = torch.empty((q.shape[0], self.q_size), dtype=dt)
-        for i, c in enumerate(batch.chunks):
-            lo, hi = batch.offsets[i], batch.offsets[i + 1]
-            if i in big:
-                ck, cv = pool.context(layer, batch, i, q.dtype)
-                out[lo:hi] = attend(q[lo:hi], ck, cv, batch.masks[i]).reshape(hi - lo, self.q_size)
-            else:
-                out[lo:hi] = fused.paged_attention(q[lo:hi], kp, vp, batch.kernel(i), dt)
-        return out
+        """Each query over exactly its own context (the paged kernel: no gather), prompt chunks of any
+        length included: a prompt's K/V then do not depend on how it was cut into chunks (by the
+        chunk budget, the batch beside it, a prefix-cache hit), so neither do the tokens after it.
+        (SDPA's fused kernel, which long chunks took before, gave other bits: the same prompt
+        decoded alone and after other requests gave different greedy tokens; it cost ~6% less on a
+        3,000-token prompt.)"""
+        return fused.paged_attention(q, pool.k[layer], pool.v[layer], batch.kernel(), dt)
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
         if self.cfg.family == "opt":

@@ -13,6 +13,7 @@ from hispec.config import SamplingParams, SpecConfig
 from hispec.decode.autoregressive import Autoregressive
 from hispec.engine import Engine
 from hispec.generate import Generator, make_strategy
+from hispec.kernels import fused
 from hispec.llm import LLM
 from hispec.model.load.checkpoint import load_model
 
@@ -324,6 +325,28 @@ def test_chunked_prefill_gives_the_unchunked_output_and_kv(model, workload, name
         assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
     for a, b in zip(kv[0], kv[7]):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
+@pytest.mark.skipif(not fused.available(), reason="the fused paged attention kernel (a C compiler)")
+def test_long_prompt_kv_does_not_depend_on_its_chunks(tiny_model_dir):
+    """A prompt longer than SDPA_MIN_QUERIES prefilled in one chunk or in chunks of 64: the same K/V
+    bit for bit and the same tokens (every chunk takes the paged kernel; SDPA's fused kernel gave
+    long chunks other bits, so a request's greedy tokens depended on the batch it was admitted with)."""
+    from hispec.model.decoder import SDPA_MIN_QUERIES
+
+    model = load_model(tiny_model_dir("llama", max_position_embeddings=1024))
+    prompt = [random.Random(9).randrange(128) for _ in range(SDPA_MIN_QUERIES + 45)]
+    kv, out = {}, {}
+    for chunk in (0, 64):
+        engine = Engine(model, make_strategy("ar", None, model.num_layers), kv_blocks=200, block_size=4,
+                        max_batch_size=2, prefill_chunk=chunk)
+        rid = engine.add_request(prompt, SamplingParams(max_new_tokens=8, ignore_eos=True))
+        while not engine.sequence(rid).prefilled:
+            engine.step()
+        kv[chunk] = prompt_kv(engine, rid, len(prompt) - 1)
+        out[chunk] = engine.run_to_completion()[rid].token_ids
+    assert all(torch.equal(a, b) for a, b in zip(kv[0], kv[64]))
+    assert out[0] == out[64]
 
 
 def test_running_sequences_decode_between_prefill_chunks_and_an_abort_stops_the_prefill(model):
