@@ -238,7 +238,7 @@ class QuantLinear(nn.Module):
 
     def prefill_mm(self, rows: torch.Tensor) -> torch.Tensor:
         """``rows [T, K]`` (in ``input_dtype``) of prompt tokens: on the dense bfloat16 prefill
-        weights where the layer has them (int4; q4 on CPUs with bfloat16 hardware, its float32 rows
+        weights where the layer has them (int4; q4 and q8a on CPUs with bfloat16 hardware, their float32 rows
         cast to bfloat16, output bfloat16), else the q4 kernel's float32 panels (q4, q8a), else as ``mm``."""
         if self.kernel in Q4_STORAGE and self.dense is not None:
             return torch.nn.functional.linear(rows.to(torch.bfloat16), self.dense)
