@@ -462,14 +462,20 @@ static inline __attribute__((always_inline)) vi FN(bcast)(const int8_t *p) {  /*
  * its high ones. */
 static inline __attribute__((always_inline)) void FN(expand)(const uint8_t *tw, int64_t b, const int fmt, vi *buf,
                                                              vi *sbuf, const uint8_t *ahead) {
-    const int D = fmt == HS_Q8A_Q8 ? 8 : 4;
+    const int D = fmt == HS_Q8A_Q8 ? 8 : 4;  /* dwords a block */
     const uint8_t *src = tw + b * D * TILE * 4;
     (void)sbuf;
     if (ahead)  /* the same block of a tile further on: the stream kept ahead of the loads */
         for (int i = 0; i < D * TILE * 4; i += 64) __builtin_prefetch(ahead + b * D * TILE * 4 + i, 0, 0);
     for (int tv = 0; tv < TV; tv++) {
         vi V[8];
-        for (int i = 0; i < D; i++) V[i] = V_LOADI(src + (i * TILE + tv * VW) * 4);
+        /* constant trip counts: a count of D (fmt is not a constant in the outlined OpenMP body)
+         * was turned into a memcpy to the stack and reloaded, a library call per block that cost
+         * the one-row step a quarter of its time in the decode op */
+        if (fmt == HS_Q8A_Q4)
+            for (int i = 0; i < 4; i++) V[i] = V_LOADI(src + (i * TILE + tv * VW) * 4);
+        else
+            for (int i = 0; i < 8; i++) V[i] = V_LOADI(src + (i * TILE + tv * VW) * 4);
         if (fmt == HS_Q8A_Q4) {
             const vi mask = V_SET1_8(15);
             for (int i = 0; i < 4; i++) {
