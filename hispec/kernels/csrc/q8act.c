@@ -54,9 +54,7 @@
 #include "hispec_kernels.h" /* the formats (HS_Q8A_Q4, HS_Q8A_Q8) and paths (HS_Q8A_*) */
 #define BLOCK 32
 #define TILE 16 /* output columns per tile of the stored layout (= every path's COLS) */
-#ifndef PREFETCH_TILES
 #define PREFETCH_TILES 2 /* how many tiles ahead the weights are prefetched */
-#endif
 
 static inline int block_bytes(int fmt) { return fmt == HS_Q8A_Q8 ? 32 : 16; }
 
@@ -591,14 +589,15 @@ static inline __attribute__((always_inline)) int FN(run)(const uint8_t *w, const
             const int ncols = (int)(N - n0 < COLS ? N - n0 : COLS);
             const uint8_t *tw = w + n0 * row_bytes;
             const float *dbuf = d + n0 * nb, *mbuf = fmt == HS_Q8A_Q4 ? m + n0 * nb : NULL;
-            if (ncols < COLS) {  /* the stored rows of the last ncols columns, tiled as a tile of TILE */
+            if (ncols < COLS) {  /* the stored rows of the last ncols columns, placed as in a full tile */
                 const int bytes = block_bytes(fmt);
                 for (int c = 0; c < ncols; c++)
                     for (int64_t b = 0; b < nb; b++) {
-                        for (int j = 0; j < bytes; j++)
-                            pad_w[((b * (bytes / 4) + j / 4) * TILE + c) * 4 + (j & 3)] = tw[(c * nb + b) * bytes + j];
-                        pad_d[b * TILE + c] = dbuf[c * nb + b];
-                        if (fmt == HS_Q8A_Q4) pad_m[b * TILE + c] = mbuf[c * nb + b];
+                        int step;
+                        const int64_t base = tiled_block(c, b, nb, bytes, TILE, &step), at = tiled_scale(c, b, nb, TILE);
+                        for (int j = 0; j < bytes; j++) pad_w[base + (j / 4) * step + (j & 3)] = tw[(c * nb + b) * bytes + j];
+                        pad_d[at] = dbuf[c * nb + b];
+                        if (fmt == HS_Q8A_Q4) pad_m[at] = mbuf[c * nb + b];
                     }
                 tw = pad_w, dbuf = pad_d, mbuf = fmt == HS_Q8A_Q4 ? pad_m : NULL;
             }
