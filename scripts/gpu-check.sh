@@ -6,6 +6,8 @@
 #   2. hispec bench in bfloat16 on the default model (ar, selfspec, hispec, transformers)
 #   3. hispec bench in bfloat16 on a random model of Llama-3-8B's shape (speed only; written once)
 #   4. with >= 2 GPUs: the tensor-parallel check over NCCL on the default model, and (3) at TP=2
+# GPU_CHECK_TESTS / GPU_CHECK_DEFAULT / GPU_CHECK_BIG=0 leave out (1) / (2, 4) / (3): the 8B-shaped
+# weights alone take ~2 minutes to write, too long when the lease is short.
 # Everything goes to $GPU_CHECK_OUT (default gpu-check-out/); the summary is also in summary.txt.
 # Paste the summary into BENCHMARKS.md.
 set -uo pipefail
@@ -28,10 +30,13 @@ note "gpu-check $(date -u +%Y-%m-%dT%H:%MZ), commit $(git rev-parse --short HEAD
 note "$("$PY" -c "import torch; print(f'torch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}, {torch.cuda.get_device_properties(0).total_memory / 2**30:.0f} GiB')")"
 note ""
 
-bash scripts/setup.sh test > "$OUT/setup.log" 2>&1 || note "setup: FAIL (see $OUT/setup.log)"
+# set up only what is missing: a lent machine may have no internet (scripts/device-run.sh sets it up offline)
+if ! "$PY" -c "import hispec, gguf, pytest, transformers" 2>/dev/null; then
+  bash scripts/setup.sh test > "$OUT/setup.log" 2>&1 || note "setup: FAIL (see $OUT/setup.log)"
+fi
 
 # ---- 1. CUDA-marked tests -----------------------------------------------------------------
-step cuda-tests 150 "$PY" -m pytest -q -m cuda tests/test_cuda.py -rs
+[ "${GPU_CHECK_TESTS:-1}" = 1 ] && step cuda-tests 150 "$PY" -m pytest -q -m cuda tests/test_cuda.py -rs
 
 # ---- 2. the default model, bfloat16 ---------------------------------------------------------
 cat > "$OUT/prompts.jsonl" <<'EOF'
@@ -40,12 +45,12 @@ cat > "$OUT/prompts.jsonl" <<'EOF'
 {"id": "story", "prompt": "Tell a short story about a robot learning to paint."}
 {"id": "math", "prompt": "A train travels 120 km in 1.5 hours. What is its average speed? Explain."}
 EOF
-step bench-default-bf16 150 "${HISPEC[@]}" bench --model default --device cuda --dtype bfloat16 --data "$OUT/prompts.jsonl" \
+[ "${GPU_CHECK_DEFAULT:-1}" = 1 ] && step bench-default-bf16 150 "${HISPEC[@]}" bench --model default --device cuda --dtype bfloat16 --data "$OUT/prompts.jsonl" \
   --strategies ar,selfspec,hispec,hf --max-new-tokens 128 --warmup 1 --no-plots --no-progress --out "$OUT/bench-default"
 
 # ---- 3. a random model of Llama-3-8B's shape (speed only) ----------------------------------
 BIG="$OUT/llama3-8b-shape"
-step make-8b-shape 120 "$PY" - "$BIG" <<'EOF'
+[ "${GPU_CHECK_BIG:-1}" = 1 ] && step make-8b-shape 120 "$PY" - "$BIG" <<'EOF'
 """Random bfloat16 weights (std 0.02) in Llama-3-8B's shape, written layer by layer from the GPU,
 with the default model's tokenizer (its ids fit the larger vocabulary)."""
 import json, shutil, sys
@@ -87,7 +92,7 @@ BENCH_BIG=(--device cuda --dtype bfloat16 --data "$OUT/prompts.jsonl" --limit 3 
 [ -f "$BIG/config.json" ] && step bench-8b-shape-bf16 180 "${HISPEC[@]}" bench --model "$BIG" "${BENCH_BIG[@]}" --out "$OUT/bench-8b"
 
 # ---- 4. tensor parallelism over NCCL (two or more GPUs) ------------------------------------
-if [ "$NGPU" -ge 2 ]; then
+if [ "$NGPU" -ge 2 ] && [ "${GPU_CHECK_DEFAULT:-1}" = 1 ]; then
   step tp2-check-default 150 "$PY" -m hispec.distributed.check default --tp 2 --device cuda --dtype bfloat16 \
     --shipped-exits --max-new-tokens 32
   [ -f "$BIG/config.json" ] && step bench-8b-shape-tp2 180 "${HISPEC[@]}" bench --model "$BIG" "${BENCH_BIG[@]}" \
