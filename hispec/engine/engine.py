@@ -31,6 +31,22 @@ from .sequence import Sequence
 
 
 log = logging.getLogger("hispec.engine")
+_warned_rows = False
+
+
+def _warn_if_rows_interact(model: DecoderModel, strategy: Strategy, max_batch_size: int) -> None:
+    """Once per process: on CUDA in a half precision the GPU's matrix kernels are chosen by a
+    pass's row count, so a row's logits (and greedy tokens) can depend on how many rows it shares a
+    pass with. hispec's own CPU kernels give every row the same bits alone or among others."""
+    global _warned_rows
+    if _warned_rows or model.device.type != "cuda" or model.dtype not in (torch.bfloat16, torch.float16):
+        return
+    if strategy.name in SPECULATIVE or max_batch_size > 1:
+        _warned_rows = True
+        log.warning("on CUDA in %s, speculative strategies and batches can give other tokens than ar one request "
+                    "at a time (the GPU's matrix kernels round a row by how many rows share its pass; measured on "
+                    "an H200: selfspec and hispec parted from ar on 3 of 4 prompts); --dtype float32 kept them "
+                    "identical", str(model.dtype).removeprefix("torch."))
 
 
 def _generator_state(seq: Sequence) -> torch.Tensor | None:
@@ -107,6 +123,7 @@ class Engine:
         if getattr(type(strategy), "free_round", Strategy.free_round) is not Strategy.free_round:  # it has free rounds
             self.suffix = suffix if suffix is not None else SuffixStore.for_spec(
                 getattr(strategy, "spec", None), self.config.suffix_cache_entries, self.config.suffix_cache_scopes)
+        _warn_if_rows_interact(model, strategy, self.config.max_batch_size)
         self._seq_ids = itertools.count()
         self._requests: dict[str, Sequence] = {}
         self._max_batch_size = self.config.max_batch_size

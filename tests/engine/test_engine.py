@@ -366,3 +366,25 @@ def test_running_sequences_decode_between_prefill_chunks_and_an_abort_stops_the_
     for r in short:
         engine.abort(r)
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+
+
+def test_half_precision_on_cuda_warns_once_that_rows_can_interact(monkeypatch, caplog):
+    """The GPU's matrix kernels are not row-invariant in bfloat16 (measured on an H200): say so, once,
+    where a pass holds several rows (speculation, batches); never on the CPU or for ar alone."""
+    from types import SimpleNamespace
+
+    from hispec.engine import engine as eng
+
+    def model(device, dtype):
+        return SimpleNamespace(device=torch.device(device), dtype=dtype)
+
+    ar, spec = SimpleNamespace(name="ar"), SimpleNamespace(name="hispec")
+    monkeypatch.setattr(eng, "_warned_rows", False)
+    with caplog.at_level("WARNING", logger="hispec.engine"):
+        eng._warn_if_rows_interact(model("cpu", torch.bfloat16), spec, 8)
+        eng._warn_if_rows_interact(model("cuda", torch.float32), spec, 8)
+        eng._warn_if_rows_interact(model("cuda", torch.bfloat16), ar, 1)
+        assert not caplog.records
+        eng._warn_if_rows_interact(model("cuda", torch.bfloat16), spec, 1)
+        eng._warn_if_rows_interact(model("cuda", torch.float16), ar, 8)
+    assert len(caplog.records) == 1 and "--dtype float32" in caplog.records[0].getMessage()
