@@ -95,9 +95,11 @@ def read(path: Path) -> list[Comparison]:
 def _machine(m: dict | None) -> str:
     m = m or {}
     cpu, threads, cpus = m.get("cpu") or "unknown machine", m.get("threads"), m.get("cpu_count")
+    device = m.get("device") or "cpu"
+    gpu = "" if device.startswith("cpu") else f"{device.split(' ', 1)[-1].strip('()')} on "  # "cuda:0 (NVIDIA H200)"
     if not threads:
-        return cpu
-    return f"{cpu}, {threads} thread{'s' if threads != 1 else ''}" + (f" of {cpus} CPUs" if cpus else "")
+        return gpu + cpu
+    return f"{gpu}{cpu}, {threads} thread{'s' if threads != 1 else ''}" + (f" of {cpus} CPUs" if cpus else "")
 
 
 def _load(m: dict | None) -> list | None:
