@@ -32,7 +32,10 @@ interleaved with the strategies; their token ids are compared with ar's (whole o
                           :lookup with its prompt lookup decoding (measured against the same peer without it)
   vllm[:DTYPE][:ngram]    vLLM (CPU) on the converted model folder; float32 (bare) or bfloat16; :ngram with its
                           n-gram speculative decoding (measured against the same peer without it)
-  ar:OPT=VALUE[:...]      hispec ar with other model options in a second process, e.g. ar:dtype=bfloat16
+  ar:OPT=VALUE[:...]      hispec ar with other model options in a second process, e.g. ar:dtype=bfloat16;
+                          kernel=q4|int4|q8a: 4-bit weights on that kernel (ar:kernel=int4)
+  hispec:OPT=VALUE[:...]  the same for hispec, selfspec or lookup (with the run's --adaptive), e.g.
+                          hispec:kernel=int4 against this process's hispec on the timed kernel
   install: scripts/install-peers.sh [llama.cpp] [vllm] (venvs under $HISPEC_PEERS, default $HISPEC_HOME/peers)
 
 example:

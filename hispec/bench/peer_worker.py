@@ -105,7 +105,8 @@ class VLLM:
 
 
 class Hispec:
-    """hispec ``ar`` with other model options (e.g. other weights' dtype), in its own process."""
+    """hispec (``--strategy``, default ``ar``) with other model options (e.g. other weights' dtype or
+    4-bit kernel), in its own process."""
 
     batching = True
 
@@ -116,8 +117,9 @@ class Hispec:
         add_model_options(p)
         self.args = p.parse_args(["--model", args.model, "--threads", str(args.threads)] + args.hispec_args)
         self.gen = load_generator(self.args, progress=False)
+        self.strategy, self.adaptive = args.strategy, args.adaptive
         self.info = {"engine": "hispec", "options": args.hispec_args, "dtype": str(self.gen.model.dtype),
-                     "batching": True}
+                     "batching": True, "strategy": args.strategy, "adaptive": args.adaptive}
         self.llms = {}
 
     def generate(self, prompts, max_new_tokens, eos, ignore_eos, batch_size):
@@ -126,11 +128,12 @@ class Hispec:
         params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=ignore_eos)
         self.gen.eos_ids = frozenset(eos)
         if batch_size <= 1:
-            return [self.gen.generate(list(ids), params, "ar").token_ids for ids in prompts]
+            return [self.gen.generate(list(ids), params, self.strategy, adaptive=self.adaptive).token_ids
+                    for ids in prompts]
         from hispec.llm import LLM
 
         if batch_size not in self.llms:
-            self.llms[batch_size] = LLM(self.gen, "ar", max_batch_size=batch_size)
+            self.llms[batch_size] = LLM(self.gen, self.strategy, max_batch_size=batch_size, adaptive=self.adaptive)
         return [o.token_ids for o in self.llms[batch_size].generate([list(i) for i in prompts], params)]
 
 
@@ -164,6 +167,8 @@ def parse_args(argv=None):
                    help="the engine's own prompt-lookup speculative decoding (llama.cpp: lookup, vllm: ngram)")
     p.add_argument("--num-draft", type=int, default=4, help="with --speculative: tokens drafted per round")
     p.add_argument("--ngram", type=int, default=3, help="with --speculative: the longest n-gram matched")
+    p.add_argument("--strategy", default="ar", help="hispec: the decoding strategy (ar, hispec, selfspec, lookup)")
+    p.add_argument("--adaptive", action="store_true", help="hispec: speculate only where it pays (greedy)")
     p.add_argument("hispec_args", nargs=argparse.REMAINDER, help="hispec: model options after --")
     args = p.parse_args(argv)
     args.hispec_args = [a for a in args.hispec_args if a != "--"]

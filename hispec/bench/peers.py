@@ -12,7 +12,9 @@
 - ``ar:OPT=VALUE[:OPT=VALUE...]``: hispec ``ar`` loaded with other model options (``hispec
   generate``'s, e.g. ``ar:dtype=bfloat16``), in a second process, so one run compares weights;
   ``kernel=q4|int4|q8a`` runs 4-bit weights on that kernel (``HISPEC_Q4_KERNEL`` in its process),
-  so one run compares kernels (``ar:kernel=q4``).
+  so one run compares kernels (``ar:kernel=q4``). ``hispec:``, ``selfspec:`` and ``lookup:`` take
+  the same options and run that strategy there, with the exits' recommended settings and the run's
+  ``--adaptive`` (``hispec:kernel=int4`` against the run's own ``hispec``).
 
 Each peer runs ``peer_worker.py`` under its own Python: ``--peer-python ENGINE=PATH`` or
 ``$HISPEC_PEERS/<venv>/bin/python`` (default ``$HISPEC_HOME/peers``, where
@@ -40,6 +42,7 @@ from ..kernels.quant import FORCED_FOUR_BIT
 from .strategies import Runner, Sample
 
 ENGINES = ("llama.cpp", "vllm", "ar")
+OWN_STRATEGIES = ("ar", "hispec", "selfspec", "lookup")  # hispec in a second process: engine "ar"
 LLAMA_WEIGHTS = ("q4_1", "f16", "f32")
 VLLM_DTYPES = ("float32", "bfloat16")
 SPECULATIVE = {"llama.cpp": "lookup", "vllm": "ngram"}  # engine -> its speculative mode
@@ -60,6 +63,7 @@ class PeerSpec:
     engine: str
     weights: str | None = None  # llama.cpp: q4_1/f16/f32; vllm: dtype
     options: dict = field(default_factory=dict)  # ar: model option -> value
+    strategy: str = "ar"  # engine ar: the strategy hispec runs in that process (OWN_STRATEGIES)
     speculative: str | None = None  # the peer's own speculative mode (SPECULATIVE), None: plain decoding
 
     @property
@@ -121,17 +125,17 @@ def _parse_one(item: str) -> list[PeerSpec]:
                               "(e.g. vllm:bfloat16, vllm:float32:ngram)")
         dtype = options[0] if options else "float32"
         return [PeerSpec(f"vllm:{dtype}{suffix}", engine, dtype, speculative=mode)]
-    if engine == "ar":
+    if engine in OWN_STRATEGIES:
         pairs = [o.split("=", 1) for o in options]
         if not pairs or any(len(p) != 2 or not p[0] or not p[1] for p in pairs):
-            raise ConfigError(f"peer {item!r}: ar takes model options as KEY=VALUE (e.g. ar:dtype=bfloat16)")
+            raise ConfigError(f"peer {item!r}: {engine} takes model options as KEY=VALUE (e.g. {engine}:dtype=bfloat16)")
         options = {k: v for k, v in pairs}
         if "kernel" in options and options["kernel"] not in FORCED_FOUR_BIT:
             raise ConfigError(f"peer {item!r}: kernel= takes one of {', '.join(FORCED_FOUR_BIT)}")
-        return [PeerSpec(item, engine, options=options)]
+        return [PeerSpec(item, "ar", options=options, strategy=engine)]
     raise ConfigError(f"unknown peer {engine!r} in --peers; choose from {', '.join(ENGINES)} "
                       "(e.g. llama.cpp, llama.cpp:f16, llama.cpp:q4_1:lookup, vllm, vllm:float32:ngram, "
-                      "ar:dtype=bfloat16)")
+                      "ar:dtype=bfloat16, hispec:kernel=int4)")
 
 
 def parse_peer_python(values: list[str] | None) -> dict[str, str]:
@@ -268,8 +272,8 @@ class PeerRunner(Runner):
     """Times a peer on the benchmark's prompt token ids; the process starts on first use (the warm-up)."""
 
     def __init__(self, spec: PeerSpec, generator, *, model_name: str, threads: int, python_overrides: dict,
-                 log_dir: Path, max_batch: int = 16, context: int | None = None) -> None:
-        self.label, self.kind, self.spec = spec.label, "peer", spec
+                 log_dir: Path, max_batch: int = 16, context: int | None = None, adaptive: bool = False) -> None:
+        self.label, self.kind, self.spec, self.adaptive = spec.label, "peer", spec, adaptive
         self.gen, self.model_name, self.threads, self.max_batch = generator, model_name, threads, max_batch
         self.context = context or min(generator.model.cfg.max_position_embeddings, 8192)  # prompts are checked against it
         self.log = log_dir / f"peer-{spec.label.replace(':', '_').replace('=', '-')}.log"
@@ -305,6 +309,7 @@ class PeerRunner(Runner):
             argv += ["--speculative", self.spec.speculative, "--num-draft", str(LOOKUP_TOKENS),
                      "--ngram", str(LOOKUP_NGRAM)]
         if self.spec.engine == "ar":
+            argv += ["--strategy", self.spec.strategy] + (["--adaptive"] if self.adaptive else [])
             argv += ["--"] + _options_argv(self.spec.options).split()
         return argv
 
@@ -348,4 +353,5 @@ def build_peers(specs: list[PeerSpec], args, generator, log_dir: Path) -> list[P
     threads = args.threads or torch.get_num_threads()
     sizes = [int(b) for b in (args.batch_sizes or "16").split(",") if b.strip()]
     return [PeerRunner(s, generator, model_name=args.model, threads=threads, python_overrides=overrides,
-                       log_dir=log_dir, max_batch=max(sizes)) for s in specs]
+                       log_dir=log_dir, max_batch=max(sizes), adaptive=getattr(args, "adaptive", False))
+            for s in specs]

@@ -74,9 +74,13 @@ def test_peer_syntax():
     assert labels == ["llama.cpp:q4_1", "llama.cpp:f16", "llama.cpp:f32", "vllm:float32"]
     assert [p.label for p in parse_peers("llama.cpp:f16,vllm:bfloat16")] == ["llama.cpp:f16", "vllm:bfloat16"]
     ar = parse_peers("ar:dtype=bfloat16")[0]
-    assert (ar.engine, ar.options) == ("ar", {"dtype": "bfloat16"})
+    assert (ar.engine, ar.options, ar.strategy) == ("ar", {"dtype": "bfloat16"}, "ar")
+    own = parse_peers("hispec:kernel=int4,selfspec:dtype=float32")
+    assert [(p.label, p.engine, p.strategy) for p in own] == [("hispec:kernel=int4", "ar", "hispec"),
+                                                              ("selfspec:dtype=float32", "ar", "selfspec")]
     assert parse_peers(None) == [] and parse_peers("") == []
-    for bad in ("llama", "llama.cpp:q5", "vllm:int8", "ar", "ar:dtype", "vllm,vllm:float32", "ar:kernel=q5"):
+    for bad in ("llama", "llama.cpp:q5", "vllm:int8", "ar", "ar:dtype", "vllm,vllm:float32", "ar:kernel=q5",
+                "hispec", "lookup:kernel=q5"):
         with pytest.raises(ConfigError):
             parse_peers(bad)
     assert parse_peer_python(["vllm=/x/bin/python"]) == {"vllm": "/x/bin/python"}
@@ -232,6 +236,19 @@ def test_bench_with_peers(tiny_text_model_dir, prompt_file, fake_vllm_python, tm
     report_main([str(out / "results.json"), "--peer-table"])
     table = capsys.readouterr().out
     assert "hispec `ar`" in table and "`ar:dtype=float32`" in table and "3/3 / 3/3" in table
+
+
+def test_own_strategies_as_peers(tiny_text_model_dir, prompt_file, tmp_path):
+    """``hispec:OPT=VALUE`` runs hispec's strategy in a second process with the run's --adaptive:
+    lossless there too, so on the same weights its ids are ar's."""
+    out = tmp_path / "out"
+    rc = bench(tiny_text_model_dir, prompt_file, out, "--strategies", "ar", "--adaptive", "--peers",
+               "hispec:dtype=float32,lookup:dtype=float32")
+    assert rc == 0
+    s = json.loads((out / "results.json").read_text())["strategies"]
+    for label, strategy in (("hispec:dtype=float32", "hispec"), ("lookup:dtype=float32", "lookup")):
+        assert s[label]["available"] and s[label]["identical_to_ar"] is True, label
+        assert (s[label]["peer"]["strategy"], s[label]["peer"]["adaptive"]) == (strategy, True)
 
 
 def test_batch_sizes_with_peers(tiny_text_model_dir, prompt_file, fake_vllm_python, tmp_path, capsys):
