@@ -5,7 +5,7 @@
 # .devpack/b, git-ignored; two calls on the same warm machine carry them in turn:
 #   call 1 (carry .devpack/a): bash scripts/device-run.sh tests   # wheel, half the GGUF, data; CUDA tests
 #   call 2 (carry .devpack/b): bash scripts/device-run.sh model   # the other half; the default-model
-#                                                                 # bench, then gpu-distill.sh
+#                                                                 # bench, then gpu-distill.sh (~8 min)
 # What call 1 unpacks lives in /tmp, which lasts as long as the machine (a path of the checkout that
 # the next call does not carry may be gone). Both calls write a few files under $OUT (the tool's
 # return folder; default device-out/): summaries, and logs, results and the exits as tar files.
@@ -36,7 +36,10 @@ case ${1:-} in
     [ -f .devpack/b/holdout.jsonl ] && cp .devpack/b/holdout.jsonl "$DATA_DIR/"
     GPU_CHECK_OUT=/tmp/check-model GPU_CHECK_TESTS=0 GPU_CHECK_BIG=0 bash scripts/gpu-check.sh
     cp /tmp/check-model/summary.txt "$OUT/check-model-summary.txt"; tar -C /tmp -czf "$OUT/check-model.tgz" check-model
+    # shorter collections than gpu-distill.sh's own defaults: the whole call must end inside the
+    # tool's 10 minutes (the bench above took ~100 s on an H200, the GGUF's conversion included)
     HOLDOUT=$([ -f "$DATA_DIR/holdout.jsonl" ] && echo "$DATA_DIR/holdout.jsonl") \
+      TEACHER_SECONDS=${TEACHER_SECONDS:-120} SELF_SECONDS=${SELF_SECONDS:-45} \
       GPU_DISTILL_OUT=/tmp/gpu-distill DATA="$DATA_DIR/train.jsonl.gz" bash scripts/gpu-distill.sh
     cp /tmp/gpu-distill/summary.txt "$OUT/distill-summary.txt"
     (cd /tmp/gpu-distill && tar -czf "$OUT/distill.tgz" --ignore-failed-read exits *.log */meta.json)
