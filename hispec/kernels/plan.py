@@ -27,11 +27,6 @@ from .layer_op import LayerPlans, OpRanges
 from .matmul import SMALL_ROWS, Linear, panel_rows, small_route
 from .quant import ACT_DTYPE, Q4_STORAGE, Q8_STORAGE, QuantLinear
 
-# eager CPU attention (model/decoder.py's attend, where the fused kernels are unavailable): a sequence's
-# queries from which it takes SDPA's fused kernel (as fast as the batched matmuls there, and leaner);
-# the fused paged kernel takes every chunk, so that a prompt's K/V do not depend on its chunking
-SDPA_MIN_QUERIES = 256
-
 
 def matmul_plan(m: nn.Module | None, act_dtype: torch.dtype | None, prefill: bool = False,
                 batched: bool = False) -> tuple | None:

@@ -23,7 +23,7 @@ from ..cache.kv_cache import AttentionBatch, KVPool
 from ..config import ConfigError, ModelConfig
 from ..kernels import fused
 from ..kernels.matmul import Linear
-from ..kernels.plan import SDPA_MIN_QUERIES, fast_path
+from ..kernels.plan import fast_path
 from ..kernels.quant import QuantLinear
 
 
@@ -108,6 +108,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
 # to this many) are attended one by one, each over exactly its own context, as in one-token
 # decoding: every strategy then computes each token bit for bit as ``ar`` does.
 EXACT_MAX_QUERIES = 32
+# eager CPU attention (attend, where the fused kernels are unavailable): a sequence's queries from which
+# it takes SDPA's fused kernel (as fast as the batched matmuls there, and leaner); the fused paged
+# kernel takes every chunk, so that a prompt's K/V do not depend on its chunking
+SDPA_MIN_QUERIES = 256
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
