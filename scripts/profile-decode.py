@@ -3,6 +3,7 @@
     python scripts/profile-decode.py [--model default] [--quantize auto] [--kv-cache-dtype auto|float32|bfloat16]
                                      [--strategies ar,selfspec,hispec]
                                      [--tokens 64] [--threads 2] [--repeats 3] [--no-fused]
+                                     [--adaptive] [--data prompts.jsonl --limit N]
 
 Times every matmul with a wall clock during generation: the linear layers called from Python
 (``Linear.forward``, ``QuantLinear.mm``: exit heads, the eager path) and, inside the C++ op that
@@ -13,7 +14,8 @@ norms, the gated activation, the residual add, the step's setup), the op's own o
 (``op_other``: its calls' wall time less those parts: tensor allocation, checks, argument
 conversion, its Python glue), and the rest (the engine's Python, sampling). Prints per strategy: tokens/s, ms per decoded token in and outside the
 matmuls, the outside part by part, and the engine's per-phase ms per token. Medians over
-``--repeats`` runs after one warm-up.
+``--repeats`` runs after one warm-up. ``--data``: every prompt of a JSONL file (up to ``--limit``),
+each timed as above and summed, so the figures are per token over the whole set.
 """
 from __future__ import annotations
 
@@ -35,6 +37,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-fused", action="store_true", help="the eager PyTorch path (HISPEC_FUSED=0)")
+    ap.add_argument("--adaptive", action="store_true", help="adaptive speculation, as `hispec bench --adaptive`")
+    ap.add_argument("--data", help="a JSONL prompt file (any form `hispec bench --data` reads) instead of --prompt")
+    ap.add_argument("--limit", type=int, default=8, help="with --data: the first N prompts")
     args = ap.parse_args()
     if args.no_fused:
         os.environ["HISPEC_FUSED"] = "0"
@@ -63,21 +68,34 @@ def main() -> None:
     layer_op.decode_step = timed(layer_op.decode_step, in_op)
     layer_op.decode_steps = timed(layer_op.decode_steps, in_op)
     layer_op.decode_layers = timed(layer_op.decode_layers, in_op)
-    ids = gen.encode_prompt(args.prompt)
+    if args.data:
+        from hispec.data.readers import read_prompts
+        prompts = [gen.encode_prompt(r.prompt) for r in read_prompts(args.data)[:args.limit]]
+    else:
+        prompts = [gen.encode_prompt(args.prompt)]
     print(f"{args.model} ({gen.model.weight_format} weights, KV cache {str(gen.model.kv_dtype)[6:]}, "
-          f"{'eager' if args.no_fused else 'fused'} path, {args.threads} threads), {len(ids)} prompt tokens, "
-          f"{args.tokens} new tokens")
+          f"{'eager' if args.no_fused else 'fused'} path, {args.threads} threads), {len(prompts)} prompt(s) of "
+          f"{sum(map(len, prompts)) / len(prompts):.0f} tokens on average, {args.tokens} new tokens"
+          f"{', adaptive' if args.adaptive else ''}")
+
     def run(strategy: str, tokens: int) -> tuple[float, dict, dict]:
-        in_mm[0] = in_op[0] = 0.0
-        layer_op.profile(True)
-        t0 = time.perf_counter()
-        out = gen.generate(ids, SamplingParams(max_new_tokens=tokens, ignore_eos=True), strategy)
-        wall = time.perf_counter() - t0
-        parts = {part: seconds for part, (seconds, _) in layer_op.profile(False).items()}
-        in_op_parts = sum(parts.values())
-        parts["matmul"] = parts.get("matmul", 0.0) + in_mm[0]
-        parts["op_other"] = in_op[0] - in_op_parts
-        return wall, parts, out.stats.phase_seconds
+        """Every prompt once: wall seconds, op parts and engine phases summed over the prompts."""
+        wall, parts, phases = 0.0, {}, {}
+        for ids in prompts:
+            in_mm[0] = in_op[0] = 0.0
+            layer_op.profile(True)
+            t0 = time.perf_counter()
+            out = gen.generate(ids, SamplingParams(max_new_tokens=tokens, ignore_eos=True), strategy,
+                               adaptive=args.adaptive)
+            wall += time.perf_counter() - t0
+            op = {part: seconds for part, (seconds, _) in layer_op.profile(False).items()}
+            in_op_parts = sum(op.values())
+            op["matmul"] = op.get("matmul", 0.0) + in_mm[0]
+            op["op_other"] = in_op[0] - in_op_parts
+            for into, add in ((parts, op), (phases, out.stats.phase_seconds)):
+                for k, v in add.items():
+                    into[k] = into.get(k, 0.0) + v
+        return wall, parts, phases
 
     n = args.tokens
     for strategy in args.strategies.split(","):
@@ -86,8 +104,9 @@ def main() -> None:
         for _ in range(args.repeats):  # the prompt plus one token, then the prompt plus n: the difference is decoding
             wall1, parts1, _ = run(strategy, 1)
             wall, parts, phases = run(strategy, n)
-            per_token = {k: (v - parts1.get(k, 0.0)) / (n - 1) for k, v in parts.items()}
-            runs.append(((wall - wall1) / (n - 1), per_token, n / wall, phases))
+            decoded = (n - 1) * len(prompts)
+            per_token = {k: (v - parts1.get(k, 0.0)) / decoded for k, v in parts.items()}
+            runs.append(((wall - wall1) / decoded, per_token, n * len(prompts) / wall, phases))
         step, parts, tps, phases = sorted(runs, key=lambda r: r[0])[len(runs) // 2]
         mm = parts.pop("matmul")
         print(f"  {strategy:9s} {tps:6.1f} tok/s   per decoded token: {step * 1e3:5.2f} ms = "
@@ -95,7 +114,7 @@ def main() -> None:
         rest = step - mm - sum(parts.values())
         print("            outside, ms/token: " + "  ".join(f"{k} {v * 1e3:.2f}" for k, v in parts.items())
               + f"  rest (engine, sampling) {rest * 1e3:.2f}")
-        print("            phases ms/token: " + "  ".join(f"{k} {v / n * 1e3:.2f}" for k, v in phases.items() if v))
+        print("            phases ms/token: " + "  ".join(f"{k} {v / n / len(prompts) * 1e3:.2f}" for k, v in phases.items() if v))
     print(f"(medians of {args.repeats} runs)")
 
 if __name__ == "__main__":

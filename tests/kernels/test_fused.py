@@ -652,3 +652,46 @@ def test_profiling_counts_the_op_calls(tiny_model_dir, four_bit_kernel, small_ro
         assert calls >= steps * per_step[part] and seconds > 0, part
     gen.generate([1, 2, 3], params)
     assert all(v == (0.0, 0) for v in layer_op.profile(False).values())
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = open("/proc/cpuinfo").read()
+    except OSError:
+        return set()
+    line = next((l for l in text.splitlines() if l.startswith("flags")), "")
+    return set(line.split(":", 1)[-1].split())
+
+
+@pytest.mark.skipif(shutil.which("cc") is None or platform.machine() not in ("x86_64", "AMD64"),
+                    reason="needs a C compiler on x86-64")
+@pytest.mark.parametrize("head_dim", [16, 64])
+def test_attention_has_the_same_bits_on_avx2_and_avx512(tmp_path, head_dim):
+    """The kernel's arithmetic (16-lane fused sums, softmax, weighted values) does not depend on
+    the vector width: attention.c built for AVX2 + FMA only gives the bits of the native build."""
+    import ctypes
+    import subprocess
+
+    from hispec.kernels import binding
+
+    if not {"avx2", "fma", "avx512f"} <= _cpu_flags():
+        pytest.skip("needs a CPU with both AVX2 + FMA and AVX-512 to run both builds")
+    flags = [f for f in build.FLAGS if not f.startswith("-march")]
+    out = {}
+    for isa in ("-march=haswell", "-march=native"):
+        lib = tmp_path / f"attention{len(out)}.so"
+        subprocess.run(["cc", *flags, isa, "-I", str(build.CSRC), str(build.CSRC / "attention.c"), "-o", str(lib),
+                        "-lm"], check=True, capture_output=True)
+        f = ctypes.CDLL(str(lib)).hs_paged_attention
+        f.argtypes, f.restype = binding.signatures()["hs_paged_attention"]
+        out[isa] = f
+    batch, pool, q = paged_case([0, 13, 40], [21, 1, 3], d=head_dim)  # rows of 1-43 keys: whole 16s and tails
+    results = []
+    real = fused.library
+    for f in out.values():
+        fused.library = lambda f=f: type("Lib", (), {"hs_paged_attention": staticmethod(f)})
+        try:
+            results.append(fused.paged_attention(q, pool.k[0], pool.v[0], batch.kernel(), torch.float32))
+        finally:
+            fused.library = real
+    assert torch.equal(results[0], results[1])

@@ -4,6 +4,14 @@
 /* s[j] = fast_exp(s[j] - m) for j < n. */
 static void exp_shifted(float *s, int64_t n, float m) {
     int64_t j = 0;
+#if defined(__AVX512F__)  /* (16-lane generic vectors are split and spilled on AVX2 builds) */
+    for (; j + 16 <= n; j += 16) {
+        v16 x;
+        memcpy(&x, s + j, sizeof x);
+        x = fast_exp16(x - m);
+        memcpy(s + j, &x, sizeof x);
+    }
+#endif
     for (; j + 8 <= n; j += 8) {
         v8 x = fast_exp8(load8(s + j) - m);
         memcpy(s + j, &x, sizeof x);
@@ -16,7 +24,10 @@ static void exp_shifted(float *s, int64_t n, float m) {
  * Each key and value row is read once per tile and used by all its rows while it is in L1 (a
  * prompt chunk's queries share their context), instead of once per query. Each row's arithmetic
  * is that of the row alone, in the same order (scores key by key, softmax over its own length,
- * values accumulated key by key), so a query's output does not depend on the tile it falls in. */
+ * values accumulated key by key, then divided by the row's sum), so a query's output does not
+ * depend on the tile it falls in. Products are summed by fused multiply-adds (fma8: an
+ * instruction on every AVX2 CPU; a software fmaf, correct but ~40x slower, on x86 CPUs without
+ * FMA). */
 #define QUERY_TILE 8
 
 /* One KV head of a pool [Hkv, S, D] (float32, or bfloat16 if bf), its rows from element ``head``
@@ -68,6 +79,40 @@ static inline const float *kv_rows(kv_head p, int64_t slot, int64_t n, float *bu
     return buf;
 }
 
+/* a * b + c lane by lane, rounded once (a fused multiply-add: one instruction where the CPU has
+ * it, fmaf per lane elsewhere; the same bits either way). Attention's products and sums are fused:
+ * half the arithmetic of a multiply and an add, and the same bits on AVX2 and AVX-512. */
+static inline v8 fma8(v8 a, v8 b, v8 c) {
+#if defined(__FMA__)
+    __m256 r = _mm256_fmadd_ps(*(__m256 *)&a, *(__m256 *)&b, *(__m256 *)&c);
+    memcpy(&c, &r, sizeof c);
+#else
+    for (int i = 0; i < 8; i++) c[i] = fmaf(a[i], b[i], c[i]);
+#endif
+    return c;
+}
+
+static inline v8 splat8(float x) {
+    v8 v;
+    for (int i = 0; i < 8; i++) v[i] = x;
+    return v;
+}
+
+/* a . b: 16 lanes of fused multiply-adds (lane l: the elements i = l mod 16 below the last whole
+ * 16, in order), the lanes summed by hsum16's tree, then the rest in order: each score's bits,
+ * whichever path computes it (tile_scores16 for D = 64, 128 on AVX-512). */
+static inline float dot_fma(const float *a, const float *b, int64_t n) {
+    v8 lo = {0}, hi = {0};
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES) {
+        lo = fma8(load8(a + i), load8(b + i), lo);
+        hi = fma8(load8(a + i + 8), load8(b + i + 8), hi);
+    }
+    float s = hsum16(lo, hi);
+    for (; i < n; i++) s = fmaf(a[i], b[i], s);
+    return s;
+}
+
 #if defined(__AVX512F__)
 /* Each register's 16 lanes summed, for 16 registers at once: lane i of the result is the sum of
  * a[i]'s lanes by hsum16's tree (lane l + lane l + 8, then + l + 4, then (0 + 2) + (1 + 3)), the
@@ -89,9 +134,9 @@ static inline __m512 hsum16x16(__m512 a[16]) {
     return _mm512_permutexvar_ps(order, e);
 }
 
-/* tile_scores with 16 keys at a time (D a multiple of 16): each key's 16 lane sums as dot() makes
- * them (products added in d order per lane), the 16 keys' lanes summed together (hsum16x16), so
- * every score has dot()'s bits. */
+/* tile_scores with 16 keys at a time: each key's 16 lane sums as dot_fma() makes them (fused
+ * multiply-adds in d order per lane), the 16 keys' lanes summed together (hsum16x16), so every
+ * score has dot_fma()'s bits. */
 static inline __attribute__((always_inline)) void tile_scores16(const float *q, int64_t Hq, kv_head kp,
                                                                key_map m, const int32_t *len, int nq,
                                                                int64_t lmax, int64_t G, const int64_t D,
@@ -112,7 +157,7 @@ static inline __attribute__((always_inline)) void tile_scores16(const float *q, 
                 for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
                 for (int64_t c = 0; c < D; c += 16) {
                     __m512 qc = _mm512_loadu_ps(qr + c);
-                    for (int i = 0; i < 16; i++) acc[i] = _mm512_add_ps(acc[i], _mm512_mul_ps(qc, _mm512_loadu_ps(keys[i] + c)));
+                    for (int i = 0; i < 16; i++) acc[i] = _mm512_fmadd_ps(qc, _mm512_loadu_ps(keys[i] + c), acc[i]);
                 }
                 __m512 sum = _mm512_mul_ps(hsum16x16(acc), _mm512_set1_ps(scale));
                 _mm512_mask_storeu_ps(scores + (qi * G + g) * lmax + j0, (__mmask16)((1u << n) - 1u), sum);
@@ -134,20 +179,55 @@ static inline __attribute__((always_inline)) void tile_scores(const float *q, in
             for (int qi = 0; qi < nq; qi++) {
                 if (j >= len[qi]) continue;
                 const float *qr = q + qi * Hq * D;
-                for (int64_t g = 0; g < G; g++) scores[(qi * G + g) * lmax + j] = dot(qr + g * D, k, D) * scale;
+                for (int64_t g = 0; g < G; g++) scores[(qi * G + g) * lmax + j] = dot_fma(qr + g * D, k, D) * scale;
             }
     }
 }
 
-/* The rows' scores in place -> softmax over each row's own keys. */
-static void tile_softmax(float *scores, const int32_t *len, int nq, int64_t G, int64_t lmax) {
+/* The largest of s[0 .. n-1]: 16 lanes' maxima, then theirs (a maximum is exact in any order). */
+static inline float row_max(const float *s, int64_t n) {
+    float m = s[0];  /* n >= 1: a row sees at least its own key */
+    int64_t j = 0;
+    if (n >= LANES) {
+        v8 lo = load8(s), hi = load8(s + 8);
+        for (j = LANES; j + LANES <= n; j += LANES) {
+            v8 a = load8(s + j), b = load8(s + j + 8);
+            lo = pick(a > lo, a, lo);
+            hi = pick(b > hi, b, hi);
+        }
+        for (int i = 0; i < 8; i++) {
+            m = lo[i] > m ? lo[i] : m;
+            m = hi[i] > m ? hi[i] : m;
+        }
+    }
+    for (; j < n; j++) m = s[j] > m ? s[j] : m;
+    return m;
+}
+
+/* s[0 .. n-1] summed in 16 lanes (lane l: the elements j = l mod 16 below the last whole 16, in
+ * order), the lanes by hsum16's fixed tree, then the rest in order: dot()'s order, vectorised
+ * without reassociating, the same bits on any vector width. */
+static inline float row_sum(const float *s, int64_t n) {
+    v8 lo = {0}, hi = {0};
+    int64_t j = 0;
+    for (; j + LANES <= n; j += LANES) {
+        lo += load8(s + j);
+        hi += load8(s + j + 8);
+    }
+    float sum = hsum16(lo, hi);
+    for (; j < n; j++) sum += s[j];
+    return sum;
+}
+
+/* The rows' scores in place -> exp(score - the row's largest) over each row's own keys, and
+ * their sums (sum[r]): the softmax's numerators and denominators (the values' weighted sums are
+ * divided once, per output element, instead of every weight). */
+static void tile_softmax(float *scores, const int32_t *len, int nq, int64_t G, int64_t lmax, float *sum) {
     for (int64_t r = 0; r < nq * G; r++) {
-        float *s = scores + r * lmax, m = -INFINITY, sum = 0.0f;
+        float *s = scores + r * lmax;
         int64_t n = len[r / G];
-        for (int64_t j = 0; j < n; j++) m = s[j] > m ? s[j] : m;
-        exp_shifted(s, n, m);
-        for (int64_t j = 0; j < n; j++) sum += s[j];
-        for (int64_t j = 0; j < n; j++) s[j] /= sum;
+        exp_shifted(s, n, row_max(s, n));
+        sum[r] = row_sum(s, n);
     }
 }
 
@@ -174,7 +254,7 @@ static inline __attribute__((always_inline)) void tile_values(const float *score
                     const float *vc = v + c;
                     for (int64_t j = 0; j < n; j++, vc += stride) {
                         __m512 pj = _mm512_set1_ps(p[j]);
-                        for (int i = 0; i < 4; i++) s[i] = _mm512_add_ps(s[i], _mm512_mul_ps(pj, _mm512_loadu_ps(vc + i * 16)));
+                        for (int i = 0; i < 4; i++) s[i] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vc + i * 16), s[i]);
                     }
                     for (int i = 0; i < 4; i++) _mm512_storeu_ps(a + c + i * 16, s[i]);
                 }
@@ -185,21 +265,25 @@ static inline __attribute__((always_inline)) void tile_values(const float *score
                     v8 s[8];
                     for (int i = 0; i < 8; i++) s[i] = load8(a + c + i * 8);
                     const float *vc = v + c;
-                    for (int64_t j = 0; j < n; j++, vc += stride)
-                        for (int i = 0; i < 8; i++) s[i] += p[j] * load8(vc + i * 8);
+                    for (int64_t j = 0; j < n; j++, vc += stride) {
+                        v8 pj = splat8(p[j]);
+                        for (int i = 0; i < 8; i++) s[i] = fma8(pj, load8(vc + i * 8), s[i]);
+                    }
                     memcpy(a + c, s, sizeof s);
                 }
             } else {
                 for (int64_t j = 0; j < n; j++, v += stride)
-                    for (int64_t d = 0; d < D; d++) a[d] += p[j] * v[d];
+                    for (int64_t d = 0; d < D; d++) a[d] = fmaf(p[j], v[d], a[d]);
             }
         }
     }
 }
 
-/* buf: room for max(bs, 16) rows of D floats (a bfloat16 pool's rows, converted). */
+/* The outputs of a tile's rows into acc[nq * G, D]; scores[nq * G, lmax] and sum[nq * G]: room
+ * for its weights and their sums; buf: room for max(bs, 16) rows of D floats (a bfloat16 pool's
+ * rows, converted). */
 static void attend_tile(const float *q, int64_t Hq, kv_head kp, kv_head vp, key_map m, const int32_t *len,
-                        int nq, int64_t G, int64_t D, float scale, float *scores, float *acc, float *buf) {
+                        int nq, int64_t G, int64_t D, float scale, float *scores, float *acc, float *sum, float *buf) {
     int64_t lmax = 0;
     for (int qi = 0; qi < nq; qi++) lmax = len[qi] > lmax ? len[qi] : lmax;
 #if defined(__AVX512F__)
@@ -210,10 +294,12 @@ static void attend_tile(const float *q, int64_t Hq, kv_head kp, kv_head vp, key_
     else if (D == 128) tile_scores(q, Hq, kp, m, len, nq, lmax, G, 128, scale, scores, buf);
 #endif
     else tile_scores(q, Hq, kp, m, len, nq, lmax, G, D, scale, scores, buf);
-    tile_softmax(scores, len, nq, G, lmax);
+    tile_softmax(scores, len, nq, G, lmax, sum);
     if (D == 64) tile_values(scores, vp, m, len, nq, lmax, G, 64, acc, buf);
     else if (D == 128) tile_values(scores, vp, m, len, nq, lmax, G, 128, acc, buf);
     else tile_values(scores, vp, m, len, nq, lmax, G, D, acc, buf);
+    for (int64_t r = 0; r < nq * G; r++)
+        for (int64_t d = 0; d < D; d++) acc[r * D + d] /= sum[r];
 }
 
 /* Paged attention of T query tokens q[T, Hq, D]: token t belongs to sequence seq[t] (a row of
@@ -254,12 +340,12 @@ void hs_paged_attention(const float *q, const void *kpool, const void *vpool, in
         int nq = (int)(first[tile + 1] - t0);
         for (int qi = 0; qi < nq; qi++) lmax = len[t0 + qi] > lmax ? len[t0 + qi] : lmax;
         float *scores = malloc((size_t)(nq * hg * lmax) * sizeof(float));
-        float *acc = malloc((size_t)(nq * hg * D) * sizeof(float));
+        float *acc = malloc((size_t)(nq * hg * (D + 1)) * sizeof(float)), *sum = acc + nq * hg * D;
         float *buf = kv_bf ? malloc((size_t)((bs > 16 ? bs : 16) * D) * sizeof(float)) : NULL;
         kv_head kp = {kpool, kv_bf, kvh * S * D, D}, vp = {vpool, kv_bf, kvh * S * D, D};
         key_map m = {tables + (int64_t)seq[t0] * max_blocks, bs, IN_TREE(t0) ? tail_start[t0] : INT64_MAX,
                      IN_TREE(t0) ? tail + t0 * tail_width : NULL};
-        attend_tile(q + (t0 * Hq + h0) * D, Hq, kp, vp, m, len + t0, nq, hg, D, scale, scores, acc, buf);
+        attend_tile(q + (t0 * Hq + h0) * D, Hq, kp, vp, m, len + t0, nq, hg, D, scale, scores, acc, sum, buf);
         for (int qi = 0; qi < nq; qi++)
             store_row(out, out_bf, ((t0 + qi) * Hq + h0) * D, hg * D, acc + qi * hg * D);
         free(scores);

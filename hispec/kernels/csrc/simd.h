@@ -111,26 +111,41 @@ static inline v8 pick(v8i mask, v8 a, v8 b) {
     return a;
 }
 
-/* exp of 8 lanes to ~2 ulp by range reduction (x = n ln2 + r, |r| <= ln2 / 2) and a degree-6
- * polynomial: branch-free, in vector registers (libm's expf is neither). */
-static inline v8 fast_exp8(v8 x) {
-    const v8 lo = {0}, c0 = lo - 87.0f, c1 = lo + 88.0f;
-    x = pick(x > c1, c1, x);
-    x = pick(x < c0, c0, x);  /* as x < -87 ? -87 : (x > 88 ? 88 : x) */
-    v8 n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-    v8 r = x - n * 0.693145751953125f - n * 1.428606765330187e-06f;
-    v8 p = lo + 1.0f / 720.0f;
-    p = p * r + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    v8i e = (__builtin_convertvector(n, v8i) + 127) << 23;  /* 2^n */
-    v8 scale;
-    memcpy(&scale, &e, sizeof scale);
-    return p * scale;
-}
+typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+
+/* exp of each lane to ~2 ulp by range reduction (x = n ln2 + r, |r| <= ln2 / 2) and a degree-6
+ * polynomial: branch-free, in vector registers (libm's expf is neither). One body for 8 and 16
+ * lanes: the same operations lane by lane, so a lane's bits do not depend on the width. */
+#define FAST_EXP_BODY(V, VI)                                                                     \
+    {                                                                                            \
+        const V lo = {0}, c0 = lo - 87.0f, c1 = lo + 88.0f;                                      \
+        VI big = (VI)(x > c1), small = (VI)(x < c0), xi, ci;                                     \
+        memcpy(&xi, &x, sizeof xi);                                                              \
+        memcpy(&ci, &c1, sizeof ci);                                                             \
+        xi = (big & ci) | (~big & xi);                                                           \
+        memcpy(&ci, &c0, sizeof ci);                                                             \
+        xi = (small & ci) | (~small & xi); /* as x < -87 ? -87 : (x > 88 ? 88 : x) */            \
+        memcpy(&x, &xi, sizeof x);                                                               \
+        V n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;                            \
+        V r = x - n * 0.693145751953125f - n * 1.428606765330187e-06f;                           \
+        V p = lo + 1.0f / 720.0f;                                                                \
+        p = p * r + 1.0f / 120.0f;                                                               \
+        p = p * r + 1.0f / 24.0f;                                                                \
+        p = p * r + 1.0f / 6.0f;                                                                 \
+        p = p * r + 0.5f;                                                                        \
+        p = p * r + 1.0f;                                                                        \
+        p = p * r + 1.0f;                                                                        \
+        VI e = (__builtin_convertvector(n, VI) + 127) << 23; /* 2^n */                           \
+        V scale;                                                                                 \
+        memcpy(&scale, &e, sizeof scale);                                                        \
+        return p * scale;                                                                        \
+    }
+
+static inline v8 fast_exp8(v8 x) FAST_EXP_BODY(v8, v8i)
+
+/* fast_exp8 on 16 lanes (one AVX-512 register; two halves elsewhere). */
+static inline v16 fast_exp16(v16 x) FAST_EXP_BODY(v16, v16i)
 
 /* One lane of fast_exp8 (tails of the vector loops). */
 static inline float fast_exp(float x) {
