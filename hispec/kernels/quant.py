@@ -434,23 +434,39 @@ def step_seconds(med: dict[str, float], name: str, rows: int = 1) -> float:
 
 FOUR_BIT = ("q4", "int4")  # the float-activation candidates of the timed choice
 TIMED_FOUR_BIT = (*FOUR_BIT, "q8a")  # what the timed choice may pick
+INT8_DOT_PATHS = ("avx512vnni", "vnni256")  # q8act's paths on integer dot-product instructions
 FORCED_FOUR_BIT = TIMED_FOUR_BIT  # what HISPEC_Q4_KERNEL may name
 INT4_MARGIN = 0.85  # int4 must take at most this fraction of q4's time
-# q8a: at most this fraction of the other's step time on one row, and on four. On the 2-core AVX2
-# Zen 2 the timing put its one-row step level with q4's (12.5-12.8 ms vs 12.4-12.7, Python calls
-# included) and its four-row step at 0.88-0.93 of q4's, while end to end its `ar` ran ~4% slower:
-# q4 stays there.
+# q8a without integer dot products (the AVX2 path): at most this fraction of the other's step time
+# on one row, and on four. On the 2-core AVX2 Zen 2 the timing put its one-row step level with
+# q4's (12.5-12.8 ms vs 12.4-12.7, Python calls included) and its four-row step at 0.88-0.93 of
+# q4's, while end to end its `ar` ran ~4% slower: q4 stays there.
 Q8A_ONE_ROW = 1.0
 Q8A_FOUR_ROWS = 0.8
+# q8a with integer dot products (AVX-512 VNNI, AVX-VNNI): taken unless a plain step plus a four-row
+# pass cost more than this multiple of the float kernel's. Rows are nearly free there (8 rows
+# ~1.5x one), which speculation and batches live on; a one-row step within a few percent of the
+# others' is noise on a shared machine. On a 2-core Zen 4 four timings put q8a's one-row step at
+# 0.97-1.34x int4's and its one-plus-four cost at 0.92-1.23x (a cascade of margins there took q4,
+# the slowest of the three on both counts, at one load), while end to end the default strategy ran
+# level on q8a and int4 (95.9 vs 94.9 tokens/s) and batch 16 ran 1.21x faster on q8a.
+Q8A_DOT_SLACK = 1.25
+CHOICE_RULE = 2  # in the kept choice's file name: a change of rule times again
 
 
-def timed_choice(med: dict[str, float]) -> tuple[str, str]:
+def _rows_cost(med: dict[str, float], name: str) -> float:
+    """A plain step plus a four-row pass (a verification window, a small batch) on ``name``."""
+    return step_seconds(med, name) + step_seconds(med, name, 4)
+
+
+def timed_choice(med: dict[str, float], int8_dots: bool = False) -> tuple[str, str]:
     """(kernel, why) from :func:`format_timings`: ``q4`` unless ``int4`` wins clearly on a decode
     step's matmuls (``INT4_MARGIN``: ``q4`` reads float32 activations, its tokens equal float32
-    ``ar``'s where ``int4``'s bfloat16 ones drift); then ``q8a`` only where its step is no slower on
-    one row (``Q8A_ONE_ROW``) and clearly faster on four (``Q8A_FOUR_ROWS``): its 8-bit activations
-    move the tokens further from float32's, which cheaper verification rows and batches pay for
-    only where a plain step loses nothing (a CPU with integer dot products)."""
+    ``ar``'s where ``int4``'s bfloat16 ones drift); then ``q8a``, whose 8-bit activations move the
+    tokens further from float32's: on a CPU with integer dot products (``int8_dots``) unless a plain
+    step plus a four-row pass cost clearly more than on the other (``Q8A_DOT_SLACK``); elsewhere
+    only where its step is no slower on one row (``Q8A_ONE_ROW``) and clearly faster on four
+    (``Q8A_FOUR_ROWS``)."""
     ms = lambda name, rows=1: f"{step_seconds(med, name, rows) * 1e3:.2f} ms"  # noqa: E731
     if "int4" not in med:
         best, why = "q4", "PyTorch's int4 kernel unavailable"
@@ -459,9 +475,13 @@ def timed_choice(med: dict[str, float]) -> tuple[str, str]:
         why = f"a decode step's matmuls: q4 {ms('q4')} vs int4 {ms('int4')}"
     if "q8a" in med and f"{best}@4" in med:
         why += f"; q8a {ms('q8a')}, and on 4 rows {ms('q8a', 4)} vs {best} {ms(best, 4)}"
-        if (step_seconds(med, "q8a") <= Q8A_ONE_ROW * step_seconds(med, best)
-                and step_seconds(med, "q8a", 4) <= Q8A_FOUR_ROWS * step_seconds(med, best, 4)):
-            best = "q8a"
+        if int8_dots:
+            why += " (integer dot products: q8a unless clearly slower)"
+            take = _rows_cost(med, "q8a") <= Q8A_DOT_SLACK * _rows_cost(med, best)
+        else:
+            take = (step_seconds(med, "q8a") <= Q8A_ONE_ROW * step_seconds(med, best)
+                    and step_seconds(med, "q8a", 4) <= Q8A_FOUR_ROWS * step_seconds(med, best, 4))
+        best = "q8a" if take else best
     return best, why
 
 
@@ -494,9 +514,9 @@ def four_bit_kernel() -> tuple[str, str]:
     except (OSError, ValueError, AttributeError):
         pass
     med = format_timings()
-    best, why = timed_choice(med)
+    best, why = timed_choice(med, bool(set(q8act.supported_isas()) & set(INT8_DOT_PATHS)))
     if best == "q8a":
-        q8act.best_isa()
+        q8act.best_isa()  # says once which path runs where the CPU lacks VNNI
     try:  # written whole or not at all (concurrent loads)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
@@ -530,4 +550,4 @@ def _four_bit_choice_file() -> Path:
     """Where :func:`four_bit_kernel`'s timed choice is kept, per build of the C kernels (source,
     flags, CPU) and torch version: timed once per machine, so that the same command gives the same text from one load to the next
     (the kernels' bfloat16 and float32 activations round differently)."""
-    return build.build_dir() / f"four_bit-{build.library_key()}-torch{torch.__version__}.json"
+    return build.build_dir() / f"four_bit-{build.library_key()}-torch{torch.__version__}-rule{CHOICE_RULE}.json"

@@ -7,8 +7,9 @@ AVX-512 BF16). Elsewhere it is not obvious (an AVX2 CPU without bfloat16 instruc
 decode-sized products over weights larger than the cache are timed both ways at load time and
 the quantized weights are used only if they win clearly: nothing gets slower than the float32
 path. Which 4-bit kernel runs (PyTorch's ``int4`` on bfloat16 activations, hispec's ``q4`` on
-float32 ones) or ``q8a`` (8-bit activations, where it is no slower on one row and clearly faster on
-several) is timed too (``quant.four_bit_kernel``).
+float32 ones) or ``q8a`` (8-bit activations: on CPUs with integer dot products unless clearly
+slower, elsewhere where it is no slower on one row and clearly faster on several) is timed too
+(``quant.four_bit_kernel``).
 """
 from __future__ import annotations
 

@@ -163,6 +163,32 @@ def test_timed_choice_takes_q8a_only_where_a_plain_step_loses_nothing(times, wan
     assert "q8a" in why and "on 4 rows" in why and why.count(" ms") == (5 if "int4" in times else 3)
 
 
+# timings of one Zen 4 (AVX-512 VNNI and BF16), four loads, ms of a plain step and a four-row pass
+# timings of one Zen 4 (AVX-512 VNNI and BF16) at four loads: ms of a plain step, of a four-row
+# pass, and what the rule without integer dot products took
+ZEN4_TIMINGS = [({"q4": 7.77, "int4": 6.70, "q8a": 7.24}, {"q4": 10.15, "int4": 8.90, "q8a": 8.18}, "q4"),
+                ({"q4": 12.29, "int4": 8.85, "q8a": 11.83}, {"q4": 17.99, "int4": 11.92, "q8a": 13.65}, "int4"),
+                ({"q4": 12.48, "int4": 10.95, "q8a": 10.65}, {"q4": 18.01, "int4": 15.15, "q8a": 13.24}, "q8a"),
+                ({"q4": 12.65, "int4": 11.10, "q8a": 11.28}, {"q4": 18.70, "int4": 15.43, "q8a": 14.15}, "q8a")]
+
+
+@pytest.mark.parametrize("one,four,without", ZEN4_TIMINGS)
+def test_with_integer_dot_products_q8a_is_taken_unless_clearly_slower(one, four, without):
+    """With VNNI, rows are nearly free on q8a: the choice takes it on all four timings of one Zen 4
+    (its one-row step 0.97-1.34x int4's there), where the stricter rule kept for CPUs without
+    integer dot products flips between all three kernels (q4, the slowest on both counts, once)."""
+    times = {**one, **{f"{k}@4": v for k, v in four.items()}}
+    kind, why = quant.timed_choice(times, int8_dots=True)
+    assert kind == "q8a" and "integer dot products" in why
+    assert quant.timed_choice(times, int8_dots=False)[0] == without
+
+
+def test_with_integer_dot_products_a_clearly_slower_q8a_is_not_taken():
+    slow = {"q4": 10, "q4@4": 20, "int4": 8, "int4@4": 14, "q8a": 12, "q8a@4": 16}  # (12 + 16) / (8 + 14) = 1.27
+    assert quant.timed_choice(slow, int8_dots=True)[0] == "int4"
+    assert quant.timed_choice({**slow, "q8a": 11}, int8_dots=True)[0] == "q8a"  # 27 / 22 = 1.23
+
+
 @needs_fused
 def test_forced_q8a_says_its_path_or_falls_back_with_a_note(monkeypatch, caplog):
     """HISPEC_Q4_KERNEL=q8a on a CPU without AVX2: q8a still (the plain C path, the same bits), said
