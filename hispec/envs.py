@@ -46,7 +46,8 @@ VARIABLES: dict[str, Var] = {
                                            "a Q8_0 head too; faster on several rows, tokens may differ from q4's)"),
     "HISPEC_Q8": Var("1", _on, "`0`: 8-bit weights run on PyTorch's int4x2 path instead of hispec's `q8` kernel"),
     "HISPEC_PREFILL_DENSE": Var("1", _on, "`0`: 4-bit layers prefill on their own kernel instead of a dense "
-                                          "bfloat16 copy (CPUs with bfloat16 hardware)"),
+                                          "bfloat16 copy (CPUs with bfloat16 hardware; `q8a` on CPUs with "
+                                          "integer dot products always prefills on its own rows)"),
     "HISPEC_PREPACK": Var("1", _on, "`0`: no packed weight copies for the float32 panel kernel"),
     "HISPEC_BATCH_MATMUL": Var(None, _choice, "`panel` or `onednn`: force the float32 matmul of batched rows "
                                               "instead of timing"),

@@ -22,7 +22,7 @@ import weakref
 import torch
 from torch import nn
 
-from . import fused, layer_op
+from . import fused, layer_op, quant
 from .layer_op import LayerPlans, OpRanges
 from .matmul import SMALL_ROWS, Linear, panel_rows, small_route
 from .quant import ACT_DTYPE, Q4_STORAGE, Q8_STORAGE, QuantLinear
@@ -48,7 +48,8 @@ def matmul_plan(m: nn.Module | None, act_dtype: torch.dtype | None, prefill: boo
                 return m.dense, m.dense, layer_op.MM_DENSE_BF16, 0  # the second is a placeholder
             if m.kernel == "q4":
                 return m.qweight, m.qparams, layer_op.MM_Q4_PANELS if prefill else layer_op.MM_Q4, m.group
-            return m.qweight, m.qparams, layer_op.MM_Q8A4_PANELS if prefill else layer_op.MM_Q8A4, m.group
+            panels = prefill and not quant.q8a_prefills_on_rows()  # as QuantLinear.prefill_mm
+            return m.qweight, m.qparams, layer_op.MM_Q8A4_PANELS if panels else layer_op.MM_Q8A4, m.group
         if m.kernel in Q8_STORAGE and act_dtype in (None, torch.float32):
             return m.qweight, m.qparams, layer_op.MM_Q8 if m.kernel == "q8" else layer_op.MM_Q8A8, 0
         return None

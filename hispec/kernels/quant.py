@@ -238,10 +238,14 @@ class QuantLinear(nn.Module):
 
     def prefill_mm(self, rows: torch.Tensor) -> torch.Tensor:
         """``rows [T, K]`` (in ``input_dtype``) of prompt tokens: on the dense bfloat16 prefill
-        weights where the layer has them (int4; q4 and q8a on CPUs with bfloat16 hardware, their float32 rows
-        cast to bfloat16, output bfloat16), else the q4 kernel's float32 panels (q4, q8a), else as ``mm``."""
+        weights where the layer has them (int4; q4, and q8a without integer dot products, on CPUs
+        with bfloat16 hardware, their float32 rows cast to bfloat16, output bfloat16), else q8a's own
+        rows where the CPU has integer dot products (``q8a_prefills_on_rows``), else the q4 kernel's
+        float32 panels (q4, q8a), else as ``mm``."""
         if self.kernel in Q4_STORAGE and self.dense is not None:
             return torch.nn.functional.linear(rows.to(torch.bfloat16), self.dense)
+        if self.kernel == "q8a" and q8a_prefills_on_rows():
+            return self.mm(rows.float() if rows.dtype != torch.float32 else rows)
         if self.kernel in Q4_STORAGE:
             rows = rows.float() if rows.dtype != torch.float32 else rows
             if self.kernel == "q8a":
@@ -525,6 +529,16 @@ def four_bit_kernel() -> tuple[str, str]:
     except OSError:
         pass
     return best, why
+
+
+@functools.lru_cache(maxsize=1)
+def q8a_prefills_on_rows() -> bool:
+    """Whether ``q8a`` layers run prompt chunks on their own kernel (8-bit activations, each row
+    alone, as decode steps do) rather than on float weights: where the CPU has integer dot products.
+    There the kernel's many-row products run faster than the dense bfloat16 ones (the four decoder
+    matmuls of a layer on a Zen 4, 2 threads: 1.7x at 16 rows, 1.5x at 64, 1.4x at 256) and no
+    dense copy of the weights is kept (2 bytes per weight)."""
+    return fused.available() and bool(set(q8act.supported_isas()) & set(INT8_DOT_PATHS))
 
 
 def machine_timings() -> dict[str, float]:

@@ -70,8 +70,11 @@ def describe(model) -> str:
             key = f"{str(m.weight.dtype)[6:]} dense"
             kinds[key] = kinds.get(key, 0) + 1
     layers = ", ".join(f"{n} x {k}" for k, n in kinds.items())
-    if any(getattr(m, "dense", None) is not None for m in model.layers.modules() if isinstance(m, QuantLinear)):
+    quantized = [m for m in model.layers.modules() if isinstance(m, QuantLinear)]
+    if any(m.dense is not None for m in quantized):
         layers += " (prompt prefill on dense bfloat16 copies of the same weights)"
+    elif any(m.kernel == "q8a" for m in quantized) and quant.q8a_prefills_on_rows():
+        layers += " (prompt prefill on the same kernel: its rows are cheap on this CPU's integer dot products)"
     elif any(isinstance(m, QuantLinear) and m.kernel in quant.Q4_STORAGE for m in model.layers.modules()):
         layers += " (prompt prefill on float32 panels of the same weights)"
     head = model.lm_head

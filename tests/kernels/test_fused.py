@@ -11,7 +11,7 @@ import torch
 
 from hispec.cache.block_manager import BlockManager
 from hispec.cache.kv_cache import AttentionBatch, KVPool, SeqChunk
-from hispec.kernels import build, fused, layer_op, plan
+from hispec.kernels import build, fused, layer_op, plan, quant
 from hispec.model.decoder import DecoderLayer, RMSNorm, apply_rope
 
 pytestmark = pytest.mark.skipif(not fused.available(), reason="no C compiler: the eager path runs instead")
@@ -423,6 +423,41 @@ def test_prefill_on_dense_weights_is_independent_of_chunking(tiny_model_dir, fou
             assert all(torch.equal(a, b) for a, b in zip(pool.read(i, slots), pool2.read(i, slots2)))
     int4_prefill, _, _ = prefill([40], dense=False)
     assert not torch.equal(int4_prefill, whole)  # the prompt really ran on the dense weights
+
+
+def test_q8a_prefill_on_its_own_rows_is_independent_of_chunking(tiny_model_dir, four_bit_kernel):
+    """Where the CPU has integer dot products, q8a layers run prompt chunks on their own kernel
+    (``quant.q8a_prefills_on_rows``; the native loader keeps no dense copy for them): a prompt's
+    hidden states and K/V are the same bits whole, in chunks, and through the decode path."""
+    from hispec.decode.base import LayerRunner
+    from hispec.generate import Generator
+
+    four_bit_kernel("q8a")
+    if not quant.q8a_prefills_on_rows():
+        pytest.skip("q8a prefills on its rows only where the CPU has integer dot products")
+    model = Generator.from_pretrained(str(tiny_model_dir("llama")), exits=False, quantize="int4", progress=False).model
+    assert model.layers[0].qkv_proj.kernel == "q8a" and model.layers[0].qkv_proj.dense is None
+    cfg, n = model.cfg, model.num_layers
+    prompt = torch.tensor([(5 * i + 3) % cfg.vocab_size for i in range(37)])
+
+    def run(chunks: list[int], prefill: bool):
+        blocks = BlockManager(64, 4, n)
+        pool = KVPool(n, 64, 4, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu")
+        blocks.add_sequence(0)
+        out, start = [], 0
+        with torch.no_grad():
+            for c in chunks:
+                out += LayerRunner(model, blocks, pool).forward_many([(0, start, prompt[start:start + c])], 0, n,
+                                                                     prefill=prefill)
+                start += c
+        slots = torch.tensor([blocks.block_table(0)[p // 4] * 4 + p % 4 for p in range(37)])
+        return torch.cat(out), [pool.read(i, slots) for i in range(n)]
+
+    whole, kv = run([37], True)
+    for chunks, prefill in (([37], False), ([5] * 7 + [2], True), ([1, 30, 6], True)):
+        h, kv2 = run(chunks, prefill)
+        assert torch.equal(h, whole)
+        assert all(torch.equal(a, b) for pair in zip(kv, kv2) for a, b in zip(*pair))
 
 
 def test_kernels_are_built_at_load_not_in_the_first_decode_step(tiny_model_dir, monkeypatch, tmp_path, capsys):

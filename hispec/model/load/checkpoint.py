@@ -205,16 +205,17 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
 
 
 # native GGUF weights also keep a dense bfloat16 copy for prompt prefill (QuantLinear.dense: +2 bytes
-# per decoder weight): on the int4 kernel always; on q4 and q8a where the CPU has bfloat16 hardware
-# (there the dense bfloat16 product of a prompt chunk ran 1.7-1.8x faster than q4's float32 panels: 64
-# and 256 rows, the 120 decoder matmuls, Zen 4; without it the panels win). HISPEC_PREFILL_DENSE=0
-# prefills on the 4-bit kernel's own path instead.
+# per decoder weight): on the int4 kernel always; on q4, and q8a without integer dot products, where
+# the CPU has bfloat16 hardware (there the dense bfloat16 product of a prompt chunk ran 1.7-1.8x
+# faster than q4's float32 panels: 64 and 256 rows, the 120 decoder matmuls, Zen 4; without it the
+# panels win). q8a with integer dot products prefills on its own rows, faster still (quant.
+# q8a_prefills_on_rows): no copy. HISPEC_PREFILL_DENSE=0 prefills on the 4-bit kernel's own path.
 
 
 def apply_quantization(model: DecoderModel, quantize: str, gguf: str | Path | None = None) -> str:
     """Put the decoder's linear layers on the quantized kernels as ``quantize`` asks; returns the
     format chosen (``model.weight_format``)."""
-    from ...kernels.quant import ACT_DTYPE, Q4_STORAGE, act_dtype_of, quantize_linears
+    from ...kernels.quant import ACT_DTYPE, Q4_STORAGE, act_dtype_of, q8a_prefills_on_rows, quantize_linears
     from ...kernels.select import cpu_has_bf16, quantized_kernels_pay
 
     check_engine_options({"quantize": quantize})
@@ -238,7 +239,9 @@ def apply_quantization(model: DecoderModel, quantize: str, gguf: str | Path | No
         for name, layer in linears.items():
             parent, child = name.rsplit(".", 1)
             old = getattr(model.get_submodule(parent), child)  # the file's values, dequantized to float32
-            if envs.HISPEC_PREFILL_DENSE and (layer.input_dtype == ACT_DTYPE or layer.kernel in Q4_STORAGE and cpu_has_bf16()) \
+            own_rows = layer.kernel == "q8a" and q8a_prefills_on_rows()
+            if envs.HISPEC_PREFILL_DENSE and not own_rows \
+                    and (layer.input_dtype == ACT_DTYPE or layer.kernel in Q4_STORAGE and cpu_has_bf16()) \
                     and getattr(old, "weight", None) is not None \
                     and old.weight.shape == (layer.out_features, layer.in_features):
                 layer.dense = old.weight.detach().to(torch.bfloat16).contiguous()
