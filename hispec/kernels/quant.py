@@ -518,7 +518,7 @@ def four_bit_kernel() -> tuple[str, str]:
     except (OSError, ValueError, AttributeError):
         pass
     med = format_timings()
-    best, why = timed_choice(med, bool(set(q8act.supported_isas()) & set(INT8_DOT_PATHS)))
+    best, why = timed_choice(med, cpu_has_int8_dots())
     if best == "q8a":
         q8act.best_isa()  # says once which path runs where the CPU lacks VNNI
     try:  # written whole or not at all (concurrent loads)
@@ -532,13 +532,18 @@ def four_bit_kernel() -> tuple[str, str]:
 
 
 @functools.lru_cache(maxsize=1)
+def cpu_has_int8_dots() -> bool:
+    """Whether q8a has a path on integer dot-product instructions here (AVX-512 VNNI, AVX-VNNI)."""
+    return fused.available() and bool(set(q8act.supported_isas()) & set(INT8_DOT_PATHS))
+
+
 def q8a_prefills_on_rows() -> bool:
     """Whether ``q8a`` layers run prompt chunks on their own kernel (8-bit activations, each row
     alone, as decode steps do) rather than on float weights: where the CPU has integer dot products.
     There the kernel's many-row products run faster than the dense bfloat16 ones (the four decoder
     matmuls of a layer on a Zen 4, 2 threads: 1.7x at 16 rows, 1.5x at 64, 1.4x at 256) and no
     dense copy of the weights is kept (2 bytes per weight)."""
-    return fused.available() and bool(set(q8act.supported_isas()) & set(INT8_DOT_PATHS))
+    return cpu_has_int8_dots()
 
 
 def machine_timings() -> dict[str, float]:
