@@ -4,8 +4,8 @@ Speculation trades extra (cheap) draft and verification work for fewer full-mode
 At batch size 1 on a memory-bound device that pays; at large, compute-bound batches the
 verification work costs as much as the tokens it saves, and plain decoding wins. Rather than
 a fixed rule, the controller measures both modes per batch-size bucket (committed tokens per
-second of step time, an exponential moving average), picks the better one, and now and then
-re-measures the other: every ``explore_every`` steps at first, twice as long after each
+second of step time, an exponential moving average; each mode once, then a few more times unless it
+clearly loses), picks the better one, and now and then re-measures the other: every ``explore_every`` steps at first, twice as long after each
 re-measurement that changes nothing (up to ``max_backoff`` times), back to the start when the
 other mode wins. Both modes are lossless, so switching never changes the output.
 
@@ -42,6 +42,10 @@ class _Rate:
 @dataclass
 class AdaptiveController:
     warmup: int = 3  # measurements of each mode before trusting the averages
+    # ... unless its first ones are below this fraction of the best mode's: then it is measured enough
+    # (a speculative round that takes ~4x a plain step per token is not noise, and every extra
+    # warm-up round of it costs a fresh process ~5% of a short generation; exploration re-measures)
+    clear_loss: float = 0.5
     explore_every: int = 24  # steps between re-measurements of the losing mode (at first)
     max_backoff: int = 8  # the interval grows to at most explore_every * max_backoff
     alpha: float = 0.3
@@ -65,8 +69,12 @@ class AdaptiveController:
     def choose(self, batch_size: int) -> str:
         b = self.bucket(batch_size)
         rates = {m: self._rate(b, m) for m in self.modes}
+        for mode, rate in rates.items():  # each mode once, then the warm-up of those not clearly losing
+            if rate.samples == 0:
+                return mode
+        top = max(r.tokens_per_second for r in rates.values())
         for mode, rate in rates.items():
-            if rate.samples < self.warmup:
+            if rate.samples < self.warmup and rate.tokens_per_second >= self.clear_loss * top:
                 return mode
         best = max(self.modes, key=lambda m: rates[m].tokens_per_second)  # the first of equals
         if b in self._best_before:  # the first choice after an exploration: did it change anything?

@@ -19,6 +19,17 @@ def test_warm_up_measures_both_modes_then_follows_the_faster():
     assert drive(ctl, {SPECULATE: 20, PLAIN: 10}, 9) == [SPECULATE] * 9
 
 
+def test_a_clearly_losing_mode_ends_its_warm_up_early():
+    """Each mode is measured once first; one whose rate is below half the best's needs no more
+    warm-up rounds (a fresh process pays for each), one within reach gets all of them."""
+    ctl = AdaptiveController(warmup=3, explore_every=100)
+    modes = drive(ctl, {SPECULATE: 40, PLAIN: 170}, 8)
+    assert modes[:2] == [SPECULATE, PLAIN] and modes.count(SPECULATE) == 1
+    assert modes[2:] == [PLAIN] * 6  # plain's own warm-up, then the better mode
+    close = drive(AdaptiveController(warmup=3, explore_every=100), {SPECULATE: 100, PLAIN: 170}, 8)
+    assert close.count(SPECULATE) == 3 and close[-2:] == [PLAIN, PLAIN]
+
+
 def test_exploration_backs_off_while_the_other_mode_keeps_losing():
     ctl = AdaptiveController(warmup=1, explore_every=4, max_backoff=4)
     modes = drive(ctl, {SPECULATE: 10, PLAIN: 20}, 2 + 60)[2:]
