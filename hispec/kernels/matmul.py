@@ -65,6 +65,7 @@ and a plain loop elsewhere). On a 2-core AMD EPYC Zen 3 (AVX2, no AVX-512), same
 from __future__ import annotations
 
 import functools
+import json
 import os
 import weakref
 
@@ -73,7 +74,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from .. import envs
-from . import fused
+from . import build, fused
 from .timing import interleaved_medians
 
 
@@ -120,18 +121,52 @@ def _packed(module: nn.Module, weight: torch.Tensor, copies=_packs) -> torch.Ten
 BATCHED_ROUTES = ("panel", "onednn")
 
 
+def _routes_file():
+    """Where the timed routes are kept on this machine, per build of the C kernels (sources, flags,
+    CPU) and torch version, as the 4-bit kernel's choice is (``quant._four_bit_choice_file``)."""
+    return build.build_dir() / f"matmul-routes-{build.library_key()}-torch{torch.__version__}.json"
+
+
+def _kept(name: str, allowed: tuple, timed):
+    """The route ``name`` as kept on this machine (one of ``allowed``), else ``timed()`` now, kept
+    for later processes: timing at the first use cost a fresh process ~0.15 s (a CLI run's first
+    exit round), and a route kept makes the same command give the same bits from one run to the
+    next (routes round differently)."""
+    path = _routes_file()
+    try:
+        kept = json.loads(path.read_text())
+    except (OSError, ValueError):
+        kept = {}
+    kept = kept if isinstance(kept, dict) else {}
+    if kept.get(name) in allowed:
+        return kept[name]
+    kept[name] = value = timed()
+    try:  # written whole or not at all (concurrent loads)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(kept))
+        os.replace(tmp, path)
+    except OSError:
+        pass
+    return value
+
+
 @functools.lru_cache(maxsize=1)
 def panel_rows() -> int:
     """Up to how many rows float32 products above ``SMALL_ROWS`` take the panel kernel on this CPU
     (0: never), decided once per process: ``HISPEC_BATCH_MATMUL=panel|onednn`` if set; 0 when the
     kernel cannot run (no compiled kernels) or weight copies are off (``HISPEC_PREPACK=0``: the panel
     layout is a copy too); else both kernels timed (interleaved, medians of 5) on 16 and on 256 rows
-    against 8 weights of a SmolLM2 MLP's size."""
+    against 8 weights of a SmolLM2 MLP's size, once per machine (kept: ``_kept``)."""
     forced = envs.HISPEC_BATCH_MATMUL
     if forced in BATCHED_ROUTES:
         return PANEL_ROWS if forced == "panel" else 0
     if not (PREPACK and fused.available()):
         return 0
+    return _kept("panel_rows", (0, PANEL_DECODE_ROWS, PANEL_ROWS), _time_panel_rows)
+
+
+def _time_panel_rows() -> int:
     g = torch.Generator().manual_seed(0)
     weights = [torch.randn(3072, 576, generator=g) for _ in range(8)]
     with torch.no_grad():
@@ -155,12 +190,19 @@ ROUTES = ("wxt", "linear", "panel")  # decode-sized float32 products: (W @ x.T).
 def small_route() -> str:
     """The faster route for decode-sized float32 products on this CPU, decided once per process:
     ``HISPEC_SMALL_MATMUL=wxt|linear|panel`` if set, else the routes timed (interleaved, medians of
-    5) on one row against 8 weights of a SmolLM2 MLP's size (56 MB, more than a cache holds);
-    ``panel`` only where the kernels are built and weight copies allowed. Where a ``Linear`` gets no
-    panel copy (over the memory budget) and for :func:`linear`, ``panel`` computes as ``wxt``."""
+    5) on one row against 8 weights of a SmolLM2 MLP's size (56 MB, more than a cache holds), once
+    per machine (kept: ``_kept``); ``panel`` only where the kernels are built and weight copies
+    allowed. Where a ``Linear`` gets no panel copy (over the memory budget) and for :func:`linear`,
+    ``panel`` computes as ``wxt``."""
     forced = envs.HISPEC_SMALL_MATMUL
     if forced in ROUTES:
         return forced
+    can_panel = PREPACK and fused.available()
+    return _kept("small_route" if can_panel else "small_route_no_panel", ROUTES if can_panel else ROUTES[:2],
+                 _time_small_route)
+
+
+def _time_small_route() -> str:
     g = torch.Generator().manual_seed(0)
     weights = [torch.randn(3072, 576, generator=g) for _ in range(8)]
     x = torch.randn(1, 576, generator=g)

@@ -143,6 +143,20 @@ def test_small_route_is_measured_or_forced(monkeypatch):
         matmul.small_route.cache_clear()
 
 
+def test_timed_routes_are_kept_per_machine(monkeypatch, tmp_path):
+    """A route timed once is kept on disk and reused by later processes (no timing at a fresh
+    process's first use); a kept value that is not a valid route is timed again."""
+    monkeypatch.setattr(matmul.build, "build_dir", lambda: tmp_path)
+    assert matmul._kept("route", ("a", "b"), lambda: "b") == "b"
+    assert matmul._kept("route", ("a", "b"), lambda: pytest.fail("timed again")) == "b"
+    assert matmul._kept("rows", (0, 64), lambda: 64) == 64  # another name beside it
+    assert matmul._kept("route", ("a", "b"), lambda: "x") == "b"
+    matmul._routes_file().write_text('{"route": "gone"}')
+    assert matmul._kept("route", ("a", "b"), lambda: "a") == "a"
+    matmul._routes_file().write_text("not json")
+    assert matmul._kept("route", ("a", "b"), lambda: "b") == "b"
+
+
 def test_choose_routes_times_only_for_float32_linears(monkeypatch):
     calls = []
     monkeypatch.setattr(matmul, "small_route", lambda: calls.append("small"))
