@@ -294,10 +294,45 @@ def test_unknown_tensor_type_id_is_refused_naming_the_tensor(tmp_path):
         gguf_tensors(src)
 
 
+def _same_tensors(src) -> None:
+    """gguf_index.read_tensors gives what GGUFReader.tensors gives: names, types, shapes, offsets,
+    and the data as the same numpy view of the same bytes."""
+    from hispec.model.load.gguf_index import read_tensors
+
+    fast, ref = read_tensors(src), gc.read_gguf(src).tensors
+    assert [t.name for t in fast] == [t.name for t in ref]
+    for a, b in zip(fast, ref):
+        assert a.tensor_type == b.tensor_type and list(a.shape) == list(b.shape), a.name
+        assert a.data.dtype == b.data.dtype and a.data.shape == b.data.shape, a.name
+        assert a.data_offset == b.data_offset and a.n_bytes == b.n_bytes, a.name
+        assert np.array_equal(np.asarray(a.data), np.asarray(b.data)), a.name
+
+
+@pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.Q8_0, Q.Q4_1], ids=lambda q: q.name)
+def test_tensor_index_equals_gguf_reader(tmp_path, qtype):
+    src = tmp_path / "tiny.gguf"
+    _write_tiny_gguf(src, _tiny_hf_model(tie=False), qtype=qtype)  # a tokenizer's string arrays in its metadata
+    _same_tensors(src)
+
+
+def test_tensor_index_refuses_what_is_not_gguf(tmp_path):
+    from hispec.model.load.gguf_index import read_tensors
+
+    (tmp_path / "not.gguf").write_bytes(b"GGML" + bytes(60))
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        read_tensors(tmp_path / "not.gguf")
+    src = tmp_path / "cut.gguf"
+    _write_tiny_gguf(src, _tiny_hf_model(tie=False), qtype=Q.F32)
+    src.write_bytes(src.read_bytes()[:200])  # inside the metadata
+    with pytest.raises(ValueError, match="ends early|past the end"):
+        read_tensors(src)
+
+
 def test_k_and_iq_types_are_readable(tmp_path):
     """Types with no hispec kernel but a dequantization (K-quants, IQ) pass the check: they run as float32."""
     src = tmp_path / "kquants.gguf"
     _write_raw_gguf(src, {"blk.0.attn_q.weight": Q.Q5_K, "blk.0.ffn_up.weight": Q.IQ2_XXS, "output.weight": Q.Q6_K})
+    _same_tensors(src)  # the header-only tensor index reads their block sizes as GGUFReader does
     gc.check_tensor_types(gc.read_gguf(src))
 
 
@@ -409,6 +444,10 @@ def _transformers_gguf_reference(src):
     if "lm_head.weight" in missing:
         assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     return model.eval()
+
+
+def test_default_model_tensor_index_equals_gguf_reader():
+    _same_tensors(_default_or_skip())
 
 
 def test_default_model_files(smol):
