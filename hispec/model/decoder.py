@@ -63,9 +63,11 @@ def make_norm(cfg: ModelConfig, dim: int) -> nn.Module:
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies ``[head_dim / 2]`` for default, linear and llama3 RoPE (none of them scales cos/sin)."""
+    """Inverse frequencies ``[head_dim / 2]`` for default, linear and llama3 RoPE (none of them scales cos/sin),
+    on the CPU whatever the default device (a model built on the meta device: ``arange`` there costs a
+    process ~1 s the first time, PyTorch importing its reference implementations)."""
     dim = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64, device="cpu") / dim))
     scaling = cfg.rope_scaling or {}
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "default":
@@ -306,12 +308,20 @@ class DecoderLayer(nn.Module):
         return self.o_proj(out if self.act_dtype is None else out.to(self.act_dtype))
 
 
+def _embedding(num: int, dim: int) -> nn.Embedding:
+    """``nn.Embedding(num, dim)``; built on the meta device (a model about to be loaded) without its
+    random init: ``normal_`` on a meta tensor costs a process ~1 s the first time (PyTorch imports
+    its decompositions), every ``hispec generate`` paid it."""
+    weight = torch.empty(num, dim)
+    return nn.Embedding(num, dim, _weight=weight) if weight.is_meta else nn.Embedding(num, dim)
+
+
 class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
         emb_dim = cfg.word_embed_proj_dim or cfg.hidden_size
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, emb_dim)
+        self.embed_tokens = _embedding(cfg.vocab_size, emb_dim)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = make_norm(cfg, cfg.hidden_size)
         self.lm_head = Linear(emb_dim, cfg.vocab_size, bias=False)
@@ -320,7 +330,7 @@ class DecoderModel(nn.Module):
         self.embed_positions = None
         self.project_in = self.project_out = None
         if cfg.family == "opt":
-            self.embed_positions = nn.Embedding(cfg.max_position_embeddings + cfg.learned_pos_offset, cfg.hidden_size)
+            self.embed_positions = _embedding(cfg.max_position_embeddings + cfg.learned_pos_offset, cfg.hidden_size)
             if emb_dim != cfg.hidden_size:
                 self.project_in = Linear(emb_dim, cfg.hidden_size, bias=False)
                 self.project_out = Linear(cfg.hidden_size, emb_dim, bias=False)
