@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import os
 import platform
 import shutil
@@ -53,6 +54,18 @@ def cpu_key() -> str:
 
 def build_dir() -> Path:
     return envs.HISPEC_HOME / "kernels"
+
+
+def keep_json(path: Path, obj) -> None:
+    """Write ``obj`` as JSON to ``path`` (a choice kept per machine beside the kernels), whole or not
+    at all: concurrent loads never read half a file; a path that cannot be written is left alone."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(obj))
+        os.replace(tmp, path)
+    except OSError:
+        pass
 
 
 def _key(files: list[Path], *parts: str) -> str:

@@ -141,13 +141,7 @@ def _kept(name: str, allowed: tuple, timed):
     if kept.get(name) in allowed:
         return kept[name]
     kept[name] = value = timed()
-    try:  # written whole or not at all (concurrent loads)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(kept))
-        os.replace(tmp, path)
-    except OSError:
-        pass
+    build.keep_json(path, kept)
     return value
 
 

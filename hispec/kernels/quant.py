@@ -62,7 +62,6 @@ import copy
 import functools
 import json
 import logging
-import os
 from pathlib import Path
 
 import torch
@@ -521,13 +520,7 @@ def four_bit_kernel() -> tuple[str, str]:
     best, why = timed_choice(med, cpu_has_int8_dots())
     if best == "q8a":
         q8act.best_isa()  # says once which path runs where the CPU lacks VNNI
-    try:  # written whole or not at all (concurrent loads)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"kernel": best, "why": why, "timings": med}))
-        os.replace(tmp, path)
-    except OSError:
-        pass
+    build.keep_json(path, {"kernel": best, "why": why, "timings": med})
     return best, why
 
 

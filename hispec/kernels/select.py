@@ -75,7 +75,7 @@ def describe(model) -> str:
         layers += " (prompt prefill on dense bfloat16 copies of the same weights)"
     elif any(m.kernel == "q8a" for m in quantized) and quant.q8a_prefills_on_rows():
         layers += " (prompt prefill on the same kernel: its rows are cheap on this CPU's integer dot products)"
-    elif any(isinstance(m, QuantLinear) and m.kernel in quant.Q4_STORAGE for m in model.layers.modules()):
+    elif any(m.kernel in quant.Q4_STORAGE for m in quantized):
         layers += " (prompt prefill on float32 panels of the same weights)"
     head = model.lm_head
     head_kind = head.describe() if isinstance(head, QuantLinear) else f"{str(head.weight.dtype)[6:]} dense"
