@@ -29,8 +29,9 @@
  * 256-bit ones), a 32-bit lane holding 4 consecutive codes of one column, so a block is read as 4
  * (8) plain loads, nibbles split in registers: 8 vectors per block, vector v pairing with the
  * activation bytes 4v .. 4v+3, which are broadcast to every lane. Per tile each block is expanded
- * once per call into a small buffer, then every row of x is run against it, a few rows at a time.
- * The threads share the tiles (a thread's tiles are contiguous in memory).
+ * once per call into a small buffer (by the first rows, just before their products), then every
+ * row of x is run against it, a few rows at a time, while the next tile is prefetched. The threads
+ * share the tiles (a thread's tiles are contiguous in memory).
  *
  * Integer dot products: VNNI's dpbusd takes unsigned x signed bytes: 4-bit codes are unsigned as
  * they are; 8-bit codes are stored as q + 128 (q ^ 0x80) and each row's block sum starts at
@@ -54,7 +55,6 @@
 #include "hispec_kernels.h" /* the formats (HS_Q8A_Q4, HS_Q8A_Q8) and paths (HS_Q8A_*) */
 #define BLOCK 32
 #define TILE 16 /* output columns per tile of the stored layout (= every path's COLS) */
-#define PREFETCH_TILES 2 /* how many tiles ahead the weights are prefetched */
 
 static inline int block_bytes(int fmt) { return fmt == HS_Q8A_Q8 ? 32 : 16; }
 
@@ -459,12 +459,10 @@ static inline __attribute__((always_inline)) vi FN(bcast)(const int8_t *p) {  /*
  * buf holding their magnitudes). 4-bit: dword i holds codes 4i.. in its low nibbles, 16 + 4i.. in
  * its high ones. */
 static inline __attribute__((always_inline)) void FN(expand)(const uint8_t *tw, int64_t b, const int fmt, vi *buf,
-                                                             vi *sbuf, const uint8_t *ahead) {
+                                                             vi *sbuf) {
     const int D = fmt == HS_Q8A_Q8 ? 8 : 4;  /* dwords a block */
     const uint8_t *src = tw + b * D * TILE * 4;
     (void)sbuf;
-    if (ahead)  /* the same block of a tile further on: the stream kept ahead of the loads */
-        for (int i = 0; i < D * TILE * 4; i += 64) __builtin_prefetch(ahead + b * D * TILE * 4 + i, 0, 0);
     for (int tv = 0; tv < TV; tv++) {
         vi V[8];
         /* constant trip counts: a count of D (fmt is not a constant in the outlined OpenMP body)
@@ -496,19 +494,27 @@ static inline __attribute__((always_inline)) void FN(expand)(const uint8_t *tw, 
     }
 }
 
-/* R (<= RT, a constant after inlining) rows t0 .. of x times the expanded tile -> y[t, n0 .. n0 + ncols). */
-static inline __attribute__((always_inline)) void FN(rows)(const vi *buf, const vi *sbuf, const float *dbuf,
-                                                           const float *mbuf, const int8_t *codes, const float *dx,
-                                                           const int32_t *sx, const float *dxs, int64_t K,
-                                                           int64_t t0, const int R, const int fmt, float *y,
-                                                           int64_t N, int ncols) {
+/* R (<= RT, a constant after inlining) rows t0 .. of x times a tile -> y[t, n0 .. n0 + ncols).
+ * The first rows of a tile pass its tiled bytes tw: each block is expanded into buf just before
+ * its products (later rows read buf), and the same block of the next tile (next, or NULL) is
+ * prefetched into L2, so the weight stream runs one tile ahead of the products, spread over them,
+ * instead of a burst of loads stalling before each tile (at 8-16 rows the stream and the products
+ * had added up rather than overlapped). */
+static inline __attribute__((always_inline)) void FN(rows)(vi *buf, vi *sbuf, const uint8_t *tw, const uint8_t *next,
+                                                           const float *dbuf, const float *mbuf, const int8_t *codes,
+                                                           const float *dx, const int32_t *sx, const float *dxs,
+                                                           int64_t K, int64_t t0, const int R, const int fmt,
+                                                           float *y, int64_t N, int ncols) {
     (void)sbuf;
     (void)sx;
-    const int64_t nb = K / BLOCK;
+    const int64_t nb = K / BLOCK, bbytes = (fmt == HS_Q8A_Q8 ? 8 : 4) * TILE * 4;  /* a block's bytes in a tile */
     vf acc[RT][TV], macc[RT][TV];
     for (int r = 0; r < R; r++)
         for (int tv = 0; tv < TV; tv++) acc[r][tv] = macc[r][tv] = V_ZEROF();
     for (int64_t b = 0; b < nb; b++) {
+        if (next)
+            for (int i = 0; i < bbytes; i += 64) __builtin_prefetch(next + b * bbytes + i, 0, 2);
+        if (tw) FN(expand)(tw, b, fmt, buf, sbuf);
         vi s[RT][TV];  /* the exact block sums (int32; AVX2 4-bit: 16-bit pairs until widened) */
         for (int r = 0; r < R; r++)
             for (int tv = 0; tv < TV; tv++)
@@ -601,12 +607,12 @@ static inline __attribute__((always_inline)) int FN(run)(const uint8_t *w, const
                     }
                 tw = pad_w, dbuf = pad_d, mbuf = fmt == HS_Q8A_Q4 ? pad_m : NULL;
             }
-            const uint8_t *ahead = tile + PREFETCH_TILES < N / COLS ? w + (n0 + PREFETCH_TILES * COLS) * row_bytes : NULL;
-            for (int64_t b = 0; b < nb; b++) FN(expand)(tw, b, fmt, buf, sbuf, ahead);
+            const uint8_t *next = tile + 1 < N / COLS ? w + (n0 + COLS) * row_bytes : NULL;
             for (int64_t t0 = 0; t0 < T; t0 += RT) {
                 float *yt = y + n0;
+                const uint8_t *fresh = t0 ? NULL : tw, *ahead = t0 ? NULL : next;  /* the first rows expand */
                 switch (T - t0 < RT ? T - t0 : RT) {  /* constant row counts keep the sums in registers */
-#define ROWS_CASE(R) case R: FN(rows)(buf, sbuf, dbuf, mbuf, codes, dx, sx, dxs, K, t0, R, fmt, yt, N, ncols); break;
+#define ROWS_CASE(R) case R: FN(rows)(buf, sbuf, fresh, ahead, dbuf, mbuf, codes, dx, sx, dxs, K, t0, R, fmt, yt, N, ncols); break;
                     ROWS_CASE(1)
                     ROWS_CASE(2)
                     ROWS_CASE(3)
@@ -616,7 +622,7 @@ static inline __attribute__((always_inline)) int FN(run)(const uint8_t *w, const
                     ROWS_CASE(6)
                     ROWS_CASE(7)
 #endif
-                    default: FN(rows)(buf, sbuf, dbuf, mbuf, codes, dx, sx, dxs, K, t0, RT, fmt, yt, N, ncols); break;
+                    default: FN(rows)(buf, sbuf, fresh, ahead, dbuf, mbuf, codes, dx, sx, dxs, K, t0, RT, fmt, yt, N, ncols); break;
 #undef ROWS_CASE
                 }
             }
