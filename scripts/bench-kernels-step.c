@@ -32,6 +32,13 @@ static double median(double *v, int n) {
     return v[n / 2];
 }
 
+/* a normal float's float16 bits (truncated): the q8a kernels' scales */
+static uint16_t half_bits(float v) {
+    uint32_t b;
+    memcpy(&b, &v, sizeof b);
+    return (uint16_t)((b >> 16 & 0x8000u) | (((b >> 23 & 255u) - 112u) << 10) | (b >> 13 & 1023u));
+}
+
 static uint32_t rng = 12345;
 static uint32_t next(void) { return rng = rng * 1664525u + 1013904223u; }
 
@@ -55,19 +62,23 @@ int main(int argc, char **argv) {
     const int nk = argc - 14;
     uint8_t **qs = malloc(sizeof *qs * (size_t)(layers * 4));
     float **dm = malloc(sizeof *dm * (size_t)(layers * 4));
+    uint16_t **hm = malloc(sizeof *hm * (size_t)(layers * 4));  /* the same scales in float16, for q8a */
     for (int i = 0; i < layers * 4; i++) {
         const size_t n = (size_t)N[i % 4] * (size_t)K[i % 4], nb = n / 32;
         qs[i] = malloc(n / 2);
         dm[i] = malloc(2 * nb * sizeof(float));
         for (size_t b = 0; b < n / 2; b++) qs[i][b] = (uint8_t)next();
         for (size_t b = 0; b < nb; b++) dm[i][b] = 1e-3f + (float)(next() % 100) * 2e-4f, dm[i][nb + b] = -1e-2f;
+        hm[i] = malloc(2 * nb * sizeof(uint16_t));
+        for (size_t b = 0; b < 2 * nb; b++) hm[i][b] = half_bits(dm[i][b]);
     }
     const size_t hsize = (size_t)hn * (size_t)hk;
     int8_t *hq = malloc(hsize);
     float *hd = malloc(hsize / 32 * sizeof(float)), *x = malloc((size_t)maxt * (size_t)maxk * sizeof(float)),
           *y = malloc((size_t)maxt * (size_t)(hn > 4096 ? hn : 4096) * sizeof(float));
     for (size_t i = 0; i < hsize; i++) hq[i] = (int8_t)next();
-    for (size_t i = 0; i < hsize / 32; i++) hd[i] = 1e-3f;
+    uint16_t *hhd = malloc(hsize / 32 * sizeof(uint16_t));
+    for (size_t i = 0; i < hsize / 32; i++) hd[i] = 1e-3f, hhd[i] = half_bits(hd[i]);
     for (int i = 0; i < maxt * maxk; i++) x[i] = (float)((int)(next() % 2001) - 1000) * 1e-3f;
     double *t = malloc(sizeof *t * (size_t)(nk * nrows * repeats)), *th = malloc(sizeof *th * (size_t)(nk * nrows * repeats));
     for (int r = -1; r < repeats; r++)
@@ -80,13 +91,13 @@ int main(int argc, char **argv) {
                     const int64_t n = N[i % 4], kk = K[i % 4];
                     const float *d = dm[i], *m = dm[i] + n * kk / 32;
                     if (q8a)
-                        hs_q8a_matmul_f32(HS_Q8A_Q4, qs[i], d, m, x, T, n, kk, y, isa, 1);
+                        hs_q8a_matmul_f32(HS_Q8A_Q4, qs[i], hm[i], hm[i] + n * kk / 32, x, T, n, kk, y, isa, 1);
                     else
                         hs_q4_matmul(qs[i], d, m, x, T, n, kk, y, 1);
                 }
                 const double t1 = now();
                 if (q8a)
-                    hs_q8a_matmul_f32(HS_Q8A_Q8, (const uint8_t *)hq, hd, NULL, x, T, hn, hk, y, isa, 1);
+                    hs_q8a_matmul_f32(HS_Q8A_Q8, (const uint8_t *)hq, hhd, NULL, x, T, hn, hk, y, isa, 1);
                 else
                     hs_q8_matmul(hq, hd, x, 0, T, hn, hk, y, 1);
                 const double t2 = now();

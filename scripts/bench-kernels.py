@@ -109,9 +109,10 @@ def main() -> None:
             if isa is not None and isa not in q8act.supported_isas():
                 print(f"skipping {name}: this CPU cannot run it")
                 continue
-            ws = [(pack_nibbles(q), torch.stack([d, m]).contiguous()) for q, d, m in decoder]
+            ws = [q8act.tile4(pack_nibbles(q), torch.stack([d, m])) for q, d, m in decoder]
+            head = q8act.tile8(head_q, head_d)
             steps[name] = [(lambda x, w=w, isa=isa: q8act.q4_matmul(x, *w, isa=isa), w[0].shape[1] * 2) for w in ws]
-            steps[name].append((lambda x, isa=isa: q8act.q8_matmul(x, head_q, head_d, isa=isa), hk))
+            steps[name].append((lambda x, isa=isa: q8act.q8_matmul(x, *head, isa=isa), hk))
         else:
             raise SystemExit(f"unknown kernel {name!r}")
 

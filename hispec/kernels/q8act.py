@@ -5,15 +5,18 @@ scale ``dx = amax / 127`` and the block's code sum ``sx`` (``dxs = dx * sx`` fee
 formats' offset ``m``), then multiplied with integer dot products by weights as hispec stores them:
 
 - 4-bit (GGUF Q4_0, Q4_1, ``--quantize int4``): ``qs [N, K / 2]`` uint8 nibbles as in the file,
-  ``dm [2, N, K / 32]`` float32 (``d``, ``m``): ``W = d * q + m`` (Q4_0: ``m = -8 d``).
-- 8-bit (GGUF Q8_0): ``q [N, K]`` int8, ``d [N, K / 32]`` float32: ``W = d * q``.
+  ``dm [2, N, K / 32]`` (``d``, ``m``): ``W = d * q + m`` (Q4_0: ``m = -8 d``).
+- 8-bit (GGUF Q8_0): ``q [N, K]`` int8, ``d [N, K / 32]``: ``W = d * q``.
 
 The kernels read these **tiled** (:func:`tile4`, :func:`tile8`, once at load; :func:`untile4`,
 :func:`untile8` give the rows back): the same bytes and shapes, reordered so that per tile of 16
 output columns and per block, each 4-byte piece of the 16 columns' blocks lies side by side (one
 512-bit load; the last ``N % 16`` columns stay rows). The kernel then reads its weights as plain
 loads instead of gathering and transposing 16 columns' blocks at every call, which cost a one-row
-step about as much as the products.
+step about as much as the products. The tiled scales are **float16**, as GGUF stores them (tiling
+rounds other scales to float16; GGUF's are kept exactly), widened exactly to float32 in the kernel:
+a one-row step streams the weights from memory, and float32 scales were a third of a 4-bit
+weight's bytes beside its nibbles (one decode step's matmuls at one row: 3.79 -> 3.27 ms).
 
 Per output and block, the 32 products are summed exactly in int32 and added in block order:
 ``acc = fma(idot, d * dx, acc)``, ``macc = fma(m, dxs, macc)``, ``y = acc + macc`` (8-bit: ``acc``).
@@ -177,24 +180,26 @@ def _matmul(fmt: int, w: torch.Tensor, d: int, m: int | None, x: torch.Tensor | 
     return y
 
 
-def _q4_weight(qs: torch.Tensor, dm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int, int]:
-    """(qs, dm, N, K) checked: ``qs [N, K / 2]`` uint8, ``dm [2, N, K / 32]`` float32."""
+def _q4_weight(qs: torch.Tensor, dm: torch.Tensor,
+               dtype: torch.dtype = torch.float16) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """(qs, dm, N, K) checked: ``qs [N, K / 2]`` uint8, ``dm [2, N, K / 32]`` of ``dtype``."""
     if not isinstance(qs, torch.Tensor) or qs.dim() != 2:
         raise TypeError(f"q8act: qs must be a 2-D tensor [N, K / 2], got {getattr(qs, 'shape', type(qs).__name__)}")
     n, k = qs.shape[0], qs.shape[1] * 2
     if k % BLOCK:
         raise ValueError(f"q8act: qs [N, K / 2] gives K = {k}, not a multiple of {BLOCK}")
-    return _need(qs, "qs", torch.uint8, (n, k // 2)), _need(dm, "dm", torch.float32, (2, n, k // BLOCK)), n, k
+    return _need(qs, "qs", torch.uint8, (n, k // 2)), _need(dm, "dm", dtype, (2, n, k // BLOCK)), n, k
 
 
-def _q8_weight(q: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int, int]:
-    """(q, d, N, K) checked: ``q [N, K]`` int8, ``d [N, K / 32]`` float32."""
+def _q8_weight(q: torch.Tensor, d: torch.Tensor,
+               dtype: torch.dtype = torch.float16) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """(q, d, N, K) checked: ``q [N, K]`` int8, ``d [N, K / 32]`` of ``dtype``."""
     if not isinstance(q, torch.Tensor) or q.dim() != 2:
         raise TypeError(f"q8act: q must be a 2-D tensor [N, K], got {getattr(q, 'shape', type(q).__name__)}")
     n, k = q.shape
     if k % BLOCK:
         raise ValueError(f"q8act: K = {k} must be a multiple of {BLOCK}")
-    return _need(q, "q", torch.int8, (n, k)), _need(d, "d", torch.float32, (n, k // BLOCK)), n, k
+    return _need(q, "q", torch.int8, (n, k)), _need(d, "d", dtype, (n, k // BLOCK)), n, k
 
 
 def _tile(fmt: int, w: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, n: int, k: int,
@@ -205,37 +210,42 @@ def _tile(fmt: int, w: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, n:
     return w_out, d_out, m_out
 
 
-def tile4(qs: torch.Tensor, dm: torch.Tensor, untile: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """A 4-bit weight (``qs [N, K / 2]`` as in the file, ``dm [2, N, K / 32]``) in the kernels' tiled
-    layout (the same shapes; see the module's docstring); ``untile``: the reverse."""
-    qs, dm, n, k = _q4_weight(qs, dm)
-    w, d, m = _tile(_formats()[0], qs, dm[0].contiguous(), dm[1].contiguous(), n, k, untile)
+def tile4(qs: torch.Tensor, dm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A 4-bit weight (``qs [N, K / 2]`` as in the file, ``dm [2, N, K / 32]`` float) in the kernels'
+    tiled layout: the same shapes, ``dm`` in float16 (rounded to nearest; exact for GGUF's scales)."""
+    qs, dm, n, k = _q4_weight(qs, dm.to(torch.float16))
+    w, d, m = _tile(_formats()[0], qs, dm[0].contiguous(), dm[1].contiguous(), n, k, False)
     return w, torch.stack([d, m])
 
 
 def untile4(qs: torch.Tensor, dm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`tile4`'s input back from its output."""
-    return tile4(qs, dm, untile=True)
+    """:func:`tile4`'s output back in row order, ``dm`` widened to float32."""
+    qs, dm, n, k = _q4_weight(qs, dm)
+    w, d, m = _tile(_formats()[0], qs, dm[0].contiguous(), dm[1].contiguous(), n, k, True)
+    return w, torch.stack([d, m]).float()
 
 
-def tile8(q: torch.Tensor, d: torch.Tensor, untile: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """A Q8_0 weight (``q [N, K]``, ``d [N, K / 32]``) in the kernels' tiled layout; ``untile``: the reverse."""
-    q, d, n, k = _q8_weight(q, d)
-    w, d, _ = _tile(_formats()[1], q, d, None, n, k, untile)
+def tile8(q: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Q8_0 weight (``q [N, K]``, ``d [N, K / 32]`` float) in the kernels' tiled layout, ``d`` in
+    float16 (as :func:`tile4`)."""
+    q, d, n, k = _q8_weight(q, d.to(torch.float16))
+    w, d, _ = _tile(_formats()[1], q, d, None, n, k, False)
     return w, d
 
 
 def untile8(q: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`tile8`'s input back from its output."""
-    return tile8(q, d, untile=True)
+    """:func:`tile8`'s output back in row order, ``d`` widened to float32."""
+    q, d, n, k = _q8_weight(q, d)
+    w, d, _ = _tile(_formats()[1], q, d, None, n, k, True)
+    return w, d.float()
 
 
 def q4_matmul(x: torch.Tensor | QActs, qs: torch.Tensor, dm: torch.Tensor, isa: str | None = None) -> torch.Tensor:
     """``x [T, K]`` (float32, or already :func:`quantize`-d) times the transpose of a 4-bit block weight
-    ``W = d * q + m`` (``qs [N, K / 2]`` uint8 nibbles, ``dm [2, N, K / 32]`` float32, both tiled:
+    ``W = d * q + m`` (``qs [N, K / 2]`` uint8 nibbles, ``dm [2, N, K / 32]`` float16, both tiled:
     :func:`tile4`) -> ``[T, N]`` float32. ``isa``: one of ``ISAS`` (default: the best this CPU has)."""
     qs, dm, n, k = _q4_weight(qs, dm)
-    return _matmul(_formats()[0], qs, dm.data_ptr(), dm.data_ptr() + 4 * n * (k // BLOCK), x, n, k, isa)
+    return _matmul(_formats()[0], qs, dm.data_ptr(), dm.data_ptr() + 2 * n * (k // BLOCK), x, n, k, isa)
 
 
 def q4_panel_matmul(x: torch.Tensor, qs: torch.Tensor, dm: torch.Tensor) -> torch.Tensor:
@@ -248,13 +258,13 @@ def q4_panel_matmul(x: torch.Tensor, qs: torch.Tensor, dm: torch.Tensor) -> torc
     x = _need(x, "x", torch.float32, (t, k))
     y = torch.empty((t, n), dtype=torch.float32)
     if t and n:
-        _lib().hs_q8a_q4_panel_matmul(qs.data_ptr(), dm.data_ptr(), dm.data_ptr() + 4 * n * (k // BLOCK), x.data_ptr(),
+        _lib().hs_q8a_q4_panel_matmul(qs.data_ptr(), dm.data_ptr(), dm.data_ptr() + 2 * n * (k // BLOCK), x.data_ptr(),
                                       t, n, k, y.data_ptr(), 1)
     return y
 
 
 def q8_matmul(x: torch.Tensor | QActs, q: torch.Tensor, d: torch.Tensor, isa: str | None = None) -> torch.Tensor:
     """``x [T, K]`` (float32, or already :func:`quantize`-d) times the transpose of a Q8_0 weight
-    ``W = d * q`` (``q [N, K]`` int8, ``d [N, K / 32]`` float32, both tiled: :func:`tile8`) -> ``[T, N]`` float32."""
+    ``W = d * q`` (``q [N, K]`` int8, ``d [N, K / 32]`` float16, both tiled: :func:`tile8`) -> ``[T, N]`` float32."""
     q, d, n, k = _q8_weight(q, d)
     return _matmul(_formats()[1], q, d.data_ptr(), None, x, n, k, isa)

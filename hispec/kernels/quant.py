@@ -20,8 +20,8 @@ kernels), both on a GGUF file's blocks as stored, with float32 activations:
   bfloat16 copy (``dense``, 1.7-1.8x faster than the panels on a Zen 4). Which of ``q4`` and ``int4`` runs the 4-bit
   weights is decided by timing both at load (:func:`four_bit_kernel`): on CPUs without
   bfloat16 hardware (AVX2) ``q4`` is the faster.
-- ``q8a``: the ``q4`` weights (the same nibbles, ``d`` and ``m``, tiled for its kernel:
-  ``q8act.tile4``; :meth:`QuantLinear.blocks` gives them in row order) times activations rounded to 8 bits
+- ``q8a``: the ``q4`` weights (the same nibbles, ``d`` and ``m`` in float16 as GGUF has them, tiled for its
+  kernel: ``q8act.tile4``; :meth:`QuantLinear.blocks` gives them in row order) times activations rounded to 8 bits
   per block of 32 (``q8act.py``: integer dot products, ``amax / 254`` error per input where ``q4``
   keeps 1.5e-5 of the block's largest value). Faster than ``q4`` on more than one row (AVX2, a
   decode step's matmuls timed in C: 1.41x one row's time at 4 rows where ``q4`` takes 1.74x, 3.03x
@@ -80,9 +80,9 @@ INNER_K_TILES = 2
 SCHEMES = ("int4", "int8")
 KERNELS = ("int4", "int8", "int4x2", "q8", "q4", "q8a", "q8a8")
 FLOAT_INPUT = ("q8", "q4", "q8a", "q8a8")  # kernels that read float32 activations (the others: ACT_DTYPE)
-# kernels of GGUF 4-bit blocks as stored: qweight nibbles, qparams [2, N, K / 32] d, m (q8a: tiled, q8act.tile4)
+# kernels of GGUF 4-bit blocks as stored: qweight nibbles, qparams [2, N, K / 32] d, m (q8a: tiled, float16, q8act.tile4)
 Q4_STORAGE = ("q4", "q8a")
-# kernels of GGUF Q8_0 blocks as stored: qweight q [N, K] int8, qparams d [N, K / 32] (q8a8: tiled, q8act.tile8)
+# kernels of GGUF Q8_0 blocks as stored: qweight q [N, K] int8, qparams d [N, K / 32] (q8a8: tiled, float16, q8act.tile8)
 Q8_STORAGE = ("q8", "q8a8")
 EIGHT_BIT_ACTS = ("q8a", "q8a8")  # kernels that round activations to 8 bits per block (q8act.py)
 
@@ -145,14 +145,14 @@ class QuantLinear(nn.Module):
                   bias: torch.Tensor | None = None, source: str = "", kernel: str | None = None) -> "QuantLinear":
         """``W = d * q + m`` with ``q [N, K]`` in 0..15 and ``d, m [N, K / group]`` float32, on the
         ``kernel`` given (``q4``, ``q8a``, ``int4``) or else :func:`four_bit_kernel`'s. ``int4`` gets
-        ``scale = d``, ``zero = m + 8 d`` rounded to bfloat16; ``q4`` and ``q8a`` (groups of 32) keep
-        ``d`` and ``m`` in float32."""
+        ``scale = d``, ``zero = m + 8 d`` rounded to bfloat16; ``q4`` (groups of 32) keeps ``d`` and ``m``
+        in float32, ``q8a`` in float16 (rounded to nearest; GGUF's are float16 already)."""
         n, k = q.shape
         if kernel is None:
             kernel = four_bit_kernel()[0] if group == 32 else "int4"
         if kernel in Q4_STORAGE:
             qs, dm = pack_nibbles(q), torch.stack([d.float(), m.float()]).contiguous()
-            if kernel == "q8a":  # its kernels read the blocks tiled (the same bytes)
+            if kernel == "q8a":  # its kernels read the blocks tiled, scales in float16
                 qs, dm = q8act.tile4(qs, dm)
             return cls(kernel, k, n, qs, dm, group, bias, source)
         return cls("int4", k, n, pack_int4(q), scales_zeros(d, m.float() + 8 * d.float()), group, bias, source)
@@ -182,7 +182,7 @@ class QuantLinear(nn.Module):
             kernel = eight_bit_kernel()
         if kernel in Q8_STORAGE:
             q8, d8 = q.to(torch.int8).contiguous(), d.float().contiguous()
-            if kernel == "q8a8":  # its kernels read the blocks tiled (the same bytes)
+            if kernel == "q8a8":  # its kernels read the blocks tiled, scales in float16
                 q8, d8 = q8act.tile8(q8, d8)
             layer = cls(kernel, k, n, q8, d8, group, source=source)
             layer._exact = {"d": d.half(), "m": torch.zeros_like(d, dtype=torch.float16)}
@@ -211,9 +211,14 @@ class QuantLinear(nn.Module):
         if scheme != "int4":
             raise ValueError(f"unknown quantization {scheme!r}; choose from {', '.join(SCHEMES)}")
         n, k = w.shape
+        if kernel is None:
+            kernel = four_bit_kernel()[0] if group == 32 else "int4"
         blocks = w.view(n, k // group, group)
         lo, hi = blocks.amin(-1), blocks.amax(-1)  # [N, K/group]
         scale = ((hi - lo) / 15).clamp(min=1e-12)
+        if kernel == "q8a":  # its scales are float16 (GGUF Q4_1's): the codes fit the rounded ones
+            lo = lo.half().float()
+            scale = scale.clamp(min=2.0 ** -14).half().float()  # float16's smallest normal
         q = torch.round((blocks - lo[..., None]) / scale[..., None]).clamp(0, 15).view(n, k)
         return cls.from_int4(q, scale, lo, group, b, str(weight.dtype)[6:], kernel)
 

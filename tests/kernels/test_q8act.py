@@ -110,9 +110,13 @@ def weights(kind: str, n: int, k: int, gen: torch.Generator):
 
 
 def reference(kind: str, x: torch.Tensor, w) -> np.ndarray:
+    """The kernel's result by the definition, on the scales as tiling keeps them (float16: GGUF's
+    exactly, int4's rounded to nearest)."""
+    def kept(t: torch.Tensor) -> np.ndarray:
+        return t.half().float().numpy()
     if kind == "Q8_0":
-        return matmul_ref(w[0].numpy(), w[1].numpy(), None, x.numpy())
-    return matmul_ref(w[0].numpy(), w[2][0].numpy(), w[2][1].numpy(), x.numpy())
+        return matmul_ref(w[0].numpy(), kept(w[1]), None, x.numpy())
+    return matmul_ref(w[0].numpy(), kept(w[2][0]), kept(w[2][1]), x.numpy())
 
 
 KINDS = ["Q4_0", "Q4_1", "int4", "Q8_0"]
@@ -225,6 +229,7 @@ def test_error_within_activation_rounding(kind):
 def test_bad_input_raises_clearly():
     gen = torch.Generator().manual_seed(0)
     q, qs, dm = four_bit(16, 64, "Q4_1", gen)
+    dm = dm.half()  # the kernels' scales
     x = torch.randn(2, 64)
     with pytest.raises(TypeError, match="x must be a CPU torch.float32"):
         q8act.q4_matmul(x.double(), qs, dm)
@@ -232,15 +237,18 @@ def test_bad_input_raises_clearly():
         q8act.q4_matmul(torch.randn(2, 32), qs, dm)
     with pytest.raises(TypeError, match="qs must be a CPU torch.uint8"):
         q8act.q4_matmul(x, qs.to(torch.int8), dm)
-    with pytest.raises(TypeError, match=r"dm must be a CPU torch.float32 tensor of shape \(2, 16, 2\)"):
+    with pytest.raises(TypeError, match=r"dm must be a CPU torch.float16 tensor of shape \(2, 16, 2\)"):
         q8act.q4_matmul(x, qs, dm[:, :, :1])
+    with pytest.raises(TypeError, match=r"dm must be a CPU torch.float16 tensor of shape \(2, 16, 2\), got torch.float32"):
+        q8act.q4_matmul(x, qs, dm.float())
     with pytest.raises(ValueError, match="multiple of 32"):
         q8act.quantize(torch.randn(2, 40))
     with pytest.raises(TypeError, match="2-D"):
         q8act.quantize(torch.randn(64))
     q8, d8 = eight_bit(16, 64, gen)
-    with pytest.raises(TypeError, match="d must be a CPU torch.float32"):
-        q8act.q8_matmul(x, q8, d8.half())
+    with pytest.raises(TypeError, match="d must be a CPU torch.float16"):
+        q8act.q8_matmul(x, q8, d8)
+    d8 = d8.half()
     with pytest.raises(TypeError, match="codes must be"):
         q8act.q8_matmul(q8act.QActs(*(a[:, :1] for a in q8act.quantize(x))), q8, d8)
     with pytest.raises(ValueError, match="unknown path"):
@@ -254,7 +262,7 @@ def test_bad_input_raises_clearly():
 def test_empty_rows():
     gen = torch.Generator().manual_seed(0)
     q, qs, dm = four_bit(16, 64, "Q4_0", gen)
-    assert q8act.q4_matmul(torch.empty(0, 64), qs, dm).shape == (0, 16)
+    assert q8act.q4_matmul(torch.empty(0, 64), qs, dm.half()).shape == (0, 16)
 
 
 def test_best_path_is_said_once(caplog):
@@ -291,6 +299,7 @@ def test_cpu_without_avx2_runs_the_plain_c_path_with_one_warning(monkeypatch, ca
     """No AVX2: the plain C path, said in one warning, with the bits this CPU's best path gives."""
     gen = torch.Generator().manual_seed(5)
     _, qs, dm = four_bit(48, 128, "Q4_1", gen)
+    qs, dm = q8act.tile4(qs, dm)
     x = activations(3, 128, gen)
     want = q8act.q4_matmul(x, qs, dm)  # this CPU's best path
     monkeypatch.setattr(q8act, "library", lambda lib=q8act.library(): CpuWithout(lib))
@@ -339,11 +348,11 @@ def test_drop_in_entry_points():
     gen = torch.Generator().manual_seed(2)
     lib = q8act.library()
     x = activations(6, 96, gen)
-    _, qs, dm = four_bit(40, 96, "Q4_1", gen)
+    qs, dm = q8act.tile4(*four_bit(40, 96, "Q4_1", gen)[1:])
     y = torch.empty(6, 40)
     lib.hs_q8a_q4_matmul(qs.data_ptr(), dm[0].data_ptr(), dm[1].data_ptr(), x.data_ptr(), 6, 40, 96, y.data_ptr(), 1)
     assert torch.equal(y, q8act.q4_matmul(x, qs, dm))
-    q8, d8 = eight_bit(40, 96, gen)
+    q8, d8 = q8act.tile8(*eight_bit(40, 96, gen))
     for xin in (x, x.bfloat16()):
         lib.hs_q8a_q8_matmul(q8.data_ptr(), d8.data_ptr(), xin.data_ptr(), int(xin.dtype == torch.bfloat16), 6, 40, 96,
                              y.data_ptr(), 1)
@@ -358,11 +367,11 @@ def test_tiled_layout_holds_the_same_bytes(n):
     gen = torch.Generator().manual_seed(3)
     _, qs, dm = four_bit(n, 96, "Q4_1", gen)
     tq, tdm = q8act.tile4(qs, dm)
-    assert tq.shape == qs.shape and tdm.shape == dm.shape
+    assert tq.shape == qs.shape and tdm.shape == dm.shape and tdm.dtype == torch.float16
     assert torch.equal(tq.flatten().sort().values, qs.flatten().sort().values)
-    assert all(torch.equal(a, b) for a, b in zip(q8act.untile4(tq, tdm), (qs, dm)))
+    assert all(torch.equal(a, b) for a, b in zip(q8act.untile4(tq, tdm), (qs, dm)))  # Q4_1: float16 scales kept exactly
     full = n // 16 * 16
-    assert torch.equal(tq[full:], qs[full:]) and torch.equal(tdm[:, full:], dm[:, full:])
+    assert torch.equal(tq[full:], qs[full:]) and torch.equal(tdm[:, full:].float(), dm[:, full:])
     if full:  # block 1, dword 2 of column 3: bytes 16 + 8 .. 16 + 11 of its row
         at = ((1 * 4 + 2) * 16 + 3) * 4
         assert torch.equal(tq[:16].flatten()[at:at + 4], qs[3, 16 + 8:16 + 12])
@@ -371,6 +380,20 @@ def test_tiled_layout_holds_the_same_bytes(n):
     t8, td8 = q8act.tile8(q8, d8)
     assert all(torch.equal(a, b) for a, b in zip(q8act.untile8(t8, td8), (q8, d8)))
     assert not full or not torch.equal(t8, q8)
+
+
+def test_tiling_rounds_float32_scales_to_float16():
+    """The tiled scales are float16: GGUF's kept exactly (above), others (``--quantize int4``'s float32
+    ones) rounded to nearest, and untiling gives those values back in float32."""
+    gen = torch.Generator().manual_seed(6)
+    _, qs, dm = four_bit(40, 96, "int4", gen)
+    assert not torch.equal(dm.half().float(), dm)
+    tq, tdm = q8act.tile4(qs, dm)
+    back = q8act.untile4(tq, tdm)[1]
+    assert back.dtype == torch.float32 and torch.equal(back, dm.half().float())
+    q8, d8 = eight_bit(40, 96, gen)
+    d8 = d8 * 1.001  # off the float16 grid
+    assert torch.equal(q8act.untile8(*q8act.tile8(q8, d8))[1], d8.half().float())
 
 
 def test_prompt_chunks_on_tiled_weights_take_the_q4_panels():

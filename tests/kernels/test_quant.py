@@ -39,6 +39,25 @@ def test_from_float_computes_its_dequantized_weight(scheme, kernel):
         torch.testing.assert_close(out, F.linear(x.to(ACT_DTYPE).float(), deq), rtol=2e-2, atol=2e-2)  # bfloat16 output
 
 
+@needs_fused
+def test_q8a_quantizes_with_float16_scales_where_float32_ones_would_not_fit():
+    """``q8a`` keeps its block scales in float16 (as GGUF's Q4_1): hispec's own quantization picks
+    the codes for the rounded scales, and constant or tiny blocks (a scale below float16's normal
+    range) still give finite weights within half a step."""
+    w = torch.randn(32, 96, generator=torch.Generator().manual_seed(3)) * 0.05
+    w[0, :32] = 0.25  # a constant block
+    w[1, :32] *= 1e-6  # a block whose float32 scale is a float16 subnormal
+    layer = QuantLinear.from_float(w, "int4", kernel="q8a")
+    assert layer.qparams.dtype == torch.float16
+    d, m = layer.blocks()[1]
+    assert torch.equal(d.half().float(), d) and torch.equal(m.half().float(), m)
+    deq = layer.dequantize()
+    assert torch.isfinite(deq).all()
+    step = d.repeat_interleave(32, dim=1)
+    assert ((deq - w).abs() <= step / 2 + 1e-3 * w.abs()).all()  # the codes fit the float16 scales
+    assert (deq[1, :32] - w[1, :32]).abs().max() <= 2.0 ** -14
+
+
 @pytest.mark.parametrize("scheme,kernel", SCHEMES)
 def test_rows_do_not_depend_on_the_batch(scheme, kernel):
     """One-token decoding and batched verification must see bit-identical rows."""

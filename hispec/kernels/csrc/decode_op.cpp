@@ -59,21 +59,38 @@ at::Tensor run_matmul(int64_t kind, const at::Tensor& x, const at::Tensor& w, co
         hs_panel_matmul(x.data_ptr<float>(), x.size(0), x.size(1), w.data_ptr<float>(), group, y.data_ptr<float>(), 1);
         return y;
     }
-    if (kind == HS_MM_Q4 || kind == HS_MM_Q4_PANELS || kind == HS_MM_Q8A4 || kind == HS_MM_Q8A4_PANELS) {
-        // p [2, N, K / 32]: d, then m
+    if (kind == HS_MM_Q4 || kind == HS_MM_Q4_PANELS) {
+        // p [2, N, K / 32] float32: d, then m
         at::Tensor& y = output(out, x, w.size(0));
-        const auto fn = kind == HS_MM_Q4 ? hs_q4_matmul : kind == HS_MM_Q8A4 ? hs_q8a_q4_matmul
-                      : kind == HS_MM_Q8A4_PANELS ? hs_q8a_q4_panel_matmul : hs_q4_panel_matmul;
         TORCH_CHECK(p.is_contiguous() && p.size(0) == 2, "q4 parameters: contiguous [2, N, K / 32]");
         const float* d = p.data_ptr<float>();
-        fn(w.data_ptr<uint8_t>(), d, d + p.size(1) * p.size(2), x.data_ptr<float>(), x.size(0), w.size(0), x.size(1),
-           y.data_ptr<float>(), 1);
+        (kind == HS_MM_Q4 ? hs_q4_matmul : hs_q4_panel_matmul)(w.data_ptr<uint8_t>(), d, d + p.size(1) * p.size(2),
+                                                               x.data_ptr<float>(), x.size(0), w.size(0), x.size(1),
+                                                               y.data_ptr<float>(), 1);
         return y;
     }
-    if (kind == HS_MM_Q8 || kind == HS_MM_Q8A8) {
+    if (kind == HS_MM_Q8A4 || kind == HS_MM_Q8A4_PANELS) {
+        // p [2, N, K / 32] float16, tiled: d, then m
         at::Tensor& y = output(out, x, w.size(0));
-        (kind == HS_MM_Q8 ? hs_q8_matmul : hs_q8a_q8_matmul)(w.data_ptr<int8_t>(), p.data_ptr<float>(), x.data_ptr(), is_bf(x), x.size(0), w.size(0), x.size(1),
-                  y.data_ptr<float>(), 1);
+        TORCH_CHECK(p.is_contiguous() && p.size(0) == 2 && p.scalar_type() == at::kHalf,
+                    "q8a parameters: contiguous float16 [2, N, K / 32]");
+        const auto* d = reinterpret_cast<const uint16_t*>(p.data_ptr<at::Half>());
+        (kind == HS_MM_Q8A4 ? hs_q8a_q4_matmul : hs_q8a_q4_panel_matmul)(
+            w.data_ptr<uint8_t>(), d, d + p.size(1) * p.size(2), x.data_ptr<float>(), x.size(0), w.size(0), x.size(1),
+            y.data_ptr<float>(), 1);
+        return y;
+    }
+    if (kind == HS_MM_Q8) {
+        at::Tensor& y = output(out, x, w.size(0));
+        hs_q8_matmul(w.data_ptr<int8_t>(), p.data_ptr<float>(), x.data_ptr(), is_bf(x), x.size(0), w.size(0),
+                     x.size(1), y.data_ptr<float>(), 1);
+        return y;
+    }
+    if (kind == HS_MM_Q8A8) {  // p [N, K / 32] float16, tiled
+        at::Tensor& y = output(out, x, w.size(0));
+        TORCH_CHECK(p.scalar_type() == at::kHalf, "q8a8 scales: float16");
+        hs_q8a_q8_matmul(w.data_ptr<int8_t>(), reinterpret_cast<const uint16_t*>(p.data_ptr<at::Half>()), x.data_ptr(),
+                         is_bf(x), x.size(0), w.size(0), x.size(1), y.data_ptr<float>(), 1);
         return y;
     }
     const int64_t t = x.size(0);

@@ -80,7 +80,7 @@ void hs_q4_panel_matmul(const uint8_t *qs, const float *d, const float *m, const
 
 /* ---- q8act.c: 8-bit-activation integer kernels (hispec/kernels/q8act.py) ---- */
 /* Weight formats (fmt) and instruction-set paths (isa) of hs_q8a_matmul. */
-enum hs_q8a_format {  /* the weights TILED (hs_q8a_tile): 16 columns' blocks side by side */
+enum hs_q8a_format {  /* the weights TILED (hs_q8a_tile): 16 columns' blocks side by side; d, m float16 bits */
     HS_Q8A_Q4 = 0,  /* 4-bit: nibbles w = qs [N, K / 2], d, m [N, K / 32]: W = d * q + m */
     HS_Q8A_Q8 = 1,  /* 8-bit: w = q int8 [N, K], d [N, K / 32]: W = d * q (m unused) */
 };
@@ -93,8 +93,8 @@ enum hs_q8a_isa {
     HS_Q8A_EMULATED = 5,    /* the 256-bit VNNI kernel with dpbusd made of AVX2 (tests; never chosen) */
 };
 /* the file's rows [N, ...] -> the kernels' tiled layout (untile = 0), or back (untile = 1); m NULL for 8-bit */
-void hs_q8a_tile(int fmt, const uint8_t *w, const float *d, const float *m, int64_t N, int64_t K, uint8_t *w_out,
-                 float *d_out, float *m_out, int untile);
+void hs_q8a_tile(int fmt, const uint8_t *w, const uint16_t *d, const uint16_t *m, int64_t N, int64_t K,
+                 uint8_t *w_out, uint16_t *d_out, uint16_t *m_out, int untile);
 /* x [T, K] float32 -> per block of 32: codes int8 [T, K] = rint(x * 127 / amax), dx = amax / 127,
  * sx = the codes' sum (int32), dxs = dx * sx; all [T, K / 32] */
 void hs_q8a_quantize(const float *x, int64_t T, int64_t K, int8_t *codes, float *dx, int32_t *sx, float *dxs);
@@ -104,19 +104,19 @@ int hs_q8a_isa_supported(int isa);
 int hs_q8a_best_isa(void);
 /* y[T, N] = x W^T for activations already quantized (hs_q8a_quantize) on path isa; returns the path
  * that ran, or -1 (the CPU lacks it: nothing written; no scratch memory: y incomplete) */
-int hs_q8a_matmul(int fmt, const uint8_t *w, const float *d, const float *m, const int8_t *codes, const float *dx,
+int hs_q8a_matmul(int fmt, const uint8_t *w, const uint16_t *d, const uint16_t *m, const int8_t *codes, const float *dx,
                   const int32_t *sx, const float *dxs, int64_t T, int64_t N, int64_t K, float *y, int isa,
                   int parallel);
 /* the same from float32 x [T, K] (quantized here); returns the path that ran, or -1 */
-int hs_q8a_matmul_f32(int fmt, const uint8_t *w, const float *d, const float *m, const float *x, int64_t T,
+int hs_q8a_matmul_f32(int fmt, const uint8_t *w, const uint16_t *d, const uint16_t *m, const float *x, int64_t T,
                       int64_t N, int64_t K, float *y, int isa, int parallel);
-/* drop-ins for hs_q4_matmul / hs_q8_matmul (same arguments) on the best path: 8-bit activations */
-void hs_q8a_q4_matmul(const uint8_t *qs, const float *d, const float *m, const float *x, int64_t T, int64_t N,
+/* hs_q4_matmul / hs_q8_matmul's arguments (scales float16) on the best path: 8-bit activations */
+void hs_q8a_q4_matmul(const uint8_t *qs, const uint16_t *d, const uint16_t *m, const float *x, int64_t T, int64_t N,
                       int64_t K, float *y, int parallel);
-void hs_q8a_q8_matmul(const int8_t *q, const float *d, const void *x, int x_bf, int64_t T, int64_t N, int64_t K,
+void hs_q8a_q8_matmul(const int8_t *q, const uint16_t *d, const void *x, int x_bf, int64_t T, int64_t N, int64_t K,
                       float *y, int parallel);
 /* hs_q4_panel_matmul (prompt chunks: float32 panels, the same bits) on tiled 4-bit weights */
-void hs_q8a_q4_panel_matmul(const uint8_t *qs, const float *d, const float *m, const float *x, int64_t T,
+void hs_q8a_q4_panel_matmul(const uint8_t *qs, const uint16_t *d, const uint16_t *m, const float *x, int64_t T,
                             int64_t N, int64_t K, float *y, int parallel);
 
 #ifdef __cplusplus

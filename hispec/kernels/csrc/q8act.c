@@ -2,9 +2,12 @@
  * block weights, as hispec stores them:
  *
  *   4-bit: qs uint8 [N, K / 2] (per block of 32: byte j holds q[j] in its low nibble and q[j + 16]
- *          in its high one, q in 0..15), d, m float32 [N, K / 32]:  W[n, k] = d[n, b] q[n, k] + m[n, b]
+ *          in its high one, q in 0..15), d, m float16 [N, K / 32]:  W[n, k] = d[n, b] q[n, k] + m[n, b]
  *          (Q4_0 is m = -8 d).
- *   8-bit: q int8 [N, K], d float32 [N, K / 32]:                     W[n, k] = d[n, b] q[n, k]
+ *   8-bit: q int8 [N, K], d float16 [N, K / 32]:                     W[n, k] = d[n, b] q[n, k]
+ * The scales are float16 as in the GGUF blocks (their bits, uint16_t here), widened exactly to
+ * float32 where used: at one row a step streams the weights from memory, and float32 scales were
+ * an eighth of a 4-bit weight's bytes.
  *
  * Activations x [T, K] float32 are quantized per block of 32 (hs_q8a_quantize):
  *   amax = max |x|, dx = amax / 127, codes = rint(x * (127 / amax)) in -127..127 (0 where amax is 0),
@@ -74,8 +77,8 @@ static inline int64_t tiled_scale(int64_t n, int64_t b, int64_t nb, int64_t N) {
 }
 
 /* rows -> tiled (untile = 0) or back (1): w [N, row bytes], d and m (NULL for 8-bit) [N, nb]. */
-void hs_q8a_tile(int fmt, const uint8_t *w, const float *d, const float *m, int64_t N, int64_t K, uint8_t *w_out,
-                 float *d_out, float *m_out, int untile) {
+void hs_q8a_tile(int fmt, const uint8_t *w, const uint16_t *d, const uint16_t *m, int64_t N, int64_t K,
+                 uint8_t *w_out, uint16_t *d_out, uint16_t *m_out, int untile) {
     const int64_t nb = K / BLOCK;
     const int bytes = block_bytes(fmt);
     for (int64_t n = 0; n < N; n++)
@@ -90,6 +93,22 @@ void hs_q8a_tile(int fmt, const uint8_t *w, const float *d, const float *m, int6
             if (untile) d_out[r] = d[t]; else d_out[t] = d[r];
             if (m && untile) m_out[r] = m[t]; else if (m) m_out[t] = m[r];
         }
+}
+
+/* A float16's bits -> its value as a float32 (exact: every float16 is a float32). */
+static inline float half_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h >> 15) << 31, e = (h >> 10) & 31, f = h & 1023;
+    uint32_t bits;
+    if (e == 31) bits = sign | 0x7F800000u | f << 13;  /* inf, NaN */
+    else if (e) bits = sign | (e + 112) << 23 | f << 13;  /* normal: the exponent rebased, 127 - 15 */
+    else {  /* zero or subnormal: f * 2^-24 */
+        const float v = (float)f * 0x1p-24f;
+        memcpy(&bits, &v, sizeof bits);
+        bits |= sign;
+    }
+    float out;
+    memcpy(&out, &bits, sizeof out);
+    return out;
 }
 
 static inline int8_t clamp_code(float v) {  /* NaN -> 0 */
@@ -171,7 +190,7 @@ void hs_q8a_quantize(const float *x, int64_t T, int64_t K, int8_t *codes, float 
 /* Not vectorized: GCC 12 at -O2/-O3 with -march=native on a CPU with AVX-512 VNNI (a Zen 4) turned the
  * signed x signed int8 dot product below into dpbusd, which takes one side unsigned: wrong sums for
  * negative 8-bit weights (seen 2026-12-04). This path is the definition; its speed does not matter. */
-__attribute__((optimize("no-tree-vectorize"))) static void scalar_matmul(const uint8_t *w, const float *d, const float *m, const int fmt, const int8_t *codes,
+__attribute__((optimize("no-tree-vectorize"))) static void scalar_matmul(const uint8_t *w, const uint16_t *d, const uint16_t *m, const int fmt, const int8_t *codes,
                           const float *dx, const int32_t *sx, const float *dxs, int64_t T, int64_t N, int64_t K,
                           float *y, int parallel) {
     (void)sx;
@@ -193,9 +212,9 @@ __attribute__((optimize("no-tree-vectorize"))) static void scalar_matmul(const u
                 else
                     for (int j = 0; j < 16; j++) s += (wb[j] & 15) * xb[j] + (wb[j] >> 4) * xb[16 + j];
                 const int64_t sc = tiled_scale(n, b, nb, N);
-                const float c = d[sc] * dx[t * nb + b];
+                const float c = half_to_float(d[sc]) * dx[t * nb + b];
                 acc = fmaf((float)s, c, acc);
-                if (fmt == HS_Q8A_Q4) macc = fmaf(m[sc], dxs[t * nb + b], macc);
+                if (fmt == HS_Q8A_Q4) macc = fmaf(half_to_float(m[sc]), dxs[t * nb + b], macc);
             }
             y[t * N + n] = fmt == HS_Q8A_Q4 ? acc + macc : acc;
         }
@@ -208,7 +227,7 @@ __attribute__((optimize("no-tree-vectorize"))) static void scalar_matmul(const u
 
 /* AVX2, maddubs */
 #pragma GCC push_options
-#pragma GCC target("avx2,fma")
+#pragma GCC target("avx2,fma,f16c")
 #define ISA_NAME avx2
 #define VW 8
 #define TV 2
@@ -219,7 +238,7 @@ __attribute__((optimize("no-tree-vectorize"))) static void scalar_matmul(const u
 
 /* 256-bit VNNI: AVX-VNNI (VEX) */
 #pragma GCC push_options
-#pragma GCC target("avx2,fma,avxvnni")
+#pragma GCC target("avx2,fma,f16c,avxvnni")
 #define ISA_NAME avxvnni
 #define VW 8
 #define TV 2
@@ -231,7 +250,7 @@ __attribute__((optimize("no-tree-vectorize"))) static void scalar_matmul(const u
 
 /* 256-bit VNNI: AVX512-VL + AVX512-VNNI (EVEX), for AVX-512 CPUs without AVX-VNNI (Zen 4, Ice Lake) */
 #pragma GCC push_options
-#pragma GCC target("avx2,fma,avx512f,avx512vl,avx512vnni")
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512vl,avx512vnni")
 #define ISA_NAME vl256
 #define VW 8
 #define TV 2
@@ -244,7 +263,7 @@ __attribute__((optimize("no-tree-vectorize"))) static void scalar_matmul(const u
 /* The 256-bit VNNI kernel on plain AVX2, dpbusd computed by other instructions (exact): for the
  * tests, to run that kernel's code on CPUs without VNNI. Never chosen by hs_q8a_best_isa. */
 #pragma GCC push_options
-#pragma GCC target("avx2,fma")
+#pragma GCC target("avx2,fma,f16c")
 static inline __attribute__((always_inline)) __m256i dpbusd_emulated(__m256i src, __m256i a, __m256i b) {
     const __m256i lo8 = _mm256_set1_epi16(0x00FF);
     const __m256i a_even = _mm256_and_si256(a, lo8), a_odd = _mm256_srli_epi16(a, 8);  /* unsigned bytes */
@@ -262,7 +281,7 @@ static inline __attribute__((always_inline)) __m256i dpbusd_emulated(__m256i src
 
 /* AVX-512 VNNI */
 #pragma GCC push_options
-#pragma GCC target("avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni")
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")
 #define ISA_NAME avx512vnni
 #define VW 16
 #define TV 1
@@ -277,7 +296,8 @@ int hs_q8a_isa_supported(int isa) {
     switch (isa) {
         case HS_Q8A_SCALAR: return 1;
         case HS_Q8A_EMULATED:
-        case HS_Q8A_AVX2: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+        case HS_Q8A_AVX2:
+            return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
         case HS_Q8A_VNNI256:
             return hs_q8a_isa_supported(HS_Q8A_AVX2) &&
                    (__builtin_cpu_supports("avxvnni") ||
@@ -300,7 +320,7 @@ int hs_q8a_best_isa(void) {
  * and x given quantized (hs_q8a_quantize). isa: HS_Q8A_AUTO (the best this CPU has) or one path.
  * Returns the path that ran, or -1 when the CPU lacks the one asked for (nothing written) or scratch
  * memory could not be allocated (y incomplete). */
-int hs_q8a_matmul(int fmt, const uint8_t *w, const float *d, const float *m, const int8_t *codes, const float *dx,
+int hs_q8a_matmul(int fmt, const uint8_t *w, const uint16_t *d, const uint16_t *m, const int8_t *codes, const float *dx,
                   const int32_t *sx, const float *dxs, int64_t T, int64_t N, int64_t K, float *y, int isa,
                   int parallel) {
     if (isa == HS_Q8A_AUTO) isa = hs_q8a_best_isa();
@@ -322,7 +342,7 @@ int hs_q8a_matmul(int fmt, const uint8_t *w, const float *d, const float *m, con
 }
 
 /* x float32 [T, K] quantized here (scratch from the caller: codes [T, K], dx, sx, dxs [T, K/32]). */
-int hs_q8a_matmul_f32(int fmt, const uint8_t *w, const float *d, const float *m, const float *x, int64_t T,
+int hs_q8a_matmul_f32(int fmt, const uint8_t *w, const uint16_t *d, const uint16_t *m, const float *x, int64_t T,
                       int64_t N, int64_t K, float *y, int isa, int parallel) {
     const int64_t nb = K / BLOCK;
     int8_t *codes = malloc((size_t)(T * K));
@@ -340,15 +360,15 @@ int hs_q8a_matmul_f32(int fmt, const uint8_t *w, const float *d, const float *m,
     return ran;
 }
 
-/* Drop-in replacements with the signatures of hs_q4_matmul and hs_q8_matmul (gguf.c), on the
- * best path this CPU has, for tiled weights: the C++ layer op binds these in their place. x_bf: x is bfloat16 (each
+/* The arguments of hs_q4_matmul and hs_q8_matmul (gguf.c), on the best path this CPU has, for tiled
+ * weights with float16 scales: the C++ layer op runs these in their place. x_bf: x is bfloat16 (each
  * value widened exactly to float32 first). */
-void hs_q8a_q4_matmul(const uint8_t *qs, const float *d, const float *m, const float *x, int64_t T, int64_t N,
+void hs_q8a_q4_matmul(const uint8_t *qs, const uint16_t *d, const uint16_t *m, const float *x, int64_t T, int64_t N,
                       int64_t K, float *y, int parallel) {
     hs_q8a_matmul_f32(HS_Q8A_Q4, qs, d, m, x, T, N, K, y, HS_Q8A_AUTO, parallel);
 }
 
-void hs_q8a_q8_matmul(const int8_t *q, const float *d, const void *x, int x_bf, int64_t T, int64_t N, int64_t K,
+void hs_q8a_q8_matmul(const int8_t *q, const uint16_t *d, const void *x, int x_bf, int64_t T, int64_t N, int64_t K,
                       float *y, int parallel) {
     if (!x_bf) {
         hs_q8a_matmul_f32(HS_Q8A_Q8, (const uint8_t *)q, d, NULL, (const float *)x, T, N, K, y, HS_Q8A_AUTO, parallel);
@@ -365,20 +385,22 @@ void hs_q8a_q8_matmul(const int8_t *q, const float *d, const void *x, int x_bf, 
 }
 
 /* The q4 kernel's prompt-chunk product (gguf.c's hs_q4_panel_matmul: float32 panels, the same bits)
- * on tiled 4-bit weights: the rows put back in a scratch copy first (one pass over W, as the panels'
- * rebuild is). */
-void hs_q8a_q4_panel_matmul(const uint8_t *qs, const float *d, const float *m, const float *x, int64_t T,
+ * on tiled 4-bit weights: the rows (and float32 scales) put back in a scratch copy first (one pass
+ * over W, as the panels' rebuild is). */
+void hs_q8a_q4_panel_matmul(const uint8_t *qs, const uint16_t *d, const uint16_t *m, const float *x, int64_t T,
                             int64_t N, int64_t K, float *y, int parallel) {
     const int64_t nb = K / BLOCK;
     uint8_t *rows = malloc((size_t)(N * nb * 16));
-    float *dr = malloc((size_t)(N * nb) * sizeof(float)), *mr = malloc((size_t)(N * nb) * sizeof(float));
-    if (rows && dr && mr) {
-        hs_q8a_tile(HS_Q8A_Q4, qs, d, m, N, K, rows, dr, mr, 1);
-        hs_q4_panel_matmul(rows, dr, mr, x, T, N, K, y, parallel);
+    uint16_t *hr = malloc((size_t)(2 * N * nb) * sizeof(uint16_t));
+    float *dr = malloc((size_t)(2 * N * nb) * sizeof(float));
+    if (rows && hr && dr) {
+        hs_q8a_tile(HS_Q8A_Q4, qs, d, m, N, K, rows, hr, hr + N * nb, 1);
+        for (int64_t i = 0; i < 2 * N * nb; i++) dr[i] = half_to_float(hr[i]);
+        hs_q4_panel_matmul(rows, dr, dr + N * nb, x, T, N, K, y, parallel);
     }
     free(rows);
+    free(hr);
     free(dr);
-    free(mr);
 }
 
 #else /* ---- Q8A_BODY: one instruction set's kernel (VW lanes, TV vectors per tile, RT rows per pass) ---- */
@@ -406,6 +428,7 @@ void hs_q8a_q4_panel_matmul(const uint8_t *qs, const float *d, const float *m, c
 #define V_ZEROF _mm256_setzero_ps
 #define V_SET1F _mm256_set1_ps
 #define V_LOADF _mm256_loadu_ps
+#define V_LOADH(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))  /* float16 -> float32 */
 #define V_CVT _mm256_cvtepi32_ps
 #define V_MUL _mm256_mul_ps
 #define V_ADDF _mm256_add_ps
@@ -436,6 +459,7 @@ static inline __attribute__((always_inline)) void FN(store_cols)(float *y, vf v,
 #define V_ZEROF _mm512_setzero_ps
 #define V_SET1F _mm512_set1_ps
 #define V_LOADF _mm512_loadu_ps
+#define V_LOADH(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))  /* float16 -> float32 */
 #define V_CVT _mm512_cvtepi32_ps
 #define V_MUL _mm512_mul_ps
 #define V_ADDF _mm512_add_ps
@@ -501,7 +525,7 @@ static inline __attribute__((always_inline)) void FN(expand)(const uint8_t *tw, 
  * instead of a burst of loads stalling before each tile (at 8-16 rows the stream and the products
  * had added up rather than overlapped). */
 static inline __attribute__((always_inline)) void FN(rows)(vi *buf, vi *sbuf, const uint8_t *tw, const uint8_t *next,
-                                                           const float *dbuf, const float *mbuf, const int8_t *codes,
+                                                           const uint16_t *dbuf, const uint16_t *mbuf, const int8_t *codes,
                                                            const float *dx, const int32_t *sx, const float *dxs,
                                                            int64_t K, int64_t t0, const int R, const int fmt,
                                                            float *y, int64_t N, int ncols) {
@@ -538,7 +562,7 @@ static inline __attribute__((always_inline)) void FN(rows)(vi *buf, vi *sbuf, co
             }
         }
         for (int tv = 0; tv < TV; tv++) {
-            const vf dv = V_LOADF(dbuf + b * COLS + tv * VW);
+            const vf dv = V_LOADH(dbuf + b * COLS + tv * VW);
             for (int r = 0; r < R; r++) {
 #if !DP_VNNI
                 if (fmt == HS_Q8A_Q4) s[r][tv] = V_MADD16(s[r][tv], V_SET1_16(1));
@@ -551,7 +575,7 @@ static inline __attribute__((always_inline)) void FN(rows)(vi *buf, vi *sbuf, co
     if (fmt == HS_Q8A_Q4)
         for (int64_t b = 0; b < nb; b++)
             for (int tv = 0; tv < TV; tv++) {
-                const vf mv = V_LOADF(mbuf + b * COLS + tv * VW);
+                const vf mv = V_LOADH(mbuf + b * COLS + tv * VW);
                 for (int r = 0; r < R; r++)
                     macc[r][tv] = V_FMA(mv, V_SET1F(dxs[(t0 + r) * nb + b]), macc[r][tv]);
             }
@@ -564,7 +588,7 @@ static inline __attribute__((always_inline)) void FN(rows)(vi *buf, vi *sbuf, co
         }
 }
 
-static inline __attribute__((always_inline)) int FN(run)(const uint8_t *w, const float *d, const float *m,
+static inline __attribute__((always_inline)) int FN(run)(const uint8_t *w, const uint16_t *d, const uint16_t *m,
                                                           const int fmt, const int8_t *codes, const float *dx,
                                                           const int32_t *sx, const float *dxs, int64_t T, int64_t N,
                                                           int64_t K, float *y, int parallel) {
@@ -577,11 +601,11 @@ static inline __attribute__((always_inline)) int FN(run)(const uint8_t *w, const
         /* the last tile, when N is not a multiple of COLS: its columns (stored as rows) tiled here,
          * the missing ones zero (zero codes and scales; their outputs are not stored) */
         uint8_t *pad_w = NULL;
-        float *pad_d = NULL, *pad_m = NULL;
+        uint16_t *pad_d = NULL, *pad_m = NULL;
         if (N % COLS) {
             pad_w = calloc((size_t)(COLS * row_bytes), 1);
-            pad_d = calloc((size_t)(COLS * nb), sizeof(float));
-            pad_m = calloc((size_t)(COLS * nb), sizeof(float));
+            pad_d = calloc((size_t)(COLS * nb), sizeof(uint16_t));
+            pad_m = calloc((size_t)(COLS * nb), sizeof(uint16_t));
         }
         const int ok = buf && (DP_VNNI || sbuf) && (N % COLS == 0 || (pad_w && pad_d && pad_m));
         if (!ok) {
@@ -594,7 +618,7 @@ static inline __attribute__((always_inline)) int FN(run)(const uint8_t *w, const
             const int64_t n0 = tile * COLS;
             const int ncols = (int)(N - n0 < COLS ? N - n0 : COLS);
             const uint8_t *tw = w + n0 * row_bytes;
-            const float *dbuf = d + n0 * nb, *mbuf = fmt == HS_Q8A_Q4 ? m + n0 * nb : NULL;
+            const uint16_t *dbuf = d + n0 * nb, *mbuf = fmt == HS_Q8A_Q4 ? m + n0 * nb : NULL;
             if (ncols < COLS) {  /* the stored rows of the last ncols columns, placed as in a full tile */
                 const int bytes = block_bytes(fmt);
                 for (int c = 0; c < ncols; c++)
@@ -637,7 +661,7 @@ static inline __attribute__((always_inline)) int FN(run)(const uint8_t *w, const
 }
 
 /* 1, or 0 when scratch memory could not be allocated (y not fully written) */
-static int FN(matmul)(const uint8_t *w, const float *d, const float *m, const int fmt, const int8_t *codes,
+static int FN(matmul)(const uint8_t *w, const uint16_t *d, const uint16_t *m, const int fmt, const int8_t *codes,
                       const float *dx, const int32_t *sx, const float *dxs, int64_t T, int64_t N, int64_t K, float *y,
                       int parallel) {
     if (fmt == HS_Q8A_Q4) return FN(run)(w, d, m, HS_Q8A_Q4, codes, dx, sx, dxs, T, N, K, y, parallel);
@@ -666,6 +690,7 @@ static int FN(matmul)(const uint8_t *w, const float *d, const float *m, const in
 #undef V_ZEROF
 #undef V_SET1F
 #undef V_LOADF
+#undef V_LOADH
 #undef V_CVT
 #undef V_MUL
 #undef V_ADDF
