@@ -7,7 +7,7 @@
  *   8-bit: q int8 [N, K], d float16 [N, K / 32]:                     W[n, k] = d[n, b] q[n, k]
  * The scales are float16 as in the GGUF blocks (their bits, uint16_t here), widened exactly to
  * float32 where used: at one row a step streams the weights from memory, and float32 scales were
- * an eighth of a 4-bit weight's bytes.
+ * a third of a 4-bit weight's bytes (8 of every 24 bytes a block).
  *
  * Activations x [T, K] float32 are quantized per block of 32 (hs_q8a_quantize):
  *   amax = max |x|, dx = amax / 127, codes = rint(x * (127 / amax)) in -127..127 (0 where amax is 0),
