@@ -80,9 +80,11 @@ INNER_K_TILES = 2
 SCHEMES = ("int4", "int8")
 KERNELS = ("int4", "int8", "int4x2", "q8", "q4", "q8a", "q8a8")
 FLOAT_INPUT = ("q8", "q4", "q8a", "q8a8")  # kernels that read float32 activations (the others: ACT_DTYPE)
-# kernels of GGUF 4-bit blocks as stored: qweight nibbles, qparams [2, N, K / 32] d, m (q8a: tiled, float16, q8act.tile4)
+# kernels of GGUF 4-bit blocks as stored: qweight nibbles, qparams [2, N, K / 32] d, m
+# (q8a: tiled, float16, q8act.tile4)
 Q4_STORAGE = ("q4", "q8a")
-# kernels of GGUF Q8_0 blocks as stored: qweight q [N, K] int8, qparams d [N, K / 32] (q8a8: tiled, float16, q8act.tile8)
+# kernels of GGUF Q8_0 blocks as stored: qweight q [N, K] int8, qparams d [N, K / 32]
+# (q8a8: tiled, float16, q8act.tile8)
 Q8_STORAGE = ("q8", "q8a8")
 EIGHT_BIT_ACTS = ("q8a", "q8a8")  # kernels that round activations to 8 bits per block (q8act.py)
 

@@ -239,7 +239,8 @@ def test_bad_input_raises_clearly():
         q8act.q4_matmul(x, qs.to(torch.int8), dm)
     with pytest.raises(TypeError, match=r"dm must be a CPU torch.float16 tensor of shape \(2, 16, 2\)"):
         q8act.q4_matmul(x, qs, dm[:, :, :1])
-    with pytest.raises(TypeError, match=r"dm must be a CPU torch.float16 tensor of shape \(2, 16, 2\), got torch.float32"):
+    with pytest.raises(TypeError, match=r"dm must be a CPU torch.float16 tensor of shape \(2, 16, 2\), "
+                       r"got torch.float32"):
         q8act.q4_matmul(x, qs, dm.float())
     with pytest.raises(ValueError, match="multiple of 32"):
         q8act.quantize(torch.randn(2, 40))
