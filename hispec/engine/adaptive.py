@@ -7,7 +7,8 @@ a fixed rule, the controller measures both modes per batch-size bucket (committe
 second of step time, an exponential moving average; each mode once, then a few more times unless
 it clearly loses), picks the better one, and now and then re-measures the other: every
 ``explore_every`` steps at first, twice as long after each re-measurement that changes nothing (up
-to ``max_backoff`` times), back to the start when the other mode wins. Both modes are lossless, so switching never changes the output.
+to ``max_backoff`` times), back to the start when the other mode wins. Both modes are lossless, so
+switching never changes the output.
 
 A strategy that drafts token trees (``--tree-width``) has a third mode, ``chain``: its rounds with
 one draft per position. The controller then weighs the three (trees pay only where verification

@@ -150,8 +150,7 @@ class QuantLinear(nn.Module):
         ``scale = d``, ``zero = m + 8 d`` rounded to bfloat16; ``q4`` (groups of 32) keeps ``d`` and ``m``
         in float32, ``q8a`` in float16 (rounded to nearest; GGUF's are float16 already)."""
         n, k = q.shape
-        if kernel is None:
-            kernel = four_bit_kernel()[0] if group == 32 else "int4"
+        kernel = _four_bit_kernel_for(group) if kernel is None else kernel
         if kernel in Q4_STORAGE:
             qs, dm = pack_nibbles(q), torch.stack([d.float(), m.float()]).contiguous()
             if kernel == "q8a":  # its kernels read the blocks tiled, scales in float16
@@ -213,8 +212,7 @@ class QuantLinear(nn.Module):
         if scheme != "int4":
             raise ValueError(f"unknown quantization {scheme!r}; choose from {', '.join(SCHEMES)}")
         n, k = w.shape
-        if kernel is None:
-            kernel = four_bit_kernel()[0] if group == 32 else "int4"
+        kernel = _four_bit_kernel_for(group) if kernel is None else kernel
         blocks = w.view(n, k // group, group)
         lo, hi = blocks.amin(-1), blocks.amax(-1)  # [N, K/group]
         scale = ((hi - lo) / 15).clamp(min=1e-12)
@@ -529,6 +527,12 @@ def four_bit_kernel() -> tuple[str, str]:
         q8act.best_isa()  # says once which path runs where the CPU lacks VNNI
     build.keep_json(path, {"kernel": best, "why": why, "timings": med})
     return best, why
+
+
+def _four_bit_kernel_for(group: int) -> str:
+    """The kernel of a 4-bit weight in groups of ``group`` when none is asked for: the timed choice
+    for GGUF-sized groups of 32, PyTorch's int4 (any group) otherwise."""
+    return four_bit_kernel()[0] if group == 32 else "int4"
 
 
 @functools.lru_cache(maxsize=1)
