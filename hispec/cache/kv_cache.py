@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernels import hugepages
 from ..kernels.fused import KernelBatch
 from .block_manager import BlockManager
 
@@ -25,8 +26,12 @@ class KVPool:
                  head_dim: int, dtype: torch.dtype, device: torch.device | str) -> None:
         self.block_size, self.num_blocks = block_size, num_blocks
         shape = (num_kv_heads, num_blocks * block_size, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        if torch.device(device).type == "cpu":  # attention streams these: in huge pages where the OS has them
+            kv = hugepages.zeros([shape] * (2 * num_layers), dtype)
+            self.k, self.v = kv[:num_layers], kv[num_layers:]
+        else:
+            self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+            self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
     @property
     def bytes_per_block(self) -> int:

@@ -17,7 +17,7 @@ import functools
 
 import torch
 
-from . import build, fused, layer_op, plan, quant
+from . import build, fused, hugepages, layer_op, plan, quant
 from .quant import QuantLinear
 
 FAST_CAPABILITIES = ("AVX512",)
@@ -89,5 +89,7 @@ def describe(model) -> str:
                     if whole else "; decode steps run all layers in one C++ call" if planned else
                     "; layers called one by one" + ("" if layer_op.layers_op() else
                                                      " (layer op unavailable: no C++ compiler, or HISPEC_FUSED_LAYERS=0)"))
+    pages = f"; {hugepages.describe()}" if model.device.type == "cpu" else ""
     return (f"weights {model.weight_format}: decoder linears {layers}; output head {head_kind}; "
-            f"between the matmuls: {between}; KV cache {str(model.kv_dtype)[6:]}; CPU capability {cpu_capability()}")
+            f"between the matmuls: {between}; KV cache {str(model.kv_dtype)[6:]}; CPU capability {cpu_capability()}"
+            f"{pages}")

@@ -15,6 +15,7 @@ from safetensors import safe_open
 
 from ... import envs
 from ...config import ConfigError, ModelConfig, check_engine_options
+from ...kernels import hugepages
 from ..decoder import DecoderModel
 
 
@@ -201,6 +202,8 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
         model.inv_freq = rope_inv_freq(cfg)
     model = model.to(device).eval().requires_grad_(False)
     apply_quantization(model, quantize, gguf)
+    if model.device.type == "cpu":
+        hugepages.gather(model)  # the weights a decode step streams, in 2 MiB pages: same values
     return model
 
 
