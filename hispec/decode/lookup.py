@@ -195,38 +195,74 @@ class SuffixStore:
 
 @dataclass
 class RowCost:
-    """The measured seconds of a pass as ``a + b * rows``: exponentially weighted least squares
-    over ``(rows, seconds)`` observations, with a prior relative row cost ``prior`` (``b / (a + b)``)
-    anchored at the first observation, which the measurements outweigh after a few passes."""
+    """What verification costs, measured: the seconds of a verification pass as ``a + b * rows``
+    (exponentially weighted least squares over its passes, the slope drawn towards a prior
+    relative row cost ``prior`` (``b / (a + b)`` of the first pass), which passes of different rows
+    outweigh after a few), and the seconds of a plain step per batch size (a running mean).
+
+    The two are kept apart because a plain step is not a one-row verification pass: greedy plain
+    steps run several to an op call with nothing in Python between them, while a verification
+    pass is one call with its drafts to build and check. Fitted together, that fixed difference
+    read as a steep cost per row (~0.4 of a step for the default model where the op's own rows
+    cost ~0.1), and free drafts were cut to one token even when nine in ten were accepted."""
 
     prior: float = 0.25
     decay: float = 0.95  # weight of older observations per new one
-    prior_weight: float = 2.0
+    prior_weight: float = 1.0  # the prior slope counts as this many passes one row apart
     sums: list[float] = field(default_factory=lambda: [0.0] * 5)  # w, w*r, w*t, w*r*r, w*r*t
+    plain: dict[int, float] = field(default_factory=dict)  # batch size -> seconds of a plain step
+    prior_b: float = 0.0  # seconds per row the prior gives (set by the first pass)
 
     def record(self, rows: int, seconds: float) -> None:
+        """A verification pass of ``rows`` rows (the batch's plain rows and every draft)."""
         if seconds <= 0 or rows < 1:
             return
-        if not self.sums[0]:  # the prior: a + b*rows = seconds with b = prior * (a + b), at rows and rows + 1
-            b = seconds * self.prior / (1 + self.prior * (rows - 1))
-            for r, t in ((rows, seconds), (rows + 1, seconds + b)):
-                self._add(r, t, self.prior_weight / 2)
+        if not self.sums[0]:  # the prior: a + b*rows = seconds with b = prior * (a + b)
+            self.prior_b = seconds * self.prior / (1 + self.prior * (rows - 1))
         self.sums = [s * self.decay for s in self.sums]
         self._add(rows, seconds, 1.0)
+
+    def record_plain(self, batch_size: int, seconds: float) -> None:
+        """A plain step of ``batch_size`` sequences (one token each) took ``seconds``."""
+        if seconds > 0 and batch_size > 0:
+            old = self.plain.get(batch_size)
+            self.plain[batch_size] = seconds if old is None else old + (1 - self.decay) * (seconds - old)
 
     def _add(self, r: float, t: float, w: float) -> None:
         for i, v in enumerate((w, w * r, w * t, w * r * r, w * r * t)):
             self.sums[i] += v
 
-    def relative(self, batch_size: int) -> float:
-        """One extra row's cost as a share of one sequence's plain step: ``b / ((a + b*B) / B)``."""
+    def _fit(self) -> tuple[float, float] | None:
+        """``(a, b)`` of the verification passes (None before the first): least squares with the
+        slope drawn towards the prior's (ridge), so that passes which all had the same rows (a
+        chain always drafted in full) keep the prior slope instead of an arbitrary one."""
         w, sr, st, srr, srt = self.sums
         if not w:
+            return None
+        sxx, sxy = srr - sr * sr / w, srt - sr * st / w  # the rows' spread, and with the seconds
+        b = max(0.0, (sxy + self.prior_weight * self.prior_b) / (sxx + self.prior_weight))
+        return (st - b * sr) / w, b
+
+    def _step(self, batch_size: int, fit: tuple[float, float]) -> float:
+        """A plain step's seconds at this batch size: measured, else a draft-less verification pass."""
+        return self.plain.get(batch_size) or fit[0] + fit[1] * batch_size
+
+    def relative(self, batch_size: int) -> float:
+        """One extra row's cost as a share of one sequence's plain step: ``b / (step / B)``."""
+        fit = self._fit()
+        if fit is None:
             return self.prior
-        var = srr * w - sr * sr  # > 0: the prior's two points differ in rows
-        b = max(0.0, (srt * w - sr * st) / var) if var > 1e-12 else 0.0
-        plain = (st - b * sr) / w + b * batch_size  # a + b * B
-        return b * batch_size / plain if plain > 0 else self.prior
+        step = self._step(batch_size, fit)
+        return fit[1] * batch_size / step if step > 0 else self.prior
+
+    def overhead(self, batch_size: int) -> float:
+        """What a verification pass of the batch's rows costs beyond a plain step of the batch, as a
+        share of that step (0 before both are measured): paid once per round that drafts."""
+        fit = self._fit()
+        if fit is None or not self.plain.get(batch_size):
+            return 0.0
+        step = self.plain[batch_size]
+        return max(0.0, fit[0] + fit[1] * batch_size - step) / step
 
 
 class DraftLength:
@@ -234,8 +270,9 @@ class DraftLength:
     position ``j``, an estimate of P(draft j accepted | drafts before it accepted).
 
     ``choose`` picks the ``k`` that maximises expected tokens per unit of cost,
-    ``(1 + sum_{j<=k} prod_{i<=j} a_i) / (1 + c * k)`` with ``c`` a row's cost relative to a plain
-    step; ``k = 0`` (plain) when no length beats one token per plain step. While it is not
+    ``(1 + sum_{j<=k} prod_{i<=j} a_i) / (1 + o + c * k)`` with ``c`` a row's cost and ``o`` a
+    verification pass's fixed extra cost, both relative to a plain step; ``k = 0`` (plain) when no
+    length beats one token per plain step. While it is not
     drafting, its estimates drift back towards the prior, so it tries again later."""
 
     def __init__(self, max_draft: int, max_ngram: int, prior: float = 0.6, alpha: float = 0.3,
@@ -244,13 +281,13 @@ class DraftLength:
         self.rates = [[prior] * max_draft for _ in range(max_ngram + 1)]  # [n][j]
         self.declined = 0  # matches in a row it did not draft from
 
-    def choose(self, n: int, available: int, row_cost: float) -> int:
+    def choose(self, n: int, available: int, row_cost: float, overhead: float = 0.0) -> int:
         rates = self.rates[n]
         best_k, best, expect, p = 0, 1.0, 1.0, 1.0
         for k in range(1, min(available, len(rates)) + 1):
             p *= rates[k - 1]
             expect += p
-            ratio = expect / (1.0 + row_cost * k)
+            ratio = expect / (1.0 + overhead + row_cost * k)
             if ratio > best + 1e-9:
                 best_k, best = k, ratio
         if best_k == 0:
@@ -338,8 +375,12 @@ def free_drafts(batch: list, max_draft: int, max_ngram: int, cost: RowCost | Non
         found = state.find(ctx.tokens, ctx.suffix if ctx.params.greedy else None, room) if room > 0 \
             else Branch(LOOKUP, 0, [])
         row = state.row(found.source, found.n)
-        k = len(found.tokens) if cost is None or not found.n else state.length.choose(
-            row, len(found.tokens), cost.relative(len(batch)) if ctx.params.greedy else cost.prior)
+        if cost is None or not found.n:
+            k = len(found.tokens)
+        elif ctx.params.greedy:
+            k = state.length.choose(row, len(found.tokens), cost.relative(len(batch)), cost.overhead(len(batch)))
+        else:
+            k = state.length.choose(row, len(found.tokens), cost.prior)
         state.source, state.last_n = found.source, row
         out.append(found.tokens[:k])
     return out

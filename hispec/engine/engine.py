@@ -329,8 +329,8 @@ class Engine:
             for c in batch:
                 c.stats.modes[mode] = c.stats.modes.get(mode, 0) + 1
                 c.stats.mode_rates = rates
-        if cost is not None and (strategy is self._ar or not self._switches):  # a plain round: the cost of rows
-            cost.record(len(batch), elapsed / max(map(len, commits)))
+        if cost is not None and (strategy is self._ar or not self._switches):  # a plain round: what drafts must beat
+            cost.record_plain(len(batch), elapsed / max(map(len, commits)))
         return commits
 
     def _roll_back(self, seq: Sequence, generator_state: torch.Tensor | None) -> None:

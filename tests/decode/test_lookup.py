@@ -94,6 +94,40 @@ def test_row_cost_measures_the_slope():
             cost.record(rows, 0.010 + 0.005 * rows)
     assert abs(cost.relative(1) - 0.005 / 0.015) < 0.01
     assert abs(cost.relative(4) - 0.020 / 0.030) < 0.01
+    assert cost.overhead(1) == 0.0  # no plain step measured yet
+
+
+def test_row_cost_keeps_plain_steps_apart():
+    """Plain steps (several per op call) cost less than a one-row verification pass; that gap is a
+    pass's overhead, not a steep row cost."""
+    cost = RowCost()
+    for _ in range(60):
+        for rows in (2, 3, 5):  # verification passes: 6 ms + 0.5 ms a row
+            cost.record(rows, 0.006 + 0.0005 * rows)
+        cost.record_plain(1, 0.0045)  # a plain step: 4.5 ms
+        cost.record_plain(4, 0.007)
+    assert cost.relative(1) == pytest.approx(0.0005 / 0.0045, rel=0.1)  # (the slope drawn a little to the prior)
+    assert cost.overhead(1) == pytest.approx((0.0065 - 0.0045) / 0.0045, rel=0.1)
+    assert cost.relative(4) == pytest.approx(4 * 0.0005 / 0.007, rel=0.1)
+    assert cost.overhead(4) == pytest.approx((0.008 - 0.007) / 0.007, rel=0.15)
+    assert cost.overhead(2) == 0.0  # no plain step at this batch size
+    same = RowCost()  # every pass with the same rows: the slope stays the prior's
+    for _ in range(60):
+        same.record(5, 0.008)
+        same.record_plain(1, 0.0045)
+    assert same.relative(1) == pytest.approx(0.008 * 0.25 / 2.0 / 0.0045, rel=0.01)
+
+
+def test_draft_length_pays_the_overhead_once():
+    """With a pass's fixed overhead, drafts accepted nine times in ten are worth a long chain,
+    and drafts that are mostly rejected are not worth the pass."""
+    d = DraftLength(max_draft=4, max_ngram=3)
+    for _ in range(12):
+        d.record(3, 4, 4 if _ % 10 else 3)
+        d.record(1, 1, 0)
+    assert d.choose(3, 4, row_cost=0.11, overhead=0.45) == 4
+    assert d.choose(3, 4, row_cost=0.4) == 4
+    assert d.choose(1, 4, row_cost=0.11, overhead=0.45) == 0
 
 
 def test_settings_are_validated_with_the_flag_named():
