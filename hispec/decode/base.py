@@ -108,6 +108,35 @@ class LayerRunner:
             self.blocks.set_filled(seq_id, 0, n, pos + chosen.shape[1])
         return chosen.tolist()
 
+    def greedy_rows(self, items: list[tuple[int, int, list[int]]]) -> list[list[int]] | None:
+        """The model's greedy choice after each of the tokens of ``(seq_id, start_pos, tokens)``
+        items (a sequence's pending token and its drafts, at ``start_pos ..``), through every layer
+        in one call of the fused op: every token a row of one decode step (``decode_greedy``, one
+        step), its K/V written before any row attends, so a row sees the rows before it as the
+        cache. ``[B][len(tokens)]`` host ints: the argmax of each row's logits, the same values as
+        ``forward_many`` and ``exit_logits`` on the last layer and ``argmax_of``. None where that
+        call does not apply (nothing written)."""
+        n = self.model.num_layers
+        for seq_id, pos, toks in items:
+            self._slots_for(seq_id, pos, len(toks), 0, n)
+        tokens, positions, tables = [], [], []
+        for seq_id, pos, toks in items:
+            table = self.blocks.block_table(seq_id)
+            tokens += toks
+            positions += range(pos, pos + len(toks))
+            tables += [table] * len(toks)
+        chosen = self.model.decode_greedy(tokens, positions, tables, self.pool, 1, [])
+        if chosen is None:
+            return None
+        for seq_id, pos, toks in items:
+            self.blocks.set_filled(seq_id, 0, n, pos + len(toks))
+        flat = chosen[:, 0].tolist()
+        out, at = [], 0
+        for _, _, toks in items:
+            out.append(flat[at:at + len(toks)])
+            at += len(toks)
+        return out
+
     def _slots_for(self, seq_id: int, start_pos: int, num_tokens: int, start_layer: int, end_layer: int) -> None:
         """Check that layers ``[start_layer, end_layer)`` hold ``start_pos`` positions of the sequence
         and that positions up to ``start_pos + num_tokens`` have slots (reserved by the scheduler, or

@@ -355,6 +355,12 @@ def verify_free(batch: list[DecodeContext], drafts: list[list[int]], level: str 
     Afterwards each cache holds the committed tokens but the new pending one."""
     model, runner, n = batch[0].model, batch[0].runner, batch[0].model.num_layers
     positions = [len(c.tokens) - 1 for c in batch]
+    accepted = _verify_free_greedy(batch, drafts, positions)
+    if accepted is not None:
+        for c, d, pos, toks in zip(batch, drafts, positions, accepted):
+            c.target_logits = None  # (only a request with logprobs reads them: it takes the path below)
+            _verified_free(c, d, pos, len(toks) - 1, level)
+        return accepted
     hs = runner.forward_many([(c.seq_id, pos, c.token_tensor(c.tokens[-1:] + d))
                               for c, pos, d in zip(batch, positions, drafts)], 0, n)  # B x [k_b + 1, H]
     logits = model.exit_logits(torch.cat(hs) if len(hs) > 1 else hs[0], n)  # [sum (k_b + 1), V]
@@ -364,15 +370,39 @@ def verify_free(batch: list[DecodeContext], drafts: list[list[int]], level: str 
     accepted, _ = accept(batch, proposed, one_hot, logits, [d if c.processor is not None else ()
                                                              for c, d in zip(batch, drafts)])
     for c, d, pos, lg, toks in zip(batch, drafts, positions, split_rows(logits, [h.shape[0] for h in hs]), accepted):
-        num = len(toks) - 1
-        c.target_logits = lg[:num + 1]
-        c.runner.truncate(c.seq_id, pos + num + 1)
-        c.stats.full_passes += 1
-        if d:
-            c.stats.level(level or f"{c.lookup.source}->final").record(len(d), num)
-            c.lookup.length.record(c.lookup.last_n, len(d), num)
-        c.stats.count_round(c.lookup.source if d else "plain")
+        c.target_logits = lg[:len(toks)]
+        _verified_free(c, d, pos, len(toks) - 1, level)
     return accepted
+
+
+def _verify_free_greedy(batch: list[DecodeContext], drafts: list[list[int]],
+                        positions: list[int]) -> list[list[int]] | None:
+    """``verify_free``'s round for greedy sequences with nothing between their logits and the
+    argmax (no logits processor, no logprobs), in one op call (``greedy_rows``: layers, final norm,
+    head and argmax in C++; the same bits as the general path): each sequence keeps its drafts up
+    to the first that differs from the argmax before it, then that argmax (``greedy_accept``).
+    None where it does not apply (nothing written)."""
+    if any(not c.params.greedy or c.processor is not None or c.params.logprobs is not None for c in batch):
+        return None
+    chosen = batch[0].runner.greedy_rows([(c.seq_id, pos, c.tokens[-1:] + d)
+                                          for c, pos, d in zip(batch, positions, drafts)])
+    if chosen is None:
+        return None
+    accepted = []
+    for d, best in zip(drafts, chosen):  # best[i]: the argmax after the pending token and drafts d[:i]
+        num = next((i for i, t in enumerate(d) if t != best[i]), len(d))
+        accepted.append(d[:num] + [best[num]])
+    return accepted
+
+
+def _verified_free(c: DecodeContext, drafts: list[int], pos: int, num: int, level: str | None) -> None:
+    """A free-draft round's bookkeeping for one sequence: ``num`` of its ``drafts`` accepted."""
+    c.runner.truncate(c.seq_id, pos + num + 1)
+    c.stats.full_passes += 1
+    if drafts:
+        c.stats.level(level or f"{c.lookup.source}->final").record(len(drafts), num)
+        c.lookup.length.record(c.lookup.last_n, len(drafts), num)
+    c.stats.count_round(c.lookup.source if drafts else "plain")
 
 
 def lookup_round(spec: SpecConfig, batch: list[DecodeContext], cost: RowCost | None) -> list[list[int] | None] | None:

@@ -216,6 +216,40 @@ def test_greedy_equals_ar_and_drafts_are_accepted(gen, strategy, adaptive):
         assert accepted > 20 and rejected > 0, (accepted, rejected)
 
 
+def test_greedy_rounds_in_one_op_call_match_the_general_path(gen, monkeypatch):
+    """Greedy free-draft rounds run as rows of one fused step (``greedy_rows``: layers, head and
+    argmax in C++); forced onto the general path (forward_many, exit_logits, accept) the same
+    prompts give the same tokens and the same acceptance, batched and alone."""
+    from hispec.decode import speculative
+    from hispec.decode.base import LayerRunner
+
+    fused_calls = []
+    real = LayerRunner.greedy_rows
+
+    def counted(self, items):
+        out = real(self, items)
+        fused_calls.append(out is not None)
+        return out
+
+    def run():
+        params = SamplingParams(max_new_tokens=30, ignore_eos=True)
+        alone = [gen.generate(p, params, "lookup", spec=SPEC) for p in PROMPTS]
+        engine = Engine(gen.model, make_strategy("lookup", SPEC, gen.model.num_layers),
+                        EngineConfig(max_batch_size=3, kv_blocks=64), eos_ids=gen.eos_ids)
+        ids = [engine.add_request(p, params) for p in PROMPTS]
+        final = engine.run_to_completion()
+        level = lambda o: (o.stats.levels["lookup->final"].draft_tokens,  # noqa: E731
+                           o.stats.levels["lookup->final"].accepted_tokens)
+        return [(o.token_ids, level(o)) for o in alone], [final[r].token_ids for r in ids]
+
+    monkeypatch.setattr(LayerRunner, "greedy_rows", counted)
+    fused = run()
+    assert fused_calls and all(fused_calls)  # the op ran every round
+    monkeypatch.setattr(speculative, "_verify_free_greedy", lambda *a: None)
+    fused_calls.clear()
+    assert run() == fused and not fused_calls
+
+
 def test_eos_inside_a_round(tiny_model_dir):
     """An EOS among accepted drafts ends the sequence where ar ends it."""
     g = Generator(load_model(tiny_model_dir("llama")))
