@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -56,8 +57,11 @@ def run_batch_sizes(gen, strategies: dict, prompt_ids: list[list[int]], params: 
         if reference is None and "ar" in row:
             reference = row["ar"]["token_ids"][0]  # its first round
         ar_rate = row.get("ar", {}).get("tokens_per_second")
+        ar_rounds = row.get("ar", {}).get("round_seconds")
         for label, r in row.items():
             r["speedup_vs_ar"] = round(r["tokens_per_second"] / ar_rate, 3) if ar_rate else None
+            r["paired_speedup_vs_ar"] = _paired(ar_rounds, r["round_seconds"], r["tokens"], row["ar"]["tokens"]) \
+                if ar_rounds and label != "ar" else None
             every = r.pop("token_ids")  # one list per round
             r["identical_to_ar"] = all(ids == reference for ids in every) if params.greedy and reference else None
             r["agreement_with_ar"] = (_agreement(every[-1], reference, agree_first)
@@ -78,6 +82,16 @@ def _median_run(runs: list[tuple[float, list[list[int]]]]) -> dict:
     tokens = sum(len(x) for x in runs[seconds.index(mid)][1])
     return {"tokens": tokens, "seconds": round(mid, 4), "tokens_per_second": round(tokens / mid, 3) if mid else 0.0,
             "round_seconds": [round(s, 4) for s in seconds], "token_ids": [ids for _, ids in runs]}
+
+
+def _paired(ar_seconds: list[float], seconds: list[float], tokens: int, ar_tokens: int) -> float | None:
+    """The median over rounds of each round's speedup against ``ar``'s run of the same round (the
+    two ran one after the other). The shared machines this was measured on switch between a
+    fast and a slow state for tens of seconds at a time (compute-bound kernels 1.35x apart on
+    two threads, steady on one): a median over all rounds of each engine can compare one
+    engine's fast rounds with another's slow ones, a round's pair rarely does."""
+    ratios = sorted(a / s * tokens / ar_tokens for a, s in zip(ar_seconds, seconds) if s > 0)
+    return round(statistics.median(ratios), 3) if ratios else None
 
 
 def _own(llm, b: int):
@@ -103,11 +117,13 @@ def _agreement(ids: list[list[int]], reference: list[list[int]], n: int) -> dict
 
 def batch_table(results: dict) -> list[str]:
     labels = list(dict.fromkeys(l for row in results.values() for l in row))
-    lines = ["| batch size | " + " | ".join(f"{l} tokens/s (vs ar)" for l in labels) + " | identical |",
+    lines = ["| batch size | " + " | ".join(f"{l} tokens/s (vs ar; paired: median of per-round ratios)"
+                                         if l != "ar" else f"{l} tokens/s" for l in labels) + " | identical |",
              "|---|" + "---|" * len(labels) + "---|"]
     for b, row in results.items():
-        cells = [f"{row[l]['tokens_per_second']:.1f} ({_ratio(row[l]['speedup_vs_ar'])})" if l in row else "–"
-                 for l in labels]
+        cells = [f"{row[l]['tokens_per_second']:.1f} ({_ratio(row[l]['speedup_vs_ar'])}"
+                 + (f"; paired {_ratio(row[l]['paired_speedup_vs_ar'])})" if row[l].get("paired_speedup_vs_ar")
+                    else ")") if l in row else "–" for l in labels]
         same = [l for l, r in row.items() if r["identical_to_ar"] is False]
         lines.append(f"| {b} | " + " | ".join(cells) + f" | {'yes' if not same else 'not ' + ', '.join(same)} |")
     return lines

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from hispec.cli import main
 
 
@@ -25,6 +27,10 @@ def test_batch_sizes_writes_results_and_checks_outputs(tiny_text_model_dir, tmp_
             assert r["identical_to_ar"] is True and r["tokens"] == 5 * 8 and r["tokens_per_second"] > 0
             assert len(r["round_seconds"]) == 2 and r["seconds"] in r["round_seconds"]  # the median of 2: the slower
             assert r["seconds"] == max(r["round_seconds"])
+        assert row["ar"]["paired_speedup_vs_ar"] is None
+        for label in ("selfspec", "hispec"):
+            ratios = [a / s for a, s in zip(row["ar"]["round_seconds"], row[label]["round_seconds"])]
+            assert row[label]["paired_speedup_vs_ar"] == round(sum(ratios) / 2, 3)  # the median of 2
     assert "| batch size |" in capsys.readouterr().out
 
 
@@ -35,3 +41,16 @@ def test_median_run_picks_the_middle_round():
     r = _median_run(runs)
     assert r["seconds"] == 2.0 and r["tokens"] == 2 and r["tokens_per_second"] == 1.0
     assert r["round_seconds"] == [3.0, 1.0, 2.0] and len(r["token_ids"]) == 3
+
+
+def test_paired_ratios_outlast_a_machine_that_switches_speed():
+    """Rounds in a slow stretch for both engines: the medians of each engine's rounds compare a
+    fast round of one with a slow round of the other; the median of the rounds' own ratios does not."""
+    from hispec.bench.batched import _paired
+
+    ar = [3.0, 3.0, 3.0, 4.4, 4.4]  # seconds per round: fast three times, then slow
+    other = [6.0, 8.8, 6.0, 8.8, 8.8]  # half ar's speed; the machine slowed between the engines in round 2
+    assert sorted(ar)[2] / sorted(other)[2] == pytest.approx(3.0 / 8.8)  # the medians: a third
+    assert _paired(ar, other, 64, 64) == 0.5
+    assert _paired(ar, [1.5, 2.2, 2.2, 2.2, 2.2], 32, 64) == 1.0  # half the tokens in half the time
+    assert _paired(ar, [], 64, 64) is None
