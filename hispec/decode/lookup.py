@@ -223,8 +223,11 @@ class RowCost:
         self._add(rows, seconds, 1.0)
 
     def record_plain(self, batch_size: int, seconds: float) -> None:
-        """A plain step of ``batch_size`` sequences (one token each) took ``seconds``."""
+        """A plain step of ``batch_size`` sequences (one token each) took ``seconds``. The passes
+        measured before it weigh less from now on (as at a pass): while nothing drafts, the
+        estimates go back towards the prior, and drafting is tried again."""
         if seconds > 0 and batch_size > 0:
+            self.sums = [x * self.decay for x in self.sums]
             old = self.plain.get(batch_size)
             self.plain[batch_size] = seconds if old is None else old + (1 - self.decay) * (seconds - old)
 
@@ -257,12 +260,14 @@ class RowCost:
 
     def overhead(self, batch_size: int) -> float:
         """What a verification pass of the batch's rows costs beyond a plain step of the batch, as a
-        share of that step (0 before both are measured): paid once per round that drafts."""
+        share of that step, paid once per round that drafts: drawn towards 0 (the prior) as
+        ``w / (w + prior_weight)`` with ``w`` the passes' remaining weight, so that one slow pass
+        long ago does not stop drafting for good (0 before both are measured)."""
         fit = self._fit()
         if fit is None or not self.plain.get(batch_size):
             return 0.0
-        step = self.plain[batch_size]
-        return max(0.0, fit[0] + fit[1] * batch_size - step) / step
+        step, w = self.plain[batch_size], self.sums[0]
+        return max(0.0, fit[0] + fit[1] * batch_size - step) / step * w / (w + self.prior_weight)
 
 
 class DraftLength:

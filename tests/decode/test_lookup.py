@@ -107,10 +107,13 @@ def test_row_cost_keeps_plain_steps_apart():
         cost.record_plain(1, 0.0045)  # a plain step: 4.5 ms
         cost.record_plain(4, 0.007)
     assert cost.relative(1) == pytest.approx(0.0005 / 0.0045, rel=0.1)  # (the slope drawn a little to the prior)
-    assert cost.overhead(1) == pytest.approx((0.0065 - 0.0045) / 0.0045, rel=0.1)
+    assert cost.overhead(1) == pytest.approx((0.0065 - 0.0045) / 0.0045, rel=0.2)  # (and the overhead towards 0)
     assert cost.relative(4) == pytest.approx(4 * 0.0005 / 0.007, rel=0.1)
-    assert cost.overhead(4) == pytest.approx((0.008 - 0.007) / 0.007, rel=0.15)
+    assert cost.overhead(4) == pytest.approx((0.008 - 0.007) / 0.007, rel=0.25)
     assert cost.overhead(2) == 0.0  # no plain step at this batch size
+    for _ in range(200):  # plain steps only, for a long while: the passes' cost goes back to the prior
+        cost.record_plain(1, 0.0045)
+    assert cost.overhead(1) < 0.01 and cost.relative(1) == pytest.approx(cost.prior_b / 0.0045, rel=0.01)
     same = RowCost()  # every pass with the same rows: the slope stays the prior's
     for _ in range(60):
         same.record(5, 0.008)
