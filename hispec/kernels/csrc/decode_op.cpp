@@ -282,7 +282,8 @@ struct Head : torch::CustomClassHolder {
     }
 };
 
-// One decoding step of B sequences, one new token each: embed ``tokens [B]`` at ``positions [B]``,
+// One decoding step of B sequences, one new token each: embed ``tokens [B]`` at ``positions [B]``
+// (or several tokens of one sequence, rows in a row with the same table: each sees those before it),
 // run the range's layers (sequence b reads and writes the cache through its block table, row b
 // of ``tables`` [B x width], flattened), the final norm and the head -> logits [B, V] float32.
 // The same kernels and inputs as the step taken op by op (embedding rows, RoPE rows of the tables
@@ -316,7 +317,12 @@ at::Tensor decode_step(const std::vector<int64_t>& tokens, const std::vector<int
         std::memcpy(ssin.data_ptr<float>() + b * D, ssin_table.data_ptr<float>() + pos * D, D * sizeof(float));
         for (int64_t j = 0; j < width; j++) tp[b * width + j] = static_cast<int32_t>(tables[b * width + j]);
         slots.data_ptr<int64_t>()[b] = tables[b * width + pos / block_size] * block_size + pos % block_size;
-        seq.data_ptr<int32_t>()[b] = static_cast<int32_t>(b);
+        // a row that goes on the row before it (the same table, the next position: a verification
+        // pass's drafts) is the same sequence to attention, which then reads its keys once for both
+        const bool same = b > 0 && pos == positions[b - 1] + 1 &&
+                          std::equal(tables.begin() + b * width, tables.begin() + (b + 1) * width,
+                                     tables.begin() + (b - 1) * width);
+        seq.data_ptr<int32_t>()[b] = same ? seq.data_ptr<int32_t>()[b - 1] : static_cast<int32_t>(b);
         lengths.data_ptr<int32_t>()[b] = static_cast<int32_t>(pos + 1);
     }
     int64_t keys = B;
