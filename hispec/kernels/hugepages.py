@@ -16,8 +16,10 @@ model) tensors are left where they are.
 """
 from __future__ import annotations
 
+import math
 import mmap
 import re
+import weakref
 from pathlib import Path
 
 import torch
@@ -46,39 +48,29 @@ def available() -> bool:
     return envs.HISPEC_HUGE_PAGES and hasattr(mmap, "MADV_HUGEPAGE") and thp_mode() in ("always", "madvise")
 
 
-def _offsets(sizes: list[int]) -> tuple[list[int], int]:
-    """Each size's start in an arena (cache-line aligned) and the arena's bytes."""
+_arenas: list[tuple[weakref.ref, int, int]] = []  # (mapping, start, end) of each arena, for residency()
+
+
+def _arena(specs: list[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor]:
+    """Zeroed tensors of these ``(shape, dtype)`` in one anonymous mapping advised for huge pages,
+    which starts on a huge-page boundary, each tensor on a cache line and with a storage of its
+    own (saved and compared as any tensor; each keeps the mapping alive)."""
+    sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in specs]
     offsets, end = [], 0
     for size in sizes:
         offsets.append(end)
         end += -(-size // ALIGN) * ALIGN
-    return offsets, end
-
-
-_arenas: list[tuple[int, int]] = []  # (start, end) address of each arena made, for residency()
-
-
-class _Arena:
-    """``nbytes`` zeroed bytes starting on a huge-page boundary, in a mapping advised for huge
-    pages; :meth:`tensor` cuts tensors from it, each with a storage of its own (saved and compared
-    as any tensor; each keeps the mapping alive)."""
-
-    def __init__(self, nbytes: int) -> None:
-        # anonymous and private (a shared one is shmem, which THP's own setting usually keeps out):
-        # zeros; the spare page lets it start aligned
-        self.buf = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE)
-        self.buf.madvise(mmap.MADV_HUGEPAGE)
-        address = torch.frombuffer(self.buf, dtype=torch.uint8, count=1).data_ptr()
-        self.skip = -address % HUGE_PAGE
-        _arenas.append((address + self.skip, address + self.skip + nbytes))
-
-    def tensor(self, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """A ``shape`` ``dtype`` tensor on the arena's bytes from ``offset`` on."""
-        nbytes = _numel(shape) * torch.empty((), dtype=dtype).element_size()
-        if nbytes == 0:
-            return torch.empty(shape, dtype=dtype)
-        raw = torch.frombuffer(self.buf, dtype=torch.uint8, count=nbytes, offset=self.skip + offset)
-        return raw.view(dtype).view(shape)
+    # anonymous and private (a shared one is shmem, which THP's own setting usually keeps out):
+    # zeros; the spare page lets it start aligned
+    buf = mmap.mmap(-1, end + HUGE_PAGE, flags=mmap.MAP_PRIVATE)
+    buf.madvise(mmap.MADV_HUGEPAGE)
+    address = torch.frombuffer(buf, dtype=torch.uint8, count=1).data_ptr()
+    skip = -address % HUGE_PAGE
+    _arenas[:] = [a for a in _arenas if a[0]() is not None]  # (those whose tensors are all gone drop out)
+    _arenas.append((weakref.ref(buf), address + skip, address + skip + end))
+    return [torch.frombuffer(buf, dtype=torch.uint8, count=size, offset=skip + off).view(dtype).view(shape)
+            if size else torch.empty(shape, dtype=dtype)
+            for (shape, dtype), size, off in zip(specs, sizes, offsets)]
 
 
 def residency() -> tuple[int, int]:
@@ -97,7 +89,7 @@ def residency() -> tuple[int, int]:
         head = line.split(maxsplit=1)[0]
         if "-" in head and not head.endswith(":"):  # a mapping's first line: "start-end perms ..."
             lo, hi = (int(a, 16) for a in head.split("-"))
-            inside = any(lo < end and start < hi for start, end in _arenas)
+            inside = any(lo < end and start < hi for alive, start, end in _arenas if alive() is not None)
         elif inside and head in ("Rss:", "AnonHugePages:"):
             kib = int(line.split()[1]) * 1024
             resident += kib if head == "Rss:" else 0
@@ -121,25 +113,14 @@ def zeros(shapes: list[tuple[int, ...]], dtype: torch.dtype) -> list[torch.Tenso
     :func:`available` is false)."""
     if not available():
         return [torch.zeros(s, dtype=dtype) for s in shapes]
-    item = torch.empty((), dtype=dtype).element_size()
-    sizes = [item * _numel(s) for s in shapes]
-    offsets, total = _offsets(sizes)
-    arena = _Arena(total)
-    return [arena.tensor(o, s, dtype) for o, s in zip(offsets, shapes)]
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
+    return _arena([(tuple(s), dtype) for s in shapes])
 
 
 def gather(*modules: nn.Module, min_bytes: int | None = None) -> int:
     """Copy the CPU parameters and buffers of ``modules`` (contiguous, at least ``min_bytes``,
     default ``MIN_BYTES``, and not only an embedding's table) into one arena of huge pages and put
     the copies in their place (a tensor held under several names, such as tied embeddings, stays
-    one tensor). Returns the arena's bytes (0 where :func:`available` is false). Call it before
+    one tensor). Returns the bytes moved (0 where :func:`available` is false). Call it before
     anything keeps a reference to the old tensors: a decoder layer's plans are dropped
     (``_replanned``), but a tensor held elsewhere keeps the old memory."""
     if not available():
@@ -161,21 +142,17 @@ def gather(*modules: nn.Module, min_bytes: int | None = None) -> int:
             del tensors[key]
     if not tensors:
         return 0
-    keys = list(tensors)
-    sizes = [tensors[k].numel() * tensors[k].element_size() for k in keys]
-    offsets, total = _offsets(sizes)
-    arena = _Arena(total)
-    for key, off in zip(keys, offsets):
-        old = tensors.pop(key)
-        new = arena.tensor(off, tuple(old.shape), old.dtype)
+    moved = sum(t.numel() * t.element_size() for t in tensors.values())
+    news = _arena([(tuple(t.shape), t.dtype) for t in tensors.values()])
+    for (key, old), new in zip(tensors.items(), news):
         new.copy_(old)
         if isinstance(old, nn.Parameter):
             new = nn.Parameter(new, requires_grad=old.requires_grad)
         for mod, name, is_param in places[key]:
             (mod._parameters if is_param else mod._buffers)[name] = new
-        del old
+    tensors.clear()  # the old tensors go once nothing else holds them
     for module in modules:
         for mod in module.modules():
             if hasattr(mod, "_replanned"):  # a decoder layer: its plans held the old tensors
                 mod._replanned()
-    return total
+    return moved

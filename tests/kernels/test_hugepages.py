@@ -23,7 +23,7 @@ def arenas_on(monkeypatch):
 
 def _in_arena(t: torch.Tensor) -> bool:
     return any(start <= t.data_ptr() and t.data_ptr() + t.numel() * t.element_size() <= end
-               for start, end in hugepages._arenas)
+               for _, start, end in hugepages._arenas)
 
 
 def test_thp_mode_reads_the_bracketed_setting(tmp_path, monkeypatch):
@@ -61,6 +61,9 @@ def test_zeros_one_aligned_arena(arenas_on):
     assert [t.float().mean().item() for t in ts] == [1, 2, 3, 4]
     resident, huge = hugepages.residency()
     assert resident >= sum(t.numel() * 2 for t in ts) and 0 <= huge <= resident
+    mapping = hugepages._arenas[-1][0]
+    del ts, t
+    assert mapping() is None  # the last tensor gone, the mapping goes (and residency() skips it)
 
 
 class _Tied(nn.Module):
