@@ -240,8 +240,9 @@ def main(argv: list[str] | None = None) -> int:
         report["error"] = f"{type(e).__name__}: {e}"
     finally:
         report["seconds"] = round(time.perf_counter() - t0, 1)
-        print(json.dumps(report), flush=True)
         leader.shutdown()
+        report["follower_exit_codes"] = [p.exitcode for p in leader._tp_procs]  # after STOP: 0 each
+        print(json.dumps(report), flush=True)
     return 0 if report["ok"] else 1
 
 

@@ -44,6 +44,7 @@ def assert_lossless(report: dict) -> None:
     assert report["lookup_rounds"] > 0  # lookup verified free drafts under TP
     kv = report["kv_after_rejections"]
     assert kv["rejected"] > 0 and kv["max_abs_diff"] < 1e-5 and kv["layer_lengths"] == [kv["positions"]]
+    assert report["follower_exit_codes"] == [0], report["follower_exit_codes"]  # not aborted at exit (-6)
 
 
 def test_layout_splits_whole_kv_groups_unevenly():
@@ -88,6 +89,7 @@ def test_tp2_default_model_with_its_shipped_exits():
     assert report["greedy_equal_to_single_process_ar"] == ALL_EQUAL
     assert report["greedy_equal_to_tp_ar"] == ALL_EQUAL
     assert report["lookup_rounds"] > 0
+    assert report["follower_exit_codes"] == [0], report["follower_exit_codes"]
 
 
 @pytest.mark.parametrize("mode", ["raise", "hang"])
