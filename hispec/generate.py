@@ -51,9 +51,10 @@ class Generator:
         (``dtype`` weights), ``native`` (a GGUF file's own 4-bit weights), ``int4``/``int8``, or
         ``auto``: native where it runs faster on this CPU (``model/load/checkpoint.py``), unless a ``dtype``
         is given (``dtype=torch.float32`` is the float32 reference). ``dtype`` defaults to float32.
-        ``kv_cache_dtype``: what the KV cache holds, ``auto`` (the model's dtype), ``float32`` or
-        ``bfloat16`` (half the cache memory and attention's reads; every strategy reads the same
-        rounded values, so their outputs stay identical to ``ar``'s with the same cache)."""
+        ``kv_cache_dtype``: what the KV cache holds, ``float32``, ``bfloat16`` (half the cache memory
+        and attention's reads; every strategy reads the same rounded values, so their outputs stay
+        identical to ``ar``'s with the same cache) or ``auto`` (``auto_kv_cache_dtype``: bfloat16
+        for quantized weights on CPU, else the model's dtype)."""
         from .model.load.checkpoint import load_model
         from .model.load.registry import gguf_source, resolve_model
 
@@ -65,7 +66,7 @@ class Generator:
         gguf = gguf_source(name_or_path) if quantize in ("auto", "native") else None
         model = load_model(folder, device=device, dtype=dtype, allow_pickle=allow_pickle, quantize=quantize,
                            gguf=gguf)
-        model.kv_cache_dtype = kv_cache_dtype_of(kv_cache_dtype)
+        model.kv_cache_dtype = auto_kv_cache_dtype(model) if kv_cache_dtype == "auto" else kv_cache_dtype_of(kv_cache_dtype)
         if model.device.type == "cpu":
             from .kernels import layer_op
 
@@ -192,6 +193,21 @@ class Generator:
         if final.error is not None:
             raise final.error
         return GenerationOutput.of(final)
+
+
+def auto_kv_cache_dtype(model) -> torch.dtype | None:
+    """The KV cache dtype ``auto`` means for a loaded model: bfloat16 where its decoder weights are
+    quantized (4- or 8-bit kernels) on CPU, else None (the model's own dtype: float32 weights keep
+    the float32 reference exact). A decode step's attention reads every cached position's K and V,
+    at batch 8 and long contexts about as many bytes as the weights; halving them ran batch 8
+    1.08-1.10x and batch 1 1.05x faster (BENCHMARKS.md), as llama.cpp (f16) and vLLM (the model's
+    bfloat16) cache by default. The values are rounded once when written, so outputs move as
+    quantized weights already move them (``scripts/numerics.py --kv-bf16``)."""
+    from .kernels.quant import QuantLinear
+
+    if model.device.type == "cpu" and any(isinstance(m, QuantLinear) for m in model.modules()):
+        return torch.bfloat16
+    return None
 
 
 def kv_cache_dtype_of(value: str | torch.dtype | None) -> torch.dtype | None:

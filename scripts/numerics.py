@@ -6,7 +6,7 @@
 Greedy ``ar`` on each prompt (chat template, as ``hispec bench``), float32 weights (``--quantize none``)
 as the reference, then the GGUF's own 4-bit weights (``--quantize native``) on each kernel named
 (``HISPEC_Q4_KERNEL``: ``q4`` 16-bit activations, ``int4`` PyTorch's on bfloat16 ones, ``q8a`` 8-bit
-ones); ``--kv-bf16``: also ``q4`` with a bfloat16 KV cache; ``--llama-cpp``: also llama.cpp's own
+ones), each on a float32 KV cache; ``--kv-bf16``: also each on a bfloat16 one; ``--llama-cpp``: also llama.cpp's own
 greedy tokens on the same Q4_1 GGUF and prompt ids (``hispec bench``'s peer process, its venv under
 ``$HISPEC_HOME/peers/llamacpp``). Prints per prompt the first differing position (``=``: identical),
 then per kernel: prompts identical, median first divergence and mean tokens agreeing before it (an
@@ -43,7 +43,7 @@ def summarize(refs: list[list[int]], outs: list[list[int]]) -> tuple[int, float,
     return same, statistics.median(agree), statistics.mean(agree)
 
 
-def _hispec_ids(model: str, prompt_ids: list[list[int]], params, *, kernel: str, kv: str = "auto") -> list[list[int]]:
+def _hispec_ids(model: str, prompt_ids: list[list[int]], params, *, kernel: str, kv: str) -> list[list[int]]:
     """Greedy ``ar`` ids of every prompt on the GGUF's 4-bit blocks on ``kernel`` (what the model runs
     on, ``select.describe``, to stderr)."""
     from hispec.generate import Generator
@@ -52,7 +52,7 @@ def _hispec_ids(model: str, prompt_ids: list[list[int]], params, *, kernel: str,
     os.environ["HISPEC_Q4_KERNEL"] = kernel
     quant.four_bit_kernel.cache_clear()  # decided once per process: again for this kernel
     gen = Generator.from_pretrained(model, progress=False, exits=False, kv_cache_dtype=kv, quantize="native")
-    print(f"{kernel}{' kv ' + kv if kv != 'auto' else ''}: {select.describe(gen.model)}", file=sys.stderr, flush=True)
+    print(f"{kernel} kv {kv}: {select.describe(gen.model)}", file=sys.stderr, flush=True)
     return [gen.generate(ids, params, "ar").token_ids for ids in prompt_ids]
 
 
@@ -85,7 +85,7 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=16)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--kernels", default="q4,int4,q8a")
-    ap.add_argument("--kv-bf16", action="store_true", help="also q4 with a bfloat16 KV cache")
+    ap.add_argument("--kv-bf16", action="store_true", help="also each kernel with a bfloat16 KV cache")
     ap.add_argument("--llama-cpp", action="store_true", help="also llama.cpp's tokens on the same Q4_1 GGUF")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--save", metavar="JSON", help="keep every run's ids here; a later call with the same "
@@ -111,9 +111,10 @@ def main() -> None:
     if args.llama_cpp:
         jobs["llama.cpp Q4_1"] = lambda: _llama_cpp_ids(ref_gen, args.model, prompt_ids, params, args.threads)
     for kernel in filter(None, args.kernels.split(",")):
-        jobs[kernel] = lambda kernel=kernel: _hispec_ids(args.model, prompt_ids, params, kernel=kernel)
-    if args.kv_bf16:
-        jobs["q4 kv-bf16"] = lambda: _hispec_ids(args.model, prompt_ids, params, kernel="q4", kv="bfloat16")
+        jobs[kernel] = lambda kernel=kernel: _hispec_ids(args.model, prompt_ids, params, kernel=kernel, kv="float32")
+        if args.kv_bf16:
+            jobs[f"{kernel} kv-bf16"] = lambda kernel=kernel: _hispec_ids(args.model, prompt_ids, params,
+                                                                          kernel=kernel, kv="bfloat16")
     for label, job in jobs.items():
         if label not in runs:
             t0 = time.perf_counter()
