@@ -66,7 +66,8 @@ class Generator:
         gguf = gguf_source(name_or_path) if quantize in ("auto", "native") else None
         model = load_model(folder, device=device, dtype=dtype, allow_pickle=allow_pickle, quantize=quantize,
                            gguf=gguf)
-        model.kv_cache_dtype = auto_kv_cache_dtype(model) if kv_cache_dtype == "auto" else kv_cache_dtype_of(kv_cache_dtype)
+        model.kv_cache_dtype = (auto_kv_cache_dtype(model) if kv_cache_dtype == "auto"
+                                else kv_cache_dtype_of(kv_cache_dtype))
         if model.device.type == "cpu":
             from .kernels import layer_op
 
