@@ -204,11 +204,7 @@ def auto_kv_cache_dtype(model) -> torch.dtype | None:
     1.08-1.10x and batch 1 1.05x faster (BENCHMARKS.md), as llama.cpp (f16) and vLLM (the model's
     bfloat16) cache by default. The values are rounded once when written, so outputs move as
     quantized weights already move them (``scripts/numerics.py --kv-bf16``)."""
-    from .kernels.quant import QuantLinear
-
-    if model.device.type == "cpu" and any(isinstance(m, QuantLinear) for m in model.modules()):
-        return torch.bfloat16
-    return None
+    return torch.bfloat16 if model.device.type == "cpu" and model.weight_format != "none" else None
 
 
 def kv_cache_dtype_of(value: str | torch.dtype | None) -> torch.dtype | None:
