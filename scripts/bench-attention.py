@@ -3,13 +3,15 @@ windows and a prompt chunk, ms per call and per step of all layers; optionally a
 build of the kernel library, interleaved.
 
     python scripts/bench-attention.py [--heads 9 --kv-heads 3 --head-dim 64 --layers 30]
-                                      [--block-size 16] [--repeats 15] [--threads 2]
+                                      [--block-size 16] [--kv-dtype float32|bfloat16] [--repeats 15] [--threads 2]
                                       [--against OTHER.so] [--cases decode:16x260,verify:5x300,...]
 
 Cases: ``decode:BxL`` (B sequences, one query each over L positions), ``verify:WxL`` (one
 sequence, a window of W queries after L cached positions), ``prefill:N`` (one prompt chunk of N
 tokens from position 0). The defaults are the default model's shapes (SmolLM2-135M: 9 query heads
-over 3 KV heads of 64, 30 layers). Random queries and K/V in float32 pools laid out as the engine's.
+over 3 KV heads of 64, 30 layers). Random queries and K/V in pools laid out as the engine's, float32
+or bfloat16 (``--kv-dtype``; the default model's cache is bfloat16, where attention takes bfloat16
+products).
 
 ``--against``: a kernel library built from other sources (e.g. ``git stash``, then ``cc -O3
 -march=native -ffp-contract=off -fno-math-errno -fopenmp -fPIC -shared -I hispec/kernels/csrc -o
@@ -49,9 +51,9 @@ def parse_case(text: str) -> tuple[list[int], list[int]]:
     raise SystemExit(f"--cases: unknown kind {kind!r} (decode, verify, prefill)")
 
 
-def build_case(starts, counts, hq, hkv, d, bs):
+def build_case(starts, counts, hq, hkv, d, bs, dtype=torch.float32):
     """The engine's block tables for the sequences (blocks handed out round-robin as they grow),
-    a float32 pool of random K/V and random queries [sum(counts), hq, d]."""
+    a pool of random K/V in ``dtype`` and random queries [sum(counts), hq, d]."""
     nblocks = sum((s + n) // bs + 2 for s, n in zip(starts, counts))
     blocks = BlockManager(nblocks, bs, 1)
     chunks = [SeqChunk(i, s, n) for i, (s, n) in enumerate(zip(starts, counts))]
@@ -60,9 +62,9 @@ def build_case(starts, counts, hq, hkv, d, bs):
     for upto in range(bs, max(s + n for s, n in zip(starts, counts)) + bs, bs):
         for c in chunks:
             blocks.ensure_capacity(c.seq_id, min(upto, c.start + c.num_tokens))
-    pool = KVPool(1, nblocks, bs, hkv, d, torch.float32, "cpu")
-    pool.k[0].copy_(torch.randn(pool.k[0].shape))
-    pool.v[0].copy_(torch.randn(pool.v[0].shape))
+    pool = KVPool(1, nblocks, bs, hkv, d, dtype, "cpu")
+    pool.k[0].copy_(torch.randn(pool.k[0].shape).to(dtype))
+    pool.v[0].copy_(torch.randn(pool.v[0].shape).to(dtype))
     return AttentionBatch(chunks, blocks, "cpu").kernel(), pool, torch.randn(sum(counts), hq, d)
 
 
@@ -81,6 +83,7 @@ def main() -> None:
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--layers", type=int, default=30, help="a step's figure: this many calls")
     ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--kv-dtype", default="float32", choices=["float32", "bfloat16"], help="the pool's dtype")
     ap.add_argument("--cases", default=DEFAULT_CASES)
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--calls", type=int, default=0, help="calls timed per repeat (0: by the case's size)")
@@ -88,7 +91,8 @@ def main() -> None:
     ap.add_argument("--against", help="another build of the kernel library (.so) to compare with")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    cases = {c: build_case(*parse_case(c), args.heads, args.kv_heads, args.head_dim, args.block_size)
+    dtype = getattr(torch, args.kv_dtype)
+    cases = {c: build_case(*parse_case(c), args.heads, args.kv_heads, args.head_dim, args.block_size, dtype)
              for c in args.cases.split(",")}
     mine = fused.library
     libs = [("this tree", mine)] + ([("other", lambda o=_Other(args.against): o)] if args.against else [])
@@ -108,7 +112,7 @@ def main() -> None:
     finally:
         fused.library = mine
     print(f"paged attention: {args.heads} heads over {args.kv_heads} KV heads of {args.head_dim}, block "
-          f"{args.block_size}, {args.threads} threads; ms per call and per step of {args.layers} layers "
+          f"{args.block_size}, {args.kv_dtype} pool, {args.threads} threads; ms per call and per step of {args.layers} layers "
           f"(medians of {args.repeats})")
     for c in cases:
         ms = {name: statistics.median(times[(c, name)]) * 1e3 for name, _ in libs}

@@ -147,16 +147,66 @@ def test_rope_write_into_a_bfloat16_pool_rounds_as_torch_does():
     assert fused.rope_write(qkv, cos, ssin, slots, hq, hkv, kb, vb, queries=False) is None
 
 
+def bf16_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Attention of ``q [T, Hq, D]`` over every key of ``k, v [C, Hkv, D]`` (bfloat16 values) as a
+    bfloat16 pool's kernel defines it, in float64: softmax weights rounded to bfloat16, the weights'
+    sum that of the rounded weights (the queries as two bfloat16 each: float32's to ~2^-17)."""
+    T, hq, d = q.shape
+    g = hq // k.shape[1]
+    qb = q.double().view(T, k.shape[1], g, d)
+    s = torch.einsum("thgd,chd->thgc", qb, k.double()) * d ** -0.5
+    p = (s - s.amax(-1, keepdim=True)).exp().float().bfloat16().double()
+    out = torch.einsum("thgc,chd->thgd", p, v.double()) / p.sum(-1, keepdim=True)
+    return out.reshape(T, hq, d).float()
+
+
 @pytest.mark.parametrize("head_dim,bs", [(16, 4), (64, 4), (64, 16), (128, 32)])
-def test_paged_attention_over_a_bfloat16_pool_equals_float32_on_its_values(head_dim, bs):
-    """A bfloat16 pool is read as the float32 values it holds: the same bits as a float32 pool
-    holding them (the kernels convert rows, then do the same arithmetic)."""
-    batch, pool, q = paged_case([0, 13, 30], [5, 1, 3], d=head_dim, bs=bs)
+def test_paged_attention_over_a_bfloat16_pool_takes_bfloat16_products(head_dim, bs):
+    """Over a bfloat16 pool the softmax weights are rounded to bfloat16 too and the queries split
+    into two bfloat16 (the products then run two at a time, VDPBF16PS's arithmetic): the
+    reference's result to rounding,
+    and each query's bits whether it is alone in its call or among others (rows of 1-43 keys: whole
+    chunks of 16 and odd tails)."""
+    batch, pool, q = paged_case([0, 13, 40], [21, 1, 3], d=head_dim, bs=bs)
     kb, vb = pool.k[0].to(torch.bfloat16), pool.v[0].to(torch.bfloat16)
-    as_float = fused.paged_attention(q, kb.float(), vb.float(), batch.kernel(), torch.float32)
-    assert torch.equal(fused.paged_attention(q, kb, vb, batch.kernel(), torch.float32), as_float)
+    out = fused.paged_attention(q, kb, vb, batch.kernel(), torch.float32).view_as(q)
+    for i, c in enumerate(batch.chunks):
+        ck, cv = pool.context(0, batch, i)
+        for j in range(c.num_tokens):
+            row, n = batch.offsets[i] + j, c.start + j + 1
+            ref = bf16_attention_reference(q[row:row + 1], ck[:n].bfloat16(), cv[:n].bfloat16())
+            torch.testing.assert_close(out[row:row + 1], ref, rtol=5e-3, atol=5e-3)
+            alone, _, _ = paged_case([c.start + j], [1], d=head_dim, bs=bs)
+            alone.kernel().tables.copy_(batch.kernel(i).tables[:, :alone.kernel().tables.shape[1]])
+            single = fused.paged_attention(q[row:row + 1], kb, vb, alone.kernel(), torch.float32)
+            assert torch.equal(single.view(1, *q.shape[1:]), out[row:row + 1])
     with pytest.raises(TypeError):  # one dtype for K and V
         fused.paged_attention(q, kb, vb.float(), batch.kernel(), torch.float32)
+
+
+def test_bfloat16_pool_head_size_is_checked():
+    batch, _, _ = paged_case([0], [3])
+    pool = torch.zeros(2, 64, 17, dtype=torch.bfloat16)  # an odd head size: no pairs
+    with pytest.raises(TypeError, match="even"):
+        fused.paged_attention(torch.zeros(3, 6, 17), pool, pool.clone(), batch.kernel(), torch.float32)
+
+
+@pytest.mark.parametrize("head_dim", [16, 64, 128])
+def test_bfloat16_pool_weights_every_value_once(head_dim):
+    """Zero queries give every key the weight 1: each output is then exactly the mean of its
+    values (small integers, so every sum is exact), which a key taken twice, skipped, or put in
+    the wrong column would change (pairs of keys across chunks of 16 and odd last keys)."""
+    batch, pool, q = paged_case([0, 13, 40], [21, 1, 3], d=head_dim)
+    vals = torch.randint(-8, 9, pool.v[0].shape, generator=G).float()
+    kb, vb = pool.k[0].to(torch.bfloat16), vals.to(torch.bfloat16)
+    out = fused.paged_attention(torch.zeros_like(q), kb, vb, batch.kernel(), torch.float32).view_as(q)
+    for i, c in enumerate(batch.chunks):
+        for j in range(c.num_tokens):
+            row, n = batch.offsets[i] + j, c.start + j + 1
+            slots = batch.context_slots[i][:n]
+            v = vals[:, slots].transpose(0, 1)  # [n, Hkv, D]
+            want = (v.sum(0) / n).repeat_interleave(q.shape[1] // v.shape[1], dim=0)  # [Hq, D]
+            assert torch.equal(out[row], want)
 
 
 def test_wrong_tensors_raise_instead_of_reading_memory():
@@ -701,9 +751,12 @@ def _cpu_flags() -> set[str]:
 @pytest.mark.skipif(shutil.which("cc") is None or platform.machine() not in ("x86_64", "AMD64"),
                     reason="needs a C compiler on x86-64")
 @pytest.mark.parametrize("head_dim", [16, 64])
-def test_attention_has_the_same_bits_on_avx2_and_avx512(tmp_path, head_dim):
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
+def test_attention_has_the_same_bits_on_avx2_and_avx512(tmp_path, head_dim, pool_dtype):
     """The kernel's arithmetic (16-lane fused sums, softmax, weighted values) does not depend on
-    the vector width: attention.c built for AVX2 + FMA only gives the bits of the native build."""
+    the vector width: attention.c built for AVX2 + FMA only gives the bits of the native build.
+    Over a bfloat16 pool that compares VDPBF16PS (where the CPU has AVX512_BF16) with the fused
+    multiply-adds that stand in for it."""
     import ctypes
     import subprocess
 
@@ -713,7 +766,7 @@ def test_attention_has_the_same_bits_on_avx2_and_avx512(tmp_path, head_dim):
         pytest.skip("needs a CPU with both AVX2 + FMA and AVX-512 to run both builds")
     flags = [f for f in build.FLAGS if not f.startswith("-march")]
     out = {}
-    for isa in ("-march=haswell", "-march=native"):
+    for isa in ("-march=haswell", "-march=skylake-avx512", "-march=native"):
         lib = tmp_path / f"attention{len(out)}.so"
         subprocess.run(["cc", *flags, isa, "-I", str(build.CSRC), str(build.CSRC / "attention.c"), "-o", str(lib),
                         "-lm"], check=True, capture_output=True)
@@ -726,7 +779,8 @@ def test_attention_has_the_same_bits_on_avx2_and_avx512(tmp_path, head_dim):
     for f in out.values():
         fused.library = lambda f=f: type("Lib", (), {"hs_paged_attention": staticmethod(f)})
         try:
-            results.append(fused.paged_attention(q, pool.k[0], pool.v[0], batch.kernel(), torch.float32))
+            results.append(fused.paged_attention(q, pool.k[0].to(pool_dtype), pool.v[0].to(pool_dtype),
+                                                 batch.kernel(), torch.float32))
         finally:
             fused.library = real
-    assert torch.equal(results[0], results[1])
+    assert all(torch.equal(results[0], r) for r in results[1:])
