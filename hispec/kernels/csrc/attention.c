@@ -383,64 +383,6 @@ static inline __attribute__((always_inline)) void bf_scores_vec(const word *qw, 
         _mm512_mask_storeu_ps(scores + r * ls + j0, (__mmask16)((1u << n) - 1u), sum);
     }
 }
-
-/* r[i] lane j -> r[j] lane i: a 16 x 16 transpose of 32-bit elements. */
-static inline void transpose16(__m512i r[16]) {
-    __m512i t[16], u[16];
-    for (int i = 0; i < 8; i++) {
-        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-    }
-    for (int i = 0; i < 4; i++) {
-        u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-        u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-        u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-        u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-    }
-    for (int i = 0; i < 2; i++)
-        for (int j = 0; j < 4; j++) {
-            t[8 * i + j] = _mm512_shuffle_i32x4(u[8 * i + j], u[8 * i + j + 4], 0x88);
-            t[8 * i + j + 4] = _mm512_shuffle_i32x4(u[8 * i + j], u[8 * i + j + 4], 0xdd);
-        }
-    for (int j = 0; j < 8; j++) {
-        r[j] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0x88);
-        r[j + 8] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0xdd);
-    }
-}
-
-/* bf_scores_vec for tiles of many rows (a prompt chunk's, a verification window's): the chunk's
- * keys transposed once (kt[w * 16 + i]: key i's word w), so that a row's 16 lane sums are 16
- * registers over the 16 keys, summed by hsum16's tree register by register (no shuffles per row);
- * the same bits. */
-static inline __attribute__((always_inline)) void bf_scores_tr(const word *qw, const word *keys[16],
-                                                              const int32_t *len, int nq, int64_t G, const int64_t W,
-                                                              int64_t j0, int64_t n, int64_t ls, float scale,
-                                                              float *scores, float *buf) {
-    word *kt = (word *)buf;
-    for (int64_t c = 0; c < W; c += 16) {
-        __m512i r[16];
-        for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_si512(keys[i] + c);
-        transpose16(r);
-        for (int l = 0; l < 16; l++) _mm512_storeu_si512(kt + (c + l) * 16, r[l]);
-    }
-    for (int64_t r = 0; r < nq * G; r++) {
-        if (j0 >= len[r / G]) continue;
-        __m512 acc[16];
-        for (int l = 0; l < 16; l++) acc[l] = _mm512_setzero_ps();
-        const word *qh = qw + r * 2 * W, *ql = qh + W;
-        for (int64_t c = 0; c < W; c += 16)
-            for (int l = 0; l < 16; l++) {
-                __m512bh k = (__m512bh)_mm512_loadu_si512(kt + (c + l) * 16);
-                acc[l] = _mm512_dpbf16_ps(acc[l], (__m512bh)_mm512_set1_epi32((int)qh[c + l]), k);
-                acc[l] = _mm512_dpbf16_ps(acc[l], (__m512bh)_mm512_set1_epi32((int)ql[c + l]), k);
-            }
-        for (int l = 0; l < 8; l++) acc[l] = _mm512_add_ps(acc[l], acc[l + 8]);
-        for (int l = 0; l < 4; l++) acc[l] = _mm512_add_ps(acc[l], acc[l + 4]);
-        __m512 sum = _mm512_add_ps(_mm512_add_ps(acc[0], acc[2]), _mm512_add_ps(acc[1], acc[3]));
-        _mm512_mask_storeu_ps(scores + r * ls + j0, (__mmask16)((1u << n) - 1u), _mm512_mul_ps(sum, _mm512_set1_ps(scale)));
-    }
-}
-#define TRANSPOSE_MIN_ROWS 8  /* rows in a tile from which the keys are transposed */
 #else
 /* bf_scores_plain by fused multiply-adds on widened halves (khi, klo: the chunk's keys', once per
  * chunk; qhi, qlo: a row's), W a constant multiple of 16. */
@@ -484,11 +426,6 @@ static void bf_scores(const word *qw, kv_head kp, key_map m, const int32_t *len,
     for (int64_t j0 = 0; j0 < lmax; j0 += 16) {
         int64_t n = lmax - j0 < 16 ? lmax - j0 : 16;
         chunk_rows(kp, m, j0, lmax, keys);
-#if defined(__AVX512BF16__)
-        if (nq * G >= TRANSPOSE_MIN_ROWS && W == 32) bf_scores_tr(qw, keys, len, nq, G, 32, j0, n, ls, scale, scores, buf);
-        else if (nq * G >= TRANSPOSE_MIN_ROWS && W == 64) bf_scores_tr(qw, keys, len, nq, G, 64, j0, n, ls, scale, scores, buf);
-        else
-#endif
         if (W == 32) bf_scores_vec(qw, keys, len, nq, G, 32, j0, n, ls, scale, scores, buf);
         else if (W == 64) bf_scores_vec(qw, keys, len, nq, G, 64, j0, n, ls, scale, scores, buf);
         else bf_scores_plain(qw, keys, len, nq, G, W, j0, n, ls, scale, scores);
