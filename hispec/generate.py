@@ -202,8 +202,8 @@ def auto_kv_cache_dtype(model) -> torch.dtype | None:
     the float32 reference exact). A decode step's attention reads every cached position's K and V,
     at batch 8 and long contexts about as many bytes as the weights; halving them ran batch 8
     1.08-1.10x and batch 1 1.05x faster (BENCHMARKS.md), as llama.cpp (f16) and vLLM (the model's
-    bfloat16) cache by default, and the CPU kernel then multiplies in bfloat16 pairs (1.2-1.3x
-    faster attention). The values are rounded once when written, so outputs move as quantized
+    bfloat16) cache by default, and on CPUs with AVX-512 BF16 attention then multiplies in bfloat16
+    pairs (1.1-1.3x faster). The values are rounded once when written, so outputs move as quantized
     weights already move them (``scripts/numerics.py --kv-bf16``)."""
     return torch.bfloat16 if model.device.type == "cpu" and model.weight_format != "none" else None
 

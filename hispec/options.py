@@ -35,9 +35,9 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                    help="what the KV cache holds: auto = bfloat16 for quantized weights on cpu (the default "
                         "model), else the model's dtype (float32 weights: float32); bfloat16 halves the cache's "
-                        "memory and the bytes attention reads per token, and attention on CPU multiplies in "
-                        "bfloat16 pairs (K/V rounded once when written; every strategy reads the same values, "
-                        "so outputs stay identical across strategies)")
+                        "memory and the bytes attention reads per token, and on CPUs with AVX-512 BF16 attention "
+                        "multiplies in bfloat16 pairs (K/V rounded once when written; every strategy reads the "
+                        "same values, so outputs stay identical across strategies)")
     g.add_argument("--allow-pickle", action="store_true",
                    help="allow loading pickle checkpoints (.bin/.pt): only for files you trust")
     g.add_argument("--exits", default=None, metavar="PATH",

@@ -43,7 +43,6 @@ def _check(t: torch.Tensor, *dtypes: torch.dtype) -> torch.Tensor:
 
 
 F32, BF16 = torch.float32, torch.bfloat16
-BF16_MAX_HEAD_DIM = 512  # attention over a bfloat16 pool (csrc/attention.c: pairs of elements, zero rows of 256 words)
 KV_DTYPES = (F32, BF16)  # what a KV pool may hold for the kernels
 
 
@@ -55,9 +54,6 @@ def _check_pools(k_pool: torch.Tensor, v_pool: torch.Tensor) -> tuple[torch.Tens
                         f"and {tuple(v_pool.shape)}")
     if k_pool.dtype != v_pool.dtype:
         raise TypeError(f"fused kernel: K and V pools of one dtype, got {k_pool.dtype} and {v_pool.dtype}")
-    if k_pool.dtype == BF16 and (k_pool.shape[2] % 2 or k_pool.shape[2] > BF16_MAX_HEAD_DIM):
-        raise TypeError(f"fused kernel: a bfloat16 pool's head size must be even and at most {BF16_MAX_HEAD_DIM}, "
-                        f"got {k_pool.shape[2]}")
     return _check(k_pool, *KV_DTYPES), _check(v_pool, *KV_DTYPES)
 
 
@@ -112,8 +108,9 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     """Attention of ``q [T, Hq, D]`` (float32) over the pools ``[Hkv, S, D]`` (float32 or bfloat16):
     query ``t`` attends to the first ``meta.lengths[t]`` positions of its sequence, read through
     that sequence's block table (a tree node: the prefix, then its path, ``KernelBatch``). Returns
-    ``[T, Hq * D]`` in ``out_dtype``. Over a bfloat16 pool the products are bfloat16 pairs (queries
-    as two bfloat16 each, softmax weights rounded: ``csrc/attention.c``)."""
+    ``[T, Hq * D]`` in ``out_dtype``. Over a bfloat16 pool the products are bfloat16 pairs where
+    ``bf16_attention_products(d)`` (queries as two bfloat16 each, softmax weights rounded:
+    ``csrc/attention.c``), else float32 products on the values it holds."""
     q, (k_pool, v_pool) = _check(q, F32), _check_pools(k_pool, v_pool)
     t, hq, d = q.shape
     out = torch.empty((t, hq * d), dtype=out_dtype)
@@ -151,6 +148,13 @@ def q4_matmul(x: torch.Tensor, qs: torch.Tensor, dm: torch.Tensor, panels: bool 
     fn = library().hs_q4_panel_matmul if panels else library().hs_q4_matmul
     fn(qs.data_ptr(), dm[0].data_ptr(), dm[1].data_ptr(), x.data_ptr(), t, n, k, out.data_ptr(), 1)
     return out
+
+
+def bf16_attention_products(head_dim: int) -> bool:
+    """Whether attention over a bfloat16 pool multiplies in bfloat16 pairs on this build: with
+    AVX512_BF16 (Zen 4, Sapphire Rapids), for head sizes 64 and 128; elsewhere it widens the cached
+    values and takes float32 products (emulating the pairs was 3-4x slower)."""
+    return bool(library().hs_attention_bf16_products()) and head_dim in (64, 128)
 
 
 def panel_width() -> int:

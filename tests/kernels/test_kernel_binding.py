@@ -28,6 +28,7 @@ def test_signatures_are_read_from_the_prototypes():
     p, i64, f, i = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
     assert table["hs_rms_norm"] == ([p, p, i64, i64, f, p, i], None)
     assert table["hs_panel_width"] == ([], i64)
+    assert table["hs_attention_bf16_products"] == ([], i)
     assert table["hs_paged_attention"][0] == [p, p, p, i, p, i64, p, p, p, p, i64, i64, i64, i64, i64, i64, i64, f, p, i,
                                               i]
 

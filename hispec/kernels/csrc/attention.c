@@ -30,11 +30,14 @@ static void exp_shifted(float *s, int64_t n, float m) {
  * FMA). */
 #define QUERY_TILE 8
 
-/* One KV head of a pool [Hkv, S, D], its rows from element ``head`` on: float32 rows (attend_tile),
- * or bfloat16 ones (attend_tile_bf, below), used where they lie. The head's rows are contiguous: a
+/* One KV head of a pool [Hkv, S, D] (float32, or bfloat16 if bf), its rows from element ``head``
+ * on, read as float32 rows: a float32 pool's rows are used where they lie, a bfloat16 pool's are
+ * converted (exactly) into a buffer first, so the arithmetic on them is the same either way and a
+ * bfloat16 cache only halves the bytes attention reads (attend_tile_bf, below, reads them as they
+ * lie where the CPU multiplies bfloat16). The head's rows are contiguous: a
  * sequence's blocks stream from memory (with the heads interleaved per slot, a head's rows 768
  * bytes apart, attention over 16 sequences of 260 positions took 1.4x as long). */
-typedef struct { const void *base; int64_t head, D; } kv_head;
+typedef struct { const void *base; int bf; int64_t head, D; } kv_head;
 
 /* Where a tile's keys lie: key j < tail_start through the sequence's block table, key j >= tail_start at
  * slot tail[j - tail_start] (a token tree: a node's ancestors and itself, wherever they were written;
@@ -59,9 +62,22 @@ static inline int64_t key_run(key_map m, int64_t j0, int64_t lmax, int64_t *n) {
     return key_slot(m, j0);
 }
 
-/* The float32 row of slot ``slot``. */
-static inline const float *kv_row(kv_head p, int64_t slot) {
-    return (const float *)p.base + p.head + slot * p.D;
+/* The row of slot ``slot``: in the pool, or converted into buf[D]. */
+static inline const float *kv_row(kv_head p, int64_t slot, float *buf) {
+    int64_t at = p.head + slot * p.D;
+    if (!p.bf) return (const float *)p.base + at;
+    load_row(p.base, 1, at, p.D, buf);
+    return buf;
+}
+
+/* The n rows from slot ``slot`` on: a pointer to them, the distance between rows in *stride (in
+ * the pool, or converted into buf[n * D]). */
+static inline const float *kv_rows(kv_head p, int64_t slot, int64_t n, float *buf, int64_t *stride) {
+    int64_t at = p.head + slot * p.D;
+    *stride = p.D;
+    if (!p.bf) return (const float *)p.base + at;
+    load_row(p.base, 1, at, n * p.D, buf);
+    return buf;
 }
 
 /* a * b + c lane by lane, rounded once (a fused multiply-add: one instruction where the CPU has
@@ -125,14 +141,14 @@ static inline __m512 hsum16x16(__m512 a[16]) {
 static inline __attribute__((always_inline)) void tile_scores16(const float *q, int64_t Hq, kv_head kp,
                                                                key_map m, const int32_t *len, int nq,
                                                                int64_t lmax, int64_t G, const int64_t D,
-                                                               float scale, float *scores) {
+                                                               float scale, float *scores, float *buf) {
     static const float zeros[128];  /* the keys past the last: D <= 128 */
     const float *keys[16];
     for (int64_t j0 = 0; j0 < lmax; j0 += 16) {
         int64_t n = lmax - j0 < 16 ? lmax - j0 : 16;
         for (int64_t i = 0; i < 16; i++) {
             int64_t j = j0 + i;
-            keys[i] = i < n ? kv_row(kp, key_slot(m, j)) : zeros;
+            keys[i] = i < n ? kv_row(kp, key_slot(m, j), buf + i * D) : zeros;
         }
         for (int qi = 0; qi < nq; qi++) {
             if (j0 >= len[qi]) continue;
@@ -156,10 +172,10 @@ static inline __attribute__((always_inline)) void tile_scores16(const float *q, 
 static inline __attribute__((always_inline)) void tile_scores(const float *q, int64_t Hq, kv_head kp,
                                                              key_map m, const int32_t *len, int nq,
                                                              int64_t lmax, int64_t G, const int64_t D,
-                                                             float scale, float *scores) {
+                                                             float scale, float *scores, float *buf) {
     for (int64_t j0 = 0, n; j0 < lmax; j0 += n) {  /* one run of consecutive slots (a block) at a time */
-        int64_t stride = D;  /* between consecutive slots */
-        const float *k = kv_row(kp, key_run(m, j0, lmax, &n));
+        int64_t stride, slot = key_run(m, j0, lmax, &n);  /* stride: between consecutive slots */
+        const float *k = kv_rows(kp, slot, n, buf, &stride);
         for (int64_t j = j0; j < j0 + n; j++, k += stride)
             for (int qi = 0; qi < nq; qi++) {
                 if (j >= len[qi]) continue;
@@ -221,11 +237,11 @@ static void tile_softmax(float *scores, const int32_t *len, int nq, int64_t G, i
 static inline __attribute__((always_inline)) void tile_values(const float *scores, kv_head vp,
                                                              key_map m, const int32_t *len, int nq,
                                                              int64_t lmax, int64_t G, const int64_t D,
-                                                             float *acc) {
+                                                             float *acc, float *buf) {
     memset(acc, 0, (size_t)(nq * G * D) * sizeof(float));
     for (int64_t j0 = 0, run; j0 < lmax; j0 += run) {
-        int64_t stride = D;
-        const float *vb = kv_row(vp, key_run(m, j0, lmax, &run));
+        int64_t stride, slot = key_run(m, j0, lmax, &run);
+        const float *vb = kv_rows(vp, slot, run, buf, &stride);
         for (int64_t r = 0; r < nq * G; r++) {
             int64_t n = len[r / G] - j0;
             n = n < run ? n : run;
@@ -264,68 +280,50 @@ static inline __attribute__((always_inline)) void tile_values(const float *score
     }
 }
 
-/* The outputs of a tile's rows into acc[nq * G, D] over a float32 pool; scores[nq * G, lmax] and
- * sum[nq * G]: room for its weights and their sums. */
+/* The outputs of a tile's rows into acc[nq * G, D]; scores[nq * G, lmax] and sum[nq * G]: room
+ * for its weights and their sums; buf: room for max(bs, 16) rows of D floats (a bfloat16 pool's
+ * rows, converted). */
 static void attend_tile(const float *q, int64_t Hq, kv_head kp, kv_head vp, key_map m, const int32_t *len,
-                        int nq, int64_t G, int64_t D, float scale, float *scores, float *acc, float *sum) {
+                        int nq, int64_t G, int64_t D, float scale, float *scores, float *acc, float *sum, float *buf) {
     int64_t lmax = 0;
     for (int qi = 0; qi < nq; qi++) lmax = len[qi] > lmax ? len[qi] : lmax;
 #if defined(__AVX512F__)
-    if (D == 64) tile_scores16(q, Hq, kp, m, len, nq, lmax, G, 64, scale, scores);
-    else if (D == 128) tile_scores16(q, Hq, kp, m, len, nq, lmax, G, 128, scale, scores);
+    if (D == 64) tile_scores16(q, Hq, kp, m, len, nq, lmax, G, 64, scale, scores, buf);
+    else if (D == 128) tile_scores16(q, Hq, kp, m, len, nq, lmax, G, 128, scale, scores, buf);
 #else
-    if (D == 64) tile_scores(q, Hq, kp, m, len, nq, lmax, G, 64, scale, scores);
-    else if (D == 128) tile_scores(q, Hq, kp, m, len, nq, lmax, G, 128, scale, scores);
+    if (D == 64) tile_scores(q, Hq, kp, m, len, nq, lmax, G, 64, scale, scores, buf);
+    else if (D == 128) tile_scores(q, Hq, kp, m, len, nq, lmax, G, 128, scale, scores, buf);
 #endif
-    else tile_scores(q, Hq, kp, m, len, nq, lmax, G, D, scale, scores);
+    else tile_scores(q, Hq, kp, m, len, nq, lmax, G, D, scale, scores, buf);
     tile_softmax(scores, len, nq, G, lmax, sum);
-    if (D == 64) tile_values(scores, vp, m, len, nq, lmax, G, 64, acc);
-    else if (D == 128) tile_values(scores, vp, m, len, nq, lmax, G, 128, acc);
-    else tile_values(scores, vp, m, len, nq, lmax, G, D, acc);
+    if (D == 64) tile_values(scores, vp, m, len, nq, lmax, G, 64, acc, buf);
+    else if (D == 128) tile_values(scores, vp, m, len, nq, lmax, G, 128, acc, buf);
+    else tile_values(scores, vp, m, len, nq, lmax, G, D, acc, buf);
     for (int64_t r = 0; r < nq * G; r++)
         for (int64_t d = 0; d < D; d++) acc[r * D + d] /= sum[r];
 }
 
-/* ---- a bfloat16 pool: bfloat16 products ----
- * Over a bfloat16 cache products are taken two at a time as AVX-512 BF16's VDPBF16PS takes them: on
- * "words", two bfloat16 in 32 bits (element 2i in the low half, 2i + 1 in the high), a lane adds
- * the high halves' product by a fused multiply-add, then the low halves' (a product of two
- * bfloat16 is exact in float32). The instruction does 32 multiply-adds where a float32 one does
- * 16, on keys and values read as they lie in the pool, without widening them first.
+#if defined(__AVX512BF16__)
+/* ---- a bfloat16 pool on a CPU with AVX512_BF16: bfloat16 products ----
+ * Where the library is built with AVX512_BF16 (hs_attention_bf16_products) and the head size is 64
+ * or 128, attention over a bfloat16 pool multiplies as VDPBF16PS does, on "words", two bfloat16 in
+ * 32 bits (element 2i in the low half, 2i + 1 in the high): a lane adds the high halves' product by
+ * a fused multiply-add, then the low halves' (a product of two bfloat16 is exact in float32). The
+ * instruction does 32 multiply-adds where a float32 one does 16, on keys and values read as they lie
+ * in the pool. Elsewhere a bfloat16 pool's rows are widened and take attend_tile's float32
+ * arithmetic (emulating the instruction's with float32 multiply-adds took 3-4x as long).
  * - Scores: each query element as two bfloat16, h = bf16(x) and l = bf16(x - h) (x to ~2^-17, as
- *   float32 to 2^-24: rounded to one bfloat16, the default model's greedy tokens kept in step
- *   with float32 weights for 42 of 128 on average instead of 50, scripts/numerics.py). A key's D / 2 words in 16 lanes (lane l: words l, l + 16,
- *   ... in order, each word's product with h's word, then with l's), the lanes summed by hsum16's
- *   tree, times scale.
+ *   float32 to 2^-24: rounded to one bfloat16, the default model's greedy tokens kept in step with
+ *   float32 weights for 42 of 128 on average instead of 50, scripts/numerics.py). A key's D / 2
+ *   words in 16 lanes (lane l: words l, l + 16, ... in order, each word's product with h's word,
+ *   then with l's), the lanes summed by hsum16x16's tree, times scale.
  * - Values: the softmax weights rounded to bfloat16 (to nearest even); each output element over the
  *   row's keys in pairs (2u, 2u + 1) in order, key 2u + 1's product first; the key after a row's
  *   last has weight 0 (adds nothing). The weights' sum is that of the rounded weights.
- * The same bits with the instruction (CPUs with AVX512_BF16), with fused multiply-adds on the
- * halves widened to float32 (AVX2; AVX-512 without BF16) and in the plain loops (head sizes other
- * than 64 and 128), the instruction's reading of denormal inputs as zero aside; and, as above, a
- * query's output does not depend on the tile it falls in. Head sizes are even (RoPE rotates
- * pairs) and at most 512. */
+ * As above, each row's arithmetic is its own, in a fixed order: a query's output does not depend on
+ * the tile it falls in. */
 
 typedef uint32_t word;  /* two bfloat16 */
-
-static inline float word_hi(word w) {
-    uint32_t u = w & 0xFFFF0000u;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline float word_lo(word w) {
-    uint32_t u = w << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-/* acc + hi(a) hi(b) + lo(a) lo(b), as VDPBF16PS computes a lane. */
-static inline float dp_word(float acc, word a, word b) {
-    return fmaf(word_lo(a), word_lo(b), fmaf(word_hi(a), word_hi(b), acc));
-}
 
 /* x rounded to the nearest bfloat16 (ties to even), as its bits; x finite. */
 static inline uint32_t bf_bits(float x) {
@@ -334,7 +332,7 @@ static inline uint32_t bf_bits(float x) {
     return (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
 }
 
-static const word zero_words[256];  /* the keys and values past the last */
+static const word zero_words[64];  /* the keys and values past the last (D <= 128) */
 
 /* The 16 keys (or values) j0 .. j0 + 15 as rows of words: a row past lmax reads zeros. */
 static inline void chunk_rows(kv_head p, key_map m, int64_t j0, int64_t lmax, const word *rows[16]) {
@@ -342,93 +340,31 @@ static inline void chunk_rows(kv_head p, key_map m, int64_t j0, int64_t lmax, co
         rows[i] = j0 + i < lmax ? (const word *)((const bf16 *)p.base + p.head + key_slot(m, j0 + i) * p.D) : zero_words;
 }
 
-/* A chunk's scores, scores[r * ls + j0 + i] for its n keys, from the tile's rounded queries
- * qw[nq * G, W] (plain loops, any W). */
-static void bf_scores_plain(const word *qw, const word *keys[16], const int32_t *len, int nq, int64_t G, int64_t W,
-                            int64_t j0, int64_t n, int64_t ls, float scale, float *scores) {
-    for (int64_t r = 0; r < nq * G; r++) {
-        if (j0 >= len[r / G]) continue;
-        for (int64_t i = 0; i < n; i++) {
-            float lane[16] = {0};
-            const word *qh = qw + r * 2 * W, *ql = qh + W;
-            for (int64_t w = 0; w < W; w++) lane[w % 16] = dp_word(dp_word(lane[w % 16], qh[w], keys[i][w]), ql[w], keys[i][w]);
-            v8 lo, hi;
-            memcpy(&lo, lane, sizeof lo);
-            memcpy(&hi, lane + 8, sizeof hi);
-            scores[r * ls + j0 + i] = hsum16(lo, hi) * scale;
-        }
-    }
-}
-
-#if defined(__AVX512BF16__)
-/* bf_scores_plain with the instruction, W a constant multiple of 16: the 16 keys' lane sums in 16
- * registers, summed together by hsum16x16. */
-static inline __attribute__((always_inline)) void bf_scores_vec(const word *qw, const word *keys[16],
-                                                               const int32_t *len, int nq, int64_t G, const int64_t W,
-                                                               int64_t j0, int64_t n, int64_t ls, float scale,
-                                                               float *scores, float *buf) {
-    (void)buf;
-    for (int64_t r = 0; r < nq * G; r++) {
-        if (j0 >= len[r / G]) continue;
-        __m512 acc[16];
-        for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
-        for (int64_t c = 0; c < W; c += 16) {
-            __m512bh qh = (__m512bh)_mm512_loadu_si512(qw + r * 2 * W + c), ql = (__m512bh)_mm512_loadu_si512(qw + r * 2 * W + W + c);
-            for (int i = 0; i < 16; i++) {
-                __m512bh k = (__m512bh)_mm512_loadu_si512(keys[i] + c);
-                acc[i] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(acc[i], qh, k), ql, k);
-            }
-        }
-        __m512 sum = _mm512_mul_ps(hsum16x16(acc), _mm512_set1_ps(scale));
-        _mm512_mask_storeu_ps(scores + r * ls + j0, (__mmask16)((1u << n) - 1u), sum);
-    }
-}
-#else
-/* bf_scores_plain by fused multiply-adds on widened halves (khi, klo: the chunk's keys', once per
- * chunk; qhi, qlo: a row's), W a constant multiple of 16. */
-static inline __attribute__((always_inline)) void bf_scores_vec(const word *qw, const word *keys[16],
-                                                               const int32_t *len, int nq, int64_t G, const int64_t W,
-                                                               int64_t j0, int64_t n, int64_t ls, float scale,
-                                                               float *scores, float *buf) {
-    float *khi = buf, *klo = buf + 16 * W, *q = buf + 32 * W;  /* q: a row's 2 W words' high, then low halves */
-    for (int64_t i = 0; i < 16; i++)
-        for (int64_t w = 0; w < W; w++) {
-            khi[i * W + w] = word_hi(keys[i][w]);
-            klo[i * W + w] = word_lo(keys[i][w]);
-        }
-    for (int64_t r = 0; r < nq * G; r++) {
-        if (j0 >= len[r / G]) continue;
-        for (int64_t w = 0; w < 2 * W; w++) {
-            q[w] = word_hi(qw[r * 2 * W + w]);
-            q[2 * W + w] = word_lo(qw[r * 2 * W + w]);
-        }
-        const float *hh = q, *hl = q + 2 * W, *lh = q + W, *ll = q + 3 * W;  /* the query's high part's halves, its low part's */
-        for (int64_t i = 0; i < n; i++) {
-            v8 lo = {0}, hi = {0};
-            const float *kh = khi + i * W, *kl = klo + i * W;
-            for (int64_t c = 0; c < W; c += 16)
-                for (int h = 0; h < 16; h += 8) {
-                    v8 a = h ? hi : lo, ckh = load8(kh + c + h), ckl = load8(kl + c + h);
-                    a = fma8(load8(hl + c + h), ckl, fma8(load8(hh + c + h), ckh, a));
-                    a = fma8(load8(ll + c + h), ckl, fma8(load8(lh + c + h), ckh, a));
-                    if (h) hi = a; else lo = a;
-                }
-            scores[r * ls + j0 + i] = hsum16(lo, hi) * scale;
-        }
-    }
-}
-#endif
-
-/* scores[r * ls + j] = (q_r . k_j) * scale for the tile's rows and keys j < lmax. */
-static void bf_scores(const word *qw, kv_head kp, key_map m, const int32_t *len, int nq, int64_t G, int64_t W,
-                      int64_t lmax, int64_t ls, float scale, float *scores, float *buf) {
+/* scores[r * ls + j] = (q_r . k_j) * scale for the tile's rows and keys j < lmax, from the rows'
+ * queries as words qw[r * D ..] (h's D / 2 words, then l's): per chunk of 16 keys, a row's 16 lane
+ * sums for each key in 16 registers, summed together by hsum16x16. */
+static inline __attribute__((always_inline)) void bf_scores(const word *qw, kv_head kp, key_map m, const int32_t *len,
+                                                           int nq, int64_t G, const int64_t D, int64_t lmax,
+                                                           int64_t ls, float scale, float *scores) {
+    const int64_t W = D / 2;
     const word *keys[16];
     for (int64_t j0 = 0; j0 < lmax; j0 += 16) {
         int64_t n = lmax - j0 < 16 ? lmax - j0 : 16;
         chunk_rows(kp, m, j0, lmax, keys);
-        if (W == 32) bf_scores_vec(qw, keys, len, nq, G, 32, j0, n, ls, scale, scores, buf);
-        else if (W == 64) bf_scores_vec(qw, keys, len, nq, G, 64, j0, n, ls, scale, scores, buf);
-        else bf_scores_plain(qw, keys, len, nq, G, W, j0, n, ls, scale, scores);
+        for (int64_t r = 0; r < nq * G; r++) {
+            if (j0 >= len[r / G]) continue;
+            __m512 acc[16];
+            for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
+            for (int64_t c = 0; c < W; c += 16) {
+                __m512bh h = (__m512bh)_mm512_loadu_si512(qw + r * D + c), l = (__m512bh)_mm512_loadu_si512(qw + r * D + W + c);
+                for (int i = 0; i < 16; i++) {
+                    __m512bh k = (__m512bh)_mm512_loadu_si512(keys[i] + c);
+                    acc[i] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(acc[i], h, k), l, k);
+                }
+            }
+            __m512 sum = _mm512_mul_ps(hsum16x16(acc), _mm512_set1_ps(scale));
+            _mm512_mask_storeu_ps(scores + r * ls + j0, (__mmask16)((1u << n) - 1u), sum);
+        }
     }
 }
 
@@ -449,25 +385,11 @@ static void bf_softmax(float *scores, const int32_t *len, int nq, int64_t G, int
     }
 }
 
-/* A chunk's values into the rows' sums acc[r * D ..] (plain loops, any D). */
-static void bf_values_plain(const float *scores, const word *vals[16], const int32_t *len, int nq, int64_t G,
-                            int64_t D, int64_t j0, int64_t ls, float *acc) {
-    for (int64_t r = 0; r < nq * G; r++) {
-        const float *p = scores + r * ls;
-        for (int64_t j = j0; j < j0 + 16 && j < len[r / G]; j += 2) {
-            const bf16 *v0 = (const bf16 *)vals[j - j0], *v1 = (const bf16 *)vals[j - j0 + 1];
-            for (int64_t d = 0; d < D; d++)
-                acc[r * D + d] = fmaf(p[j], bf2f(v0[d]), fmaf(p[j + 1], bf2f(v1[d]), acc[r * D + d]));
-        }
-    }
-}
-
-#if defined(__AVX512BF16__)
-/* R rows' sums (1 or 2 rows of one query: the same keys) over np pairs of the chunk's values
- * (pairs: interleaved as below), in registers. */
-static inline __attribute__((always_inline)) void bf_rows_dp(const word *w0, const word *w1, int64_t np,
-                                                            const word *pairs, const int64_t D, const int R,
-                                                            float *a0, float *a1) {
+/* R rows' sums (1 or 2 rows of one query: the same keys) over np pairs of a chunk's values (pairs:
+ * interleaved as in bf_values), in registers. */
+static inline __attribute__((always_inline)) void bf_rows(const word *w0, const word *w1, int64_t np,
+                                                         const word *pairs, const int64_t D, const int R,
+                                                         float *a0, float *a1) {
     __m512 s0[D / 16], s1[D / 16];
     for (int i = 0; i < D / 16; i++) {
         s0[i] = _mm512_loadu_ps(a0 + i * 16);
@@ -488,121 +410,86 @@ static inline __attribute__((always_inline)) void bf_rows_dp(const word *w0, con
     }
 }
 
-/* A chunk's values with the instruction, D a constant multiple of 32: each pair's two value rows
- * interleaved into words once (unpacklo/hi_epi16, by 128-bit lanes), so the rows' sums lie
- * permuted in acc until bf_unpermute; rows of the same query two at a time. */
-static inline __attribute__((always_inline)) void bf_values_vec(const float *scores, const word *pw, int64_t lw,
-                                                               const word *vals[16], const int32_t *len, int nq,
-                                                               int64_t G, const int64_t D, int64_t j0, int64_t ls,
-                                                               float *acc, float *buf) {
-    (void)scores, (void)ls;
-    word *pairs = (word *)buf;  /* pairs[u * D ..]: pair u's D words, one a column */
-    for (int64_t u = 0; u < 8; u++)
-        for (int64_t c = 0; c < D; c += 32) {
-            __m512i a = _mm512_loadu_si512(vals[2 * u] + c / 2), b = _mm512_loadu_si512(vals[2 * u + 1] + c / 2);
-            _mm512_storeu_si512(pairs + u * D + c, _mm512_unpacklo_epi16(a, b));
-            _mm512_storeu_si512(pairs + u * D + c + 16, _mm512_unpackhi_epi16(a, b));
+/* acc[r * D ..] = sum_j p_r[j] v_j for the tile's rows, by chunks of 16 keys: each pair's two value
+ * rows interleaved into words once a chunk (unpacklo/hi_epi16, by 128-bit lanes), so a row's sums
+ * lie permuted until bf_unpermute; the rows of a query two at a time. pairs: room for 8 * D words. */
+static inline __attribute__((always_inline)) void bf_values(const word *pw, int64_t lw, kv_head vp, key_map m,
+                                                           const int32_t *len, int nq, int64_t G, const int64_t D,
+                                                           int64_t lmax, float *acc, word *pairs) {
+    const word *vals[16];
+    memset(acc, 0, (size_t)(nq * G * D) * sizeof(float));
+    for (int64_t j0 = 0; j0 < lmax; j0 += 16) {
+        chunk_rows(vp, m, j0, lmax, vals);
+        for (int64_t u = 0; u < 8; u++)  /* pairs[u * D ..]: pair u's D words, one a column */
+            for (int64_t c = 0; c < D; c += 32) {
+                __m512i a = _mm512_loadu_si512(vals[2 * u] + c / 2), b = _mm512_loadu_si512(vals[2 * u + 1] + c / 2);
+                _mm512_storeu_si512(pairs + u * D + c, _mm512_unpacklo_epi16(a, b));
+                _mm512_storeu_si512(pairs + u * D + c + 16, _mm512_unpackhi_epi16(a, b));
+            }
+        for (int64_t r = 0; r < nq * G;) {
+            int64_t n = len[r / G] - j0, np = n >= 16 ? 8 : (n + 1) / 2;
+            int two = r + 1 < nq * G && (r + 1) / G == r / G;
+            if (n > 0 && two)
+                bf_rows(pw + r * lw + j0 / 2, pw + (r + 1) * lw + j0 / 2, np, pairs, D, 2, acc + r * D, acc + (r + 1) * D);
+            else if (n > 0)
+                bf_rows(pw + r * lw + j0 / 2, NULL, np, pairs, D, 1, acc + r * D, NULL);
+            r += 1 + two;
         }
-    for (int64_t r = 0; r < nq * G;) {
-        int64_t n = len[r / G] - j0, np = n >= 16 ? 8 : (n + 1) / 2;
-        int two = r + 1 < nq * G && (r + 1) / G == r / G;
-        if (n > 0 && two)
-            bf_rows_dp(pw + r * lw + j0 / 2, pw + (r + 1) * lw + j0 / 2, np, pairs, D, 2, acc + r * D, acc + (r + 1) * D);
-        else if (n > 0)
-            bf_rows_dp(pw + r * lw + j0 / 2, NULL, np, pairs, D, 1, acc + r * D, NULL);
-        r += 1 + two;
     }
 }
 
-/* A row's sums from bf_values_vec's layout into column order: register 2k + h (h = 0: unpacklo,
- * 1: unpackhi) of the 32 columns from 32k, lane 4L + i, holds column 32k + 8L + 4h + i. */
+/* A row's sums from bf_values' layout into column order: register 2k + h (h = 0: unpacklo, 1:
+ * unpackhi) of the 32 columns from 32k, lane 4L + i, holds column 32k + 8L + 4h + i. */
 static void bf_unpermute(float *a, int64_t D, float *tmp) {
-    if (D != 64 && D != 128) return;
     for (int64_t k = 0; k < D / 32; k++)
         for (int64_t h = 0; h < 2; h++)
             for (int64_t L = 0; L < 4; L++)
                 for (int64_t i = 0; i < 4; i++) tmp[32 * k + 8 * L + 4 * h + i] = a[32 * k + 16 * h + 4 * L + i];
     memcpy(a, tmp, (size_t)D * sizeof(float));
 }
-#else
-/* A chunk's values by fused multiply-adds on value rows widened once (vf), D a constant multiple of
- * 32: 32 columns at a time in 4 registers of 8. */
-static inline __attribute__((always_inline)) void bf_values_vec(const float *scores, const word *pw, int64_t lw,
-                                                               const word *vals[16], const int32_t *len, int nq,
-                                                               int64_t G, const int64_t D, int64_t j0, int64_t ls,
-                                                               float *acc, float *buf) {
-    (void)pw, (void)lw;
-    float *vf = buf;
-    for (int64_t i = 0; i < 16; i++)
-        for (int64_t w = 0; w < D / 2; w++) {
-            vf[i * D + 2 * w] = word_lo(vals[i][w]);
-            vf[i * D + 2 * w + 1] = word_hi(vals[i][w]);
-        }
-    for (int64_t r = 0; r < nq * G; r++) {
-        int64_t n = len[r / G] - j0;
-        if (n <= 0) continue;
-        int64_t end = n >= 16 ? 16 : n + (n & 1);  /* whole pairs */
-        const float *p = scores + r * ls + j0;
-        for (int64_t c = 0; c < D; c += 32) {
-            v8 s[4];
-            float *a = acc + r * D + c;
-            for (int i = 0; i < 4; i++) s[i] = load8(a + i * 8);
-            for (int64_t j = 0; j < end; j += 2) {
-                v8 p0 = splat8(p[j]), p1 = splat8(p[j + 1]);
-                for (int i = 0; i < 4; i++)
-                    s[i] = fma8(p0, load8(vf + j * D + c + i * 8), fma8(p1, load8(vf + (j + 1) * D + c + i * 8), s[i]));
-            }
-            memcpy(a, s, sizeof s);
-        }
-    }
-}
 
-static void bf_unpermute(float *a, int64_t D, float *tmp) { (void)a, (void)D, (void)tmp; }
-#endif
-
-/* acc[r * D + d] = sum_j p_r[j] v_j[d] for the tile's rows (permuted: bf_unpermute), keys in pairs,
- * by chunks of 16. */
-static void bf_values(const float *scores, const word *pw, int64_t lw, kv_head vp, key_map m, const int32_t *len,
-                      int nq, int64_t G, int64_t D, int64_t lmax, int64_t ls, float *acc, float *buf) {
-    const word *vals[16];
-    memset(acc, 0, (size_t)(nq * G * D) * sizeof(float));
-    for (int64_t j0 = 0; j0 < lmax; j0 += 16) {
-        chunk_rows(vp, m, j0, lmax, vals);
-        if (D == 64) bf_values_vec(scores, pw, lw, vals, len, nq, G, 64, j0, ls, acc, buf);
-        else if (D == 128) bf_values_vec(scores, pw, lw, vals, len, nq, G, 128, j0, ls, acc, buf);
-        else bf_values_plain(scores, vals, len, nq, G, D, j0, ls, acc);
-    }
-}
-
-/* attend_tile over a bfloat16 pool with bfloat16 products (above); scores: room for nq * G rows of
- * lmax + 1. */
-static void attend_tile_bf(const float *q, int64_t Hq, kv_head kp, kv_head vp, key_map m, const int32_t *len,
-                           int nq, int64_t G, int64_t D, float scale, float *scores, float *acc, float *sum) {
-    int64_t lmax = 0, W = D / 2, rows = nq * G;
+/* attend_tile over a bfloat16 pool with bfloat16 products, D = 64 or 128; scores: room for nq * G
+ * rows of lmax + 1. */
+static void attend_tile_bf(const float *q, int64_t Hq, kv_head kp, kv_head vp, key_map m, const int32_t *len, int nq,
+                           int64_t G, int64_t D, float scale, float *scores, float *acc, float *sum) {
+    int64_t lmax = 0, rows = nq * G;
     for (int qi = 0; qi < nq; qi++) lmax = len[qi] > lmax ? len[qi] : lmax;
     int64_t ls = lmax + 1, lw = lmax / 2 + 1;
-    word *qw = malloc((size_t)(rows * (2 * W + lw)) * sizeof(word)), *pw = qw + rows * 2 * W;
-    float *buf = malloc((size_t)(18 * D) * sizeof(float));  /* widened keys and a query, values, or pairs */
-    for (int64_t r = 0; r < rows; r++) {
+    word *qw = malloc((size_t)(rows * (D + lw)) * sizeof(word)), *pw = qw + rows * D;
+    word *pairs = aligned_alloc(64, (size_t)(8 * D) * sizeof(word));  /* (a chunk's pairs, read by whole cache lines) */
+    for (int64_t r = 0; r < rows; r++) {  /* each query element x as h = bf16(x), l = bf16(x - h) */
         const float *x = q + r / G * Hq * D + r % G * D;
-        for (int64_t w = 0; w < W; w++) {
+        for (int64_t w = 0; w < D / 2; w++) {
             uint32_t h0 = bf_bits(x[2 * w]), h1 = bf_bits(x[2 * w + 1]);
             float f0, f1;
             memcpy(&f0, &h0, 4);
             memcpy(&f1, &h1, 4);
-            qw[r * 2 * W + w] = h0 >> 16 | h1;
-            qw[r * 2 * W + W + w] = bf_bits(x[2 * w] - f0) >> 16 | bf_bits(x[2 * w + 1] - f1);
+            qw[r * D + w] = h0 >> 16 | h1;
+            qw[r * D + D / 2 + w] = bf_bits(x[2 * w] - f0) >> 16 | bf_bits(x[2 * w + 1] - f1);
         }
     }
-    bf_scores(qw, kp, m, len, nq, G, W, lmax, ls, scale, scores, buf);
+    if (D == 64) bf_scores(qw, kp, m, len, nq, G, 64, lmax, ls, scale, scores);
+    else bf_scores(qw, kp, m, len, nq, G, 128, lmax, ls, scale, scores);
     bf_softmax(scores, len, nq, G, ls, sum, pw, lw);
-    bf_values(scores, pw, lw, vp, m, len, nq, G, D, lmax, ls, acc, buf);
+    if (D == 64) bf_values(pw, lw, vp, m, len, nq, G, 64, lmax, acc, pairs);
+    else bf_values(pw, lw, vp, m, len, nq, G, 128, lmax, acc, pairs);
     for (int64_t r = 0; r < rows; r++) {
-        bf_unpermute(acc + r * D, D, buf);
+        bf_unpermute(acc + r * D, D, (float *)pairs);
         for (int64_t d = 0; d < D; d++) acc[r * D + d] /= sum[r];
     }
     free(qw);
-    free(buf);
+    free(pairs);
+}
+#endif
+
+/* 1 where a bfloat16 pool's attention takes bfloat16 products (above: a build with AVX512_BF16),
+ * else 0 (float32 products on its values everywhere). */
+int hs_attention_bf16_products(void) {
+#if defined(__AVX512BF16__)
+    return 1;
+#else
+    return 0;
+#endif
 }
 
 /* Paged attention of T query tokens q[T, Hq, D]: token t belongs to sequence seq[t] (a row of
@@ -618,7 +505,7 @@ static void attend_tile_bf(const float *q, int64_t Hq, kv_head kp, kv_head vp, k
  * with SmolLM2's 3 KV heads on 2 threads, at 230 and 1,000 positions). With fewer such pairs than
  * threads (one sequence, one KV head), over (tile, query head) ones, so that every thread has work
  * (each head's arithmetic is its own either way). The pools [Hkv, S, D] are float32, or bfloat16
- * if kv_bf (then with bfloat16 products: attend_tile_bf). */
+ * if kv_bf (the same arithmetic on the values they hold, or bfloat16 products: attend_tile_bf). */
 void hs_paged_attention(const float *q, const void *kpool, const void *vpool, int kv_bf, const int32_t *tables,
                         int64_t max_blocks, const int32_t *seq, const int32_t *len, const int32_t *tail_start,
                         const int64_t *tail, int64_t tail_width, int64_t T, int64_t Hq, int64_t Hkv, int64_t S,
@@ -644,17 +531,21 @@ void hs_paged_attention(const float *q, const void *kpool, const void *vpool, in
         for (int qi = 0; qi < nq; qi++) lmax = len[t0 + qi] > lmax ? len[t0 + qi] : lmax;
         float *scores = malloc((size_t)(nq * hg * (lmax + 1)) * sizeof(float));
         float *acc = malloc((size_t)(nq * hg * (D + 1)) * sizeof(float)), *sum = acc + nq * hg * D;
-        kv_head kp = {kpool, kvh * S * D, D}, vp = {vpool, kvh * S * D, D};
+        float *buf = kv_bf ? malloc((size_t)((bs > 16 ? bs : 16) * D) * sizeof(float)) : NULL;
+        kv_head kp = {kpool, kv_bf, kvh * S * D, D}, vp = {vpool, kv_bf, kvh * S * D, D};
         key_map m = {tables + (int64_t)seq[t0] * max_blocks, bs, IN_TREE(t0) ? tail_start[t0] : INT64_MAX,
                      IN_TREE(t0) ? tail + t0 * tail_width : NULL};
-        if (kv_bf)
+#if defined(__AVX512BF16__)
+        if (kv_bf && (D == 64 || D == 128))
             attend_tile_bf(q + (t0 * Hq + h0) * D, Hq, kp, vp, m, len + t0, nq, hg, D, scale, scores, acc, sum);
         else
-            attend_tile(q + (t0 * Hq + h0) * D, Hq, kp, vp, m, len + t0, nq, hg, D, scale, scores, acc, sum);
+#endif
+        attend_tile(q + (t0 * Hq + h0) * D, Hq, kp, vp, m, len + t0, nq, hg, D, scale, scores, acc, sum, buf);
         for (int qi = 0; qi < nq; qi++)
             store_row(out, out_bf, ((t0 + qi) * Hq + h0) * D, hg * D, acc + qi * hg * D);
         free(scores);
         free(acc);
+        free(buf);
     }
 #undef IN_TREE
     free(first);

@@ -57,6 +57,9 @@ void hs_paged_attention(const float *q, const void *kpool, const void *vpool, in
                         int64_t max_blocks, const int32_t *seq, const int32_t *len, const int32_t *tail_start,
                         const int64_t *tail, int64_t tail_width, int64_t T, int64_t Hq, int64_t Hkv, int64_t S,
                         int64_t D, int64_t bs, float scale, void *out, int out_bf, int parallel);
+/* 1 where attention over a bfloat16 pool takes bfloat16 products (head sizes 64, 128; a build with
+ * AVX512_BF16), else 0 (float32 products on the values it holds) */
+int hs_attention_bf16_products(void);
 
 /* ---- panel.c ---- */
 /* output columns per panel of hs_panel_pack's layout on this build */
