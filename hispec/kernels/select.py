@@ -90,6 +90,9 @@ def describe(model) -> str:
                     "; layers called one by one" + ("" if layer_op.layers_op() else
                                                      " (layer op unavailable: no C++ compiler, or HISPEC_FUSED_LAYERS=0)"))
     pages = f"; {hugepages.describe()}" if model.device.type == "cpu" else ""
+    kv = str(model.kv_dtype)[6:]
+    if (model.device.type == "cpu" and model.kv_dtype == torch.bfloat16 and fused.available()
+            and fused.bf16_attention_products(model.cfg.head_dim)):
+        kv += " (attention in bfloat16 products: AVX-512 BF16)"
     return (f"weights {model.weight_format}: decoder linears {layers}; output head {head_kind}; "
-            f"between the matmuls: {between}; KV cache {str(model.kv_dtype)[6:]}; CPU capability {cpu_capability()}"
-            f"{pages}")
+            f"between the matmuls: {between}; KV cache {kv}; CPU capability {cpu_capability()}{pages}")
