@@ -112,8 +112,8 @@ def main() -> None:
     finally:
         fused.library = mine
     print(f"paged attention: {args.heads} heads over {args.kv_heads} KV heads of {args.head_dim}, block "
-          f"{args.block_size}, {args.kv_dtype} pool, {args.threads} threads; ms per call and per step of {args.layers} layers "
-          f"(medians of {args.repeats})")
+          f"{args.block_size}, {args.kv_dtype} pool, {args.threads} threads; ms per call and per step of "
+          f"{args.layers} layers (medians of {args.repeats})")
     for c in cases:
         ms = {name: statistics.median(times[(c, name)]) * 1e3 for name, _ in libs}
         line = f"  {c:16s} {ms['this tree']:8.3f} ms  step {ms['this tree'] * args.layers:8.2f} ms"

@@ -8,9 +8,10 @@ as the reference, then the GGUF's own 4-bit weights (``--quantize native``) on e
 (``HISPEC_Q4_KERNEL``: ``q4`` 16-bit activations, ``int4`` PyTorch's on bfloat16 ones, ``q8a`` 8-bit
 ones), each on a float32 KV cache; ``--kv-bf16``: also each on a bfloat16 one (the default under
 quantized weights); ``--llama-cpp``: also llama.cpp's own greedy tokens on the same Q4_1 GGUF and
-prompt ids (``hispec bench``'s peer process, its venv under ``$HISPEC_HOME/peers/llamacpp``). Prints per prompt the first differing position (``=``: identical),
-then per kernel: prompts identical, median first divergence and mean tokens agreeing before it (an
-identical prompt counts its length), against float32 and (``--llama-cpp``) against llama.cpp's.
+prompt ids (``hispec bench``'s peer process, its venv under ``$HISPEC_HOME/peers/llamacpp``). Prints
+per prompt the first differing position (``=``: identical), then per kernel: prompts identical,
+median first divergence and mean tokens agreeing before it (an identical prompt counts its length),
+against float32 and (``--llama-cpp``) against llama.cpp's.
 Run from the repository root with ``PYTHONPATH=.`` to use that copy; on a machine busier than its
 cores, ``OMP_WAIT_POLICY=passive`` (see ``bench-kernels.py``).
 """

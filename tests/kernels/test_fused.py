@@ -171,7 +171,8 @@ def test_paged_attention_over_a_bfloat16_pool(head_dim, bs):
     kb, vb = pool.k[0].to(torch.bfloat16), pool.v[0].to(torch.bfloat16)
     out = fused.paged_attention(q, kb, vb, batch.kernel(), torch.float32).view_as(q)
     if not fused.bf16_attention_products(head_dim):
-        assert torch.equal(out, fused.paged_attention(q, kb.float(), vb.float(), batch.kernel(), torch.float32).view_as(q))
+        as_float = fused.paged_attention(q, kb.float(), vb.float(), batch.kernel(), torch.float32)
+        assert torch.equal(out, as_float.view_as(q))
     for i, c in enumerate(batch.chunks):
         ck, cv = pool.context(0, batch, i)
         for j in range(c.num_tokens):
@@ -766,7 +767,8 @@ def test_attention_has_the_same_bits_on_avx2_and_avx512(tmp_path, head_dim, pool
                         "-lm"], check=True, capture_output=True)
         f = ctypes.CDLL(str(lib)).hs_paged_attention
         f.argtypes, f.restype = binding.signatures()["hs_paged_attention"]
-        if pool_dtype == torch.float32 or head_dim not in (64, 128) or not ctypes.CDLL(str(lib)).hs_attention_bf16_products():
+        bf16_products = ctypes.CDLL(str(lib)).hs_attention_bf16_products() and head_dim in (64, 128)
+        if pool_dtype == torch.float32 or not bf16_products:
             out[isa] = f
     batch, pool, q = paged_case([0, 13, 40], [21, 1, 3], d=head_dim)  # rows of 1-43 keys: whole 16s and tails
     results = []

@@ -325,11 +325,9 @@ static void attend_tile(const float *q, int64_t Hq, kv_head kp, kv_head vp, key_
 
 typedef uint32_t word;  /* two bfloat16 */
 
-/* x rounded to the nearest bfloat16 (ties to even), as its bits; x finite. */
+/* x rounded to bfloat16 (f2bf: to nearest even), as float32 bits. */
 static inline uint32_t bf_bits(float x) {
-    uint32_t u;
-    memcpy(&u, &x, 4);
-    return (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
+    return (uint32_t)f2bf(x) << 16;
 }
 
 static const word zero_words[64];  /* the keys and values past the last (D <= 128) */
@@ -337,7 +335,8 @@ static const word zero_words[64];  /* the keys and values past the last (D <= 12
 /* The 16 keys (or values) j0 .. j0 + 15 as rows of words: a row past lmax reads zeros. */
 static inline void chunk_rows(kv_head p, key_map m, int64_t j0, int64_t lmax, const word *rows[16]) {
     for (int64_t i = 0; i < 16; i++)
-        rows[i] = j0 + i < lmax ? (const word *)((const bf16 *)p.base + p.head + key_slot(m, j0 + i) * p.D) : zero_words;
+        rows[i] = j0 + i < lmax ? (const word *)((const bf16 *)p.base + p.head + key_slot(m, j0 + i) * p.D)
+                                : zero_words;
 }
 
 /* scores[r * ls + j] = (q_r . k_j) * scale for the tile's rows and keys j < lmax, from the rows'
@@ -356,7 +355,8 @@ static inline __attribute__((always_inline)) void bf_scores(const word *qw, kv_h
             __m512 acc[16];
             for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
             for (int64_t c = 0; c < W; c += 16) {
-                __m512bh h = (__m512bh)_mm512_loadu_si512(qw + r * D + c), l = (__m512bh)_mm512_loadu_si512(qw + r * D + W + c);
+                __m512bh h = (__m512bh)_mm512_loadu_si512(qw + r * D + c);
+                __m512bh l = (__m512bh)_mm512_loadu_si512(qw + r * D + W + c);
                 for (int i = 0; i < 16; i++) {
                     __m512bh k = (__m512bh)_mm512_loadu_si512(keys[i] + c);
                     acc[i] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(acc[i], h, k), l, k);
@@ -430,7 +430,8 @@ static inline __attribute__((always_inline)) void bf_values(const word *pw, int6
             int64_t n = len[r / G] - j0, np = n >= 16 ? 8 : (n + 1) / 2;
             int two = r + 1 < nq * G && (r + 1) / G == r / G;
             if (n > 0 && two)
-                bf_rows(pw + r * lw + j0 / 2, pw + (r + 1) * lw + j0 / 2, np, pairs, D, 2, acc + r * D, acc + (r + 1) * D);
+                bf_rows(pw + r * lw + j0 / 2, pw + (r + 1) * lw + j0 / 2, np, pairs, D, 2, acc + r * D,
+                        acc + (r + 1) * D);
             else if (n > 0)
                 bf_rows(pw + r * lw + j0 / 2, NULL, np, pairs, D, 1, acc + r * D, NULL);
             r += 1 + two;
@@ -523,6 +524,11 @@ void hs_paged_attention(const float *q, const void *kpool, const void *vpool, in
     const int64_t threads = 1;
 #endif
     int64_t parts = ntiles * Hkv < threads ? G : 1, hg = G / parts;  /* items per group, heads per item */
+#if defined(__AVX512BF16__)
+    const int bf_products = kv_bf && (D == 64 || D == 128);  /* attend_tile_bf */
+#else
+    const int bf_products = 0;
+#endif
 #pragma omp parallel for schedule(dynamic) if (parallel)
     for (int64_t p = 0; p < ntiles * Hkv * parts; p++) {
         int64_t tile = p / (Hkv * parts), kvh = p / parts % Hkv, h0 = kvh * G + p % parts * hg;  /* first head */
@@ -531,12 +537,12 @@ void hs_paged_attention(const float *q, const void *kpool, const void *vpool, in
         for (int qi = 0; qi < nq; qi++) lmax = len[t0 + qi] > lmax ? len[t0 + qi] : lmax;
         float *scores = malloc((size_t)(nq * hg * (lmax + 1)) * sizeof(float));
         float *acc = malloc((size_t)(nq * hg * (D + 1)) * sizeof(float)), *sum = acc + nq * hg * D;
-        float *buf = kv_bf ? malloc((size_t)((bs > 16 ? bs : 16) * D) * sizeof(float)) : NULL;
+        float *buf = kv_bf && !bf_products ? malloc((size_t)((bs > 16 ? bs : 16) * D) * sizeof(float)) : NULL;
         kv_head kp = {kpool, kv_bf, kvh * S * D, D}, vp = {vpool, kv_bf, kvh * S * D, D};
         key_map m = {tables + (int64_t)seq[t0] * max_blocks, bs, IN_TREE(t0) ? tail_start[t0] : INT64_MAX,
                      IN_TREE(t0) ? tail + t0 * tail_width : NULL};
 #if defined(__AVX512BF16__)
-        if (kv_bf && (D == 64 || D == 128))
+        if (bf_products)
             attend_tile_bf(q + (t0 * Hq + h0) * D, Hq, kp, vp, m, len + t0, nq, hg, D, scale, scores, acc, sum);
         else
 #endif
