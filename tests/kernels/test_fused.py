@@ -118,16 +118,22 @@ def test_paged_attention_matches_eager_and_is_per_query(head_dim):
             assert torch.equal(single.view(1, *q.shape[1:]), out[row:row + 1])
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", [dict(starts=[40, 50, 60, 70], counts=[8, 8, 8, 8], bs=16),
-                                  dict(starts=[70], counts=[1], hkv=1)])  # fewer KV heads than threads: split by query head
-def test_parallel_attention_equals_serial(monkeypatch, case):
+                                  dict(starts=[70], counts=[1], hkv=1),  # fewer KV heads than threads: split by query head
+                                  # a window of 2, 5 or 7 over 3 KV heads on 2 threads: its tile halved
+                                  dict(starts=[37], counts=[5], hq=6, hkv=3, d=64),
+                                  dict(starts=[20], counts=[2], hq=6, hkv=3, d=64),
+                                  dict(starts=[100], counts=[7], hq=6, hkv=3, d=64)])
+def test_parallel_attention_equals_serial(monkeypatch, case, kv_dtype):
     batch, pool, q = paged_case(**case)
-    serial = fused.paged_attention(q, pool.k[0], pool.v[0], batch.kernel(), torch.float32)
+    k, v = pool.k[0].to(kv_dtype), pool.v[0].to(kv_dtype)
+    serial = fused.paged_attention(q, k, v, batch.kernel(), torch.float32)
     monkeypatch.setattr(fused, "PARALLEL_MIN_WORK", 0)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)  # the kernel splits the work by the threads it has (the suite runs on one)
     try:
-        with_threads = fused.paged_attention(q, pool.k[0], pool.v[0], batch.kernel(), torch.float32)
+        with_threads = fused.paged_attention(q, k, v, batch.kernel(), torch.float32)
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(serial, with_threads)
