@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from hispec.config import ConfigError, EngineConfig, SamplingParams, SpecConfig
-from hispec.decode.lookup import DraftLength, NgramIndex, RowCost, SuffixCache, continuation
+from hispec.decode.lookup import (LOOKUP_PRIORS, DraftLength, LookupState, NgramIndex, RowCost, SuffixCache,
+                                  continuation, lookup_prior)
 from hispec.engine.engine import Engine
 from hispec.generate import Generator, make_strategy
 from hispec.model.load.checkpoint import load_model
@@ -68,7 +69,7 @@ def test_suffix_cache_is_bounded_and_finds_earlier_outputs():
 
 
 def test_draft_length_follows_acceptance_and_cost():
-    d = DraftLength(max_draft=4, max_ngram=3)
+    d = DraftLength.flat(4, 3, prior=0.6)
     assert d.choose(3, 4, row_cost=0.0) == 4  # free rows: draft all
     for _ in range(8):
         d.record(3, 4, 4)
@@ -84,6 +85,21 @@ def test_draft_length_follows_acceptance_and_cost():
             tried += 1
             d.record(1, k, 0)
     assert 0 < tried <= 8, tried
+
+
+def test_a_fresh_sequence_starts_from_the_measured_priors():
+    """Before any round of its own, a sequence drafts long from a three-token match (85% of first
+    drafts right where measured) and not from a one-token match (29%), at a row cost of a quarter
+    of a step; longer matches take the three-token row, drafts past the table its last value."""
+    state = LookupState(max_draft=4, max_ngram=4)
+    assert state.length.choose(state.row("lookup", 3), 4, row_cost=0.25, overhead=0.1) == 4
+    assert state.length.choose(state.row("lookup", 1), 4, row_cost=0.25, overhead=0.1) == 0
+    assert state.length.rates[4] == state.length.rates[3] == list(LOOKUP_PRIORS[2][:4])
+    assert lookup_prior(2, 10)[-2:] == [LOOKUP_PRIORS[1][-1]] * 2
+    assert state.length.rates[state.row("suffix", 2)] == [0.6] * 4  # another request's text: the flat guess
+    state.length.rates[1] = [0.0] * 4  # drifting back (while declining) goes towards the row's own prior
+    state.length.choose(1, 4, row_cost=0.25)
+    assert state.length.rates[1] == pytest.approx([0.01 * p for p in LOOKUP_PRIORS[0][:4]])
 
 
 def test_row_cost_measures_the_slope():
@@ -124,7 +140,7 @@ def test_row_cost_keeps_plain_steps_apart():
 def test_draft_length_pays_the_overhead_once():
     """With a pass's fixed overhead, drafts accepted nine times in ten are worth a long chain,
     and drafts that are mostly rejected are not worth the pass."""
-    d = DraftLength(max_draft=4, max_ngram=3)
+    d = DraftLength.flat(4, 3, prior=0.6)
     for _ in range(12):
         d.record(3, 4, 4 if _ % 10 else 3)
         d.record(1, 1, 0)

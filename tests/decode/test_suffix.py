@@ -98,8 +98,8 @@ def test_the_longer_match_drafts_and_sampled_sequences_never_take_the_cache():
     for _ in range(12):
         c.lookup.length.record(c.lookup.last_n, 2, 0)
     assert free_drafts([c], 4, 3, cost) == [[]]
-    c.tokens = own  # prompt lookup's rows are another table: still at the prior
-    assert free_drafts([c], 4, 3, cost) == [[99, 5]]
+    c.tokens = own  # prompt lookup's rows are another table, at its measured prior: a 3-token match drafts all
+    assert free_drafts([c], 4, 3, cost) == [[99, 5, 6, 11]]
 
 
 def test_branches_merge_both_sources():
