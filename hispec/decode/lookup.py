@@ -194,6 +194,42 @@ class SuffixStore:
 
 
 @dataclass
+class _Passes:
+    """Verification passes, weighted (older ones less): the sums of an exponentially weighted
+    least-squares fit of their seconds as ``a + b * rows``, and the slope ``prior_b`` the first gave."""
+
+    sums: list[float] = field(default_factory=lambda: [0.0] * 5)  # w, w*r, w*t, w*r*r, w*r*t
+    prior_b: float = 0.0
+
+    def add(self, rows: int, seconds: float, prior: float, decay: float) -> None:
+        if not self.sums[0]:  # the prior: a + b*rows = seconds with b = prior * (a + b)
+            self.prior_b = seconds * prior / (1 + prior * (rows - 1))
+        self.fade(decay)
+        for i, v in enumerate((1.0, rows, seconds, rows * rows, rows * seconds)):
+            self.sums[i] += v
+
+    def fade(self, decay: float) -> None:
+        self.sums = [x * decay for x in self.sums]
+
+    def fit(self, prior_weight: float) -> tuple[float, float] | None:
+        """``(a, b)`` (None before the first pass): least squares with the slope drawn towards the
+        prior's (ridge), so that passes which all had the same rows (a chain always drafted in
+        full) keep the prior slope instead of an arbitrary one."""
+        w, sr, st, srr, srt = self.sums
+        if not w:
+            return None
+        sxx, sxy = srr - sr * sr / w, srt - sr * st / w  # the rows' spread, and with the seconds
+        b = max(0.0, (sxy + prior_weight * self.prior_b) / (sxx + prior_weight))
+        return (st - b * sr) / w, b
+
+
+def batch_bucket(batch_size: int) -> int:
+    """Batch sizes 1, 2, 3-4, 5-8, 9-16, ... share a fit of their passes (as they share the
+    adaptive controller's measurements)."""
+    return (batch_size - 1).bit_length()
+
+
+@dataclass
 class RowCost:
     """What verification costs, measured: the seconds of a verification pass as ``a + b * rows``
     (exponentially weighted least squares over its passes, the slope drawn towards a prior
@@ -204,47 +240,51 @@ class RowCost:
     steps run several to an op call with nothing in Python between them, while a verification
     pass is one call with its drafts to build and check. Fitted together, that fixed difference
     read as a steep cost per row (~0.4 of a step for the default model where the op's own rows
-    cost ~0.1), and free drafts were cut to one token even when nine in ten were accepted."""
+    cost ~0.1), and free drafts were cut to one token even when nine in ten were accepted.
+
+    The passes are fitted per batch-size bucket (``batch_bucket``; all of them together where a
+    bucket has none yet), because a row's cost is not one line from 1 to 20 rows: on the default
+    model, rows are nearly free up to a few and cost ~0.6 ms each beyond 8 (2 Zen 4 cores), and a
+    pass of 9 rows took 1.4x a plain step of 8. One line through the passes of a batch of 8 and of
+    the batches of 1-4 that its last sequences make read half that overhead at 8, and drafted where
+    it did not pay."""
 
     prior: float = 0.25
     decay: float = 0.95  # weight of older observations per new one
     prior_weight: float = 1.0  # the prior slope counts as this many passes one row apart
-    sums: list[float] = field(default_factory=lambda: [0.0] * 5)  # w, w*r, w*t, w*r*r, w*r*t
+    passes: _Passes = field(default_factory=_Passes)  # every pass
+    buckets: dict[int, _Passes] = field(default_factory=dict)  # the passes per batch-size bucket
     plain: dict[int, float] = field(default_factory=dict)  # batch size -> seconds of a plain step
-    prior_b: float = 0.0  # seconds per row the prior gives (set by the first pass)
 
-    def record(self, rows: int, seconds: float) -> None:
-        """A verification pass of ``rows`` rows (the batch's plain rows and every draft)."""
+    @property
+    def prior_b(self) -> float:
+        """Seconds per row the prior gives (set by the first pass)."""
+        return self.passes.prior_b
+
+    def record(self, rows: int, seconds: float, batch_size: int | None = None) -> None:
+        """A verification pass of ``rows`` rows (the batch's plain rows and every draft) for
+        ``batch_size`` sequences (None: counted with every batch size's)."""
         if seconds <= 0 or rows < 1:
             return
-        if not self.sums[0]:  # the prior: a + b*rows = seconds with b = prior * (a + b)
-            self.prior_b = seconds * self.prior / (1 + self.prior * (rows - 1))
-        self.sums = [s * self.decay for s in self.sums]
-        self._add(rows, seconds, 1.0)
+        self.passes.add(rows, seconds, self.prior, self.decay)
+        if batch_size:
+            self.buckets.setdefault(batch_bucket(batch_size), _Passes()).add(rows, seconds, self.prior, self.decay)
 
     def record_plain(self, batch_size: int, seconds: float) -> None:
         """A plain step of ``batch_size`` sequences (one token each) took ``seconds``. The passes
         measured before it weigh less from now on (as at a pass): while nothing drafts, the
         estimates go back towards the prior, and drafting is tried again."""
         if seconds > 0 and batch_size > 0:
-            self.sums = [x * self.decay for x in self.sums]
+            self.passes.fade(self.decay)
+            if batch_bucket(batch_size) in self.buckets:
+                self.buckets[batch_bucket(batch_size)].fade(self.decay)
             old = self.plain.get(batch_size)
             self.plain[batch_size] = seconds if old is None else old + (1 - self.decay) * (seconds - old)
 
-    def _add(self, r: float, t: float, w: float) -> None:
-        for i, v in enumerate((w, w * r, w * t, w * r * r, w * r * t)):
-            self.sums[i] += v
-
-    def _fit(self) -> tuple[float, float] | None:
-        """``(a, b)`` of the verification passes (None before the first): least squares with the
-        slope drawn towards the prior's (ridge), so that passes which all had the same rows (a
-        chain always drafted in full) keep the prior slope instead of an arbitrary one."""
-        w, sr, st, srr, srt = self.sums
-        if not w:
-            return None
-        sxx, sxy = srr - sr * sr / w, srt - sr * st / w  # the rows' spread, and with the seconds
-        b = max(0.0, (sxy + self.prior_weight * self.prior_b) / (sxx + self.prior_weight))
-        return (st - b * sr) / w, b
+    def _passes(self, batch_size: int) -> _Passes:
+        """The passes of this batch size's bucket, or every pass where it has none."""
+        bucket = self.buckets.get(batch_bucket(batch_size))
+        return bucket if bucket is not None and bucket.sums[0] else self.passes
 
     def _step(self, batch_size: int, fit: tuple[float, float]) -> float:
         """A plain step's seconds at this batch size: measured, else a draft-less verification pass."""
@@ -252,7 +292,7 @@ class RowCost:
 
     def relative(self, batch_size: int) -> float:
         """One extra row's cost as a share of one sequence's plain step: ``b / (step / B)``."""
-        fit = self._fit()
+        fit = self._passes(batch_size).fit(self.prior_weight)
         if fit is None:
             return self.prior
         step = self._step(batch_size, fit)
@@ -263,10 +303,11 @@ class RowCost:
         share of that step, paid once per round that drafts: drawn towards 0 (the prior) as
         ``w / (w + prior_weight)`` with ``w`` the passes' remaining weight, so that one slow pass
         long ago does not stop drafting for good (0 before both are measured)."""
-        fit = self._fit()
+        passes = self._passes(batch_size)
+        fit = passes.fit(self.prior_weight)
         if fit is None or not self.plain.get(batch_size):
             return 0.0
-        step, w = self.plain[batch_size], self.sums[0]
+        step, w = self.plain[batch_size], passes.sums[0]
         return max(0.0, fit[0] + fit[1] * batch_size - step) / step * w / (w + self.prior_weight)
 
 

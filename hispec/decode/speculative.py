@@ -424,7 +424,7 @@ def lookup_round(spec: SpecConfig, batch: list[DecodeContext], cost: RowCost | N
         commits = verify_free(ctxs, mine) if trees is None else verify_free_trees(ctxs, trees)
     if cost is not None:
         rows = len(ctxs) + (sum(map(len, mine)) if trees is None else sum(len(t) - 1 for t in trees))
-        cost.record(rows, time.perf_counter() - t0)
+        cost.record(rows, time.perf_counter() - t0, len(ctxs))
     out: list[list[int] | None] = [None] * len(batch)
     for b, chunk in zip(take, commits):
         out[b] = chunk

@@ -137,6 +137,33 @@ def test_row_cost_keeps_plain_steps_apart():
     assert same.relative(1) == pytest.approx(0.008 * 0.25 / 2.0 / 0.0045, rel=0.01)
 
 
+def test_row_cost_is_fitted_per_batch_size():
+    """Rows nearly free at batch 1 and dear beyond 8: each batch size reads its own passes (those of
+    its bucket), not one line through both; a batch size with none reads all of them."""
+    cost = RowCost()
+    for _ in range(60):
+        for rows in (2, 3, 5):  # batch 1: 4 ms + 0.2 ms a row
+            cost.record(rows, 0.004 + 0.0002 * rows, batch_size=1)
+        for rows in (10, 14, 20):  # batch 8: 6.5 ms + 0.8 ms a row (a pass of 9 rows: 1.5x a plain step)
+            cost.record(rows, 0.0065 + 0.0008 * rows, batch_size=8)
+        cost.record_plain(1, 0.0042)
+        cost.record_plain(8, 0.0093)
+    assert cost.relative(1) == pytest.approx(0.0002 / 0.0042, rel=0.2)  # (the slope drawn a little to the prior)
+    assert cost.relative(8) == pytest.approx(8 * 0.0008 / 0.0093, rel=0.1)
+    assert cost.overhead(8) == pytest.approx((0.0065 + 0.0064 - 0.0093) / 0.0093, rel=0.1)
+    # 7 shares 8's bucket; no plain step measured there: a pass without drafts stands in for it
+    assert cost.relative(7) == pytest.approx(7 * 0.0008 / (0.0065 + 7 * 0.0008), rel=0.1) and cost.overhead(7) == 0.0
+    both = RowCost()  # the same passes with no batch size: one line through all of them
+    for _ in range(60):
+        for rows in (2, 3, 5):
+            both.record(rows, 0.004 + 0.0002 * rows)
+        for rows in (10, 14, 20):
+            both.record(rows, 0.0065 + 0.0008 * rows)
+        both.record_plain(8, 0.0093)
+    assert both.overhead(8) < 0.6 * cost.overhead(8)
+    assert cost.relative(16) == pytest.approx(both.relative(16), rel=1e-3)  # no pass at 9-16: all of them
+
+
 def test_draft_length_pays_the_overhead_once():
     """With a pass's fixed overhead, drafts accepted nine times in ten are worth a long chain,
     and drafts that are mostly rejected are not worth the pass."""
