@@ -335,11 +335,9 @@ class DraftLength:
     length, ``LookupState.row``) and draft position ``j``, an estimate of P(draft j accepted |
     drafts before it accepted), starting from ``priors[n]``.
 
-    ``choose`` picks the ``k`` that maximises expected tokens per unit of cost,
-    ``(1 + sum_{j<=k} prod_{i<=j} a_i) / (1 + o + c * k)`` with ``c`` a row's cost and ``o`` a
-    verification pass's fixed extra cost, both relative to a plain step; ``k = 0`` (plain) when no
-    length beats one token per plain step. While it is not
-    drafting, its estimates drift back towards the prior, so it tries again later."""
+    ``gains`` gives each draft's expected tokens for ``choose_drafts``, which picks the drafts of
+    a pass; ``chosen`` keeps the books of what it picked. While it is not drafting, its estimates
+    drift back towards the prior, so it tries again later."""
 
     def __init__(self, priors: list[list[float]], alpha: float = 0.3, recover: float = 0.01,
                  explore_every: int = 32) -> None:
@@ -353,29 +351,60 @@ class DraftLength:
         """Rows ``0 .. rows`` of ``max_draft`` drafts, every estimate starting at ``prior``."""
         return cls([[prior] * max_draft for _ in range(rows + 1)], **kw)
 
-    def choose(self, n: int, available: int, row_cost: float, overhead: float = 0.0) -> int:
-        rates = self.rates[n]
-        best_k, best, expect, p = 0, 1.0, 1.0, 1.0
-        for k in range(1, min(available, len(rates)) + 1):
-            p *= rates[k - 1]
-            expect += p
-            ratio = expect / (1.0 + overhead + row_cost * k)
-            if ratio > best + 1e-9:
-                best_k, best = k, ratio
-        if best_k == 0:
-            self.rates[n] = [r + self.recover * (q - r) for r, q in zip(rates, self.priors[n])]
+    def gains(self, n: int, available: int) -> list[float]:
+        """Each draft's expected tokens, ``prod_{i<=j} a_i`` for ``j = 1 .. available`` (at most
+        ``max_draft``): the chance that it and every draft before it are accepted."""
+        out, p = [], 1.0
+        for r in self.rates[n][:available]:
+            p *= r
+            out.append(p)
+        return out
+
+    def chosen(self, n: int, k: int, available: int) -> int:
+        """The bookkeeping of a round whose pass took ``k`` drafts of row ``n`` (0: none): while
+        it declines, the row drifts back towards its prior, and after ``explore_every`` declines
+        in a row it takes 2 drafts anyway (the costs may have changed). The drafts to take."""
+        if k == 0:
+            self.rates[n] = [r + self.recover * (q - r) for r, q in zip(self.rates[n], self.priors[n])]
             self.declined += 1
-            if self.declined >= self.explore_every:  # now and then, measure again: the costs may have changed
-                best_k = min(available, len(rates), 2)
-        if best_k:
+            if self.declined >= self.explore_every:
+                k = min(available, len(self.rates[n]), 2)
+        if k:
             self.declined = 0
-        return best_k
+        return k
+
+    def choose(self, n: int, available: int, row_cost: float, overhead: float = 0.0) -> int:
+        """The drafts of row ``n`` a sequence verifying alone takes (``choose_drafts`` for one)."""
+        return self.chosen(n, choose_drafts([self.gains(n, available)], 1, row_cost, overhead)[0], available)
 
     def record(self, n: int, drafted: int, accepted: int) -> None:
         """A round of ``drafted`` drafts from a match of ``n`` tokens, ``accepted`` of them accepted."""
         rates = self.rates[n]
         for j in range(min(drafted, accepted + 1)):  # draft j was tested when all before it were accepted
             rates[j] += self.alpha * (float(j < accepted) - rates[j])
+
+
+def choose_drafts(gains: list[list[float]], batch_size: int, row_cost: float, overhead: float) -> list[int]:
+    """How many drafts each of the sequences of one verification pass takes: ``gains[i]``, sequence
+    i's drafts' expected tokens (``DraftLength.gains``, non-increasing). A pass of the batch's
+    ``B`` sequences costs ``B (1 + o) + c K`` (in units of one sequence's share of a plain step:
+    ``o`` the pass's fixed extra cost over a plain step, ``c`` a draft row's cost, ``K`` the drafts)
+    for ``B + sum(gains taken)`` tokens, where a plain step gives ``B`` for ``B``. The drafts are
+    taken best first while one adds more tokens per unit than the pass makes so far (``g / c > R``),
+    which maximises ``R``; all none (plain) unless ``R > 1``.
+
+    The overhead is the whole batch's: a pass that one sequence of 8 drafts for takes every one of
+    the 8 through a step that is ``1 + o`` long, so that sequence's drafts must win ``8 o`` back on
+    their own, where several drafting sequences share it. (Each deciding alone, as if it paid ``o``,
+    drafted at batch 8 where the pass did not pay.) For one sequence this is the best ``k`` of
+    ``(1 + sum_{j<=k} g_j) / (1 + o + c k)``."""
+    ranked = sorted(((g, i) for i, gs in enumerate(gains) for g in gs), key=lambda x: -x[0])  # stable
+    tokens, units, ks = float(batch_size), batch_size * (1.0 + overhead), [0] * len(gains)
+    for g, i in ranked:
+        if g * units <= row_cost * tokens + 1e-12:  # g / c <= R: it (and every draft after it) lowers R
+            break
+        tokens, units, ks[i] = tokens + g, units + row_cost, ks[i] + 1
+    return ks if tokens > units * (1 + 1e-9) else [0] * len(gains)
 
 
 class Branch(NamedTuple):
@@ -436,25 +465,32 @@ def free_drafts(batch: list, max_draft: int, max_ngram: int, cost: RowCost | Non
     """Each sequence's free drafts for this round (``[]``: none), at most ``max_draft`` and never
     past its token limit: from prompt lookup, or from its scope's suffix cache of earlier outputs
     (``ctx.suffix``) where that matches a longer suffix. ``cost`` None: every draft the match
-    gives; else as many as pay for their rows (``DraftLength.choose``, per source) at the
-    measured row cost. Sampled sequences weigh rows at the prior cost and take no drafts from the
+    gives; else as many as pay for their rows at the measured row cost, the greedy sequences'
+    together (``choose_drafts``: the pass's overhead is the batch's), with each sequence's running
+    acceptance per source and match length. Sampled sequences decide alone, weigh rows at the
+    prior cost and take no drafts from the
     suffix cache, so that their random streams never depend on timing nor on earlier requests (a
     seeded request gives the same output on any machine, alone or batched, first or not)."""
-    out = []
+    found, rows = [], []
     for ctx in batch:
         if ctx.lookup is None:
             ctx.lookup = LookupState(max_draft, max_ngram)
         state: LookupState = ctx.lookup
         room = min(max_draft, ctx.remaining - 1)  # the bonus token may be the last one allowed
-        found = state.find(ctx.tokens, ctx.suffix if ctx.params.greedy else None, room) if room > 0 \
+        f = state.find(ctx.tokens, ctx.suffix if ctx.params.greedy else None, room) if room > 0 \
             else Branch(LOOKUP, 0, [])
-        row = state.row(found.source, found.n)
-        if cost is None or not found.n:
-            k = len(found.tokens)
-        elif ctx.params.greedy:
-            k = state.length.choose(row, len(found.tokens), cost.relative(len(batch)), cost.overhead(len(batch)))
-        else:
-            k = state.length.choose(row, len(found.tokens), cost.prior)
-        state.source, state.last_n = found.source, row
-        out.append(found.tokens[:k])
-    return out
+        found.append(f)
+        rows.append(state.row(f.source, f.n))
+        state.source, state.last_n = f.source, rows[-1]
+    ks = [len(f.tokens) for f in found]
+    if cost is not None:
+        greedy = [b for b, (c, f) in enumerate(zip(batch, found)) if c.params.greedy and f.n]
+        B = len(batch)
+        chosen = choose_drafts([batch[b].lookup.length.gains(rows[b], len(found[b].tokens)) for b in greedy], B,
+                               cost.relative(B), cost.overhead(B)) if greedy else []
+        for b, k in zip(greedy, chosen):
+            ks[b] = batch[b].lookup.length.chosen(rows[b], k, len(found[b].tokens))
+        for b, (c, f) in enumerate(zip(batch, found)):
+            if f.n and not c.params.greedy:
+                ks[b] = c.lookup.length.choose(rows[b], len(f.tokens), cost.prior)
+    return [f.tokens[:k] for f, k in zip(found, ks)]

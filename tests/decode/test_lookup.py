@@ -3,12 +3,14 @@
 distribution (sampling), under continuous batching and at every end condition."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 from hispec.config import ConfigError, EngineConfig, SamplingParams, SpecConfig
 from hispec.decode.lookup import (LOOKUP_PRIORS, DraftLength, LookupState, NgramIndex, RowCost, SuffixCache,
-                                  continuation, lookup_prior)
+                                  choose_drafts, continuation, lookup_prior)
 from hispec.engine.engine import Engine
 from hispec.generate import Generator, make_strategy
 from hispec.model.load.checkpoint import load_model
@@ -100,6 +102,32 @@ def test_a_fresh_sequence_starts_from_the_measured_priors():
     state.length.rates[1] = [0.0] * 4  # drifting back (while declining) goes towards the row's own prior
     state.length.choose(1, 4, row_cost=0.25)
     assert state.length.rates[1] == pytest.approx([0.01 * p for p in LOOKUP_PRIORS[0][:4]])
+
+
+def test_one_sequence_takes_the_drafts_that_maximise_tokens_per_cost():
+    """Alone, ``choose_drafts`` is the best ``k`` of (1 + sum of the first k gains) / (1 + o + c k)."""
+    import random
+    rng = random.Random(0)
+    for _ in range(500):
+        rates = [rng.random() for _ in range(rng.randint(1, 6))]
+        gains = [math.prod(rates[:j + 1]) for j in range(len(rates))]
+        c, o = rng.choice([0.0, 0.05, 0.2, 0.5, 1.0]), rng.choice([0.0, 0.1, 0.4])
+        ratios = [(1 + sum(gains[:k])) / (1 + o + c * k) for k in range(len(gains) + 1)]
+        best = max(range(len(ratios)), key=lambda k: (ratios[k] > 1 + 1e-9, ratios[k]))
+        assert choose_drafts([gains], 1, c, o) == [best if ratios[best] > 1 + 1e-9 else 0]
+
+
+def test_a_pass_pays_its_overhead_once_for_the_whole_batch():
+    """At batch 8 a pass takes all 8 sequences through a step 1 + o long: one sequence's good
+    drafts do not pay for that (though alone they would), four sequences' together do."""
+    good = [0.95, 0.9, 0.86, 0.81]
+    c, o = 0.66, 0.35  # measured at batch 8 on the default model (2 Zen 4 cores)
+    assert choose_drafts([good], 1, c, o) == [4]  # alone: worth it
+    assert choose_drafts([good] + [[]] * 7, 8, c, o) == [0] * 8  # one in eight: the others pay its overhead
+    assert choose_drafts([good] * 4 + [[]] * 4, 8, c, o) == [4] * 4 + [0] * 4
+    weak = [0.5, 0.2]
+    assert choose_drafts([good] * 4 + [weak] * 4, 8, c, o) == [4] * 4 + [0] * 4  # the weak ones lower R: not taken
+    assert choose_drafts([good, weak], 2, 0.0, 0.0) == [4, 2]  # free rows: every draft
 
 
 def test_row_cost_measures_the_slope():
