@@ -468,9 +468,9 @@ def free_drafts(batch: list, max_draft: int, max_ngram: int, cost: RowCost | Non
     gives; else as many as pay for their rows at the measured row cost, the greedy sequences'
     together (``choose_drafts``: the pass's overhead is the batch's), with each sequence's running
     acceptance per source and match length. Sampled sequences decide alone, weigh rows at the
-    prior cost and take no drafts from the
-    suffix cache, so that their random streams never depend on timing nor on earlier requests (a
-    seeded request gives the same output on any machine, alone or batched, first or not)."""
+    prior cost and take no drafts from the suffix cache, so that their random streams never
+    depend on timing nor on earlier requests (a seeded request gives the same output on any
+    machine, alone or batched, first or not)."""
     found, rows = [], []
     for ctx in batch:
         if ctx.lookup is None:

@@ -496,10 +496,10 @@ int hs_attention_bf16_products(void) {
 /* Few (tile, KV head) items that the threads cannot share evenly (one sequence's verification
  * window: 1 tile x 3 KV heads on 2 threads, one thread doing two thirds): each tile of several
  * queries is cut in two, so that there are twice the items, each half the work. Each half reads
- * the KV head again (from cache: the other thread's copy), but a window's attention is bound by
- * its arithmetic (4-5 queries over 300-800 positions: 0.88-0.91x the time). A query's result does
- * not depend on its tile, so the bits stay. first[0 .. ntiles] -> the new tiles' (reallocated);
- * returns their count. */
+ * the KV head again (from the shared cache), but a window's attention is bound by its arithmetic
+ * (4-5 queries over 300-800 positions: 0.88-0.93x the time). A query's result does not depend on
+ * its tile, so the bits stay. first[0 .. ntiles] -> the new tiles' (reallocated); returns their
+ * count. */
 static int64_t halve_tiles(int64_t **first, int64_t ntiles, int64_t T) {
     int64_t *split = malloc((size_t)(2 * ntiles + 1) * sizeof(int64_t)), n = 0;
     if (!split) return ntiles;
