@@ -15,14 +15,20 @@ class Autoregressive(Strategy):
     the same tokens, without a return to Python per token (on a 2-core CPU, ~0.5-1 ms of the
     engine's Python and dispatch per token, slow because each pass streams the weights through
     the caches). The engine commits a round's tokens together, cut at EOS, stop strings and
-    the token limit, as it does a speculative round's."""
+    the token limit, as it does a speculative round's. A batch of several sequences takes
+    ``batched_greedy_steps``: its steps are longer, so the call's overhead matters less, and
+    requests waiting to join the batch wait for the round. Where a free-draft round precedes it
+    (``DecodeContext.lookup_stop``), the run stops at the step where prompt lookup has drafts that
+    pay, so that they are verified before the next plain step."""
 
     name = "ar"
-    greedy_steps = 4
+    greedy_steps = 8  # one sequence (8 against 4: ~1.5% more tokens/s at batch 1 on a 2-core CPU)
+    batched_greedy_steps = 4
 
     @property
     def lookahead(self) -> int:
-        return self.greedy_steps + 1  # the pending token's slot and the next ones, plus one spare
+        # the pending token's slot and the next ones, plus one spare
+        return max(self.greedy_steps, self.batched_greedy_steps) + 1
 
     def step(self, batch: list[DecodeContext]) -> list[list[int]]:
         model, num_layers = batch[0].model, batch[0].model.num_layers
@@ -51,9 +57,11 @@ class Autoregressive(Strategy):
         """Several greedy tokens per sequence in one op call, or None: a sampled sequence, one
         with a logits processor or logprobs (they need each token's logits), one token left, or
         no fused op for this model."""
-        steps = min(self.greedy_steps, *(c.remaining for c in batch))
+        steps = min(self.greedy_steps if len(batch) == 1 else self.batched_greedy_steps, *(c.remaining for c in batch))
         if steps < 2 or any(not c.params.greedy or c.processor is not None or c.params.logprobs is not None
                             for c in batch):
             return None
         eos = sorted(set().union(*(c.eos_ids for c in batch)))
-        return batch[0].runner.decode_greedy([(c.seq_id, len(c.tokens) - 1, c.tokens[-1]) for c in batch], steps, eos)
+        stops = [(c.tokens, c.lookup_stop) for c in batch] if any(c.lookup_stop for c in batch) else None
+        return batch[0].runner.decode_greedy([(c.seq_id, len(c.tokens) - 1, c.tokens[-1]) for c in batch], steps, eos,
+                                             stops)

@@ -90,18 +90,21 @@ class LayerRunner:
                 self.blocks.set_filled(seq_id, 0, n, pos + 1)
         return logits
 
-    def decode_greedy(self, items: list[tuple[int, int, int]], steps: int, eos: list[int]) -> list[list[int]] | None:
+    def decode_greedy(self, items: list[tuple[int, int, int]], steps: int, eos: list[int],
+                      stops: list[tuple[list[int], int]] | None = None) -> list[list[int]] | None:
         """Up to ``steps`` greedy tokens for each ``(seq_id, position, token)`` item, through every
         layer in one call of the fused op (``DecoderModel.decode_greedy``): ``[B][s]`` host ints,
-        the same for every sequence ``s <= steps`` (fewer where the reserved slots end, or once every
-        sequence has chosen one of ``eos``). None where that call does not apply (nothing written)."""
+        the same for every sequence ``s <= steps`` (fewer where the reserved slots end, once every
+        sequence has chosen one of ``eos``, or where ``stops`` asks: ``layer_op.decode_steps``).
+        None where that call does not apply (nothing written)."""
         n = self.model.num_layers
         if self.reserved:  # the slots the scheduler reserved for this step
             steps = min(steps, *(self.blocks.capacity(s) - pos for s, pos, _ in items))
         for seq_id, pos, _ in items:
             self._slots_for(seq_id, pos, steps, 0, n)
         chosen = self.model.decode_greedy([t for _, _, t in items], [p for _, p, _ in items],
-                                          [self.blocks.block_table(s) for s, _, _ in items], self.pool, steps, eos)
+                                          [self.blocks.block_table(s) for s, _, _ in items], self.pool, steps, eos,
+                                          stops)
         if chosen is None:
             return None
         for seq_id, pos, _ in items:
@@ -214,6 +217,10 @@ class DecodeContext:
     lookup: object | None = None  # its free-draft source (``decode.lookup.LookupState``), made on first use
     suffix: object | None = None  # its scope's outputs of earlier requests (``decode.lookup.SuffixCache``), or None
     row_cost: float | None = None  # a verification row's measured cost relative to a plain step (the engine's)
+    # A plain run of several steps stops where the text ends on an n-gram seen before, n >= this
+    # (0: never), so that prompt lookup's drafts from such a match are verified before the next
+    # plain step; set by the free-draft round (``decode.lookup.free_drafts``) where they would pay.
+    lookup_stop: int = 0
     # The final layer's raw logits [n, V] of the n tokens the last step committed (row j chose
     # token j); set by every strategy where it verifies, read by the engine for logprobs.
     target_logits: torch.Tensor | None = None

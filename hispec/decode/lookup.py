@@ -493,4 +493,25 @@ def free_drafts(batch: list, max_draft: int, max_ngram: int, cost: RowCost | Non
         for b, (c, f) in enumerate(zip(batch, found)):
             if f.n and not c.params.greedy:
                 ks[b] = c.lookup.length.choose(rows[b], len(f.tokens), cost.prior)
+    for ctx, k in zip(batch, ks):  # (a sequence that drafts now is looked up again next round)
+        ctx.lookup_stop = lookup_stop(ctx, len(batch), cost) if ctx.params.greedy and not k else 0
     return [f.tokens[:k] for f, k in zip(found, ks)]
+
+
+def lookup_stop(ctx, batch_size: int, cost: RowCost | None) -> int:
+    """The shortest prompt-lookup match (``n`` tokens) whose drafts would pay for a pass of this
+    batch now, one sequence drafting (``choose_drafts`` with its rates for such a match), or 0 if
+    none would: where the sequence's text comes to end on such a match, a plain run of several
+    steps in one op call stops (``DecodeContext.lookup_stop``) and the next round verifies them.
+    Without a measured ``cost`` every match drafts: 1."""
+    state: LookupState = ctx.lookup
+    room = min(len(state.length.rates[0]), ctx.remaining - 1)
+    if room < 1:
+        return 0
+    if cost is None:
+        return 1
+    row_cost, overhead = cost.relative(batch_size), cost.overhead(batch_size)
+    for n in range(1, state.max_ngram + 1):
+        if choose_drafts([state.length.gains(state.row(LOOKUP, n), room)], batch_size, row_cost, overhead)[0]:
+            return n
+    return 0

@@ -140,14 +140,24 @@ def decode_step(tokens: list[int], positions: list[int], tables: list[list[int]]
 
 
 def decode_steps(tokens: list[int], positions: list[int], tables: list[list[int]], rope_table, op_range, head,
-                 block_size: int, cfg, steps: int, eos: list[int]) -> torch.Tensor:
+                 block_size: int, cfg, steps: int, eos: list[int],
+                 stops: list[tuple[list[int], int]] | None = None) -> torch.Tensor:
     """Up to ``steps`` greedy steps in one call: ``decode_step``, the argmax of each row (as
     ``torch.argmax``), those tokens at the next positions, ... -> the chosen tokens ``[B, s]``
     int64, ``s <= steps`` (it stops once every row has chosen one of ``eos``). The same tokens as
     ``s`` calls of ``decode_step`` with an argmax between them. ``tables[b]`` and ``rope_table``
-    must cover ``positions[b] + steps - 1``."""
+    must cover ``positions[b] + steps - 1``. ``stops[b] = (text, n)``: row b's tokens up to its
+    pending one, and ``n > 0`` to stop after a step where the row ends on an n-gram that occurred
+    earlier in its text with a token after it (where prompt lookup has drafts; 0: never)."""
+    history, ends, ngram = [], [], []
+    if stops is not None and any(n > 0 for _, n in stops):
+        for text, n in stops:
+            history += text
+            ends.append(len(history))
+            ngram.append(n)
     return torch.ops.hispec_fused.decode_steps(tokens, positions, _flat_tables(tables), block_size, rope_table[0],
-                                               rope_table[1], steps, eos, parallel_min_keys(cfg), op_range, head)
+                                               rope_table[1], steps, eos, history, ends, ngram, parallel_min_keys(cfg),
+                                               op_range, head)
 
 
 PROFILE_PARTS = ("matmul", "attention", "rope_cache", "norm", "silu_mul", "residual", "setup")

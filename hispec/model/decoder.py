@@ -440,12 +440,14 @@ class DecoderModel(nn.Module):
         return fast_path(self).decode_step(tokens, positions, tables, pool)
 
     def decode_greedy(self, tokens: list[int], positions: list[int], tables: list[list[int]], pool: KVPool,
-                      steps: int, eos: list[int]) -> torch.Tensor | None:
+                      steps: int, eos: list[int], stops: list[tuple[list[int], int]] | None = None
+                      ) -> torch.Tensor | None:
         """Up to ``steps`` greedy tokens per sequence in one call of the fused op (``decode_step``,
         then the argmax of each row, as ``sampler.argmax`` picks it, and again) -> ``[B, s]`` int64,
-        ``s <= steps``: fewer once every sequence has chosen one of ``eos``. The K/V of positions
-        ``positions[b] .. + s - 1`` are written. None where ``decode_step`` does not apply."""
-        return fast_path(self).decode_greedy(tokens, positions, tables, pool, steps, eos)
+        ``s <= steps``: fewer once every sequence has chosen one of ``eos``, or where ``stops``
+        asks (``layer_op.decode_steps``: a row's text ends on an n-gram seen before). The K/V of
+        positions ``positions[b] .. + s - 1`` are written. None where ``decode_step`` does not apply."""
+        return fast_path(self).decode_greedy(tokens, positions, tables, pool, steps, eos, stops)
 
     def final_logits(self, h: torch.Tensor) -> torch.Tensor:
         """The model's own output head on the last hidden state ``[T, H]`` -> ``[T, V]``."""

@@ -506,3 +506,62 @@ def test_cache_after_lookup_rounds_equals_autoregressive(gen, temperature):
     for layer in range(n):
         for got, want in zip(kv_of(blocks, pool, 1, layer, held), kv_of(blocks, pool, 2, layer, held)):
             torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+
+
+def test_plain_runs_stop_where_lookup_drafts_would_pay():
+    """``lookup_stop``: the shortest match whose drafts would pay for a pass now (at a quarter of a
+    step a row: a two-token match's, not a one-token match's), none where no match pays or no
+    draft fits before the token limit, any match where nothing is measured."""
+    from types import SimpleNamespace
+
+    from hispec.decode.lookup import lookup_stop
+
+    class Cost:
+        def __init__(self, c: float, o: float) -> None:
+            self.c, self.o = c, o
+
+        def relative(self, batch_size: int) -> float:
+            return self.c
+
+        def overhead(self, batch_size: int) -> float:
+            return self.o
+
+    ctx = SimpleNamespace(lookup=LookupState(max_draft=8, max_ngram=3), remaining=100)
+    assert lookup_stop(ctx, 1, Cost(0.25, 0.1)) == 2
+    assert lookup_stop(ctx, 1, Cost(0.02, 0.0)) == 1  # rows nearly free: a one-token match pays too
+    assert lookup_stop(ctx, 8, Cost(0.66, 0.35)) == 0  # one sequence of 8 drafting: no match pays the pass
+    assert lookup_stop(ctx, 1, Cost(3.0, 0.0)) == 0
+    assert lookup_stop(ctx, 1, None) == 1
+    ctx.remaining = 1  # the next token is the last: no room for a draft
+    assert lookup_stop(ctx, 1, None) == 0
+
+
+def test_plain_runs_stop_at_lookup_matches_with_the_same_tokens(gen, monkeypatch):
+    """Adaptive greedy ``lookup``: the plain runs of several steps in one op call stop where the
+    text comes to end on a match whose drafts would pay (``lookup_stop``), the next round verifies
+    them, and the tokens are ar's, as with runs that never stop."""
+    from hispec.decode import lookup
+    from hispec.kernels import layer_op
+
+    if layer_op.layers_op() is None:
+        pytest.skip("no C++ compiler or torch headers: no op to run several steps in")
+    runs = []  # (steps asked, steps run, stop n) of the plain runs of several steps
+    real = layer_op.decode_steps
+
+    def recorded(*a):
+        out = real(*a)
+        if a[8] > 1:
+            runs.append((a[8], out.shape[1], a[10][0][1] if a[10] else 0))
+        return out
+
+    monkeypatch.setattr(layer_op, "decode_steps", recorded)
+    params = SamplingParams(max_new_tokens=60, ignore_eos=True)
+    want = [gen.generate(p, params, "ar").token_ids for p in PROMPTS]
+    runs.clear()
+    got = [gen.generate(p, params, "lookup", spec=SPEC, adaptive=True).token_ids for p in PROMPTS]
+    assert got == want
+    assert any(n and ran < asked for asked, ran, n in runs), runs  # a run stopped at a match
+    monkeypatch.setattr(lookup, "lookup_stop", lambda *a: 0)
+    runs.clear()
+    assert [gen.generate(p, params, "lookup", spec=SPEC, adaptive=True).token_ids for p in PROMPTS] == want
+    assert runs and not any(n for _, _, n in runs)

@@ -82,12 +82,14 @@ def test_rounds_of_several_greedy_tokens_equal_one_token_rounds(model, workload,
         pytest.skip("no C++ compiler or torch headers: no op to run several steps in")
     prompts, limits, _, eos = workload
     monkeypatch.setattr(Autoregressive, "greedy_steps", 1)
+    monkeypatch.setattr(Autoregressive, "batched_greedy_steps", 1)
     _, single = run_engine(model, "ar", prompts, limits, eos, 5, kv_blocks=400)
     calls = []
     runs = layer_op.decode_steps
-    monkeypatch.setattr(layer_op, "decode_steps", lambda *a: calls.append(a[-2]) or runs(*a))
+    monkeypatch.setattr(layer_op, "decode_steps", lambda *a: calls.append(a[8]) or runs(*a))  # a[8]: steps
     for steps, batch_size, kv_blocks in ((4, 1, 400), (4, 5, 400), (3, 16, 60), (8, 16, 400)):
         monkeypatch.setattr(Autoregressive, "greedy_steps", steps)
+        monkeypatch.setattr(Autoregressive, "batched_greedy_steps", steps)
         engine, got = run_engine(model, "ar", prompts, limits, eos, batch_size, kv_blocks=kv_blocks)
         assert got == single, (steps, batch_size)
         assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
@@ -96,12 +98,12 @@ def test_rounds_of_several_greedy_tokens_equal_one_token_rounds(model, workload,
 
     gen = Generator.from_pretrained(str(tiny_text_model_dir), exits=False, progress=False)
     texts = {}
-    for steps in (1, 4):
+    for steps in (1, 8):
         monkeypatch.setattr(Autoregressive, "greedy_steps", steps)
         outs = [gen.generate(p, SamplingParams(max_new_tokens=40, stop=stop), "ar")
                 for p in ("Hello there", "abc") for stop in ((), ("e",), ("xy", "o"))]
         texts[steps] = [(o.text, o.token_ids, o.finish_reason) for o in outs]
-    assert texts[1] == texts[4]
+    assert texts[1] == texts[8]
 
 
 @pytest.mark.parametrize("name", list(STRATEGIES))
@@ -340,7 +342,7 @@ def test_long_prompt_kv_does_not_depend_on_its_chunks(tiny_model_dir):
     for chunk in (0, 64):
         engine = Engine(model, make_strategy("ar", None, model.num_layers), kv_blocks=200, block_size=4,
                         max_batch_size=2, prefill_chunk=chunk)
-        rid = engine.add_request(prompt, SamplingParams(max_new_tokens=8, ignore_eos=True))
+        rid = engine.add_request(prompt, SamplingParams(max_new_tokens=20, ignore_eos=True))  # > 1 + a round's
         while not engine.sequence(rid).prefilled:
             engine.step()
         kv[chunk] = prompt_kv(engine, rid, len(prompt) - 1)

@@ -673,6 +673,7 @@ def test_decode_greedy_equals_steps_of_decode_step_and_argmax(tiny_model_dir, fo
     attention threads switching on mid-run in both (as each step's key count decides); with an EOS
     list it stops after the step where every sequence has chosen one."""
     from hispec.decode.base import LayerRunner
+    from hispec.decode.lookup import NgramIndex
     from hispec.sampling.sampler import argmax
 
     gen = tiny_on_kernels(tiny_model_dir, four_bit_kernel, small_route, quantize)
@@ -717,6 +718,23 @@ def test_decode_greedy_equals_steps_of_decode_step_and_argmax(tiny_model_dir, fo
         early = runner().decode_greedy(list(zip(range(batch_size), starts, tokens)), steps, eos)
     stop = next(j for j in range(steps) if all(any(t in eos for t in r[:j + 1]) for r in ref)) + 1
     assert early == [r[:stop] for r in ref] and stop <= 2
+
+    # stop where a row's text comes to end on an n-gram seen before (prompt lookup has drafts there):
+    # row 0 after its 3rd token (its 2nd and 3rd tokens are in its history, as a 2-gram with a token
+    # after it), the others never (n = 0) or on any repeated token (n = 1); where, as NgramIndex finds
+    filler = [t for t in range(cfg.vocab_size) if all(t not in r for r in ref) and t not in tokens][:12]
+    texts = [filler[:6] + [ref[0][1], ref[0][2], filler[6], tokens[0]]] + [filler[6:] + [t] for t in tokens[1:]]
+    ngram = [2] + [b % 2 for b in range(1, batch_size)]
+
+    def ends_on_seen(text: list[int], n: int) -> bool:
+        return n > 0 and NgramIndex(3).match(text)[0] >= n
+
+    expected = next((j + 1 for j in range(steps) if any(ends_on_seen(texts[b] + ref[b][:j + 1], ngram[b])
+                                                        for b in range(batch_size))), steps)
+    with torch.no_grad():
+        stopped = runner().decode_greedy(list(zip(range(batch_size), starts, tokens)), steps, [],
+                                         list(zip(texts, ngram)))
+    assert stopped == [r[:expected] for r in ref] and expected <= 3
 
 
 def test_profiling_counts_the_op_calls(tiny_model_dir, four_bit_kernel, small_route):

@@ -356,6 +356,18 @@ int64_t argmax_row(const float* row, int64_t n) {
     return best;
 }
 
+// Whether the last ``n`` tokens of ``text`` occurred earlier with a token after them (an occurrence
+// ending at ``e <= size - 2``), as ``decode.lookup.NgramIndex.match`` finds a match of ``n`` tokens.
+bool ngram_recurs(const std::vector<int64_t>& text, int64_t n) {
+    const int64_t size = static_cast<int64_t>(text.size());
+    if (n <= 0 || size < n + 1) return false;
+    const int64_t* tail = text.data() + size - n;
+    for (int64_t e = size - 2; e >= n - 1; e--) {
+        if (std::equal(tail, tail + n, text.data() + e - n + 1)) return true;
+    }
+    return false;
+}
+
 // Up to ``steps`` greedy decoding steps of B sequences in one call: decode_step on ``tokens`` at
 // ``positions``, the argmax of each row of its logits as the next tokens at ``positions + 1``, and
 // so on -> the tokens chosen, [B, s] int64 (row b: sequence b's next s tokens), s <= steps: it stops
@@ -363,15 +375,35 @@ int64_t argmax_row(const float* row, int64_t n) {
 // choice exactly torch.argmax, so the tokens are those of ``steps`` calls of decode_step with an
 // argmax between them; what goes is the Python and dispatch between the steps. The block tables
 // must hold the positions the steps write (``positions[b] + steps - 1``).
+//
+// ``stop_ngram`` (empty, or one per row): it also stops after a step where a row b with
+// ``stop_ngram[b] = n > 0`` ends on an n-gram that occurred earlier in its text (``history``'s
+// slice ``[history_ends[b-1], history_ends[b])``: its tokens up to the one at ``positions[b]``,
+// then the tokens chosen), with a token after it: where prompt lookup has drafts to offer, so
+// that the caller can verify them before the next plain step. A stop only shortens the run: the
+// tokens are a prefix of those of the full run.
 at::Tensor decode_steps(std::vector<int64_t> tokens, std::vector<int64_t> positions, const std::vector<int64_t>& tables,
                         int64_t block_size, const at::Tensor& cos_table, const at::Tensor& ssin_table,
-                        int64_t steps, const std::vector<int64_t>& eos, int64_t parallel_min_keys,
-                        const c10::intrusive_ptr<Range>& range, const c10::intrusive_ptr<Head>& head) {
+                        int64_t steps, const std::vector<int64_t>& eos, const std::vector<int64_t>& history,
+                        const std::vector<int64_t>& history_ends, const std::vector<int64_t>& stop_ngram,
+                        int64_t parallel_min_keys, const c10::intrusive_ptr<Range>& range,
+                        const c10::intrusive_ptr<Head>& head) {
     const int64_t B = static_cast<int64_t>(tokens.size());
     TORCH_CHECK(steps > 0 && B > 0, "decode_steps: at least one step of one sequence");
+    TORCH_CHECK(stop_ngram.empty() || (static_cast<int64_t>(stop_ngram.size()) == B &&
+                                       static_cast<int64_t>(history_ends.size()) == B &&
+                                       history_ends.back() == static_cast<int64_t>(history.size())),
+                "decode_steps: stop_ngram and history_ends need one entry per row, ending at the history's end");
+    std::vector<std::vector<int64_t>> texts(stop_ngram.empty() ? 0 : B);  // each row's text so far
+    for (int64_t b = 0; b < static_cast<int64_t>(texts.size()); b++) {
+        if (stop_ngram[b] > 0) {
+            texts[b].assign(history.begin() + (b ? history_ends[b - 1] : 0), history.begin() + history_ends[b]);
+        }
+    }
     at::Tensor out = at::empty({B, steps}, at::TensorOptions().dtype(at::kLong));
     int64_t* chosen = out.data_ptr<int64_t>();
     std::vector<bool> ended(B, false);
+    bool stop = false;
     int64_t s = 0;
     while (s < steps) {
         const at::Tensor logits = decode_step(tokens, positions, tables, block_size, cos_table, ssin_table,
@@ -386,9 +418,13 @@ at::Tensor decode_steps(std::vector<int64_t> tokens, std::vector<int64_t> positi
             positions[b] += 1;
             ended[b] = ended[b] || std::find(eos.begin(), eos.end(), t) != eos.end();
             all_ended = all_ended && ended[b];
+            if (!texts.empty() && stop_ngram[b] > 0 && !ended[b]) {
+                texts[b].push_back(t);
+                stop = stop || ngram_recurs(texts[b], stop_ngram[b]);
+            }
         }
         s++;
-        if (all_ended) break;
+        if (all_ended || stop) break;
     }
     return s == steps ? out : out.slice(1, 0, s).contiguous();
 }
@@ -410,7 +446,8 @@ TORCH_LIBRARY(hispec_fused, m) {
           "__torch__.torch.classes.hispec_fused.Head head) -> Tensor",
           decode_step);
     m.def("decode_steps(int[] tokens, int[] positions, int[] tables, int block_size, Tensor cos, Tensor ssin, "
-          "int steps, int[] eos, int parallel_min_keys, __torch__.torch.classes.hispec_fused.Range range, "
+          "int steps, int[] eos, int[] history, int[] history_ends, int[] stop_ngram, int parallel_min_keys, "
+          "__torch__.torch.classes.hispec_fused.Range range, "
           "__torch__.torch.classes.hispec_fused.Head head) -> Tensor",
           decode_steps);
 }
