@@ -191,7 +191,9 @@ def print_stats_table(stats, tokens: int, seconds: float, file, kernels: str | N
         lines.append(f"  kernels: {kernels}")
     lines.append(f"  seconds per phase: {phases}")
     if d["rounds"]:
-        lines.append("  rounds: " + ", ".join(f"{kind} {n}" for kind, n in sorted(d["rounds"].items())))
+        lines.append("  rounds: " + ", ".join(f"{kind} {n}" for kind, n in sorted(d["rounds"].items()))
+                     + (f" (plain runs cut where a lookup match's drafts would pay: {d['lookup_stops']})"
+                        if d.get("lookup_stops") else ""))
     if d["modes"]:
         rates = ", ".join(f"{m} {r:.1f}" for m, r in d["mode_rates"].items())
         lines.append("  adaptive rounds: " + ", ".join(f"{m} {n}" for m, n in d["modes"].items())

@@ -63,5 +63,10 @@ class Autoregressive(Strategy):
             return None
         eos = sorted(set().union(*(c.eos_ids for c in batch)))
         stops = [(c.tokens, c.lookup_stop) for c in batch] if any(c.lookup_stop for c in batch) else None
-        return batch[0].runner.decode_greedy([(c.seq_id, len(c.tokens) - 1, c.tokens[-1]) for c in batch], steps, eos,
-                                             stops)
+        chunks = batch[0].runner.decode_greedy([(c.seq_id, len(c.tokens) - 1, c.tokens[-1]) for c in batch], steps,
+                                               eos, stops)
+        if stops is not None and chunks is not None and len(chunks[0]) < steps \
+                and not all(any(t in eos for t in chunk) for chunk in chunks):  # (not every sequence at an EOS)
+            for c in batch:
+                c.stats.lookup_stops += 1
+        return chunks

@@ -77,6 +77,9 @@ class DecodeStats:
     phase_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
     draft_forward_tokens: int = 0  # tokens run through the draft layers
     plain_steps: int = 0  # steps the adaptive controller decoded plainly (no speculation)
+    # plain runs of several steps in one call that stopped early where the text came to end on a
+    # prompt-lookup match whose drafts would pay (``DecodeContext.lookup_stop``)
+    lookup_stops: int = 0
     # rounds by where their drafts came from: "lookup" (prompt lookup), "suffix" (earlier requests' outputs),
     # "exits" (draft exits), "plain" (none)
     rounds: dict[str, int] = field(default_factory=dict)
@@ -107,6 +110,7 @@ class DecodeStats:
         self.full_passes += other.full_passes
         self.draft_forward_tokens += other.draft_forward_tokens
         self.plain_steps += other.plain_steps
+        self.lookup_stops += other.lookup_stops
         for kind, n in other.rounds.items():
             self.rounds[kind] = self.rounds.get(kind, 0) + n
         for mode, n in other.modes.items():
@@ -124,6 +128,7 @@ class DecodeStats:
             "new_tokens": self.new_tokens,
             "full_passes": self.full_passes,
             "plain_steps": self.plain_steps,
+            "lookup_stops": self.lookup_stops,
             "rounds": dict(self.rounds),
             "modes": dict(self.modes),
             "mode_rates": {m: round(r, 2) for m, r in self.mode_rates.items()},

@@ -558,9 +558,11 @@ def test_plain_runs_stop_at_lookup_matches_with_the_same_tokens(gen, monkeypatch
     params = SamplingParams(max_new_tokens=60, ignore_eos=True)
     want = [gen.generate(p, params, "ar").token_ids for p in PROMPTS]
     runs.clear()
-    got = [gen.generate(p, params, "lookup", spec=SPEC, adaptive=True).token_ids for p in PROMPTS]
-    assert got == want
-    assert any(n and ran < asked for asked, ran, n in runs), runs  # a run stopped at a match
+    outs = [gen.generate(p, params, "lookup", spec=SPEC, adaptive=True) for p in PROMPTS]
+    assert [o.token_ids for o in outs] == want
+    stopped = sum(bool(n and ran < asked) for asked, ran, n in runs)
+    assert stopped > 0, runs  # a run stopped at a match
+    assert sum(o.stats.lookup_stops for o in outs) == stopped  # what --stats shows
     monkeypatch.setattr(lookup, "lookup_stop", lambda *a: 0)
     runs.clear()
     assert [gen.generate(p, params, "lookup", spec=SPEC, adaptive=True).token_ids for p in PROMPTS] == want
