@@ -340,7 +340,8 @@ def test_eos_inside_a_round(tiny_model_dir):
 
 def test_batched_engine_with_different_lengths_and_end_conditions(gen):
     """Continuous batching: sequences with and without matches share passes; max tokens and
-    EOS fall inside rounds; each output equals its own batch-of-one ar output."""
+    EOS fall inside rounds; batched plain runs stop at matches; each output equals its own
+    batch-of-one ar output."""
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (40, 3, 17, 29)]
     params.append(SamplingParams(max_new_tokens=25))
     prompts = PROMPTS + [[9, 8, 7, 9, 8, 7, 9]]
@@ -352,6 +353,8 @@ def test_batched_engine_with_different_lengths_and_end_conditions(gen):
             ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
             final = engine.run_to_completion()
             assert [final[r].token_ids for r in ids] == want, (strategy, adaptive)
+            if strategy == "lookup":  # batched plain runs stopped at matches, too
+                assert sum(final[r].stats.lookup_stops for r in ids) > 0
             if not adaptive:
                 assert sum(final[r].stats.rounds.get("lookup", 0) for r in ids) > 0
             assert engine.blocks.num_used_blocks == 0
