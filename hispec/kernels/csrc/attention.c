@@ -339,6 +339,19 @@ static inline void chunk_rows(kv_head p, key_map m, int64_t j0, int64_t lmax, co
                                 : zero_words;
 }
 
+/* The next chunk's 16 rows (keys or values j0 .. j0 + 15 below lmax) into the cache while this one is
+ * worked on: a chunk's rows lie in one block (2 KB a head for 16 slots of 64), a sequence's blocks
+ * wherever its table puts them, too short a run for the hardware's prefetch. At a decode step the
+ * layer's K/V come from memory (the weights streamed since its last step pushed them out of the
+ * caches); decoding 256 tokens on the default model (2 Zen 4 cores, paired runs) attention took
+ * 0.44-0.49 ms a token with this, 0.49-0.55 without. */
+static inline void prefetch_chunk(kv_head p, key_map m, int64_t j0, int64_t lmax) {
+    for (int64_t i = 0; i < 16 && j0 + i < lmax; i++) {
+        const char *row = (const char *)((const bf16 *)p.base + p.head + key_slot(m, j0 + i) * p.D);
+        for (int64_t b = 0; b < p.D * (int64_t)sizeof(bf16); b += 64) __builtin_prefetch(row + b, 0, 3);
+    }
+}
+
 /* scores[r * ls + j] = (q_r . k_j) * scale for the tile's rows and keys j < lmax, from the rows'
  * queries as words qw[r * D ..] (h's D / 2 words, then l's): per chunk of 16 keys, a row's 16 lane
  * sums for each key in 16 registers, summed together by hsum16x16. */
@@ -350,6 +363,7 @@ static inline __attribute__((always_inline)) void bf_scores(const word *qw, kv_h
     for (int64_t j0 = 0; j0 < lmax; j0 += 16) {
         int64_t n = lmax - j0 < 16 ? lmax - j0 : 16;
         chunk_rows(kp, m, j0, lmax, keys);
+        prefetch_chunk(kp, m, j0 + 16, lmax);
         for (int64_t r = 0; r < nq * G; r++) {
             if (j0 >= len[r / G]) continue;
             __m512 acc[16];
@@ -420,6 +434,7 @@ static inline __attribute__((always_inline)) void bf_values(const word *pw, int6
     memset(acc, 0, (size_t)(nq * G * D) * sizeof(float));
     for (int64_t j0 = 0; j0 < lmax; j0 += 16) {
         chunk_rows(vp, m, j0, lmax, vals);
+        prefetch_chunk(vp, m, j0 + 16, lmax);
         for (int64_t u = 0; u < 8; u++)  /* pairs[u * D ..]: pair u's D words, one a column */
             for (int64_t c = 0; c < D; c += 32) {
                 __m512i a = _mm512_loadu_si512(vals[2 * u] + c / 2), b = _mm512_loadu_si512(vals[2 * u + 1] + c / 2);
