@@ -113,20 +113,33 @@ def _kth_largest(logits: torch.Tensor, top_k: list[int]) -> torch.Tensor:
     return values.gather(-1, col).masked_fill(off, float("-inf"))
 
 
+# Top-p sorts only each row's largest tokens, this many at first (8x more while a row's nucleus is longer,
+# up to the whole row): the nucleus is their prefix, and a prefix's running sum is the same whatever
+# follows it, so the kept tokens and their values are those of a full sort. A full sort of SmolLM2's
+# 49,152 probabilities took ~3.5 ms (a third of a sampled decode step on 2 Zen 4 cores), topk(128) ~0.1.
+TOP_P_PREFIX = 128
+
+
 def _top_p(probs: torch.Tensor, top_p: list[float]) -> torch.Tensor:
     """Keep the smallest prefix of each sorted row whose mass reaches ``top_p[r]`` (1 = off), renormalised."""
     on = [p < 1.0 for p in top_p]
     # rows without top-p keep every token: an infinite threshold, whatever the rounding of the sum
     threshold = per_row([p if o else float("inf") for p, o in zip(top_p, on)], probs.device)
-    sorted_p, order = probs.sort(dim=-1, descending=True)
-    drop = sorted_p.cumsum(-1) - sorted_p >= threshold  # mass strictly before each token
+    rows = torch.tensor(on, device=probs.device)  # [T]
+    k = min(TOP_P_PREFIX, probs.shape[-1])
+    while True:
+        sorted_p, order = probs.topk(k, dim=-1)  # [T, k], largest first
+        drop = sorted_p.cumsum(-1) - sorted_p >= threshold  # mass strictly before each token
+        if k == probs.shape[-1] or bool(drop[rows, -1].all()):  # every nucleus ends inside the prefix
+            break
+        k = min(8 * k, probs.shape[-1])
     drop[..., 0] = False  # the top token stays, even when top_p rounds to 0 in float32
     sorted_p = sorted_p.masked_fill(drop, 0.0)
     kept = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
     kept = kept / kept.sum(-1, keepdim=True)
     if all(on):
         return kept
-    return torch.where(torch.tensor(on, device=probs.device)[:, None], kept, probs)
+    return torch.where(rows[:, None], kept, probs)
 
 
 def exponential_noise(probs: torch.Tensor, generators: Generators) -> torch.Tensor:

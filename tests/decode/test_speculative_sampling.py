@@ -416,6 +416,38 @@ def test_per_row_sampling_parameters_give_each_row_its_own_result():
     assert torch.equal(probs, together[sampled])
 
 
+def full_sort_top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Top-p by sorting the whole row (what ``_top_p`` did before it sorted a prefix), renormalised."""
+    sorted_p, order = probs.sort(dim=-1, descending=True)
+    drop = sorted_p.cumsum(-1) - sorted_p >= top_p
+    drop[..., 0] = False
+    kept = torch.zeros_like(probs).scatter_(-1, order, sorted_p.masked_fill(drop, 0.0))
+    return kept / kept.sum(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("spread", [0.3, 2.0, 8.0])
+def test_top_p_sorts_a_prefix_and_keeps_what_a_full_sort_keeps(spread, monkeypatch):
+    """The nucleus from each row's largest tokens (``TOP_P_PREFIX``, 8x more while a nucleus is longer)
+    has the bits of a full sort's, from a one-token nucleus to one of thousands of tokens (flat rows),
+    with rows without top-p beside them; and it matches the float64 definition."""
+    from hispec.sampling import sampler
+
+    monkeypatch.setattr(sampler, "TOP_P_PREFIX", 16)  # nuclei past 16 and 128 tokens on a 4,096-token row
+    g = torch.Generator().manual_seed(7)
+    logits = spread * torch.randn(6, 4096, generator=g)
+    probs = torch.softmax(logits, -1)
+    for top_p in (0.0, 0.3, 0.9, 0.999):
+        kept = sampler._top_p(probs, [top_p] * 6)
+        assert torch.equal(kept, full_sort_top_p(probs, top_p)), top_p
+        lengths = (kept > 0).sum(-1)
+        assert lengths.min() >= 1 and (spread < 1 and top_p > 0.5) <= bool(lengths.max() > 128)
+    mixed = sampler._top_p(probs, [0.9, 1.0, 0.5, 1.0, 0.999, 0.2])
+    for r, top_p in enumerate([0.9, 1.0, 0.5, 1.0, 0.999, 0.2]):
+        assert torch.equal(mixed[r], probs[r] if top_p == 1.0 else full_sort_top_p(probs[r:r + 1], top_p)[0])
+    params = SamplingParams(temperature=1.0, top_p=0.9)
+    assert torch.allclose(logits_to_probs(logits, params).double(), reference_probs(logits, params), atol=1e-6)
+
+
 def test_argmax_is_torch_argmax():
     """``sampler.argmax`` (numpy's on CPU float32) picks what ``torch.argmax`` picks: the first of
     tied maxima, the first NaN, index 0 of an all ``-inf`` row, rows of any leading shape and
