@@ -307,10 +307,13 @@ class Engine:
 
     def _step_round(self, batch: list[DecodeContext], cost) -> list[list[int]]:
         """The strategy's round or a plain one, as the adaptive controller chooses."""
-        # Only greedy batches switch: a sampled sequence's random stream depends on the mode, and
-        # a seeded request must give the same output whatever else shares its batch.
+        # Only greedy batches follow the measurements: a sampled sequence's random stream depends on
+        # the mode, and a seeded request must give the same output whatever else shares its batch and
+        # however fast the machine is. An adaptive engine decodes a batch with a sampled request
+        # plainly (its free drafts came first, chosen at the prior row cost): speculating on every
+        # step, the default model's sampled requests ran at 0.67x `ar` (held-out prompts, 2 threads).
         adaptive = self._switches and all(c.params.greedy for c in batch)
-        mode = self.adaptive.choose(len(batch)) if adaptive else SPECULATE
+        mode = self.adaptive.choose(len(batch)) if adaptive else PLAIN if self._switches else SPECULATE
         strategy = {SPECULATE: self.strategy, CHAIN: self._chain, PLAIN: self._ar}[mode]
         row_cost = cost.relative(len(batch)) if cost is not None else None
         for c in batch:  # what a verification row costs now: token trees add the rows that pay for it
@@ -329,7 +332,8 @@ class Engine:
             for c in batch:
                 c.stats.modes[mode] = c.stats.modes.get(mode, 0) + 1
                 c.stats.mode_rates = rates
-        if cost is not None and (strategy is self._ar or not self._switches):  # a plain round: what drafts must beat
+        # a plain round of a greedy batch: what drafts must beat (a sampled one picks its tokens in Python)
+        if cost is not None and (strategy is self._ar and adaptive or not self._switches):
             cost.record_plain(len(batch), elapsed / max(map(len, commits)))
         return commits
 

@@ -153,6 +153,34 @@ def test_single_request_adaptive_generation(model, workload):
     assert always.plain_steps == 0 and not always.modes
 
 
+def test_adaptive_engines_decode_sampled_requests_plainly(model, workload):
+    """A sampled sequence's random stream depends on the mode, so measurements never choose it: an
+    adaptive engine decodes batches with a sampled request plainly (free drafts first), the same
+    seeded output whatever its controller has measured meanwhile, alone or beside greedy requests;
+    without the adaptive rule they speculate."""
+    import dataclasses
+
+    prompts, limits, expected, eos = workload
+    gen = Generator(model)
+    gen.eos_ids = frozenset({eos})
+    no_lookup = dataclasses.replace(STRATEGIES["hispec"], lookup_max_draft=0)
+    strategy = make_strategy("hispec", no_lookup, model.num_layers)
+    p = SamplingParams(max_new_tokens=30, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True)
+    first = gen.generate(prompts[0], p, strategy, adaptive=True)
+    assert first.token_ids == gen.generate(prompts[0], p, "ar").token_ids  # plain rounds: ar's stream
+    assert first.stats.plain_steps > 0 and "exits" not in first.stats.rounds and not first.stats.modes
+    greedy = [gen.generate(q, SamplingParams(max_new_tokens=n), strategy, adaptive=True) for q, n in zip(prompts, limits)]
+    assert [o.token_ids for o in greedy] == expected and sum(o.stats.modes.get("speculate", 0) for o in greedy)
+    assert gen.generate(prompts[0], p, strategy, adaptive=True).token_ids == first.token_ids
+    always = gen.generate(prompts[0], p, strategy)  # not adaptive: every round drafts at the exits
+    assert always.stats.plain_steps == 0 and always.stats.rounds.get("exits", 0) > 0
+    engine = Engine(model, strategy, eos_ids={eos}, kv_blocks=400, block_size=4, max_batch_size=4)
+    ids = [engine.add_request(q, SamplingParams(max_new_tokens=n)) for q, n in zip(prompts[1:4], limits[1:4])]
+    mine = engine.add_request(prompts[0], p)
+    final = engine.run_to_completion()
+    assert final[mine].token_ids == first.token_ids and [final[i].token_ids for i in ids] == expected[1:4]
+
+
 def test_abort_frees_blocks(model):
     engine = Engine(model, make_strategy("hispec", STRATEGIES["hispec"], 6), kv_blocks=50, block_size=4)
     rid = engine.add_request(list(range(20)), SamplingParams(max_new_tokens=50, ignore_eos=True))
