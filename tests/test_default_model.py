@@ -168,6 +168,27 @@ def test_lookup_drafts_equal_ar_on_spec_bench(generator, ar_reference, two_threa
     assert stops > 0  # plain runs stopped at matches
 
 
+def test_sampled_requests_decode_plainly_with_lookup_drafts(generator, ar_reference, two_threads):
+    """Adaptive ``hispec`` with a seeded sampled request (temperature 0.7, top-p 0.9): plain rounds and
+    prompt-lookup drafts, never the exits (whose measured rate must not steer a seeded stream), the
+    same tokens run after run, and without lookup drafts the tokens of ``ar`` with that seed."""
+    import dataclasses
+
+    prompts, _ = ar_reference
+    spec = default_specs(generator, "hispec")
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.7, top_p=0.9, seed=11, ignore_eos=True)
+    looked_up = 0
+    for ids in prompts[:4]:
+        first = generator.generate(ids, params, "hispec", spec=spec, adaptive=True)
+        assert generator.generate(ids, params, "hispec", spec=spec, adaptive=True).token_ids == first.token_ids
+        assert "exits" not in first.stats.rounds and first.stats.plain_steps > 0
+        looked_up += first.stats.rounds.get("lookup", 0)
+        plain = generator.generate(ids, params, "hispec", spec=dataclasses.replace(spec, lookup_max_draft=0),
+                                   adaptive=True)
+        assert plain.token_ids == generator.generate(ids, params, "ar").token_ids
+    assert looked_up > 0
+
+
 TREES = {"hispec": {"tree_width": 3, "tree_min_prob": 0.0, "lookup_branches": 2},
          "selfspec": {"tree_width": 3, "tree_min_prob": 0.0},
          "lookup": {"lookup_branches": 3}}

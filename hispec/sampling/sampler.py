@@ -162,8 +162,25 @@ def race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
 
 def sample(probs: torch.Tensor, generators: Generators) -> torch.Tensor:
     """One token per row of ``probs [T, V]`` -> ``[T]`` (long), row ``r`` drawn with ``generators[r]``
-    (or every row with one generator)."""
-    return race(probs, exponential_noise(probs, generators))
+    (or every row with one generator).
+
+    The exponential race among the tokens a row can take: a token with ``p = 0`` loses whatever its
+    draw, so on a CPU each row draws one ``Exp(1)`` for each of its tokens with ``p > 0`` (in
+    vocabulary order; ties go to the first, as ``race``'s), the same sample as a race over the whole
+    row but only as many random numbers as top-k / top-p leave (drawing 49,152 for SmolLM2's
+    vocabulary took ~1 ms of a sampled step on 2 Zen 4 cores). A GPU races over whole rows (no
+    host sync). A row without such a token (all zero) gives token 0, as the whole-row race does."""
+    if probs.is_cuda:
+        return race(probs, exponential_noise(probs, generators))
+    single = generators is None or isinstance(generators, torch.Generator)
+    out = torch.zeros(probs.shape[0], dtype=torch.long)
+    for r in range(probs.shape[0]):
+        support = probs[r].nonzero().squeeze(1)  # [n]: the tokens it can take, in vocabulary order
+        if support.numel():
+            noise = torch.empty(support.shape, dtype=probs.dtype).exponential_(
+                generator=generators if single else generators[r])
+            out[r] = support[race(probs[r, support][None], noise[None])[0]]
+    return out
 
 
 def choose(logits: torch.Tensor, params: Sequence[SamplingParams],

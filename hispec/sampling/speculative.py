@@ -27,7 +27,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .sampler import exponential_noise, race, sample
+from .sampler import sample
 
 
 def greedy_accept(draft_tokens: torch.Tensor,  # [k]
@@ -130,4 +130,4 @@ def sample_accept_batch(draft_tokens: Sequence[torch.Tensor],  # B x [k_b]
         rejected = (num < r.num_drafts)[:, None]  # [B, 1]
         draft = draft_probs[(r.draft_start + num).clamp_max(r.num_draft_rows - 1)]  # [B, V]
         target = torch.where(rejected, residual(target, draft), target)
-    return num, race(target, exponential_noise(target, list(generators)))  # drawn after u, as sample_accept does
+    return num, sample(target, list(generators))  # drawn after u, as sample_accept does

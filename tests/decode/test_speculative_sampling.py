@@ -448,6 +448,31 @@ def test_top_p_sorts_a_prefix_and_keeps_what_a_full_sort_keeps(spread, monkeypat
     assert torch.allclose(logits_to_probs(logits, params).double(), reference_probs(logits, params), atol=1e-6)
 
 
+def test_sample_races_only_the_tokens_a_row_can_take():
+    """``sample`` draws one Exp(1) per token with p > 0 (a row's stream advances by its support, the
+    same in any batch), follows the row's distribution, and gives a one-token row that token."""
+    from hispec.sampling.sampler import sample
+
+    probs = torch.zeros(3, 1000)
+    probs[0, [3, 500, 999]] = torch.tensor([0.2, 0.5, 0.3])
+    probs[1, 42] = 1.0
+    probs[2] = torch.softmax(torch.randn(1000, generator=torch.Generator().manual_seed(0)), -1)
+    gens = [torch.Generator().manual_seed(s) for s in (1, 2, 3)]
+    together = sample(probs, gens)
+    assert together.tolist() == [int(sample(probs[r:r + 1], torch.Generator().manual_seed(s))[0])
+                                 for r, s in enumerate((1, 2, 3))]
+    assert together[1] == 42
+    for g, n, seed in zip(gens, (3, 1, 1000), (1, 2, 3)):  # each stream advanced by its row's support
+        ref = torch.Generator().manual_seed(seed)
+        torch.empty(n).exponential_(generator=ref)
+        assert torch.equal(torch.rand(4, generator=g), torch.rand(4, generator=ref))
+    g = torch.Generator().manual_seed(0)
+    counts = Counter(int(sample(probs[:1], g)[0]) for _ in range(6000))
+    assert set(counts) == {3, 500, 999}
+    assert all(abs(counts[t] / 6000 - p) < 0.025 for t, p in ((3, 0.2), (500, 0.5), (999, 0.3))), counts
+    assert int(sample(torch.zeros(1, 10), None)[0]) == 0
+
+
 def test_argmax_is_torch_argmax():
     """``sampler.argmax`` (numpy's on CPU float32) picks what ``torch.argmax`` picks: the first of
     tied maxima, the first NaN, index 0 of an all ``-inf`` row, rows of any leading shape and
