@@ -54,11 +54,13 @@ class Comparison:
     transcribed_from: str | None = None
     note: str | None = None
     adaptive: bool | None = None  # speculation decoded adaptively (None: not recorded)
+    sampling: str | None = None  # e.g. "temperature 0.7, top-p 0.9, seed 1"; None: greedy
     key: tuple = field(init=False)
 
     def __post_init__(self) -> None:
         self.key = (self.machine, self.batch_size, tuple(sorted(r.label for r in self.rows)), bool(self.adaptive),
-                    next((r.weights for r in self.rows if r.own), None))  # e.g. runs on another kernel
+                    next((r.weights for r in self.rows if r.own), None),  # e.g. runs on another kernel
+                    self.sampling)
 
 
 # ---- reading result files ------------------------------------------------------------------
@@ -130,7 +132,22 @@ def _from_results(data: dict, source: str) -> Comparison:
                         e.get("tokens_per_second_median"), _same(e, label, own), _decode(e) if own else None))
     return Comparison(_machine(data.get("machine")), int(cfg.get("batch_size") or 1), rows,
                       prompts=cfg.get("num_prompts"), max_new_tokens=cfg.get("max_new_tokens"),
-                      command=cfg.get("command"), adaptive=cfg.get("adaptive", False), **_provenance(data, source))
+                      command=cfg.get("command"), adaptive=cfg.get("adaptive", False),
+                      sampling=_sampling(cfg.get("sampling")), **_provenance(data, source))
+
+
+def _sampling(sp: dict | None) -> str | None:
+    """A sampled run's settings in words (None: greedy, or not recorded)."""
+    if not sp or not sp.get("temperature"):
+        return None
+    parts = [f"temperature {sp['temperature']:g}"]
+    if sp.get("top_k"):
+        parts.append(f"top-k {sp['top_k']}")
+    if sp.get("top_p", 1.0) < 1.0:
+        parts.append(f"top-p {sp['top_p']:g}")
+    if sp.get("seed") is not None:
+        parts.append(f"seed {sp['seed']}")
+    return ", ".join(parts)
 
 
 def _decode(e: dict) -> float | None:
@@ -226,6 +243,8 @@ def _setup(c: Comparison) -> str:
         parts.append(f"median of {c.rounds} interleaved rounds")
     if c.adaptive is not None and any(r.own and r.label != "ar" for r in c.rows):
         parts.append("adaptive" if c.adaptive else "always speculating")
+    if c.sampling:
+        parts.append("sampled: " + c.sampling)
     if c.load is not None:
         parts.append("load average " + " -> ".join("?" if x is None else f"{x:.2f}" for x in c.load))
     else:
@@ -240,14 +259,16 @@ def render(comparisons: list[Comparison], sources: list[str], target: str = "BEN
              "The newest run of each comparison (machine, batch size, engines) among the result files "
              f"({', '.join(f'`{s}`' for s in sources) or 'none given'}). tokens/s include prefill; `vs ar` is "
              "tokens/s over hispec `ar`'s in the same run; `decode vs ar` (batch 1, hispec's strategies) is the "
-             "same with each prompt's prefill left out, the part speculation changes; greedy. Made by "
+             "same with each prompt's prefill left out, the part speculation changes; greedy unless a "
+             "comparison says sampled. Made by "
              f"`hispec bench --summary {target}`: it rewrites "
              "only this section, the rest of the file stays as it is.", ""]
     if not comparisons:
         lines += ["(no result files)", ""]
     for c in comparisons:
         date = (c.created or "date not recorded")[:10]
-        lines += [f"### Batch {c.batch_size}: {', '.join(r.label for r in c.rows)} ({c.machine}, {date})", ""]
+        sampled = ", sampled" if c.sampling else ""
+        lines += [f"### Batch {c.batch_size}{sampled}: {', '.join(r.label for r in c.rows)} ({c.machine}, {date})", ""]
         if c.command:
             lines += [f"`{c.command}`", ""]
         lines += table(c) + ["", _setup(c)]

@@ -104,6 +104,23 @@ def test_runs_on_other_kernels_are_other_comparisons(tmp_path):
     assert "| hispec `ar` (native on q8a/q8a8) | 90.0 |" in "\n".join(summary.table(shown[0]))
 
 
+def test_sampled_runs_are_other_comparisons(tmp_path):
+    """A run with sampling (``--temperature``) says so in its title and setup line and does not stand
+    in for a newer or older greedy run of the same engines."""
+    greedy, sampled = (results_json(day, ar, 40.0) for day, ar in (("2026-12-03T10:00:00+0000", 80.0),
+                                                                   ("2026-12-04T10:00:00+0000", 90.0)))
+    greedy["config"]["sampling"] = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": None}
+    sampled["config"]["sampling"] = {"temperature": 0.7, "top_k": 0, "top_p": 0.9, "seed": 1}
+    write(tmp_path / "greedy.json", greedy)
+    write(tmp_path / "sampled.json", sampled)
+    shown = summary.latest([c for f in summary.result_files([tmp_path]) for c in summary.read(f)])
+    assert {c.sampling: c.rows[0].tokens_per_second for c in shown} == {
+        None: 80.0, "temperature 0.7, top-p 0.9, seed 1": 90.0}
+    text = summary.render(shown, ["runs"])
+    assert "### Batch 1, sampled: ar, hispec, llama.cpp:q4_1" in text and "sampled: temperature 0.7" in text
+    assert text.count("### Batch 1: ar, hispec, llama.cpp:q4_1") == 1
+
+
 def test_newest_run_of_each_comparison(tmp_path):
     runs = tmp_path / "runs"
     runs.mkdir()
