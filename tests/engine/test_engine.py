@@ -169,7 +169,8 @@ def test_adaptive_engines_decode_sampled_requests_plainly(model, workload):
     first = gen.generate(prompts[0], p, strategy, adaptive=True)
     assert first.token_ids == gen.generate(prompts[0], p, "ar").token_ids  # plain rounds: ar's stream
     assert first.stats.plain_steps > 0 and "exits" not in first.stats.rounds and not first.stats.modes
-    greedy = [gen.generate(q, SamplingParams(max_new_tokens=n), strategy, adaptive=True) for q, n in zip(prompts, limits)]
+    greedy = [gen.generate(q, SamplingParams(max_new_tokens=n), strategy, adaptive=True)
+              for q, n in zip(prompts, limits)]
     assert [o.token_ids for o in greedy] == expected and sum(o.stats.modes.get("speculate", 0) for o in greedy)
     assert gen.generate(prompts[0], p, strategy, adaptive=True).token_ids == first.token_ids
     always = gen.generate(prompts[0], p, strategy)  # not adaptive: every round drafts at the exits
