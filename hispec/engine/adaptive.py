@@ -107,5 +107,5 @@ class AdaptiveController:
         return {
             "steps": dict(self.steps),
             "tokens_per_second": {f"batch<={2 ** b}:{mode}": round(r.tokens_per_second, 2)
-                                  for (b, mode), r in sorted(self.rates.items())},
+                                  for (b, mode), r in sorted(self.rates.items()) if r.samples},  # measured ones
         }

@@ -78,3 +78,11 @@ def test_tree_strategies_get_a_chain_mode():
     spec = SpecConfig(draft_layer=1, verify_layer=3)
     assert adaptive_modes(HiSpec(spec)) == (SPECULATE, PLAIN)
     assert adaptive_modes(HiSpec(SpecConfig(draft_layer=1, verify_layer=3, tree_width=3))) == (SPECULATE, CHAIN, PLAIN)
+
+
+def test_its_report_shows_only_the_modes_it_measured():
+    """Asking for a choice makes a bucket's entries; only those with a measurement are reported."""
+    ctl = AdaptiveController(warmup=1)
+    assert ctl.choose(1) == SPECULATE
+    ctl.record(1, SPECULATE, 10, 0.1)
+    assert ctl.to_dict()["tokens_per_second"] == {"batch<=1:speculate": 100.0}
