@@ -257,12 +257,13 @@ class Strategy:
         each one commits (at least one). The caller appends them to ``ctx.tokens``."""
         raise NotImplementedError
 
-    def free_round(self, batch: list[DecodeContext], cost) -> list[list[int] | None] | None:
+    def free_round(self, batch: list[DecodeContext], cost, plain_rest: bool = False) -> list[list[int] | None] | None:
         """A round that verifies drafts which cost no model time (prompt lookup): each sequence's
         committed tokens as ``step`` returns them, None for a sequence it leaves to ``step`` (or
         a plain round), or None for all when it has no drafts worth verifying now. ``cost``: the
         measured cost of verification rows (``decode.lookup.RowCost``) that decides how many
-        drafts pay; None: always verify every draft there is."""
+        drafts pay; None: always verify every draft there is. ``plain_rest``: the caller would give
+        a sequence left out a plain round (``lookup_round``)."""
         return None
 
     def steps(self, ctx: DecodeContext) -> Iterator[list[int]]:

@@ -298,7 +298,9 @@ class Engine:
         batch = [s.ctx for s in running]
         cost = self.adaptive.row_cost if self.adaptive is not None else None
         free_round = getattr(self.strategy, "free_round", None)  # a wrapper may have none
-        commits = (free_round(batch, cost) if free_round is not None else None) or [None] * len(batch)
+        # under the adaptive rule a sampled sequence's own round is a plain one: it may ride along (lookup_round)
+        commits = (free_round(batch, cost, plain_rest=self._switches) if free_round is not None else None) \
+            or [None] * len(batch)
         rest = [b for b, chunk in enumerate(commits) if chunk is None]
         if rest:
             for b, chunk in zip(rest, self._step_round([batch[b] for b in rest], cost)):

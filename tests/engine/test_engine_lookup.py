@@ -114,3 +114,25 @@ def test_chunked_prefill_of_repeating_prompts_equals_ar(model, strategy):
     assert [o.token_ids for o in outs] == want
     assert lookup_rounds(outs[2:]) > 0
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+
+
+@pytest.mark.parametrize("strategy", ["hispec", "lookup"])
+def test_sampled_requests_without_drafts_ride_along_in_the_lookup_pass(model, strategy):
+    """Under the adaptive rule (and with the lookup strategy) a sampled sequence's own round is a plain
+    one, so in a step where others verify drafts it takes its token in their pass: every seeded output
+    equals itself run alone, and the request that seldom drafts rode along (plain rounds beyond the
+    engine's plain steps)."""
+    rng = random.Random(5)
+    prompts = [repeating(rng, 4, 30), repeating(rng, 6, 36), [rng.randrange(3, 128) for _ in range(9)]]
+    params = [SamplingParams(max_new_tokens=20, temperature=0.7, seed=s, ignore_eos=True) for s in (1, 2, 3)]
+    engine = engine_for(model, strategy, True)
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    outs = engine.run_to_completion()
+    for p, sp, i in zip(prompts, params, ids):
+        alone = engine_for(model, strategy, True)
+        rid = alone.add_request(p, sp)
+        assert outs[i].token_ids == alone.run_to_completion()[rid].token_ids
+    assert lookup_rounds([outs[i] for i in ids[:2]]) > 0
+    if strategy == "hispec":
+        rode = outs[ids[2]].stats
+        assert rode.rounds.get("plain", 0) > rode.plain_steps, (rode.rounds, rode.plain_steps)
