@@ -75,7 +75,7 @@ def test_streams_text_and_prints_stats(tiny):
     assert proc.stdout == json.loads(as_json.stdout)["text"] + "\n"  # the streamed text is the whole text
     sampled = run_process("generate", "hello", "--model", tiny, "--max-new-tokens", "10", "--ignore-eos", "--stats",
                           "--strategy", "hispec", "--temperature", "0.8", "--seed", "1")
-    assert sampled.returncode == 0 and "a sampled request decodes plainly" in sampled.stderr, sampled.stderr
+    assert sampled.returncode == 0 and "with a sampled request decodes plainly" in sampled.stderr, sampled.stderr
     assert "adaptive rounds: plain " in sampled.stderr and "exits" not in sampled.stderr.split("rounds:")[1]
 
 

@@ -652,8 +652,8 @@ class Lookup(Strategy):
         self.lookahead = max(spec.lookup_max_draft * spec.lookup_branches + 2, self._ar.lookahead)
 
     def free_round(self, batch: list[DecodeContext], cost: RowCost | None,
-                   plain_rest: bool = True) -> list[list[int] | None] | None:
-        return lookup_round(self.spec, batch, cost, True)  # its own steps are plain
+                   plain_rest: bool = False) -> list[list[int] | None] | None:
+        return lookup_round(self.spec, batch, cost, plain_rest=True)  # its own steps are plain, always
 
     def step(self, batch: list[DecodeContext]) -> list[list[int]]:
         return self._ar.step(batch)

@@ -168,9 +168,9 @@ def sample(probs: torch.Tensor, generators: Generators) -> torch.Tensor:
     draw, so on a CPU each row draws one ``Exp(1)`` for each of its tokens with ``p > 0`` (in
     vocabulary order; ties go to the first, as ``race``'s), the same sample as a race over the whole
     row but only as many random numbers as top-k / top-p leave (drawing 49,152 for SmolLM2's
-    vocabulary took ~1 ms of a sampled step on 2 Zen 4 cores). A GPU races over whole rows (no
-    host sync). A row without such a token (all zero) gives token 0, as the whole-row race does."""
-    if probs.is_cuda:
+    vocabulary took ~1 ms of a sampled step on 2 Zen 4 cores). Another device races over whole rows
+    (no host sync). A row without such a token (all zero) gives token 0, as the whole-row race does."""
+    if probs.device.type != "cpu":
         return race(probs, exponential_noise(probs, generators))
     single = generators is None or isinstance(generators, torch.Generator)
     out = torch.zeros(probs.shape[0], dtype=torch.long)
