@@ -218,3 +218,30 @@ class KernelBatch:
                                      dtype=torch.int64)
         self.keys = sum(lengths)  # query-key pairs of the call
         self.block_size = block_size
+
+
+def sampling_probs(logits: torch.Tensor, temperature: list[float], top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """``logits [T, V]`` float32 -> each row's sampling distribution ``[T, V]`` after its temperature
+    (> 0), top-k (0 or >= V: off) and top-p (>= 1: off): ``sampler.logits_to_probs`` on a CPU."""
+    logits = _check(logits, F32)
+    t, v = logits.shape
+    temperature_ = torch.tensor(temperature, dtype=F32)
+    top_k_ = torch.tensor(top_k, dtype=torch.int64)
+    top_p_ = torch.tensor(top_p, dtype=F32)
+    if not (temperature_.shape == top_k_.shape == top_p_.shape == (t,)):
+        raise ValueError(f"sampling_probs: one temperature, top-k and top-p per row of {t}")
+    probs = torch.empty_like(logits)
+    library().hs_sampling_probs(logits.data_ptr(), probs.data_ptr(), t, v, temperature_.data_ptr(),
+                                top_k_.data_ptr(), top_p_.data_ptr())
+    return probs
+
+
+def sample_pick(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One token per row of ``probs [T, V]`` (float32, unnormalised) -> ``[T]`` (long): the first token
+    whose cumulative probability exceeds ``u [T]`` (float64 in [0, 1)) times the row's mass."""
+    probs, u = _check(probs, F32), _check(u, torch.float64)
+    if u.shape != probs.shape[:1]:
+        raise ValueError(f"sample_pick: one u per row of {probs.shape[0]}, got {tuple(u.shape)}")
+    out = torch.empty(probs.shape[0], dtype=torch.int64)
+    library().hs_sample_pick(probs.data_ptr(), probs.shape[0], probs.shape[1], u.data_ptr(), out.data_ptr())
+    return out

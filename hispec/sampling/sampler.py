@@ -6,8 +6,9 @@ the *processed* ones (temperature, then top-k, then top-p), so every level goes 
 
 A batch mixes requests: ``logits_to_probs`` and ``choose`` take one ``SamplingParams`` per row
 and work on the whole ``[T, V]`` tensor at once (per-row temperature, top-k and top-p as
-tensors, as nano-vllm's and vLLM's samplers do; on a CPU in cache-sized blocks of rows). Each request keeps its own random stream:
-the only per-row work is drawing its random numbers from its own generator.
+tensors, as nano-vllm's and vLLM's samplers do; on a CPU one compiled pass per row, or without the
+kernels PyTorch ops in cache-sized blocks of rows). Each request keeps its own random stream: the
+only per-row work is drawing its random number from its own generator.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import numpy as np
 import torch
 
 from ..config import SamplingParams
+from ..kernels import fused
 
 Generators = torch.Generator | None | Sequence[torch.Generator | None]  # one for every row, or one per row
 
@@ -74,7 +76,7 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams | Sequence[Samp
     if all(p.greedy for p in rows):
         return torch.nn.functional.one_hot(argmax(logits), logits.shape[-1]).float()
     step = block_rows(logits)
-    if logits.shape[0] <= step:
+    if logits.shape[0] <= step or _on_kernels(logits):
         return _probs(logits, rows)
     out = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
     for start in range(0, logits.shape[0], step):
@@ -82,12 +84,23 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams | Sequence[Samp
     return out
 
 
+def _on_kernels(x: torch.Tensor) -> bool:
+    """Whether ``x`` is what hispec's compiled sampling kernels take (float32 on a CPU that has them)."""
+    return x.device.type == "cpu" and x.dtype == torch.float32 and not x.requires_grad and fused.available()
+
+
 def _probs(logits: torch.Tensor, rows: list[SamplingParams]) -> torch.Tensor:
-    """``logits_to_probs`` of ``logits [T, V]`` in one pass, row ``r`` with ``rows[r]``."""
+    """``logits_to_probs`` of ``logits [T, V]`` in one pass, row ``r`` with ``rows[r]``: on a CPU the
+    compiled kernel (``fused.sampling_probs``, one pass over each row, the same definition up to float
+    rounding), elsewhere the PyTorch ops below."""
     greedy = [p.greedy for p in rows]
     if all(greedy):
         return torch.nn.functional.one_hot(argmax(logits), logits.shape[-1]).float()
     vocab, device, raw = logits.shape[-1], logits.device, logits
+    if _on_kernels(logits):
+        probs = fused.sampling_probs(logits, [1.0 if p.greedy else p.temperature for p in rows],
+                                     [p.top_k if 0 < p.top_k < vocab else 0 for p in rows], [p.top_p for p in rows])
+        return _one_hot_greedy(probs, raw, greedy)
     logits = scale(logits, per_row([1.0 if p.greedy else p.temperature for p in rows], device))
     top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in rows]  # vocab = off
     if min(top_k) < vocab:
@@ -96,9 +109,14 @@ def _probs(logits: torch.Tensor, rows: list[SamplingParams]) -> torch.Tensor:
     top_p = [p.top_p for p in rows]
     if min(top_p) < 1.0:
         probs = _top_p(probs, top_p)
+    return _one_hot_greedy(probs, raw, greedy)
+
+
+def _one_hot_greedy(probs: torch.Tensor, logits: torch.Tensor, greedy: list[bool]) -> torch.Tensor:
+    """``probs [T, V]`` with each greedy row replaced by the one-hot of its logits' argmax."""
     if any(greedy):
-        idx = torch.tensor([r for r, g in enumerate(greedy) if g], device=device)
-        probs[idx] = torch.nn.functional.one_hot(argmax(raw[idx]), vocab).float()
+        idx = torch.tensor([r for r, g in enumerate(greedy) if g], device=probs.device)
+        probs[idx] = torch.nn.functional.one_hot(argmax(logits[idx]), probs.shape[-1]).float()
     return probs
 
 
@@ -142,45 +160,37 @@ def _top_p(probs: torch.Tensor, top_p: list[float]) -> torch.Tensor:
     return torch.where(rows[:, None], kept, probs)
 
 
-def exponential_noise(probs: torch.Tensor, generators: Generators) -> torch.Tensor:
-    """``Exp(1)`` noise shaped like ``probs [T, V]``, row ``r`` from ``generators[r]`` (or all
-    rows from one generator): the random numbers of ``sample``, drawn as ``torch.multinomial``
-    draws them for one sample, so a request's stream is the same in any batch."""
+def uniforms(rows: int, generators: Generators, device: torch.device) -> torch.Tensor:
+    """``U[0, 1)`` draws ``[rows]`` (float64), row ``r`` from ``generators[r]`` (or all rows from one
+    generator): one number per sampled token, so a request's stream is the same in any batch."""
     if generators is None or isinstance(generators, torch.Generator):
-        return torch.empty_like(probs).exponential_(generator=generators)
-    noise = torch.empty_like(probs)
-    for row, g in zip(noise, generators):
-        row.exponential_(generator=g)
-    return noise
+        return torch.rand(rows, dtype=torch.float64, generator=generators, device=device)
+    return torch.cat([torch.rand(1, dtype=torch.float64, generator=g, device=device) for g in generators])
 
 
-def race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
-    """``argmax(p / e)`` per row of ``probs [T, V]`` (``e ~ Exp(1)``, ``noise [T, V]``, overwritten)
-    -> ``[T]``: an exact sample of each row (the exponential race; ``p`` need not be normalised)."""
-    return argmax(torch.div(probs, noise, out=noise))
+def pick(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """``probs [T, V]`` (``p >= 0``, need not be normalised) and ``u [T]`` in ``[0, 1)`` -> ``[T]`` (long):
+    the first token whose cumulative probability exceeds ``u`` times the row's mass (the inverse of
+    its distribution function: token ``i`` has probability ``p_i / sum p`` for a uniform ``u``), never a
+    token with ``p = 0`` (where rounding reaches the end, the last token with ``p > 0``); 0 for a row of
+    zeros. On a CPU the compiled kernel (``fused.sample_pick``), elsewhere PyTorch (no host sync)."""
+    if _on_kernels(probs) and u.device.type == "cpu":
+        return fused.sample_pick(probs, u)
+    cum = probs.double().cumsum(-1)  # [T, V]
+    total = cum[:, -1:]  # [T, 1]
+    token = torch.searchsorted(cum, u[:, None] * total, right=True).squeeze(1)  # [T]; V past the end
+    last = (cum < total).sum(-1)  # [T]: where the cumulative mass reaches the total, the last token it can take
+    return torch.minimum(token, last)
 
 
 def sample(probs: torch.Tensor, generators: Generators) -> torch.Tensor:
     """One token per row of ``probs [T, V]`` -> ``[T]`` (long), row ``r`` drawn with ``generators[r]``
-    (or every row with one generator).
+    (or every row with one generator): ``pick`` with one uniform number per row.
 
-    The exponential race among the tokens a row can take: a token with ``p = 0`` loses whatever its
-    draw, so on a CPU each row draws one ``Exp(1)`` for each of its tokens with ``p > 0`` (in
-    vocabulary order; ties go to the first, as ``race``'s), the same sample as a race over the whole
-    row but only as many random numbers as top-k / top-p leave (drawing 49,152 for SmolLM2's
-    vocabulary took ~1 ms of a sampled step on 2 Zen 4 cores). Another device races over whole rows
-    (no host sync). A row without such a token (all zero) gives token 0, as the whole-row race does."""
-    if probs.device.type != "cpu":
-        return race(probs, exponential_noise(probs, generators))
-    single = generators is None or isinstance(generators, torch.Generator)
-    out = torch.zeros(probs.shape[0], dtype=torch.long)
-    for r in range(probs.shape[0]):
-        support = probs[r].nonzero().squeeze(1)  # [n]: the tokens it can take, in vocabulary order
-        if support.numel():
-            noise = torch.empty(support.shape, dtype=probs.dtype).exponential_(
-                generator=generators if single else generators[r])
-            out[r] = support[race(probs[r, support][None], noise[None])[0]]
-    return out
+    One draw whatever the vocabulary or how many tokens top-k / top-p leave: the exponential race
+    that this replaced drew one number per token a row can take (49,152 for SmolLM2 without top-p).
+    A seed's stream differs from releases before it."""
+    return pick(probs, uniforms(probs.shape[0], generators, probs.device))
 
 
 def choose(logits: torch.Tensor, params: Sequence[SamplingParams],

@@ -448,29 +448,73 @@ def test_top_p_sorts_a_prefix_and_keeps_what_a_full_sort_keeps(spread, monkeypat
     assert torch.allclose(logits_to_probs(logits, params).double(), reference_probs(logits, params), atol=1e-6)
 
 
-def test_sample_races_only_the_tokens_a_row_can_take():
-    """``sample`` draws one Exp(1) per token with p > 0 (a row's stream advances by its support, the
-    same in any batch), follows the row's distribution, and gives a one-token row that token."""
-    from hispec.sampling.sampler import sample
+def test_sample_draws_one_uniform_per_row_and_inverts_the_distribution(monkeypatch):
+    """``sample`` draws one U[0, 1) (float64) per row from the row's generator (its stream advances by one
+    number, the same in any batch) and takes the first token whose cumulative mass exceeds it: it follows
+    the row's distribution, never gives a token with p = 0 (not even where rounding reaches the end), and
+    the compiled kernel picks what the PyTorch definition picks."""
+    from hispec.sampling import sampler
 
     probs = torch.zeros(3, 1000)
     probs[0, [3, 500, 999]] = torch.tensor([0.2, 0.5, 0.3])
     probs[1, 42] = 1.0
     probs[2] = torch.softmax(torch.randn(1000, generator=torch.Generator().manual_seed(0)), -1)
     gens = [torch.Generator().manual_seed(s) for s in (1, 2, 3)]
-    together = sample(probs, gens)
-    assert together.tolist() == [int(sample(probs[r:r + 1], torch.Generator().manual_seed(s))[0])
+    together = sampler.sample(probs, gens)
+    assert together.tolist() == [int(sampler.sample(probs[r:r + 1], torch.Generator().manual_seed(s))[0])
                                  for r, s in enumerate((1, 2, 3))]
     assert together[1] == 42
-    for g, n, seed in zip(gens, (3, 1, 1000), (1, 2, 3)):  # each stream advanced by its row's support
+    for g, seed in zip(gens, (1, 2, 3)):  # each stream advanced by one float64
         ref = torch.Generator().manual_seed(seed)
-        torch.empty(n).exponential_(generator=ref)
+        torch.rand(1, dtype=torch.float64, generator=ref)
         assert torch.equal(torch.rand(4, generator=g), torch.rand(4, generator=ref))
     g = torch.Generator().manual_seed(0)
-    counts = Counter(int(sample(probs[:1], g)[0]) for _ in range(6000))
+    counts = Counter(int(sampler.sample(probs[:1], g)[0]) for _ in range(6000))
     assert set(counts) == {3, 500, 999}
     assert all(abs(counts[t] / 6000 - p) < 0.025 for t, p in ((3, 0.2), (500, 0.5), (999, 0.3))), counts
-    assert int(sample(torch.zeros(1, 10), None)[0]) == 0
+    assert int(sampler.sample(torch.zeros(1, 10), None)[0]) == 0
+    edge = torch.tensor([1.0 - 2.0 ** -53, 0.0, 0.7], dtype=torch.float64)
+    rows = torch.zeros(3, 8)
+    rows[:, 2], rows[:, 5] = 0.25, 0.75
+    rows[1] = 0.0  # a row of zeros
+    u = torch.rand(200, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    many = probs[2].expand(200, -1).contiguous()
+    for kernel in (True, False):  # the compiled pick (where built), then PyTorch's
+        if not kernel:
+            monkeypatch.setattr(sampler.fused, "available", lambda: False)
+        assert sampler.pick(rows, edge).tolist() == [5, 0, 5]
+        assert sampler.pick(many, u).tolist() == torch.searchsorted(
+            probs[2].double().cumsum(0), u * probs[2].double().sum(), right=True).tolist()
+
+
+def test_the_sampling_kernel_gives_the_pytorch_distributions(monkeypatch):
+    """``logits_to_probs`` on a CPU (the compiled kernel) against the PyTorch definition (the path other
+    devices take), rows of mixed parameters side by side: the same kept tokens (top-k, nuclei of one to
+    thousands of tokens, greedy rows one-hot) and the same values to float rounding."""
+    from hispec.kernels import fused
+    from hispec.sampling import sampler
+
+    if not fused.available():
+        pytest.skip("hispec's compiled kernels are unavailable")
+    g = torch.Generator().manual_seed(11)
+    rank = torch.randperm(4096, generator=g).float() + 1
+    logits = torch.cat([3 * torch.randn(4, 4096, generator=g), (-1.5 * rank.log())[None].expand(2, -1),
+                        0.2 * torch.randn(2, 4096, generator=g)])  # [8, V]: spread, peaked, flat rows
+    logits[1, 7] = float("-inf")  # a masked token (a grammar, a logit bias)
+    params = [SamplingParams(temperature=0.7, top_p=0.9), SamplingParams(temperature=1.0),
+              SamplingParams(temperature=1.3, top_k=50), SamplingParams(),
+              SamplingParams(temperature=0.5, top_k=20, top_p=0.8), SamplingParams(temperature=1.0, top_p=0.999),
+              SamplingParams(temperature=1.0, top_p=0.95), SamplingParams(temperature=2.0, top_k=4000, top_p=0.5)]
+    kernel = logits_to_probs(logits, params)
+    alone = [logits_to_probs(logits[r:r + 1], params[r])[0] for r in range(8)]  # a row does not see the others
+    monkeypatch.setattr(fused, "available", lambda: False)
+    reference = logits_to_probs(logits, params)  # the PyTorch ops
+    assert torch.equal(kernel > 0, reference > 0)
+    assert torch.allclose(kernel, reference, rtol=1e-5, atol=1e-7)
+    assert kernel[1, 7] == 0 and torch.equal(kernel[3], torch.nn.functional.one_hot(logits[3].argmax(), 4096).float())
+    assert ((kernel > 0).sum(-1) > 1000).any() and (kernel > 0).sum(-1).tolist()[2] == 50
+    assert torch.allclose(kernel.sum(-1), torch.ones(8))
+    assert all(torch.equal(kernel[r], alone[r]) for r in range(8))
 
 
 def test_argmax_is_torch_argmax():

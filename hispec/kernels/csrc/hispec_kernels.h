@@ -122,6 +122,16 @@ void hs_q8a_q8_matmul(const int8_t *q, const uint16_t *d, const void *x, int x_b
 void hs_q8a_q4_panel_matmul(const uint8_t *qs, const uint16_t *d, const uint16_t *m, const float *x, int64_t T,
                             int64_t N, int64_t K, float *y, int parallel);
 
+/* ---- sample.c: sampling (hispec/sampling/sampler.py) ---- */
+/* probs[T, V] = each row of logits[T, V] as a distribution: (logits - max) / temperature[t], the tokens below the
+ * top_k[t]-th largest masked (0 or >= V: off), softmax, then the smallest set of largest tokens whose mass
+ * reaches top_p[t] (>= 1: off; ties: lower token first), renormalised. Rows in parallel (OpenMP). */
+void hs_sampling_probs(const float *logits, float *probs, int64_t T, int64_t V, const float *temperature,
+                       const int64_t *top_k, const float *top_p);
+/* out[t] = the first token whose cumulative probability in row t of probs[T, V] exceeds u[t] (in [0, 1)) times
+ * the row's mass: an exact sample of the (unnormalised) row; 0 for a row of zeros. */
+void hs_sample_pick(const float *probs, int64_t T, int64_t V, const double *u, int64_t *out);
+
 #ifdef __cplusplus
 }
 #endif

@@ -1,0 +1,233 @@
+/* Sampling on the CPU (hispec_kernels.h): each sampled row's distribution after temperature, top-k and
+ * top-p in one pass over its logits, and one token per row by the inverse of its cumulative
+ * distribution. hispec/sampling/sampler.py defines both and calls these where the library is built;
+ * its PyTorch code is the same definition for other devices and for CPUs without the library. */
+#include "simd.h"
+
+/* Below this a float32 exp underflows (exp(-87.34) is the smallest normal float): such a token's
+ * probability is 0, where fast_exp would clamp it to exp(-87). */
+#define EXP_FLOOR (-87.0f)
+
+static float row_max(const float *x, int64_t n) {
+    float m = x[0];
+    int64_t i = 0;
+    if (n >= LANES) {
+        v8 lo = load8(x), hi = load8(x + 8);
+        for (i = LANES; i + LANES <= n; i += LANES) {
+            v8 a = load8(x + i), b = load8(x + i + 8);
+            lo = pick(a > lo, a, lo);
+            hi = pick(b > hi, b, hi);
+        }
+        for (int j = 0; j < 8; j++) {
+            m = lo[j] > m ? lo[j] : m;
+            m = hi[j] > m ? hi[j] : m;
+        }
+    }
+    for (; i < n; i++) m = x[i] > m ? x[i] : m;
+    return m;
+}
+
+/* x[i] -> exp(x[i]) (0 below EXP_FLOOR, -inf included), returning their sum (16 lanes, fixed order). */
+static float exp_in_place(float *x, int64_t n) {
+    const v8 floor8 = (v8){0} + EXP_FLOOR, zero = {0};
+    v8 lo = {0}, hi = {0};
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES) {
+        v8 a = load8(x + i), b = load8(x + i + 8);
+        a = pick(a < floor8, zero, fast_exp8(a));
+        b = pick(b < floor8, zero, fast_exp8(b));
+        memcpy(x + i, &a, sizeof a);
+        memcpy(x + i + 8, &b, sizeof b);
+        lo += a;
+        hi += b;
+    }
+    float s = hsum16(lo, hi);
+    for (; i < n; i++) {
+        x[i] = x[i] < EXP_FLOOR ? 0.0f : fast_exp(x[i]);
+        s += x[i];
+    }
+    return s;
+}
+
+/* The k-th largest of x[0 .. n - 1] (1 <= k <= n), reordering x (quickselect, middle pivot). */
+static float kth_largest(float *x, int64_t n, int64_t k) {
+    int64_t lo = 0, hi = n - 1, want = k - 1;  /* want: its index in descending order */
+    while (lo < hi) {
+        float pivot = x[lo + (hi - lo) / 2];
+        int64_t i = lo, j = hi;
+        while (i <= j) {
+            while (x[i] > pivot) i++;
+            while (x[j] < pivot) j--;
+            if (i <= j) {
+                float t = x[i];
+                x[i++] = x[j];
+                x[j--] = t;
+            }
+        }
+        if (want <= j) hi = j;
+        else if (want >= i) lo = i;
+        else return x[want];  /* between j and i: equal to the pivot */
+    }
+    return x[want];
+}
+
+/* How many of s[0 .. n - 1] are >= floor (branch-free). */
+static int64_t count_at_least(const float *s, int64_t n, float floor) {
+    int64_t count = 0;
+    for (int64_t i = 0; i < n; i++) count += s[i] >= floor;
+    return count;
+}
+
+/* The k-th largest of the scaled logits s[0 .. V - 1] (max 0; 1 <= k < V): selected among the values
+ * above the smallest of a few floors that holds k of them (a quickselect over the whole row would
+ * mispredict a branch on half its elements), in buf. */
+static float kth_scaled(const float *s, int64_t V, int64_t k, float *buf) {
+    float floor = -INFINITY;
+    for (float f = -2.0f; f >= -64.0f; f *= 2.0f)
+        if (count_at_least(s, V, f) >= k) {
+            floor = f;
+            break;
+        }
+    int64_t n = 0;
+    for (int64_t i = 0; i < V; i++)
+        if (s[i] >= floor) buf[n++] = s[i];
+    return kth_largest(buf, n, k);
+}
+
+/* A candidate token as one sortable key: its probability's bits (a positive float's bits order as
+ * the float does) above its complemented index, so that descending keys give larger probabilities
+ * first and, among equal ones, the lower token first. */
+typedef uint64_t candidate;
+
+static inline candidate key_of(float p, int64_t i) {
+    uint32_t bits;
+    memcpy(&bits, &p, 4);
+    return (uint64_t)bits << 32 | (uint32_t)~(uint32_t)i;
+}
+
+static inline float p_of(candidate c) {
+    uint32_t bits = (uint32_t)(c >> 32);
+    float p;
+    memcpy(&p, &bits, 4);
+    return p;
+}
+
+static inline int64_t token_of(candidate c) { return (int64_t)(uint32_t)~(uint32_t)c; }
+
+/* c[0 .. n - 1] in descending order (quicksort, insertion sort below 16). */
+static void sort_descending(candidate *c, int64_t n) {
+    while (n > 16) {
+        candidate pivot = c[n / 2];
+        int64_t i = 0, j = n - 1;
+        while (i <= j) {
+            while (c[i] > pivot) i++;
+            while (c[j] < pivot) j--;
+            if (i <= j) {
+                candidate t = c[i];
+                c[i++] = c[j];
+                c[j--] = t;
+            }
+        }
+        if (j + 1 < n - i) {  /* recurse into the smaller side, loop on the larger */
+            sort_descending(c, j + 1);
+            c += i;
+            n -= i;
+        } else {
+            sort_descending(c + i, n - i);
+            n = j + 1;
+        }
+    }
+    for (int64_t i = 1; i < n; i++) {
+        candidate x = c[i];
+        int64_t j = i;
+        for (; j > 0 && c[j - 1] < x; j--) c[j] = c[j - 1];
+        c[j] = x;
+    }
+}
+
+/* Keep the smallest set of p's largest tokens whose mass reaches top_p (ties: lower token first),
+ * renormalised; the rest 0. Sorts only the tokens at or above a threshold whose set, in sorted
+ * order, reaches top_p (the largest tokens come first in any order of the whole row), lowering the
+ * threshold 8x at a time until it does (to 0: every token p > 0). */
+static void nucleus(float *p, int64_t V, float top_p, candidate *c) {
+    for (float tau = 1e-3f;; tau = tau < 1e-30f ? 0.0f : tau * 0.125f) {
+        int64_t n = 0;
+        for (int64_t i = 0; i < V; i++)
+            if (p[i] >= tau && p[i] > 0.0f) c[n++] = key_of(p[i], i);
+        sort_descending(c, n);
+        float before = 0.0f;  /* the mass strictly before candidate j */
+        int64_t kept = 0;
+        while (kept < n && (kept == 0 || before < top_p)) before += p_of(c[kept++]);
+        if (kept < n || before >= top_p || tau == 0.0f) {
+            float mass = 0.0f;
+            for (int64_t j = 0; j < kept; j++) mass += p_of(c[j]);
+            memset(p, 0, (size_t)V * sizeof *p);
+            for (int64_t j = 0; j < kept; j++) p[token_of(c[j])] = p_of(c[j]) / mass;
+            return;
+        }
+    }
+}
+
+void hs_sampling_probs(const float *logits, float *probs, int64_t T, int64_t V, const float *temperature,
+                       const int64_t *top_k, const float *top_p) {
+#pragma omp parallel if (T > 1)
+    {
+        candidate *c = malloc((size_t)V * sizeof *c);  /* also the top-k copy (V floats) */
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < T; t++) {
+            const float *l = logits + t * V;
+            float *p = probs + t * V, m = row_max(l, V), temp = temperature[t];
+            for (int64_t i = 0; i < V; i++) p[i] = (l[i] - m) / temp;
+            if (top_k[t] > 0 && top_k[t] < V) {
+                float kth = kth_scaled(p, V, top_k[t], (float *)c);
+                for (int64_t i = 0; i < V; i++) p[i] = p[i] < kth ? -INFINITY : p[i];
+            }
+            float sum = exp_in_place(p, V);
+            for (int64_t i = 0; i < V; i++) p[i] = p[i] / sum;
+            if (top_p[t] < 1.0f) nucleus(p, V, top_p[t], c);
+        }
+        free(c);
+    }
+}
+
+#define PICK_BLOCK 256
+
+void hs_sample_pick(const float *probs, int64_t T, int64_t V, const double *u, int64_t *out) {
+    int64_t nb = (V + PICK_BLOCK - 1) / PICK_BLOCK;
+    double *block = malloc((size_t)nb * sizeof *block);
+    for (int64_t t = 0; t < T; t++) {
+        const float *p = probs + t * V;
+        double total = 0.0;
+        for (int64_t b = 0; b < nb; b++) {  /* each block's mass: 16 float lanes, then one double sum */
+            int64_t i = b * PICK_BLOCK, end = i + PICK_BLOCK < V ? i + PICK_BLOCK : V;
+            v8 lo = {0}, hi = {0};
+            for (; i + LANES <= end; i += LANES) {
+                lo += load8(p + i);
+                hi += load8(p + i + 8);
+            }
+            float s = hsum16(lo, hi);
+            for (; i < end; i++) s += p[i];
+            block[b] = s;
+            total += s;
+        }
+        double target = u[t] * total, cum = 0.0;
+        int64_t token = -1;
+        for (int64_t b = 0; b < nb && token < 0; b++) {
+            if (cum + block[b] <= target) {
+                cum += block[b];
+                continue;
+            }
+            int64_t end = (b + 1) * PICK_BLOCK < V ? (b + 1) * PICK_BLOCK : V;
+            for (int64_t i = b * PICK_BLOCK; i < end; i++) {  /* the block's own sum may round otherwise */
+                if (p[i] > 0.0f && (cum += p[i]) > target) {
+                    token = i;
+                    break;
+                }
+            }
+        }
+        for (int64_t i = V - 1; token < 0 && i >= 0; i--)  /* rounding at the end: the last token it can take */
+            if (p[i] > 0.0f) token = i;
+        out[t] = token < 0 ? 0 : token;
+    }
+    free(block);
+}
