@@ -14,6 +14,7 @@ import torch
 from ..cache.block_manager import BlockManager
 from ..cache.kv_cache import AttentionBatch, KVPool, SeqChunk, TreeLayout
 from ..config import SamplingParams
+from ..kernels.layer_op import RowSampling
 from ..model.decoder import DecoderModel
 from ..sampling.processors import LogitsProcessor
 from ..sampling.sampler import choose
@@ -91,12 +92,13 @@ class LayerRunner:
         return logits
 
     def decode_greedy(self, items: list[tuple[int, int, int]], steps: int, eos: list[int],
-                      stops: list[tuple[list[int], int]] | None = None) -> list[list[int]] | None:
+                      stops: list[tuple[list[int], int]] | None = None,
+                      sampling: RowSampling | None = None) -> list[list[int]] | None:
         """Up to ``steps`` greedy tokens for each ``(seq_id, position, token)`` item, through every
         layer in one call of the fused op (``DecoderModel.decode_greedy``): ``[B][s]`` host ints,
         the same for every sequence ``s <= steps`` (fewer where the reserved slots end, once every
-        sequence has chosen one of ``eos``, or where ``stops`` asks: ``layer_op.decode_steps``).
-        None where that call does not apply (nothing written)."""
+        sequence has chosen one of ``eos``, or where ``stops`` asks: ``layer_op.decode_steps``; the
+        rows ``sampling`` samples, sampled). None where that call does not apply (nothing written)."""
         n = self.model.num_layers
         if self.reserved:  # the slots the scheduler reserved for this step
             steps = min(steps, *(self.blocks.capacity(s) - pos for s, pos, _ in items))
@@ -104,7 +106,7 @@ class LayerRunner:
             self._slots_for(seq_id, pos, steps, 0, n)
         chosen = self.model.decode_greedy([t for _, _, t in items], [p for _, p, _ in items],
                                           [self.blocks.block_table(s) for s, _, _ in items], self.pool, steps, eos,
-                                          stops)
+                                          stops, sampling)
         if chosen is None:
             return None
         for seq_id, pos, _ in items:

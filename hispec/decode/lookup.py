@@ -492,16 +492,26 @@ def free_drafts(batch: list, max_draft: int, max_ngram: int, cost: RowCost | Non
             ks[b] = batch[b].lookup.length.chosen(rows[b], k, len(found[b].tokens))
         for b, (c, f) in enumerate(zip(batch, found)):
             if f.n and not c.params.greedy:
-                ks[b] = c.lookup.length.choose(rows[b], len(f.tokens), cost.prior)
+                ks[b] = sampled_drafts(c.lookup, rows[b], len(f.tokens), cost.prior)
     for ctx, k in zip(batch, ks):  # (a sequence that drafts now is looked up again next round)
-        ctx.lookup_stop = lookup_stop(ctx, len(batch), cost) if ctx.params.greedy and not k else 0
+        ctx.lookup_stop = lookup_stop(ctx, len(batch), cost) if not k else 0
     return [f.tokens[:k] for f, k in zip(found, ks)]
+
+
+def sampled_drafts(state: "LookupState", row: int, available: int, prior: float) -> int:
+    """How many of ``available`` drafts from rate row ``row`` a sampled sequence takes: those that pay
+    for their rows at the prior row cost, by its own running acceptance. A function of its text and
+    of its earlier drafts' outcomes only, with no books kept on a decline (no drift back to the prior,
+    no exploration: those count the rounds that looked, which depend on how a batch's runs were cut),
+    so that a plain run may skip every position where it would decline (``lookup_stop``) and the
+    request's random stream stays that of one-token rounds, alone or in any batch."""
+    return choose_drafts([state.length.gains(row, available)], 1, prior, 0.0)[0]
 
 
 def lookup_stop(ctx, batch_size: int, cost: RowCost | None) -> int:
     """The shortest prompt-lookup match (``n`` tokens) whose drafts would pay for a pass of this
-    batch now, one sequence drafting (``choose_drafts`` with its rates for such a match), or 0 if
-    none would: where the sequence's text comes to end on such a match, a plain run of several
+    batch now, one sequence drafting (``choose_drafts`` with its rates for such a match; a sampled
+    sequence: ``sampled_drafts``), or 0 if none would: where the sequence's text comes to end on such a match, a plain run of several
     steps in one op call stops (``DecodeContext.lookup_stop``) and the next round verifies them.
     Without a measured ``cost`` every match drafts: 1."""
     state: LookupState = ctx.lookup
@@ -510,6 +520,9 @@ def lookup_stop(ctx, batch_size: int, cost: RowCost | None) -> int:
         return 0
     if cost is None:
         return 1
+    if not ctx.params.greedy:
+        return next((n for n in range(1, state.max_ngram + 1)
+                     if sampled_drafts(state, state.row(LOOKUP, n), room, cost.prior)), 0)
     row_cost, overhead = cost.relative(batch_size), cost.overhead(batch_size)
     for n in range(1, state.max_ngram + 1):
         if choose_drafts([state.length.gains(state.row(LOOKUP, n), room)], batch_size, row_cost, overhead)[0]:

@@ -147,24 +147,37 @@ def decode_step(tokens: list[int], positions: list[int], tables: list[list[int]]
                                   parallel_min_keys(cfg), op_range, head)
 
 
+class RowSampling(NamedTuple):
+    """How ``decode_steps`` chooses each row's tokens: ``temperature[b] > 0`` samples (with ``top_k[b]``, 0 =
+    off, and ``top_p[b]``, 1 = off, as ``sampler.logits_to_probs``) by ``sampler.pick`` with ``uniforms[b, s]``
+    at step ``s`` (``[B, steps]`` float64, from the row's generator); temperature 0 takes the argmax."""
+    temperature: list[float]
+    top_k: list[int]
+    top_p: list[float]
+    uniforms: torch.Tensor
+
+
 def decode_steps(tokens: list[int], positions: list[int], tables: list[list[int]], rope_table, op_range, head,
                  block_size: int, cfg, steps: int, eos: list[int],
-                 stops: list[tuple[list[int], int]] | None = None) -> torch.Tensor:
-    """Up to ``steps`` greedy steps in one call: ``decode_step``, the argmax of each row (as
-    ``torch.argmax``), those tokens at the next positions, ... -> the chosen tokens ``[B, s]``
-    int64, ``s <= steps`` (it stops once every row has chosen one of ``eos``). The same tokens as
-    ``s`` calls of ``decode_step`` with an argmax between them. ``tables[b]`` and ``rope_table``
-    must cover ``positions[b] + steps - 1``. ``stops[b] = (text, n)``: row b's tokens up to its
-    pending one, and ``n > 0`` to stop after a step where the row ends on an n-gram that occurred
-    earlier in its text with a token after it (where prompt lookup has drafts; 0: never)."""
+                 stops: list[tuple[list[int], int]] | None = None, sampling: RowSampling | None = None) -> torch.Tensor:
+    """Up to ``steps`` steps in one call: ``decode_step``, each row's token (the argmax, as
+    ``torch.argmax``, or sampled where ``sampling`` says: the token ``sampler.choose`` gives), those
+    tokens at the next positions, ... -> the chosen tokens ``[B, s]`` int64, ``s <= steps`` (it stops
+    once every row has chosen one of ``eos``). The same tokens as ``s`` calls of ``decode_step`` with a
+    choice between them. ``tables[b]`` and ``rope_table`` must cover ``positions[b] + steps - 1``.
+    ``stops[b] = (text, n)``: row b's tokens up to its pending one, and ``n > 0`` to stop after a step
+    where the row ends on an n-gram that occurred earlier in its text with a token after it (where
+    prompt lookup has drafts; 0: never)."""
     history, ends, ngram = [], [], []
     if stops is not None and any(n > 0 for _, n in stops):
         for text, n in stops:
             history += text
             ends.append(len(history))
             ngram.append(n)
+    temperature, top_k, top_p, uniforms = sampling if sampling is not None else ([], [], [], None)
     return _direct("decode_steps")(tokens, positions, _flat_tables(tables), block_size, rope_table[0], rope_table[1],
-                                   steps, eos, history, ends, ngram, parallel_min_keys(cfg), op_range, head)
+                                   steps, eos, history, ends, ngram, temperature, top_k, top_p, uniforms,
+                                   parallel_min_keys(cfg), op_range, head)
 
 
 PROFILE_PARTS = ("matmul", "attention", "rope_cache", "norm", "silu_mul", "residual", "setup")

@@ -194,7 +194,8 @@ class FastPath:
                                     pool.block_size, self.model.cfg)
 
     def decode_greedy(self, tokens: list[int], positions: list[int], tables: list[list[int]], pool, steps: int,
-                      eos: list[int], stops: list[tuple[list[int], int]] | None = None) -> torch.Tensor | None:
+                      eos: list[int], stops: list[tuple[list[int], int]] | None = None,
+                      sampling: layer_op.RowSampling | None = None) -> torch.Tensor | None:
         """``DecoderModel.decode_greedy`` in one op call, or None where it does not apply."""
         op = self.step_op(len(tokens), pool)
         if op is None:
@@ -202,7 +203,7 @@ class FastPath:
         op_range, head = op
         rope = self.model.rope_table(max(positions) + steps - 1)
         return layer_op.decode_steps(tokens, positions, tables, rope, op_range, head, pool.block_size,
-                                     self.model.cfg, steps, eos, stops)
+                                     self.model.cfg, steps, eos, stops, sampling)
 
     def step_op(self, batch_size: int, pool) -> tuple | None:
         """``(op range of every layer, op head)`` for a decode step of ``batch_size`` sequences in

@@ -22,6 +22,7 @@ from torch import nn
 from ..cache.kv_cache import AttentionBatch, KVPool
 from ..config import ConfigError, ModelConfig
 from ..kernels import fused
+from ..kernels.layer_op import RowSampling
 from ..kernels.matmul import Linear
 from ..kernels.plan import fast_path
 from ..kernels.quant import QuantLinear
@@ -440,14 +441,15 @@ class DecoderModel(nn.Module):
         return fast_path(self).decode_step(tokens, positions, tables, pool)
 
     def decode_greedy(self, tokens: list[int], positions: list[int], tables: list[list[int]], pool: KVPool,
-                      steps: int, eos: list[int], stops: list[tuple[list[int], int]] | None = None
-                      ) -> torch.Tensor | None:
-        """Up to ``steps`` greedy tokens per sequence in one call of the fused op (``decode_step``,
-        then the argmax of each row, as ``sampler.argmax`` picks it, and again) -> ``[B, s]`` int64,
-        ``s <= steps``: fewer once every sequence has chosen one of ``eos``, or where ``stops``
-        asks (``layer_op.decode_steps``: a row's text ends on an n-gram seen before). The K/V of
-        positions ``positions[b] .. + s - 1`` are written. None where ``decode_step`` does not apply."""
-        return fast_path(self).decode_greedy(tokens, positions, tables, pool, steps, eos, stops)
+                      steps: int, eos: list[int], stops: list[tuple[list[int], int]] | None = None,
+                      sampling: RowSampling | None = None) -> torch.Tensor | None:
+        """Up to ``steps`` tokens per sequence in one call of the fused op (``decode_step``, then the
+        argmax of each row, as ``sampler.argmax`` picks it, or the rows ``sampling`` samples as
+        ``sampler.choose`` does, and again) -> ``[B, s]`` int64, ``s <= steps``: fewer once every
+        sequence has chosen one of ``eos``, or where ``stops`` asks (``layer_op.decode_steps``: a row's
+        text ends on an n-gram seen before). The K/V of positions ``positions[b] .. + s - 1`` are
+        written. None where ``decode_step`` does not apply."""
+        return fast_path(self).decode_greedy(tokens, positions, tables, pool, steps, eos, stops, sampling)
 
     def final_logits(self, h: torch.Tensor) -> torch.Tensor:
         """The model's own output head on the last hidden state ``[T, H]`` -> ``[T, V]``."""

@@ -514,14 +514,16 @@ def test_cache_after_lookup_rounds_equals_autoregressive(gen, temperature):
 def test_plain_runs_stop_where_lookup_drafts_would_pay():
     """``lookup_stop``: the shortest match whose drafts would pay for a pass now (at a quarter of a
     step a row: a two-token match's, not a one-token match's), none where no match pays or no
-    draft fits before the token limit, any match where nothing is measured."""
+    draft fits before the token limit, any match where nothing is measured. A sampled sequence's: the
+    shortest match whose drafts ``sampled_drafts`` takes, at the prior row cost whatever the batch and
+    the measured cost."""
     from types import SimpleNamespace
 
     from hispec.decode.lookup import lookup_stop
 
     class Cost:
-        def __init__(self, c: float, o: float) -> None:
-            self.c, self.o = c, o
+        def __init__(self, c: float, o: float, prior: float = 0.25) -> None:
+            self.c, self.o, self.prior = c, o, prior
 
         def relative(self, batch_size: int) -> float:
             return self.c
@@ -529,7 +531,12 @@ def test_plain_runs_stop_where_lookup_drafts_would_pay():
         def overhead(self, batch_size: int) -> float:
             return self.o
 
-    ctx = SimpleNamespace(lookup=LookupState(max_draft=8, max_ngram=3), remaining=100)
+    ctx = SimpleNamespace(lookup=LookupState(max_draft=8, max_ngram=3), remaining=100, params=SamplingParams())
+    sampled = SimpleNamespace(lookup=LookupState(max_draft=8, max_ngram=3), remaining=100,
+                              params=SamplingParams(temperature=1.0))
+    assert lookup_stop(sampled, 1, Cost(0.25, 0.1)) == lookup_stop(sampled, 8, Cost(3.0, 0.5)) == 1
+    assert lookup_stop(sampled, 1, Cost(0.02, 0.0, prior=0.5)) == 2  # (the prior, not the measured cost)
+    assert lookup_stop(sampled, 1, Cost(0.02, 0.0, prior=3.0)) == 0
     assert lookup_stop(ctx, 1, Cost(0.25, 0.1)) == 2
     assert lookup_stop(ctx, 1, Cost(0.02, 0.0)) == 1  # rows nearly free: a one-token match pays too
     assert lookup_stop(ctx, 8, Cost(0.66, 0.35)) == 0  # one sequence of 8 drafting: no match pays the pass

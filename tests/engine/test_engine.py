@@ -3,6 +3,7 @@ whatever the batch size, the mix of prompt lengths and where EOS falls; preempti
 small pool changes nothing; every block is free again afterwards."""
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections import Counter
 
@@ -73,7 +74,7 @@ def test_batched_outputs_equal_batch_of_one_ar(model, workload, name, batch_size
 
 
 def test_rounds_of_several_greedy_tokens_equal_one_token_rounds(model, workload, monkeypatch, tiny_text_model_dir):
-    """``ar`` taking up to ``greedy_steps`` greedy tokens per round in one op call gives the ids of
+    """``ar`` taking up to ``run_steps`` greedy tokens per round in one op call gives the ids of
     one-token rounds: alone, batched, with EOS and token limits falling inside a round, under a pool
     small enough to preempt; and the text of one-token rounds with stop strings."""
     from hispec.kernels import layer_op
@@ -81,15 +82,15 @@ def test_rounds_of_several_greedy_tokens_equal_one_token_rounds(model, workload,
     if layer_op.layers_op() is None:
         pytest.skip("no C++ compiler or torch headers: no op to run several steps in")
     prompts, limits, _, eos = workload
-    monkeypatch.setattr(Autoregressive, "greedy_steps", 1)
-    monkeypatch.setattr(Autoregressive, "batched_greedy_steps", 1)
+    monkeypatch.setattr(Autoregressive, "run_steps", 1)
+    monkeypatch.setattr(Autoregressive, "batched_run_steps", 1)
     _, single = run_engine(model, "ar", prompts, limits, eos, 5, kv_blocks=400)
     calls = []
     runs = layer_op.decode_steps
     monkeypatch.setattr(layer_op, "decode_steps", lambda *a: calls.append(a[8]) or runs(*a))  # a[8]: steps
     for steps, batch_size, kv_blocks in ((4, 1, 400), (4, 5, 400), (3, 16, 60), (8, 16, 400)):
-        monkeypatch.setattr(Autoregressive, "greedy_steps", steps)
-        monkeypatch.setattr(Autoregressive, "batched_greedy_steps", steps)
+        monkeypatch.setattr(Autoregressive, "run_steps", steps)
+        monkeypatch.setattr(Autoregressive, "batched_run_steps", steps)
         engine, got = run_engine(model, "ar", prompts, limits, eos, batch_size, kv_blocks=kv_blocks)
         assert got == single, (steps, batch_size)
         assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
@@ -99,11 +100,49 @@ def test_rounds_of_several_greedy_tokens_equal_one_token_rounds(model, workload,
     gen = Generator.from_pretrained(str(tiny_text_model_dir), exits=False, progress=False)
     texts = {}
     for steps in (1, 8):
-        monkeypatch.setattr(Autoregressive, "greedy_steps", steps)
+        monkeypatch.setattr(Autoregressive, "run_steps", steps)
         outs = [gen.generate(p, SamplingParams(max_new_tokens=40, stop=stop), "ar")
                 for p in ("Hello there", "abc") for stop in ((), ("e",), ("xy", "o"))]
         texts[steps] = [(o.text, o.token_ids, o.finish_reason) for o in outs]
     assert texts[1] == texts[8]
+
+
+def test_rounds_of_several_sampled_tokens_equal_one_token_rounds(model, workload, monkeypatch):
+    """Seeded sampled requests (temperature, top-k, top-p; greedy ones beside them) take several
+    tokens per op call with the ids and generator streams of one-token rounds: alone, batched, with
+    EOS and token limits inside a round, under a pool small enough to preempt; and sampled, not the
+    argmax (the runs differ from greedy ones)."""
+    from hispec.kernels import layer_op
+
+    if layer_op.layers_op() is None:
+        pytest.skip("no C++ compiler or torch headers: no op to run several steps in")
+    prompts, limits, greedy, eos = workload
+    kinds = [SamplingParams(temperature=0.8, top_p=0.9), SamplingParams(temperature=1.0),
+             SamplingParams(temperature=1.2, top_k=5), SamplingParams(), SamplingParams(temperature=0.6, top_k=20,
+                                                                                         top_p=0.7)]
+
+    def run(batch_size, kv_blocks):
+        engine = Engine(model, make_strategy("ar", None, model.num_layers), eos_ids={eos}, kv_blocks=kv_blocks,
+                        block_size=4, max_batch_size=batch_size)
+        ids = [engine.add_request(p, dataclasses.replace(kinds[i % 5], max_new_tokens=n, seed=i))
+               for i, (p, n) in enumerate(zip(prompts, limits))]
+        final = engine.run_to_completion()
+        return engine, [final[i].token_ids for i in ids]
+
+    monkeypatch.setattr(Autoregressive, "run_steps", 1)
+    monkeypatch.setattr(Autoregressive, "batched_run_steps", 1)
+    _, single = run(5, 400)
+    assert sum(a != b for a, b in zip(single, greedy)) >= 8  # sampled: most differ from the argmax
+    calls = []
+    runs = layer_op.decode_steps
+    monkeypatch.setattr(layer_op, "decode_steps", lambda *a: calls.append(a[11]) or runs(*a))  # a[11]: sampling
+    for steps, batch_size, kv_blocks in ((4, 1, 400), (4, 5, 400), (3, 16, 60), (8, 16, 400)):
+        monkeypatch.setattr(Autoregressive, "run_steps", steps)
+        monkeypatch.setattr(Autoregressive, "batched_run_steps", steps)
+        engine, got = run(batch_size, kv_blocks)
+        assert got == single, (steps, batch_size)
+        assert kv_blocks > 60 or engine.scheduler.num_preemptions > 0
+    assert any(s is not None and max(s.temperature) > 0 for s in calls)  # sampled rows ran in the op
 
 
 @pytest.mark.parametrize("name", list(STRATEGIES))

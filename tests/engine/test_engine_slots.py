@@ -21,7 +21,7 @@ def model(tiny_model_dir):
 
 def test_each_strategy_declares_its_lookahead():
     ar = make_strategy("ar")
-    assert ar.lookahead == ar.greedy_steps + 1  # a round of greedy_steps tokens (1: the pending token, one spare)
+    assert ar.lookahead == ar.run_steps + 1  # a round of run_steps tokens (1: the pending token, one spare)
     for name, spec in SPECS.items():
         s = make_strategy(name.split("-")[0], spec, 6)
         assert s.lookahead == spec.lookahead == spec.window + max(spec.num_draft, spec.max_draft

@@ -34,9 +34,10 @@ from tests.conftest import write_char_tokenizer  # noqa: E402
 KEY = "test-key"
 CONTEXT = 2048  # long enough that a 2000-token request is still running when a test acts on it
 LONG = 1900  # max_tokens of a request that a test cancels
-# sampled, so that its rounds are short: greedy text of a random tiny model loops, and prompt-lookup
-# drafts then finish 1,900 tokens in well under a second
-SLOW = {"temperature": 1.0, "seed": 0}
+# one token a round (a penalty needs each token's logits), sampled: greedy text of a random tiny model
+# loops, and prompt-lookup drafts or runs of several tokens per op call then finish 1,900 tokens in well
+# under a second
+SLOW = {"temperature": 1.0, "seed": 0, "presence_penalty": 0.5}
 MODEL = "tiny"
 
 

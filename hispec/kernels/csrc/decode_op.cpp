@@ -382,14 +382,28 @@ bool ngram_recurs(const std::vector<int64_t>& text, int64_t n) {
 // then the tokens chosen), with a token after it: where prompt lookup has drafts to offer, so
 // that the caller can verify them before the next plain step. A stop only shortens the run: the
 // tokens are a prefix of those of the full run.
+//
+// ``temperature`` (empty: every row greedy, or one per row): a row with temperature > 0 samples
+// instead, from hs_sampling_probs of its logits row (that temperature, ``top_k``, ``top_p``) by
+// hs_sample_pick with ``uniforms[b, s]`` ([B, steps] float64, drawn by the caller from the row's
+// generator): the token sampler.choose gives with the same logits and number.
 at::Tensor decode_steps(std::vector<int64_t> tokens, std::vector<int64_t> positions, const std::vector<int64_t>& tables,
                         int64_t block_size, const at::Tensor& cos_table, const at::Tensor& ssin_table,
                         int64_t steps, const std::vector<int64_t>& eos, const std::vector<int64_t>& history,
                         const std::vector<int64_t>& history_ends, const std::vector<int64_t>& stop_ngram,
+                        const std::vector<double>& temperature, const std::vector<int64_t>& top_k,
+                        const std::vector<double>& top_p, const std::optional<at::Tensor>& uniforms,
                         int64_t parallel_min_keys, const c10::intrusive_ptr<Range>& range,
                         const c10::intrusive_ptr<Head>& head) {
     const int64_t B = static_cast<int64_t>(tokens.size());
     TORCH_CHECK(steps > 0 && B > 0, "decode_steps: at least one step of one sequence");
+    const bool sampled = !temperature.empty();
+    TORCH_CHECK(!sampled || (static_cast<int64_t>(temperature.size()) == B && static_cast<int64_t>(top_k.size()) == B &&
+                             static_cast<int64_t>(top_p.size()) == B && uniforms.has_value() &&
+                             uniforms->scalar_type() == at::kDouble && uniforms->is_contiguous() &&
+                             uniforms->dim() == 2 && uniforms->size(0) == B && uniforms->size(1) >= steps),
+                "decode_steps: temperature, top_k and top_p need one entry per row and uniforms [B, steps] float64");
+    std::vector<float> probs;  // a sampled row's distribution
     TORCH_CHECK(stop_ngram.empty() || (static_cast<int64_t>(stop_ngram.size()) == B &&
                                        static_cast<int64_t>(history_ends.size()) == B &&
                                        history_ends.back() == static_cast<int64_t>(history.size())),
@@ -412,7 +426,15 @@ at::Tensor decode_steps(std::vector<int64_t> tokens, std::vector<int64_t> positi
         const float* lp = logits.data_ptr<float>();
         bool all_ended = true;
         for (int64_t b = 0; b < B; b++) {
-            const int64_t t = argmax_row(lp + b * V, V);
+            int64_t t;
+            if (sampled && temperature[b] > 0) {
+                probs.resize(V);
+                const float temp = static_cast<float>(temperature[b]), p = static_cast<float>(top_p[b]);
+                hs_sampling_probs(lp + b * V, probs.data(), 1, V, &temp, &top_k[b], &p);
+                hs_sample_pick(probs.data(), 1, V, uniforms->data_ptr<double>() + b * uniforms->size(1) + s, &t);
+            } else {
+                t = argmax_row(lp + b * V, V);
+            }
             chosen[b * steps + s] = t;
             tokens[b] = t;
             positions[b] += 1;
@@ -446,7 +468,8 @@ TORCH_LIBRARY(hispec_fused, m) {
           "__torch__.torch.classes.hispec_fused.Head head) -> Tensor",
           decode_step);
     m.def("decode_steps(int[] tokens, int[] positions, int[] tables, int block_size, Tensor cos, Tensor ssin, "
-          "int steps, int[] eos, int[] history, int[] history_ends, int[] stop_ngram, int parallel_min_keys, "
+          "int steps, int[] eos, int[] history, int[] history_ends, int[] stop_ngram, float[] temperature, "
+          "int[] top_k, float[] top_p, Tensor? uniforms, int parallel_min_keys, "
           "__torch__.torch.classes.hispec_fused.Range range, "
           "__torch__.torch.classes.hispec_fused.Head head) -> Tensor",
           decode_steps);
