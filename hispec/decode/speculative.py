@@ -32,7 +32,7 @@ from typing import Iterator
 import torch
 
 from ..config import ConfigError, SpecConfig
-from ..sampling.sampler import argmax as argmax_of, block_rows, choose, logits_to_probs
+from ..sampling.sampler import argmax as argmax_of, block_rows, choose, logits_to_probs, on_kernels
 from ..sampling.speculative import greedy_accept, greedy_accept_batch, sample_accept, sample_accept_batch
 from .autoregressive import Autoregressive
 from .base import DecodeContext, Strategy, process_rows, split_rows
@@ -271,9 +271,10 @@ def _committed(num: torch.Tensor, token: torch.Tensor, proposed: list[torch.Tens
 
 
 def _blocks(seqs: list[int], sizes: list[int], like: torch.Tensor) -> list[list[int]]:
-    """``seqs`` in consecutive groups verified in one pass each: all of them on a GPU; on a CPU
-    groups whose vocabulary-wide rows fit in a core's cache (see ``sampler.block_rows``)."""
-    groups, rows, limit = [], 0, block_rows(like)
+    """``seqs`` in consecutive groups verified in one pass each: all of them on a GPU or on a CPU with
+    the compiled sampling kernels (one pass per row, no vocabulary-wide temporaries); otherwise on a
+    CPU groups whose vocabulary-wide rows fit in a core's cache (see ``sampler.block_rows``)."""
+    groups, rows, limit = [], 0, sum(sizes) if on_kernels(like) else block_rows(like)
     for b in seqs:
         if not groups or rows + sizes[b] > limit:
             groups.append([])

@@ -76,7 +76,7 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams | Sequence[Samp
     if all(p.greedy for p in rows):
         return torch.nn.functional.one_hot(argmax(logits), logits.shape[-1]).float()
     step = block_rows(logits)
-    if logits.shape[0] <= step or _on_kernels(logits):
+    if logits.shape[0] <= step or on_kernels(logits):
         return _probs(logits, rows)
     out = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
     for start in range(0, logits.shape[0], step):
@@ -84,7 +84,7 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams | Sequence[Samp
     return out
 
 
-def _on_kernels(x: torch.Tensor) -> bool:
+def on_kernels(x: torch.Tensor) -> bool:
     """Whether ``x`` is what hispec's compiled sampling kernels take (float32 on a CPU that has them)."""
     return x.device.type == "cpu" and x.dtype == torch.float32 and not x.requires_grad and fused.available()
 
@@ -97,7 +97,7 @@ def _probs(logits: torch.Tensor, rows: list[SamplingParams]) -> torch.Tensor:
     if all(greedy):
         return torch.nn.functional.one_hot(argmax(logits), logits.shape[-1]).float()
     vocab, device, raw = logits.shape[-1], logits.device, logits
-    if _on_kernels(logits):
+    if on_kernels(logits):
         probs = fused.sampling_probs(logits, [1.0 if p.greedy else p.temperature for p in rows],
                                      [p.top_k if 0 < p.top_k < vocab else 0 for p in rows], [p.top_p for p in rows])
         return _one_hot_greedy(probs, raw, greedy)
@@ -174,7 +174,7 @@ def pick(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     its distribution function: token ``i`` has probability ``p_i / sum p`` for a uniform ``u``), never a
     token with ``p = 0`` (where rounding reaches the end, the last token with ``p > 0``); 0 for a row of
     zeros. On a CPU the compiled kernel (``fused.sample_pick``), elsewhere PyTorch (no host sync)."""
-    if _on_kernels(probs) and u.device.type == "cpu":
+    if on_kernels(probs) and u.device.type == "cpu":
         return fused.sample_pick(probs, u)
     cum = probs.double().cumsum(-1)  # [T, V]
     total = cum[:, -1:]  # [T, 1]
@@ -191,6 +191,30 @@ def sample(probs: torch.Tensor, generators: Generators) -> torch.Tensor:
     that this replaced drew one number per token a row can take (49,152 for SmolLM2 without top-p).
     A seed's stream differs from releases before it."""
     return pick(probs, uniforms(probs.shape[0], generators, probs.device))
+
+
+def sample_residual(target: torch.Tensor, draft: torch.Tensor | None, rejected: torch.Tensor,
+                    generators: Generators) -> torch.Tensor:
+    """A recovered or bonus token per row of ``target [T, V]`` (the verifier's distribution) -> ``[T]``:
+    where ``rejected [T]``, a sample of the residual ``norm(max(0, p - q))`` with ``q`` that row of
+    ``draft [T, V]`` (the distribution the rejected draft came from; ``p`` itself where the residual is
+    all zeros, i.e. ``p == q`` up to rounding), elsewhere of ``p``; one uniform number per row, as
+    ``sample``. On a CPU the compiled kernel takes the residual and the draw in one pass per row
+    (``fused.sample_residual``), without the vocabulary-wide temporaries."""
+    u = uniforms(target.shape[0], generators, target.device)
+    if on_kernels(target) and (draft is None or on_kernels(draft)):
+        return fused.sample_residual(target, draft, rejected, u)
+    if draft is not None:
+        target = torch.where(rejected[:, None], residual(target, draft), target)
+    return pick(target, u)
+
+
+def residual(target: torch.Tensor, draft: torch.Tensor) -> torch.Tensor:
+    """``norm(max(0, p - q))`` of rows ``[..., V]``, the distribution of a recovered token (``p``
+    itself where ``p <= q`` everywhere, which happens only when ``p == q`` up to rounding)."""
+    r = (target - draft).clamp_min_(0.0)
+    mass = r.sum(-1, keepdim=True)
+    return torch.where(mass > 0, r.div_(mass), target)
 
 
 def choose(logits: torch.Tensor, params: Sequence[SamplingParams],

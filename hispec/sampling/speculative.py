@@ -27,7 +27,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .sampler import sample
+from .sampler import sample_residual
 
 
 def greedy_accept(draft_tokens: torch.Tensor,  # [k]
@@ -41,14 +41,6 @@ def greedy_accept(draft_tokens: torch.Tensor,  # [k]
         return num, (int(target_argmax[num]) if num < k else None)
     num, token = torch.stack([accepted, target_argmax[accepted]]).tolist()
     return num, token
-
-
-def residual(target: torch.Tensor, draft: torch.Tensor) -> torch.Tensor:
-    """``norm(max(0, p - q))`` of rows ``[..., V]``, the distribution of a recovered token (``p``
-    itself where ``p <= q`` everywhere, which happens only when ``p == q`` up to rounding)."""
-    r = (target - draft).clamp_min_(0.0)
-    mass = r.sum(-1, keepdim=True)
-    return torch.where(mass > 0, r.div_(mass), target)
 
 
 def sample_accept(draft_tokens: torch.Tensor,  # [k]
@@ -65,13 +57,11 @@ def sample_accept(draft_tokens: torch.Tensor,  # [k]
     u = torch.rand(k, generator=generator, device=draft_probs.device)
     accept = u * q_x < p_x  # u < p/q without dividing; always true where p >= q
     num = int(accept.long().cumprod(0).sum())
-    if num < k:
-        row = residual(target_probs[num], draft_probs[num])
-    elif target_probs.shape[0] > k:
-        row = target_probs[k]
-    else:
+    if num == k and target_probs.shape[0] == k:
         return num, None
-    return num, int(sample(row[None], generator)[0])
+    rejected = torch.tensor([num < k], device=target_probs.device)
+    return num, int(sample_residual(target_probs[num:num + 1], draft_probs[num:num + 1] if num < k else None,
+                                    rejected, generator)[0])
 
 
 class RaggedRounds:
@@ -126,8 +116,5 @@ def sample_accept_batch(draft_tokens: Sequence[torch.Tensor],  # B x [k_b]
         accept = r.valid  # [B, 0]
     num = accept.long().cumprod(1).sum(1)  # [B]
     target = target_probs[r.target_start + num]  # [B, V]: the row after the accepted drafts
-    if r.num_draft_rows:
-        rejected = (num < r.num_drafts)[:, None]  # [B, 1]
-        draft = draft_probs[(r.draft_start + num).clamp_max(r.num_draft_rows - 1)]  # [B, V]
-        target = torch.where(rejected, residual(target, draft), target)
-    return num, sample(target, list(generators))  # drawn after u, as sample_accept does
+    draft = draft_probs[(r.draft_start + num).clamp_max(r.num_draft_rows - 1)] if r.num_draft_rows else None  # [B, V]
+    return num, sample_residual(target, draft, num < r.num_drafts, list(generators))  # drawn after u, as sample_accept

@@ -487,6 +487,29 @@ def test_sample_draws_one_uniform_per_row_and_inverts_the_distribution(monkeypat
             probs[2].double().cumsum(0), u * probs[2].double().sum(), right=True).tolist()
 
 
+def test_a_recovered_token_comes_from_the_residual(monkeypatch):
+    """``sample_residual``: a rejected row draws from ``max(0, p - q)`` (never the rejected draft of a
+    one-hot ``q``; ``p`` where the residual is all zeros), another row from ``p``; the compiled kernel
+    gives the tokens the PyTorch definition gives (normalised residual, ``pick``) for the same uniforms."""
+    from hispec.sampling import sampler
+
+    g = torch.Generator().manual_seed(5)
+    p = torch.softmax(2 * torch.randn(6, 300, generator=g), -1)
+    q = torch.softmax(2 * torch.randn(6, 300, generator=g), -1)
+    q[0] = torch.nn.functional.one_hot(p[0].argmax(), 300).float()  # a lookup draft: one-hot at p's top token
+    q[1] = p[1]  # p == q: the residual is all zeros
+    rejected = torch.tensor([True, True, True, False, True, False])
+    counts = Counter(int(sampler.sample_residual(p[:1], q[:1], rejected[:1], g)[0]) for _ in range(3000))
+    assert int(p[0].argmax()) not in counts
+    r = (p[0] - q[0]).clamp_min(0)
+    top = sorted(counts, key=lambda t: -counts[t])[:3]
+    assert all(abs(counts[t] / 3000 - float(r[t] / r.sum())) < 0.03 for t in top), counts
+    kernel = [sampler.sample_residual(p, q, rejected, torch.Generator().manual_seed(s)) for s in range(40)]
+    monkeypatch.setattr(sampler.fused, "available", lambda: False)
+    reference = [sampler.sample_residual(p, q, rejected, torch.Generator().manual_seed(s)) for s in range(40)]
+    assert all(torch.equal(a, b) for a, b in zip(kernel, reference))
+
+
 def test_the_sampling_kernel_gives_the_pytorch_distributions(monkeypatch):
     """``logits_to_probs`` on a CPU (the compiled kernel) against the PyTorch definition (the path other
     devices take), rows of mixed parameters side by side: the same kept tokens (top-k, nuclei of one to

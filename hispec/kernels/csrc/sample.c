@@ -192,42 +192,63 @@ void hs_sampling_probs(const float *logits, float *probs, int64_t T, int64_t V, 
 
 #define PICK_BLOCK 256
 
-void hs_sample_pick(const float *probs, int64_t T, int64_t V, const double *u, int64_t *out) {
+/* The first token whose cumulative mass in p[0 .. V - 1] exceeds u times the row's mass (block masses:
+ * 16 float lanes each, then double sums, in block[]), the last token with p > 0 where rounding
+ * reaches the end, 0 for a row of zeros. */
+static int64_t pick_row(const float *p, int64_t V, double u, double *block) {
     int64_t nb = (V + PICK_BLOCK - 1) / PICK_BLOCK;
-    double *block = malloc((size_t)nb * sizeof *block);
-    for (int64_t t = 0; t < T; t++) {
-        const float *p = probs + t * V;
-        double total = 0.0;
-        for (int64_t b = 0; b < nb; b++) {  /* each block's mass: 16 float lanes, then one double sum */
-            int64_t i = b * PICK_BLOCK, end = i + PICK_BLOCK < V ? i + PICK_BLOCK : V;
-            v8 lo = {0}, hi = {0};
-            for (; i + LANES <= end; i += LANES) {
-                lo += load8(p + i);
-                hi += load8(p + i + 8);
-            }
-            float s = hsum16(lo, hi);
-            for (; i < end; i++) s += p[i];
-            block[b] = s;
-            total += s;
+    double total = 0.0;
+    for (int64_t b = 0; b < nb; b++) {
+        int64_t i = b * PICK_BLOCK, end = i + PICK_BLOCK < V ? i + PICK_BLOCK : V;
+        v8 lo = {0}, hi = {0};
+        for (; i + LANES <= end; i += LANES) {
+            lo += load8(p + i);
+            hi += load8(p + i + 8);
         }
-        double target = u[t] * total, cum = 0.0;
-        int64_t token = -1;
-        for (int64_t b = 0; b < nb && token < 0; b++) {
-            if (cum + block[b] <= target) {
-                cum += block[b];
-                continue;
-            }
-            int64_t end = (b + 1) * PICK_BLOCK < V ? (b + 1) * PICK_BLOCK : V;
-            for (int64_t i = b * PICK_BLOCK; i < end; i++) {  /* the block's own sum may round otherwise */
-                if (p[i] > 0.0f && (cum += p[i]) > target) {
-                    token = i;
-                    break;
-                }
-            }
-        }
-        for (int64_t i = V - 1; token < 0 && i >= 0; i--)  /* rounding at the end: the last token it can take */
-            if (p[i] > 0.0f) token = i;
-        out[t] = token < 0 ? 0 : token;
+        float s = hsum16(lo, hi);
+        for (; i < end; i++) s += p[i];
+        block[b] = s;
+        total += s;
     }
+    double target = u * total, cum = 0.0;
+    for (int64_t b = 0; b < nb; b++) {
+        if (cum + block[b] <= target) {
+            cum += block[b];
+            continue;
+        }
+        int64_t end = (b + 1) * PICK_BLOCK < V ? (b + 1) * PICK_BLOCK : V;
+        for (int64_t i = b * PICK_BLOCK; i < end; i++)  /* the block's own sum may round otherwise */
+            if (p[i] > 0.0f && (cum += p[i]) > target) return i;
+    }
+    for (int64_t i = V - 1; i >= 0; i--)  /* rounding at the end: the last token it can take */
+        if (p[i] > 0.0f) return i;
+    return 0;
+}
+
+void hs_sample_pick(const float *probs, int64_t T, int64_t V, const double *u, int64_t *out) {
+    double *block = malloc((size_t)((V + PICK_BLOCK - 1) / PICK_BLOCK) * sizeof *block);
+    for (int64_t t = 0; t < T; t++) out[t] = pick_row(probs + t * V, V, u[t], block);
+    free(block);
+}
+
+void hs_sample_residual(const float *p, const float *q, const uint8_t *rejected, int64_t T, int64_t V,
+                        const double *u, int64_t *out) {
+    double *block = malloc((size_t)((V + PICK_BLOCK - 1) / PICK_BLOCK) * sizeof *block);
+    float *r = malloc((size_t)V * sizeof *r);
+    for (int64_t t = 0; t < T; t++) {
+        const float *pt = p + t * V, *row = pt;
+        if (rejected[t]) {
+            const float *qt = q + t * V;
+            int any = 0;
+            for (int64_t i = 0; i < V; i++) {
+                float d = pt[i] - qt[i];
+                r[i] = d > 0.0f ? d : 0.0f;
+                any |= d > 0.0f;
+            }
+            if (any) row = r;
+        }
+        out[t] = pick_row(row, V, u[t], block);
+    }
+    free(r);
     free(block);
 }
