@@ -91,6 +91,26 @@ class LayerRunner:
                 self.blocks.set_filled(seq_id, 0, n, pos + 1)
         return logits
 
+    def rows_logits(self, items: list[tuple[int, int, list[int]]]) -> torch.Tensor | None:
+        """The model's own logits ``[sum len(tokens), V]`` after each of the tokens of ``(seq_id,
+        start_pos, tokens)`` items (a sequence's pending token and its drafts), through every layer in
+        one call of the fused op: every token a row of one decode step, as ``greedy_rows`` takes them;
+        the same values as ``forward_many`` and ``exit_logits`` on the last layer. None where that call
+        does not apply (nothing written)."""
+        n = self.model.num_layers
+        for seq_id, pos, toks in items:
+            self._slots_for(seq_id, pos, len(toks), 0, n)
+        tokens, positions, tables = [], [], []
+        for seq_id, pos, toks in items:
+            tokens += toks
+            positions += range(pos, pos + len(toks))
+            tables += [self.blocks.block_table(seq_id)] * len(toks)
+        logits = self.model.decode_step(tokens, positions, tables, self.pool)
+        if logits is not None:
+            for seq_id, pos, toks in items:
+                self.blocks.set_filled(seq_id, 0, n, pos + len(toks))
+        return logits
+
     def decode_greedy(self, items: list[tuple[int, int, int]], steps: int, eos: list[int],
                       stops: list[tuple[list[int], int]] | None = None,
                       sampling: RowSampling | None = None) -> list[list[int]] | None:

@@ -362,15 +362,17 @@ def verify_free(batch: list[DecodeContext], drafts: list[list[int]], level: str 
             c.target_logits = None  # (only a request with logprobs reads them: it takes the path below)
             _verified_free(c, d, pos, len(toks) - 1, level)
         return accepted
-    hs = runner.forward_many([(c.seq_id, pos, c.token_tensor(c.tokens[-1:] + d))
-                              for c, pos, d in zip(batch, positions, drafts)], 0, n)  # B x [k_b + 1, H]
-    logits = model.exit_logits(torch.cat(hs) if len(hs) > 1 else hs[0], n)  # [sum (k_b + 1), V]
+    logits = runner.rows_logits([(c.seq_id, pos, c.tokens[-1:] + d) for c, pos, d in zip(batch, positions, drafts)])
+    if logits is None:  # the general path: layers, then the head
+        hs = runner.forward_many([(c.seq_id, pos, c.token_tensor(c.tokens[-1:] + d))
+                                  for c, pos, d in zip(batch, positions, drafts)], 0, n)  # B x [k_b + 1, H]
+        logits = model.exit_logits(torch.cat(hs) if len(hs) > 1 else hs[0], n)  # [sum (k_b + 1), V]
     proposed = [c.token_tensor(d) for c, d in zip(batch, drafts)]  # B x [k_b]
     one_hot = [None if c.params.greedy else torch.nn.functional.one_hot(x, logits.shape[-1]).float()
                for c, x in zip(batch, proposed)]  # [k_b, V]: q of a fixed draft
     accepted, _ = accept(batch, proposed, one_hot, logits, [d if c.processor is not None else ()
                                                              for c, d in zip(batch, drafts)])
-    for c, d, pos, lg, toks in zip(batch, drafts, positions, split_rows(logits, [h.shape[0] for h in hs]), accepted):
+    for c, d, pos, lg, toks in zip(batch, drafts, positions, split_rows(logits, [len(d) + 1 for d in drafts]), accepted):
         c.target_logits = lg[:len(toks)]
         _verified_free(c, d, pos, len(toks) - 1, level)
     return accepted

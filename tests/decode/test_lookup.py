@@ -324,6 +324,40 @@ def test_greedy_rounds_in_one_op_call_match_the_general_path(gen, monkeypatch):
     assert run() == fused and not fused_calls
 
 
+def test_sampled_rounds_take_their_logits_from_one_op_call_with_the_general_paths_bits(gen, monkeypatch):
+    """Sampled free-draft rounds (and rounds with a logits processor) take every row's logits from one
+    fused step (``rows_logits``: layers and head in C++); forced onto forward_many and exit_logits the
+    same seeded prompts give the same tokens and acceptance, batched and alone: the same bits."""
+    from hispec.decode.base import LayerRunner
+
+    calls = []
+    real = LayerRunner.rows_logits
+
+    def counted(self, items):
+        out = real(self, items)
+        calls.append(out is not None)
+        return out
+
+    def run():
+        params = [SamplingParams(max_new_tokens=30, ignore_eos=True, temperature=0.8, seed=s) for s in (1, 2)] + \
+                 [SamplingParams(max_new_tokens=30, ignore_eos=True, presence_penalty=0.5)]
+        alone = [gen.generate(p, q, "lookup", spec=SPEC) for p, q in zip(PROMPTS, params)]
+        engine = Engine(gen.model, make_strategy("lookup", SPEC, gen.model.num_layers),
+                        EngineConfig(max_batch_size=3, kv_blocks=64), eos_ids=gen.eos_ids)
+        ids = [engine.add_request(p, q) for p, q in zip(PROMPTS, params)]
+        final = engine.run_to_completion()
+        level = lambda o: (o.stats.levels["lookup->final"].draft_tokens,  # noqa: E731
+                           o.stats.levels["lookup->final"].accepted_tokens)
+        return [(o.token_ids, level(o)) for o in alone], [final[r].token_ids for r in ids]
+
+    monkeypatch.setattr(LayerRunner, "rows_logits", counted)
+    fused = run()
+    assert calls and all(calls)  # the op ran every sampled round
+    assert sum(level[0] for level in (o[1] for o in fused[0])) > 0  # drafts were verified
+    monkeypatch.setattr(LayerRunner, "rows_logits", lambda self, items: None)
+    assert run() == fused
+
+
 def test_eos_inside_a_round(tiny_model_dir):
     """An EOS among accepted drafts ends the sequence where ar ends it."""
     g = Generator(load_model(tiny_model_dir("llama")))
