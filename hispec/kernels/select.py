@@ -85,7 +85,7 @@ def describe(model) -> str:
         planned = all(plan.layer_plan(layer) is not None for layer in model.layers)
         whole = planned and plan.fast_path(model).step_head(False) is not None  # DecoderModel.decode_step applies
         between += ("; plain decode steps run the embedding, all layers, the final norm and the head in one C++ call"
-                    " (greedy `ar`: several steps and their argmax per call)"
+                    " (several steps per call, each token chosen in C++: the argmax, or sampled)"
                     if whole else "; decode steps run all layers in one C++ call" if planned else
                     "; layers called one by one" + ("" if layer_op.layers_op() else
                                                      " (layer op unavailable: no C++ compiler, or HISPEC_FUSED_LAYERS=0)"))
