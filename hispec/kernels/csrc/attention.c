@@ -185,26 +185,6 @@ static inline __attribute__((always_inline)) void tile_scores(const float *q, in
     }
 }
 
-/* The largest of s[0 .. n-1]: 16 lanes' maxima, then theirs (a maximum is exact in any order). */
-static inline float row_max(const float *s, int64_t n) {
-    float m = s[0];  /* n >= 1: a row sees at least its own key */
-    int64_t j = 0;
-    if (n >= LANES) {
-        v8 lo = load8(s), hi = load8(s + 8);
-        for (j = LANES; j + LANES <= n; j += LANES) {
-            v8 a = load8(s + j), b = load8(s + j + 8);
-            lo = pick(a > lo, a, lo);
-            hi = pick(b > hi, b, hi);
-        }
-        for (int i = 0; i < 8; i++) {
-            m = lo[i] > m ? lo[i] : m;
-            m = hi[i] > m ? hi[i] : m;
-        }
-    }
-    for (; j < n; j++) m = s[j] > m ? s[j] : m;
-    return m;
-}
-
 /* s[0 .. n-1] summed in 16 lanes (lane l: the elements j = l mod 16 below the last whole 16, in
  * order), the lanes by hsum16's fixed tree, then the rest in order: dot()'s order, vectorised
  * without reassociating, the same bits on any vector width. */

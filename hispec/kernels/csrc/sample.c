@@ -8,25 +8,6 @@
  * probability is 0, where fast_exp would clamp it to exp(-87). */
 #define EXP_FLOOR (-87.0f)
 
-static float row_max(const float *x, int64_t n) {
-    float m = x[0];
-    int64_t i = 0;
-    if (n >= LANES) {
-        v8 lo = load8(x), hi = load8(x + 8);
-        for (i = LANES; i + LANES <= n; i += LANES) {
-            v8 a = load8(x + i), b = load8(x + i + 8);
-            lo = pick(a > lo, a, lo);
-            hi = pick(b > hi, b, hi);
-        }
-        for (int j = 0; j < 8; j++) {
-            m = lo[j] > m ? lo[j] : m;
-            m = hi[j] > m ? hi[j] : m;
-        }
-    }
-    for (; i < n; i++) m = x[i] > m ? x[i] : m;
-    return m;
-}
-
 /* x[i] -> exp(x[i]) (0 below EXP_FLOOR, -inf included), returning their sum (16 lanes, fixed order). */
 static float exp_in_place(float *x, int64_t n) {
     const v8 floor8 = (v8){0} + EXP_FLOOR, zero = {0};

@@ -1,5 +1,5 @@
 /* What the kernel files share (internal: not part of the library's interface): bfloat16
- * conversions, row loads and stores, 16-lane float sums, a vectorised exp, and the panel
+ * conversions, row loads and stores, 16-lane float sums and maxima, a vectorised exp, and the panel
  * layout that the dense and GGUF matmuls both use.
  *
  * Sums use 16 independent lanes combined in a fixed order (vectorisable without reassociating
@@ -109,6 +109,26 @@ static inline v8 pick(v8i mask, v8 a, v8 b) {
     ai = (mask & ai) | (~mask & bi);
     memcpy(&a, &ai, sizeof a);
     return a;
+}
+
+/* The largest of s[0 .. n-1]: 16 lanes' maxima, then theirs (a maximum is exact in any order). */
+static inline float row_max(const float *s, int64_t n) {
+    float m = s[0];  /* n >= 1 */
+    int64_t j = 0;
+    if (n >= LANES) {
+        v8 lo = load8(s), hi = load8(s + 8);
+        for (j = LANES; j + LANES <= n; j += LANES) {
+            v8 a = load8(s + j), b = load8(s + j + 8);
+            lo = pick(a > lo, a, lo);
+            hi = pick(b > hi, b, hi);
+        }
+        for (int i = 0; i < 8; i++) {
+            m = lo[i] > m ? lo[i] : m;
+            m = hi[i] > m ? hi[i] : m;
+        }
+    }
+    for (; j < n; j++) m = s[j] > m ? s[j] : m;
+    return m;
 }
 
 typedef float v16 __attribute__((vector_size(64)));
