@@ -511,8 +511,9 @@ def sampled_drafts(state: "LookupState", row: int, available: int, prior: float)
 def lookup_stop(ctx, batch_size: int, cost: RowCost | None) -> int:
     """The shortest prompt-lookup match (``n`` tokens) whose drafts would pay for a pass of this
     batch now, one sequence drafting (``choose_drafts`` with its rates for such a match; a sampled
-    sequence: ``sampled_drafts``), or 0 if none would: where the sequence's text comes to end on such a match, a plain run of several
-    steps in one op call stops (``DecodeContext.lookup_stop``) and the next round verifies them.
+    sequence: ``sampled_drafts``), or 0 if none would: where the sequence's text comes to end on
+    such a match, a plain run of several steps in one op call stops (``DecodeContext.lookup_stop``)
+    and the next round verifies them.
     Without a measured ``cost`` every match drafts: 1."""
     state: LookupState = ctx.lookup
     room = min(len(state.length.rates[0]), ctx.remaining - 1)

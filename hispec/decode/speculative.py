@@ -372,7 +372,8 @@ def verify_free(batch: list[DecodeContext], drafts: list[list[int]], level: str 
                for c, x in zip(batch, proposed)]  # [k_b, V]: q of a fixed draft
     accepted, _ = accept(batch, proposed, one_hot, logits, [d if c.processor is not None else ()
                                                              for c, d in zip(batch, drafts)])
-    for c, d, pos, lg, toks in zip(batch, drafts, positions, split_rows(logits, [len(d) + 1 for d in drafts]), accepted):
+    rows = split_rows(logits, [len(d) + 1 for d in drafts])
+    for c, d, pos, lg, toks in zip(batch, drafts, positions, rows, accepted):
         c.target_logits = lg[:len(toks)]
         _verified_free(c, d, pos, len(toks) - 1, level)
     return accepted

@@ -220,7 +220,8 @@ class KernelBatch:
         self.block_size = block_size
 
 
-def sampling_probs(logits: torch.Tensor, temperature: list[float], top_k: list[int], top_p: list[float]) -> torch.Tensor:
+def sampling_probs(logits: torch.Tensor, temperature: list[float], top_k: list[int],
+                   top_p: list[float]) -> torch.Tensor:
     """``logits [T, V]`` float32 -> each row's sampling distribution ``[T, V]`` after its temperature
     (> 0), top-k (0 or >= V: off) and top-p (>= 1: off): ``sampler.logits_to_probs`` on a CPU."""
     logits = _check(logits, F32)
