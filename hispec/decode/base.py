@@ -97,6 +97,12 @@ class LayerRunner:
         one call of the fused op: every token a row of one decode step, as ``greedy_rows`` takes them;
         the same values as ``forward_many`` and ``exit_logits`` on the last layer. None where that call
         does not apply (nothing written)."""
+        return self._rows(items, lambda tokens, positions, tables: self.model.decode_step(
+            tokens, positions, tables, self.pool))
+
+    def _rows(self, items: list[tuple[int, int, list[int]]], call):
+        """``call(tokens, positions, tables)`` on every token of the items as a row of one decode step
+        (slots allocated first; the items marked filled unless it returns None), and what it returns."""
         n = self.model.num_layers
         for seq_id, pos, toks in items:
             self._slots_for(seq_id, pos, len(toks), 0, n)
@@ -105,11 +111,11 @@ class LayerRunner:
             tokens += toks
             positions += range(pos, pos + len(toks))
             tables += [self.blocks.block_table(seq_id)] * len(toks)
-        logits = self.model.decode_step(tokens, positions, tables, self.pool)
-        if logits is not None:
+        out = call(tokens, positions, tables)
+        if out is not None:
             for seq_id, pos, toks in items:
                 self.blocks.set_filled(seq_id, 0, n, pos + len(toks))
-        return logits
+        return out
 
     def decode_greedy(self, items: list[tuple[int, int, int]], steps: int, eos: list[int],
                       stops: list[tuple[list[int], int]] | None = None,
@@ -141,20 +147,10 @@ class LayerRunner:
         cache. ``[B][len(tokens)]`` host ints: the argmax of each row's logits, the same values as
         ``forward_many`` and ``exit_logits`` on the last layer and ``argmax_of``. None where that
         call does not apply (nothing written)."""
-        n = self.model.num_layers
-        for seq_id, pos, toks in items:
-            self._slots_for(seq_id, pos, len(toks), 0, n)
-        tokens, positions, tables = [], [], []
-        for seq_id, pos, toks in items:
-            table = self.blocks.block_table(seq_id)
-            tokens += toks
-            positions += range(pos, pos + len(toks))
-            tables += [table] * len(toks)
-        chosen = self.model.decode_greedy(tokens, positions, tables, self.pool, 1, [])
+        chosen = self._rows(items, lambda tokens, positions, tables: self.model.decode_greedy(
+            tokens, positions, tables, self.pool, 1, []))
         if chosen is None:
             return None
-        for seq_id, pos, toks in items:
-            self.blocks.set_filled(seq_id, 0, n, pos + len(toks))
         flat = chosen[:, 0].tolist()
         out, at = [], 0
         for _, _, toks in items:
