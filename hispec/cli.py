@@ -199,10 +199,6 @@ def print_stats_table(stats, tokens: int, seconds: float, file, kernels: str | N
         lines.append("  adaptive rounds: " + ", ".join(f"{m} {n}" for m, n in d["modes"].items())
                      + f" (the controller's measured tokens/s per mode at this batch size: {rates}; "
                        "--no-adaptive to always speculate)")
-    elif d.get("plain_steps"):  # a batch with a sampled request, under the adaptive rule
-        lines.append(f"  adaptive rounds: plain {d['plain_steps']} (a batch with a sampled request decodes plainly "
-                     "after its prompt-lookup drafts, so that a seed's output never depends on timing; "
-                     "--no-adaptive to speculate at the exits)")
     if d["verification_wall"] is not None:
         lines.append(f"  verification wall: {d['verification_wall']:.2f} (full-verify s/token / draft s/token)")
     print("\n".join(lines), file=file)

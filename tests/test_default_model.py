@@ -251,8 +251,8 @@ def test_quantized_default_token_trees_equal_its_ar(quantized, quantized_ar, two
 
     off_branch, real = [0], spec_mod.accept_tree
 
-    def spy(ctx, tree, logits, prefix=()):
-        path, nxt = real(ctx, tree, logits, prefix)
+    def spy(ctx, tree, logits, prefix=(), u=()):
+        path, nxt = real(ctx, tree, logits, prefix, u)
         off_branch[0] += sum(1 for j, n in enumerate(path) if n != j)
         return path, nxt
 

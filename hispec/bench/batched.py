@@ -63,9 +63,10 @@ def run_batch_sizes(gen, strategies: dict, prompt_ids: list[list[int]], params: 
             r["paired_speedup_vs_ar"] = _paired(ar_rounds, r["round_seconds"], r["tokens"], row["ar"]["tokens"]) \
                 if ar_rounds and label != "ar" else None
             every = r.pop("token_ids")  # one list per round
-            r["identical_to_ar"] = all(ids == reference for ids in every) if params.greedy and reference else None
+            same_draws = params.greedy or params.seed is not None  # (unseeded requests draw their own seeds)
+            r["identical_to_ar"] = all(ids == reference for ids in every) if same_draws and reference else None
             r["agreement_with_ar"] = (_agreement(every[-1], reference, agree_first)
-                                      if params.greedy and reference else None)
+                                      if same_draws and reference else None)
         results[str(b)] = {label: row[label] for label in runs}  # rows in a fixed order
     if "ar" in strategies and str(batch_sizes[0]) in results and len(batch_sizes) > 1:
         base = results[str(batch_sizes[0])]["ar"]["tokens_per_second"]

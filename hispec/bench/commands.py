@@ -190,11 +190,6 @@ def _bench(args, gen, strategies, exit_layers, categories, prompts, params, out,
     chat = args.chat if args.chat is not None else gen.has_chat_template()
     print(f"hispec bench: {len(prompts)} prompts x {len(runners)} strategies "
           f"({', '.join(r.label for r in runners)}), max {params.max_new_tokens} new tokens", file=sys.stderr)
-    if not params.greedy and not params.ignore_eos:
-        from .report import SAMPLED_LENGTHS
-
-        print(f"hispec bench: note: {SAMPLED_LENGTHS}", file=sys.stderr)
-
     run = run_bench(gen, runners, prompts, params, chat=chat, warmup=args.warmup, progress=not args.no_progress,
                     agree_first=args.agree_first)
 

@@ -13,7 +13,8 @@ Per strategy, overall and per category:
   hispec's strategies against ``ar``, transformers' (``hf-lookup``, ``hf-early-exit``) against
   ``hf``, a peer's speculative mode (``llama.cpp:q4_1:lookup``, ``vllm:float32:ngram``) against the
   same peer decoding plainly;
-- ``identical_to_ar``: every prompt's token ids equal ``ar``'s (greedy runs; else null);
+- ``identical_to_ar``: every prompt's token ids equal ``ar``'s (sampled runs too: each prompt has one
+  seed for every strategy);
   ``agreement_with_ar``: prompts whose whole output / first N tokens equal ``ar``'s, and the mean
   common prefix (for peers, whose kernels differ, agreement is measured, not expected);
 - ``mean_accepted_length``: committed tokens / full-model passes;
@@ -141,8 +142,9 @@ def _merged_stats(recs: list[Record]) -> DecodeStats | None:
 
 
 def _identical(run: BenchRun, recs: list[Record], ref: list[Record] | None) -> bool | None:
-    """Same token ids as the reference on every prompt; null when sampling or without ``ar``."""
-    if not run.params.greedy or ref is None:
+    """Same token ids as the reference on every prompt (sampled runs too: every strategy has the
+    prompt's seed, so hispec's give ``ar``'s tokens); null without ``ar``."""
+    if ref is None:
         return None
     ref_ids = {x.prompt_index: x.sample.token_ids for x in ref}
     return all(ref_ids.get(x.prompt_index) == x.sample.token_ids for x in recs)
@@ -151,7 +153,7 @@ def _identical(run: BenchRun, recs: list[Record], ref: list[Record] | None) -> b
 def _agreement(run: BenchRun, recs: list[Record], ref: list[Record] | None) -> dict | None:
     """How many prompts give the reference's token ids: whole outputs, and the first ``run.agree_first``
     tokens (outputs shorter than that compare whole); the mean length of the common prefix."""
-    if not run.params.greedy or ref is None or not recs:
+    if ref is None or not recs:
         return None
     ref_ids = {x.prompt_index: x.sample.token_ids for x in ref}
     n = run.agree_first

@@ -217,12 +217,6 @@ def targets_table(targets: dict) -> list[str]:
     return _table(["target", "strategies", "measured", "goal", ""], rows)
 
 
-# Sampled strategies draw differently (speculation consumes random numbers its own way), so their texts differ
-SAMPLED_LENGTHS = ("sampled strategies write different texts, and where an end-of-sequence token ends them their "
-                   "lengths differ too, which moves tokens/s (prefill included) with the lengths; --ignore-eos "
-                   "runs every prompt to the same length")
-
-
 def setup_lines(results: dict) -> list[str]:
     m, model, cfg = results["machine"], results["model"], results["config"]
     heads = model.get("exit_heads")
@@ -247,13 +241,7 @@ def setup_lines(results: dict) -> list[str]:
         + ("adaptive (plain steps where measured speculation does not pay)" if cfg.get("adaptive")
            else "always speculating"),
         f"- command: `{cfg['command']}`",
-    ] + _sampled_lines(cfg["sampling"]) + _roofline_lines(m)
-
-
-def _sampled_lines(sampling: dict) -> list[str]:
-    if sampling["temperature"] == 0 or sampling.get("ignore_eos"):
-        return []
-    return [f"- note: {SAMPLED_LENGTHS}"]
+    ] + _roofline_lines(m)
 
 
 def _roofline_lines(m: dict) -> list[str]:

@@ -13,13 +13,11 @@ class Autoregressive(Strategy):
     """One full-model pass per token. Sequences that need nothing between their tokens (no logits
     processor, no logprobs) take up to ``run_steps`` tokens per round in one call of the fused op,
     which runs the passes and each token's choice back to back (``LayerRunner.decode_greedy``: the
-    argmax, or for a sampled sequence its distribution and a uniform number drawn beforehand from
-    its generator): the same tokens, without a return to Python per token (on a 2-core CPU, ~0.5-1
-    ms of the engine's Python and dispatch per token, slow because each pass streams the weights
-    through the caches). A sampled sequence's generator ends the round advanced by one number per
-    token taken, as it would be a token at a time, so its stream does not depend on how rounds
-    split its tokens. The engine commits a round's tokens together, cut at EOS, stop strings and
-    the token limit, as it does a speculative round's. A batch of several sequences takes
+    argmax, or for a sampled sequence its distribution and its positions' uniform numbers,
+    ``DecodeContext.uniforms``): the same tokens, without a return to Python per token (on a 2-core
+    CPU, ~0.5-1 ms of the engine's Python and dispatch per token, slow because each pass streams the
+    weights through the caches). The engine commits a round's tokens together, cut at EOS, stop
+    strings and the token limit, as it does a speculative round's. A batch of several sequences takes
     ``batched_run_steps``: its steps are longer, so the call's overhead matters less, and requests
     waiting to join the batch wait for the round. Where a free-draft round precedes it
     (``DecodeContext.lookup_stop``), the run stops at the step where prompt lookup has drafts that
@@ -59,24 +57,15 @@ class Autoregressive(Strategy):
 
     def _run(self, batch: list[DecodeContext]) -> list[list[int]] | None:
         """Several tokens per sequence in one op call, or None: a sequence with a logits processor or
-        logprobs (they need each token's logits), one token left, a generator off the CPU, or no fused
-        op for this model."""
+        logprobs (they need each token's logits), one token left, or no fused op for this model."""
         steps = min(self.run_steps if len(batch) == 1 else self.batched_run_steps, *(c.remaining for c in batch))
-        if steps < 2 or any(c.processor is not None or c.params.logprobs is not None
-                            or c.generator is not None and c.generator.device.type != "cpu" for c in batch):
+        if steps < 2 or any(c.processor is not None or c.params.logprobs is not None for c in batch):
             return None
-        sampled = [c for c in batch if not c.params.greedy]
-        states = [c.generator.get_state() if c.generator is not None else None for c in sampled]
-        sampling = _row_sampling(batch, steps) if sampled else None
+        sampling = _row_sampling(batch, steps) if any(not c.params.greedy for c in batch) else None
         eos = sorted(set().union(*(c.eos_ids for c in batch)))
         stops = [(c.tokens, c.lookup_stop) for c in batch] if any(c.lookup_stop for c in batch) else None
         chunks = batch[0].runner.decode_greedy([(c.seq_id, len(c.tokens) - 1, c.tokens[-1]) for c in batch], steps,
                                                eos, stops, sampling)
-        for c, state in zip(sampled, states):  # one number drawn per token taken, as a token at a time
-            if state is not None:
-                c.generator.set_state(state)
-                if chunks is not None:
-                    torch.rand(len(chunks[0]), dtype=torch.float64, generator=c.generator)
         if stops is not None and chunks is not None and len(chunks[0]) < steps \
                 and not all(any(t in eos for t in chunk) for chunk in chunks):  # (not every sequence at an EOS)
             for c in batch:
@@ -86,12 +75,13 @@ class Autoregressive(Strategy):
 
 def _row_sampling(batch: list[DecodeContext], steps: int) -> RowSampling:
     """How ``decode_greedy`` chooses each sequence's next ``steps`` tokens: greedy ones by the argmax,
-    sampled ones with their parameters and ``steps`` uniform numbers from their generators (the
-    numbers ``sampler.sample`` would draw, one per token)."""
-    u = torch.zeros(len(batch), steps, dtype=torch.float64)  # [B, steps]
-    for b, c in enumerate(batch):
-        if not c.params.greedy:
-            u[b] = torch.rand(steps, dtype=torch.float64, generator=c.generator)
-    return RowSampling([0.0 if c.params.greedy else c.params.temperature for c in batch],
-                       [min(c.params.top_k, 1 << 62) for c in batch],  # (any k >= the vocabulary: off)
-                       [c.params.top_p for c in batch], u)
+    sampled ones with their parameters and the uniform numbers of those positions."""
+    return row_sampling(batch, [c.uniforms(len(c.tokens), steps) for c in batch])
+
+
+def row_sampling(rows: list[DecodeContext], u: list[list[float]]) -> RowSampling:
+    """``RowSampling`` for rows of the sequences ``rows[r]`` (each row with its sequence's parameters)
+    and their uniform numbers ``u[r]``, one per step."""
+    return RowSampling([0.0 if c.params.greedy else c.params.temperature for c in rows],
+                       [min(c.params.top_k, 1 << 62) for c in rows],  # (any k >= the vocabulary: off)
+                       [c.params.top_p for c in rows], torch.tensor(u, dtype=torch.float64))

@@ -6,7 +6,7 @@ every layer holds K/V for positions ``0 .. len(tokens) - 2``; the last committed
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
@@ -17,7 +17,7 @@ from ..config import SamplingParams
 from ..kernels.layer_op import RowSampling
 from ..model.decoder import DecoderModel
 from ..sampling.processors import LogitsProcessor
-from ..sampling.sampler import choose
+from ..sampling.sampler import choose, position_uniforms, sample_key
 from .stats import DecodeStats
 
 
@@ -139,16 +139,18 @@ class LayerRunner:
             self.blocks.set_filled(seq_id, 0, n, pos + chosen.shape[1])
         return chosen.tolist()
 
-    def greedy_rows(self, items: list[tuple[int, int, list[int]]]) -> list[list[int]] | None:
+    def greedy_rows(self, items: list[tuple[int, int, list[int]]],
+                    sampling: RowSampling | None = None) -> list[list[int]] | None:
         """The model's greedy choice after each of the tokens of ``(seq_id, start_pos, tokens)``
         items (a sequence's pending token and its drafts, at ``start_pos ..``), through every layer
         in one call of the fused op: every token a row of one decode step (``decode_greedy``, one
         step), its K/V written before any row attends, so a row sees the rows before it as the
         cache. ``[B][len(tokens)]`` host ints: the argmax of each row's logits, the same values as
-        ``forward_many`` and ``exit_logits`` on the last layer and ``argmax_of``. None where that
-        call does not apply (nothing written)."""
+        ``forward_many`` and ``exit_logits`` on the last layer and ``argmax_of``; the rows ``sampling``
+        samples (one entry per row, ``u [rows, 1]``), sampled. None where that call does not apply
+        (nothing written)."""
         chosen = self._rows(items, lambda tokens, positions, tables: self.model.decode_greedy(
-            tokens, positions, tables, self.pool, 1, []))
+            tokens, positions, tables, self.pool, 1, [], None, sampling))
         if chosen is None:
             return None
         flat = chosen[:, 0].tolist()
@@ -226,7 +228,7 @@ class DecodeContext:
     seq_id: int
     tokens: list[int]  # prompt + committed tokens; tokens[-1] is pending
     params: SamplingParams
-    generator: torch.Generator | None
+    seed: int | None  # a sampled request's (its own, or drawn at random), None for a greedy one
     stats: DecodeStats
     max_tokens: int  # len(tokens) may not exceed this (new-token limit and context limit)
     eos_ids: frozenset[int]
@@ -242,6 +244,12 @@ class DecodeContext:
     # The final layer's raw logits [n, V] of the n tokens the last step committed (row j chose
     # token j); set by every strategy where it verifies, read by the engine for logprobs.
     target_logits: torch.Tensor | None = None
+    # The key of a sampled request's random numbers (``sampler.position_uniforms``), from its seed.
+    sample_key: int = field(init=False, default=0)
+
+    def __post_init__(self) -> None:
+        if self.seed is not None:
+            self.sample_key = sample_key(self.seed)
 
     @property
     def model(self) -> DecoderModel:
@@ -253,6 +261,12 @@ class DecodeContext:
 
     def token_tensor(self, ids: list[int]) -> torch.Tensor:
         return torch.tensor(ids, dtype=torch.long, device=self.model.device)
+
+    def uniforms(self, start: int, n: int) -> list[float]:
+        """The uniform numbers of this request's tokens at positions ``start .. start + n - 1``
+        (zeros for a greedy one): whichever round chooses a position's token draws it with that
+        position's number, so drafting never changes a seeded request's tokens."""
+        return [0.0] * n if self.params.greedy else position_uniforms(self.sample_key, start, n)
 
     def process(self, logits: torch.Tensor, spec: list[int] | tuple = ()) -> torch.Tensor:
         """``logits [T, V]`` as this request samples from them: row ``r`` follows the committed
@@ -275,13 +289,12 @@ class Strategy:
         each one commits (at least one). The caller appends them to ``ctx.tokens``."""
         raise NotImplementedError
 
-    def free_round(self, batch: list[DecodeContext], cost, plain_rest: bool = False) -> list[list[int] | None] | None:
+    def free_round(self, batch: list[DecodeContext], cost) -> list[list[int]] | None:
         """A round that verifies drafts which cost no model time (prompt lookup): each sequence's
-        committed tokens as ``step`` returns them, None for a sequence it leaves to ``step`` (or
-        a plain round), or None for all when it has no drafts worth verifying now. ``cost``: the
-        measured cost of verification rows (``decode.lookup.RowCost``) that decides how many
-        drafts pay; None: always verify every draft there is. ``plain_rest``: the caller would give
-        a sequence left out a plain round (``lookup_round``)."""
+        committed tokens as ``step`` returns them (those without drafts take a plain row), or None
+        when no sequence has drafts worth verifying now. ``cost``: the measured cost of verification
+        rows (``decode.lookup.RowCost``) that decides how many drafts pay; None: always verify every
+        draft there is."""
         return None
 
     def steps(self, ctx: DecodeContext) -> Iterator[list[int]]:
@@ -306,6 +319,8 @@ def process_rows(batch: list[DecodeContext], logits: torch.Tensor, sizes: list[i
 
 def choose_tokens(batch: list[DecodeContext], logits: torch.Tensor) -> torch.Tensor:
     """One next token per sequence from ``logits [B, V]`` (row b belongs to ``batch[b]``) -> ``[B]``.
-    Greedy rows take the argmax; sampled rows use their own parameters and generator (one pass)."""
+    Greedy rows take the argmax; sampled rows use their own parameters and their next position's
+    uniform number (``DecodeContext.uniforms``), in one pass."""
     logits = process_rows(batch, logits, [1] * len(batch), [()] * len(batch))
-    return choose(logits, [c.params for c in batch], [c.generator for c in batch])[0]
+    u = torch.tensor([c.uniforms(len(c.tokens), 1)[0] for c in batch], dtype=torch.float64, device=logits.device)
+    return choose(logits, [c.params for c in batch], u)[0]

@@ -12,7 +12,7 @@
   entries (least recently used out), for what recurs across requests rather than within one.
   ``SuffixStore`` keeps one per scope (a client: the server's API key and ``user``), bounded
   in scopes too; the engine adds each finished request's output to its scope's cache, and a
-  greedy sequence drafts from it where its match is longer than prompt lookup's.
+  sequence drafts from it where its match is longer than prompt lookup's.
 - **Draft length** (``DraftLength``, ``RowCost``): a draft is worth its verification row when
   its chance of being accepted outweighs the row's cost. Each sequence keeps its running
   acceptance per draft position and match length; the cost of rows is measured from the
@@ -465,53 +465,38 @@ def free_drafts(batch: list, max_draft: int, max_ngram: int, cost: RowCost | Non
     """Each sequence's free drafts for this round (``[]``: none), at most ``max_draft`` and never
     past its token limit: from prompt lookup, or from its scope's suffix cache of earlier outputs
     (``ctx.suffix``) where that matches a longer suffix. ``cost`` None: every draft the match
-    gives; else as many as pay for their rows at the measured row cost, the greedy sequences'
+    gives; else as many as pay for their rows at the measured row cost, the batch's sequences
     together (``choose_drafts``: the pass's overhead is the batch's), with each sequence's running
-    acceptance per source and match length. Sampled sequences decide alone, weigh rows at the
-    prior cost and take no drafts from the suffix cache, so that their random streams never
-    depend on timing nor on earlier requests (a seeded request gives the same output on any
-    machine, alone or batched, first or not)."""
+    acceptance per source and match length. Greedy and sampled sequences alike: a sampled
+    sequence's tokens do not depend on its drafts (``speculative.verify_free``), so neither timing
+    nor its batch nor earlier requests change a seeded request's output."""
     found, rows = [], []
     for ctx in batch:
         if ctx.lookup is None:
             ctx.lookup = LookupState(max_draft, max_ngram)
         state: LookupState = ctx.lookup
         room = min(max_draft, ctx.remaining - 1)  # the bonus token may be the last one allowed
-        f = state.find(ctx.tokens, ctx.suffix if ctx.params.greedy else None, room) if room > 0 \
-            else Branch(LOOKUP, 0, [])
+        f = state.find(ctx.tokens, ctx.suffix, room) if room > 0 else Branch(LOOKUP, 0, [])
         found.append(f)
         rows.append(state.row(f.source, f.n))
         state.source, state.last_n = f.source, rows[-1]
     ks = [len(f.tokens) for f in found]
     if cost is not None:
-        greedy = [b for b, (c, f) in enumerate(zip(batch, found)) if c.params.greedy and f.n]
+        drafting = [b for b, f in enumerate(found) if f.n]
         B = len(batch)
-        chosen = choose_drafts([batch[b].lookup.length.gains(rows[b], len(found[b].tokens)) for b in greedy], B,
-                               cost.relative(B), cost.overhead(B)) if greedy else []
-        for b, k in zip(greedy, chosen):
+        chosen = choose_drafts([batch[b].lookup.length.gains(rows[b], len(found[b].tokens)) for b in drafting], B,
+                               cost.relative(B), cost.overhead(B)) if drafting else []
+        for b, k in zip(drafting, chosen):
             ks[b] = batch[b].lookup.length.chosen(rows[b], k, len(found[b].tokens))
-        for b, (c, f) in enumerate(zip(batch, found)):
-            if f.n and not c.params.greedy:
-                ks[b] = sampled_drafts(c.lookup, rows[b], len(f.tokens), cost.prior)
     for ctx, k in zip(batch, ks):  # (a sequence that drafts now is looked up again next round)
         ctx.lookup_stop = lookup_stop(ctx, len(batch), cost) if not k else 0
     return [f.tokens[:k] for f, k in zip(found, ks)]
 
 
-def sampled_drafts(state: "LookupState", row: int, available: int, prior: float) -> int:
-    """How many of ``available`` drafts from rate row ``row`` a sampled sequence takes: those that pay
-    for their rows at the prior row cost, by its own running acceptance. A function of its text and
-    of its earlier drafts' outcomes only, with no books kept on a decline (no drift back to the prior,
-    no exploration: those count the rounds that looked, which depend on how a batch's runs were cut),
-    so that a plain run may skip every position where it would decline (``lookup_stop``) and the
-    request's random stream stays that of one-token rounds, alone or in any batch."""
-    return choose_drafts([state.length.gains(row, available)], 1, prior, 0.0)[0]
-
-
 def lookup_stop(ctx, batch_size: int, cost: RowCost | None) -> int:
     """The shortest prompt-lookup match (``n`` tokens) whose drafts would pay for a pass of this
-    batch now, one sequence drafting (``choose_drafts`` with its rates for such a match; a sampled
-    sequence: ``sampled_drafts``), or 0 if none would: where the sequence's text comes to end on
+    batch now, one sequence drafting (``choose_drafts`` with its rates for such a match), or 0 if
+    none would: where the sequence's text comes to end on
     such a match, a plain run of several steps in one op call stops (``DecodeContext.lookup_stop``)
     and the next round verifies them.
     Without a measured ``cost`` every match drafts: 1."""
@@ -521,9 +506,6 @@ def lookup_stop(ctx, batch_size: int, cost: RowCost | None) -> int:
         return 0
     if cost is None:
         return 1
-    if not ctx.params.greedy:
-        return next((n for n in range(1, state.max_ngram + 1)
-                     if sampled_drafts(state, state.row(LOOKUP, n), room, cost.prior)), 0)
     row_cost, overhead = cost.relative(batch_size), cost.overhead(batch_size)
     for n in range(1, state.max_ngram + 1):
         if choose_drafts([state.length.gains(state.row(LOOKUP, n), room)], batch_size, row_cost, overhead)[0]:

@@ -14,9 +14,18 @@ names as in docs/design.md):
 
 Free drafts (``lookup``, and ``hispec`` where prompt lookup finds a match; ``decode/lookup.py``)
 cost no model time: the pending token and its drafts x_1 .. x_k go through every layer in one
-pass (positions base .. base + k), and the same acceptance rules commit the accepted prefix
-and the bonus or recovered token. A draft is one fixed token (its q is one-hot), so sampling
-accepts it with probability p(x) and, on rejection, draws from p without x, renormalised.
+pass (positions base .. base + k), and the same acceptance rule commits the accepted prefix
+and the bonus or recovered token.
+
+Acceptance, greedy or sampled: every level chooses the token of each of its rows as a plain step
+would (the argmax, or a sample drawn with that position's uniform number,
+``DecodeContext.uniforms``), and a proposal is kept up to its first token that differs from the
+token chosen before it, then that chosen token. An exit's drafts are drawn the same way, with the
+same numbers (so where its distribution q is close to the verifier's p, both draw the same token).
+The full model's token at each position is therefore a sample of p drawn with a number that
+nothing else decided: the output is distributed as plain sampling and, for a seed, it is plain
+decoding's, whatever drafted (a fixed draft x is kept with probability p(x), as speculative sampling
+keeps it; an exit's with probability sum_x P(both draw x), at most 1 - TV(p, q)).
 
 Nothing is computed twice: each phase starts from the hidden states where the previous
 phase stopped, and the K/V of rejected tokens are cut by shortening lengths. Sequences of a
@@ -25,6 +34,7 @@ batch draft, verify and accept independently (different lengths), in shared pass
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -32,9 +42,9 @@ from typing import Iterator
 import torch
 
 from ..config import ConfigError, SpecConfig
-from ..sampling.sampler import argmax as argmax_of, block_rows, choose, logits_to_probs, on_kernels
-from ..sampling.speculative import greedy_accept, greedy_accept_batch, sample_accept, sample_accept_batch
-from .autoregressive import Autoregressive
+from ..sampling.sampler import choose
+from ..sampling.speculative import greedy_accept, greedy_accept_batch
+from .autoregressive import Autoregressive, row_sampling
 from .base import DecodeContext, Strategy, process_rows, split_rows
 from .lookup import RowCost, free_drafts
 from .policies import DraftPolicy, draft_confidence, make_policy
@@ -47,7 +57,6 @@ class Proposal:
     """Tokens proposed by a cheaper level, to be verified by a deeper one."""
 
     tokens: torch.Tensor  # [k] proposed token ids
-    probs: torch.Tensor | None  # [k, V] distribution each was drawn from (None when greedy)
     hidden: torch.Tensor  # [k + 1, H] states at the proposing exit for positions start .. start + k
     runners_up: list[list[int]] | None = None  # beside each draft, the exit's next candidates (token trees)
 
@@ -56,7 +65,6 @@ class Proposal:
 class Verdict:
     tokens: list[int]  # the accepted proposals, then the recovered or bonus token
     hidden: torch.Tensor  # [k + 1, H] states at the verifying exit
-    probs: torch.Tensor | None  # [k + 1, V] verifying distributions (None when greedy)
 
     @property
     def num_accepted(self) -> int:
@@ -82,7 +90,7 @@ def draft(batch: list[DecodeContext], starts: list[tuple[int, int]], layer: int,
     runner = batch[0].runner
     k_max = [max(1, min(c.policy.max_drafts(), lim)) for c, lim in zip(batch, limits)]
     x = list(batch[0].token_tensor([tok for tok, _ in starts]).split(1))  # B x [1]: each one's next input
-    hidden, tokens, probs = [[] for _ in batch], [[] for _ in batch], [[] for _ in batch]
+    hidden, tokens = [[] for _ in batch], [[] for _ in batch]
     runners_up: list[list[list[int]]] = [[] for _ in batch]
     reach = [1.0] * len(batch)  # the exit's probability of the round's drafts so far, per sequence
     least = min_probs or [0.0] * len(batch)
@@ -106,25 +114,23 @@ def draft(batch: list[DecodeContext], starts: list[tuple[int, int]], layer: int,
                 logits = logits[[r for r, k in enumerate(keep) if k]]
                 if not rows:
                     break
-        chosen, q = choose(logits, [c.params for c in ctxs], [c.generator for c in ctxs])  # [R], [S, V]
+        u = torch.tensor([batch[b].uniforms(starts[b][1] + j + 1, 1)[0] for b, _ in rows], dtype=torch.float64,
+                         device=logits.device)  # [R]: the numbers of the positions drafted
+        chosen, _ = choose(logits, [c.params for c in ctxs], u)  # [R]
         if width > 1:
             alts, p_chosen = _runners_up(logits, chosen, width, [least[b] for b, _ in rows],
                                          [reach[b] for b, _ in rows])
             for (b, _), a, pc in zip(rows, alts, p_chosen):
                 runners_up[b].append(a)
                 reach[b] *= pc
-        s = 0
         for i, (b, _) in enumerate(rows):
             x[b] = chosen[i:i + 1]
             tokens[b].append(x[b])
-            if not batch[b].params.greedy:
-                probs[b].append(q[s:s + 1])
-                s += 1
         active, j = [b for b, _ in rows], j + 1
     for c, h in zip(batch, hidden):
         c.stats.draft_forward_tokens += len(h)
-    return [Proposal(torch.cat(t), torch.cat(p) if p else None, torch.cat(h), r if width > 1 else None)
-            for t, p, h, r in zip(tokens, probs, hidden, runners_up)]
+    return [Proposal(torch.cat(t), torch.cat(h), r if width > 1 else None)
+            for t, h, r in zip(tokens, hidden, runners_up)]
 
 
 def _runners_up(logits: torch.Tensor, chosen: torch.Tensor, width: int, min_probs: list[float] | None = None,
@@ -148,14 +154,12 @@ def tree_min_probs(batch: list[DecodeContext], spec: SpecConfig, to_layer: int) 
     """Per sequence, the least branch probability for which a runner-up joins its tree:
     ``spec.tree_min_prob``, or where that is None, what a runner-up's row costs relative to a plain
     step, ``c * to_layer / L`` (it runs through ``to_layer`` of the ``L`` layers before it is
-    pruned or kept; ``c``: the engine's measured cost of a full row, ``DecodeContext.row_cost``).
-    A sampled sequence takes the prior ``c`` (``RowCost.prior``): its random stream, which the
-    walk over the tree's children draws from, must not depend on timing."""
+    pruned or kept; ``c``: the engine's measured cost of a full row, ``DecodeContext.row_cost``, or
+    the prior ``RowCost.prior`` before any is measured)."""
     if spec.tree_min_prob is not None:
         return [spec.tree_min_prob] * len(batch)
     n = batch[0].model.num_layers
-    return [branch_threshold(c.row_cost if c.params.greedy and c.row_cost is not None else RowCost.prior,
-                             to_layer, n) for c in batch]
+    return [branch_threshold(c.row_cost if c.row_cost is not None else RowCost.prior, to_layer, n) for c in batch]
 
 
 def branch_threshold(row_cost: float, to_layer: int, num_layers: int) -> float:
@@ -196,67 +200,38 @@ def verify(batch: list[DecodeContext], props: list[Proposal], positions: list[in
                              from_layer, to_layer)  # B x [k_b + 1, H]
     logits = runner.exit_logits([(c.seq_id, pos, h) for c, pos, h in zip(batch, positions, hs)], to_layer)
     specs = [pre + p.tokens.tolist() if c.processor is not None else () for c, p, pre in zip(batch, props, prefixes)]
-    accepted, probs = accept(batch, [p.tokens for p in props], [p.probs for p in props], logits, specs)
+    accepted = accept(batch, [p.tokens for p in props], logits, specs, positions)
     verdicts = []
-    for c, p, pos, h, lg, toks, pr in zip(batch, props, positions, hs, split_rows(logits, [h.shape[0] for h in hs]),
-                                          accepted, probs):
+    for c, p, pos, h, lg, toks in zip(batch, props, positions, hs, split_rows(logits, [h.shape[0] for h in hs]),
+                                      accepted):
         num = len(toks) - 1
         if to_layer == model.num_layers:
             c.target_logits = lg[:num + 1]
         c.runner.truncate(c.seq_id, pos + num + 1)
         c.stats.level(level).record(p.tokens.shape[0], num)
-        verdicts.append(Verdict(toks, h, pr))
+        verdicts.append(Verdict(toks, h))
     return verdicts
 
 
-def accept(batch: list[DecodeContext], proposed: list[torch.Tensor], proposed_probs: list[torch.Tensor | None],
-           target_logits: torch.Tensor, specs: list[list[int] | tuple]) -> tuple[list[list[int]], list]:
-    """Accept/reject each sequence's ``proposed[b] [k_b]`` against its rows of ``target_logits``
-    ``[sum (k_b + 1), V]`` (``k_b + 1`` consecutive rows per sequence, the bonus row last), after
-    the request's logits processing (``specs[b]``: its speculative tokens, ``proposed[b]`` last).
-
-    Returns, per sequence, the accepted proposals followed by the recovered or bonus token
-    (host ints: one host sync for the batch), and its target probabilities ``[k_b + 1, V]``
-    (None when greedy). One sequence goes through the one-sequence rules (``greedy_accept``,
-    ``sample_accept``); a batch goes through their batched forms, greedy and sampled sequences
-    side by side, each with its own parameters and generator: the greedy ones in one pass, the
-    sampled ones in one pass on a GPU and in cache-sized groups on a CPU.
-    """
+def accept(batch: list[DecodeContext], proposed: list[torch.Tensor], target_logits: torch.Tensor,
+           specs: list[list[int] | tuple], positions: list[int]) -> list[list[int]]:
+    """Accept each sequence's ``proposed[b] [k_b]`` against its rows of ``target_logits``
+    ``[sum (k_b + 1), V]`` (``k_b + 1`` consecutive rows per sequence, the bonus row last, after the
+    token at ``positions[b]``), after the request's logits processing (``specs[b]``: its speculative
+    tokens, ``proposed[b]`` last): each row's token chosen as a plain step would (the argmax, or a
+    sample with its position's uniform number), the proposals kept up to the first that differs from
+    it (``greedy_accept``). Returns, per sequence, the accepted proposals followed by the next chosen
+    token (host ints: one host sync for the batch)."""
     sizes = [t.shape[0] + 1 for t in proposed]
     target_logits = process_rows(batch, target_logits, sizes, specs)
+    rows = [c for c, k in zip(batch, sizes) for _ in range(k)]  # each row's sequence
+    u = torch.tensor([x for c, pos, k in zip(batch, positions, sizes) for x in c.uniforms(pos + 1, k)],
+                     dtype=torch.float64, device=target_logits.device)  # [sum (k_b + 1)]
+    chosen = choose(target_logits, [c.params for c in rows], u)[0]  # [sum (k_b + 1)]
     if len(batch) == 1:
-        return _accept_one(batch[0], proposed[0], proposed_probs[0], target_logits)
-    num = torch.empty(len(batch), dtype=torch.long, device=target_logits.device)  # [B]
-    token = torch.empty_like(num)  # [B]
-    greedy = [b for b, c in enumerate(batch) if c.params.greedy]
-    if greedy:
-        argmax = argmax_of(target_logits)  # [sum (k_b + 1)]
-        rows = _rows_of(greedy, sizes, len(batch))
-        num[greedy], token[greedy] = greedy_accept_batch([proposed[b] for b in greedy],
-                                                         argmax if rows is None else argmax[rows])
-    probs = [None] * len(batch)
-    per_seq = split_rows(target_logits, sizes)
-    for group in _blocks([b for b, c in enumerate(batch) if not c.params.greedy], sizes, target_logits):
-        p = logits_to_probs(_cat([per_seq[b] for b in group]),
-                            [batch[b].params for b in group for _ in range(sizes[b])])  # [sum (k_b + 1), V]
-        q = _cat([proposed_probs[b] if proposed_probs[b] is not None else p[:0] for b in group])  # [sum k_b, V]
-        num[group], token[group] = sample_accept_batch([proposed[b] for b in group], q, p,
-                                                       [batch[b].generator for b in group])
-        for b, pb in zip(group, split_rows(p, [sizes[b] for b in group])):
-            probs[b] = pb
-    return _committed(num, token, proposed), probs
-
-
-def _accept_one(ctx: DecodeContext, drafts: torch.Tensor, draft_probs: torch.Tensor | None,
-                target_logits: torch.Tensor) -> tuple[list[list[int]], list]:
-    """``accept`` for a batch of one, with the one-sequence rules."""
-    if ctx.params.greedy:
-        probs, (num, token) = None, greedy_accept(drafts, argmax_of(target_logits))
-    else:
-        probs = logits_to_probs(target_logits, ctx.params)
-        q = draft_probs if draft_probs is not None else probs[:0]  # [k, V]
-        num, token = sample_accept(drafts, q, probs, ctx.generator)
-    return [drafts[:num].tolist() + [token]], [probs]
+        num, token = greedy_accept(proposed[0], chosen)
+        return [proposed[0][:num].tolist() + [token]]
+    return _committed(*greedy_accept_batch(proposed, chosen), proposed)
 
 
 def _committed(num: torch.Tensor, token: torch.Tensor, proposed: list[torch.Tensor]) -> list[list[int]]:
@@ -270,32 +245,8 @@ def _committed(num: torch.Tensor, token: torch.Tensor, proposed: list[torch.Tens
     return out
 
 
-def _blocks(seqs: list[int], sizes: list[int], like: torch.Tensor) -> list[list[int]]:
-    """``seqs`` in consecutive groups verified in one pass each: all of them on a GPU or on a CPU with
-    the compiled sampling kernels (one pass per row, no vocabulary-wide temporaries); otherwise on a
-    CPU groups whose vocabulary-wide rows fit in a core's cache (see ``sampler.block_rows``)."""
-    groups, rows, limit = [], 0, sum(sizes) if on_kernels(like) else block_rows(like)
-    for b in seqs:
-        if not groups or rows + sizes[b] > limit:
-            groups.append([])
-            rows = 0
-        groups[-1].append(b)
-        rows += sizes[b]
-    return groups
-
-
 def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
     return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
-
-
-def _rows_of(seqs: list[int], sizes: list[int], num_seqs: int) -> list[int] | None:
-    """The flat rows of sequences ``seqs`` (each ``sizes[b]`` consecutive rows); None if that is every row."""
-    if len(seqs) == num_seqs:
-        return None
-    starts = [0]
-    for n in sizes:
-        starts.append(starts[-1] + n)
-    return [r for b in seqs for r in range(starts[b], starts[b + 1])]
 
 
 def verify_tree(batch: list[DecodeContext], trees: list[DraftTree], roots: list[int], inputs: list[torch.Tensor],
@@ -304,7 +255,8 @@ def verify_tree(batch: list[DecodeContext], trees: list[DraftTree], roots: list[
     at positions ``roots[b] ..``; ``inputs[b]``: token ids ``[N]`` from layer 0, else the states
     ``[N, H]`` entering ``from_layer``) through layers ``[from_layer, to_layer)`` in one pass, each
     node attending to the prefix and its own ancestors; the longest accepted path kept
-    (``accept_tree``, ``LayerRunner.keep_path``). A verdict's tokens are the path's then the next
+    (``accept_tree``, ``LayerRunner.keep_path``; at the final layer a sampled sequence's tokens drawn
+    with their positions' uniform numbers, as plain steps draw them). A verdict's tokens are the path's then the next
     token, its states the path's, and (sampling) its distributions one-hot rows: tree nodes are
     fixed drafts to any later level."""
     model, runner = batch[0].model, batch[0].runner
@@ -313,15 +265,15 @@ def verify_tree(batch: list[DecodeContext], trees: list[DraftTree], roots: list[
                              trees=layouts)  # B x [N_b, H]
     logits = runner.exit_logits([(c.seq_id, r, h) for c, r, h in zip(batch, roots, hs)], to_layer, trees=layouts)
     verdicts = []
-    for c, t, lay, h, lg, pre in zip(batch, trees, layouts, hs, split_rows(logits, [len(t) for t in trees]), prefixes):
-        path, nxt = accept_tree(c, t, lg, pre)
+    for c, t, r, lay, h, lg, pre in zip(batch, trees, roots, layouts, hs, split_rows(logits, [len(t) for t in trees]),
+                                        prefixes):
+        path, nxt = accept_tree(c, t, lg, pre, c.uniforms(r + 1, t.depth + 1))
         runner.keep_path(c.seq_id, lay, path)
         toks = [t.tokens[i] for i in path[1:]] + [nxt]
         if to_layer == model.num_layers:
             c.target_logits = lg[path]
         c.stats.level(level).record(len(t) - 1, len(path) - 1, depth=t.depth)  # per position: per depth
-        probs = None if c.params.greedy else torch.nn.functional.one_hot(c.token_tensor(toks), lg.shape[-1]).float()
-        verdicts.append(Verdict(toks, h[path], probs))
+        verdicts.append(Verdict(toks, h[path]))
     return verdicts
 
 
@@ -349,54 +301,60 @@ def tree_round(batch: list[DecodeContext], props: list[Proposal], starts: list[t
 
 def verify_free(batch: list[DecodeContext], drafts: list[list[int]], level: str | None = None) -> list[list[int]]:
     """Verify drafts that cost no model time: each sequence's pending token and its drafts
-    ``drafts[b]`` (``k_b >= 0``) through every layer in one pass (``[sum (k_b + 1), H]``), then
-    ``accept`` with one-hot draft distributions. A sequence without drafts takes one plain row.
+    ``drafts[b]`` (``k_b >= 0``) through every layer in one pass (``[sum (k_b + 1), H]``). Each row
+    chooses the token its position takes, as a plain step would (the argmax, or a sample with the
+    position's uniform number: ``DecodeContext.uniforms``), and a sequence keeps its drafts up to the
+    first that differs from the token chosen before it, then that token. For a sampled sequence this
+    is speculative sampling with a one-hot draft distribution (a draft ``x`` is kept with probability
+    ``p(x)``, else the token follows ``p`` without ``x``), and its tokens are plain decoding's whether
+    it drafted or not. A sequence without drafts takes one plain row.
     Statistics: the level ``level``, by default that of the drafts' source (``lookup->final`` or
     ``suffix->final``, ``ctx.lookup.source``), and a round of that source.
     Afterwards each cache holds the committed tokens but the new pending one."""
     model, runner, n = batch[0].model, batch[0].runner, batch[0].model.num_layers
     positions = [len(c.tokens) - 1 for c in batch]
-    accepted = _verify_free_greedy(batch, drafts, positions)
-    if accepted is not None:
-        for c, d, pos, toks in zip(batch, drafts, positions, accepted):
-            c.target_logits = None  # (only a request with logprobs reads them: it takes the path below)
-            _verified_free(c, d, pos, len(toks) - 1, level)
-        return accepted
-    logits = runner.rows_logits([(c.seq_id, pos, c.tokens[-1:] + d) for c, pos, d in zip(batch, positions, drafts)])
-    if logits is None:  # the general path: layers, then the head
-        hs = runner.forward_many([(c.seq_id, pos, c.token_tensor(c.tokens[-1:] + d))
-                                  for c, pos, d in zip(batch, positions, drafts)], 0, n)  # B x [k_b + 1, H]
-        logits = model.exit_logits(torch.cat(hs) if len(hs) > 1 else hs[0], n)  # [sum (k_b + 1), V]
-    proposed = [c.token_tensor(d) for c, d in zip(batch, drafts)]  # B x [k_b]
-    one_hot = [None if c.params.greedy else torch.nn.functional.one_hot(x, logits.shape[-1]).float()
-               for c, x in zip(batch, proposed)]  # [k_b, V]: q of a fixed draft
-    accepted, _ = accept(batch, proposed, one_hot, logits, [d if c.processor is not None else ()
-                                                             for c, d in zip(batch, drafts)])
-    rows = split_rows(logits, [len(d) + 1 for d in drafts])
-    for c, d, pos, lg, toks in zip(batch, drafts, positions, rows, accepted):
-        c.target_logits = lg[:len(toks)]
-        _verified_free(c, d, pos, len(toks) - 1, level)
-    return accepted
-
-
-def _verify_free_greedy(batch: list[DecodeContext], drafts: list[list[int]],
-                        positions: list[int]) -> list[list[int]] | None:
-    """``verify_free``'s round for greedy sequences with nothing between their logits and the
-    argmax (no logits processor, no logprobs), in one op call (``greedy_rows``: layers, final norm,
-    head and argmax in C++; the same bits as the general path): each sequence keeps its drafts up
-    to the first that differs from the argmax before it, then that argmax (``greedy_accept``).
-    None where it does not apply (nothing written)."""
-    if any(not c.params.greedy or c.processor is not None or c.params.logprobs is not None for c in batch):
-        return None
-    chosen = batch[0].runner.greedy_rows([(c.seq_id, pos, c.tokens[-1:] + d)
-                                          for c, pos, d in zip(batch, positions, drafts)])
+    sizes = [len(d) + 1 for d in drafts]
+    rows = [c for c, k in zip(batch, sizes) for _ in range(k)]  # each row's sequence
+    u = [x for c, pos, k in zip(batch, positions, sizes) for x in c.uniforms(pos + 1, k)]  # each row's number
+    chosen = _verify_free_op(batch, drafts, positions, rows, u)
+    logits = None
     if chosen is None:
-        return None
+        logits = runner.rows_logits([(c.seq_id, pos, c.tokens[-1:] + d) for c, pos, d in zip(batch, positions, drafts)])
+        if logits is None:  # the general path: layers, then the head
+            hs = runner.forward_many([(c.seq_id, pos, c.token_tensor(c.tokens[-1:] + d))
+                                      for c, pos, d in zip(batch, positions, drafts)], 0, n)  # B x [k_b + 1, H]
+            logits = model.exit_logits(torch.cat(hs) if len(hs) > 1 else hs[0], n)  # [sum (k_b + 1), V]
+        processed = process_rows(batch, logits, sizes, drafts)
+        flat = choose(processed, [c.params for c in rows], torch.tensor(u, dtype=torch.float64,
+                                                                        device=logits.device))[0].tolist()
+        chosen = [flat[at - k:at] for k, at in zip(sizes, itertools.accumulate(sizes))]
     accepted = []
-    for d, best in zip(drafts, chosen):  # best[i]: the argmax after the pending token and drafts d[:i]
-        num = next((i for i, t in enumerate(d) if t != best[i]), len(d))
+    for c, d, pos, best, lg in zip(batch, drafts, positions, chosen, split_rows(logits, sizes) if logits is not None
+                                   else [None] * len(batch)):  # best[i]: the token after the pending one and d[:i]
+        num = num_kept(d, best)
         accepted.append(d[:num] + [best[num]])
+        c.target_logits = None if lg is None else lg[:num + 1]  # (only a request with logprobs reads them)
+        _verified_free(c, d, pos, num, level)
     return accepted
+
+
+def num_kept(drafts: list[int], chosen: list[int]) -> int:
+    """How many of ``drafts`` a round keeps: those before the first that differs from the token chosen
+    before it (``chosen [len(drafts) + 1]``)."""
+    return next((i for i, t in enumerate(drafts) if t != chosen[i]), len(drafts))
+
+
+def _verify_free_op(batch: list[DecodeContext], drafts: list[list[int]], positions: list[int],
+                    rows: list[DecodeContext], u: list[float]) -> list[list[int]] | None:
+    """``verify_free``'s choices for sequences with nothing between their logits and the token (no
+    logits processor, no logprobs), in one op call (``greedy_rows``: layers, final norm, head and each
+    row's token in C++, the argmax or a sample with the row's number; the same bits as the general
+    path): ``[B][k_b + 1]``. None where it does not apply (nothing written)."""
+    if any(c.processor is not None or c.params.logprobs is not None for c in batch):
+        return None
+    sampling = row_sampling(rows, [[x] for x in u]) if any(not c.params.greedy for c in batch) else None
+    return batch[0].runner.greedy_rows([(c.seq_id, pos, c.tokens[-1:] + d)
+                                        for c, pos, d in zip(batch, positions, drafts)], sampling)
 
 
 def _verified_free(c: DecodeContext, drafts: list[int], pos: int, num: int, level: str | None) -> None:
@@ -409,37 +367,23 @@ def _verified_free(c: DecodeContext, drafts: list[int], pos: int, num: int, leve
     c.stats.count_round(c.lookup.source if drafts else "plain")
 
 
-def lookup_round(spec: SpecConfig, batch: list[DecodeContext], cost: RowCost | None,
-                 plain_rest: bool = False) -> list[list[int] | None] | None:
+def lookup_round(spec: SpecConfig, batch: list[DecodeContext], cost: RowCost | None) -> list[list[int]] | None:
     """One free-draft round (``Strategy.free_round``): the sequences with drafts verify them in one
-    pass, greedy ones without drafts ride along as plain rows; None for all when no sequence has
-    drafts worth verifying. The pass's seconds and rows go into ``cost``.
-
-    A sampled sequence without drafts must get the round it would have had alone (its random stream
-    must not depend on what shares its batch): None, for the caller to give it, unless that round is
-    a plain one (``plain_rest``: the engine's adaptive rule decodes sampled batches plainly, or the
-    strategy's own steps are plain). Then it rides along too: its row's logits have the bits of a
-    plain step's and accepting no drafts draws nothing before its token, so it gets the token its
-    plain round would have given, in the same pass (on its own pass, a batch of 8 sampled requests,
-    some of them drafting, ran at 0.84x `ar`)."""
+    pass, the others ride along as plain rows (each row takes the token a plain step would); None
+    when no sequence has drafts worth verifying. The pass's seconds and rows go into ``cost``."""
     if spec.lookup_max_draft < 1:
         return None
     drafts = free_drafts(batch, spec.lookup_max_draft, spec.lookup_ngram, cost)
     if not any(drafts):
         return None
-    take = [b for b, (c, d) in enumerate(zip(batch, drafts)) if d or c.params.greedy or plain_rest]
-    ctxs, mine = [batch[b] for b in take], [drafts[b] for b in take]
-    trees = _lookup_trees(ctxs, mine, spec.lookup_branches)
+    trees = _lookup_trees(batch, drafts, spec.lookup_branches)
     t0 = time.perf_counter()
-    with phase_timer([c.stats for c in ctxs], "full_verify", ctxs[0].model.device):
-        commits = verify_free(ctxs, mine) if trees is None else verify_free_trees(ctxs, trees)
+    with phase_timer([c.stats for c in batch], "full_verify", batch[0].model.device):
+        commits = verify_free(batch, drafts) if trees is None else verify_free_trees(batch, trees)
     if cost is not None:
-        rows = len(ctxs) + (sum(map(len, mine)) if trees is None else sum(len(t) - 1 for t in trees))
-        cost.record(rows, time.perf_counter() - t0, len(ctxs))
-    out: list[list[int] | None] = [None] * len(batch)
-    for b, chunk in zip(take, commits):
-        out[b] = chunk
-    return out
+        rows = len(batch) + (sum(map(len, drafts)) if trees is None else sum(len(t) - 1 for t in trees))
+        cost.record(rows, time.perf_counter() - t0, len(batch))
+    return commits
 
 
 def _lookup_trees(batch: list[DecodeContext], drafts: list[list[int]], branches: int) -> list[DraftTree] | None:
@@ -450,8 +394,7 @@ def _lookup_trees(batch: list[DecodeContext], drafts: list[list[int]], branches:
         return None
     trees = []
     for c, d in zip(batch, drafts):
-        more = [b.tokens for b in c.lookup.branches(c.tokens, c.suffix if c.params.greedy else None, len(d))] \
-            if d else []  # (sampled sequences: no suffix drafts, as in ``free_drafts``)
+        more = [b.tokens for b in c.lookup.branches(c.tokens, c.suffix, len(d))] if d else []
         tree = DraftTree.of_branches(c.tokens[-1], [d] + [b for b in more if b != d][:branches - 1])
         trees.append(tree.first(c.max_tokens + 1 - (len(c.tokens) - 1)))
     return None if all(t.is_chain for t in trees) else trees
@@ -529,7 +472,6 @@ class Window:
     base: int  # position of the pending committed token
     tokens: list[int] = field(default_factory=list)  # w_1 .. w_m
     hidden: list[torch.Tensor] = field(default_factory=list)  # rows [*, H]: inputs of positions base .. base+m-1
-    probs: list[torch.Tensor] = field(default_factory=list)  # rows [*, V]: p_i(. | prefix) of each w_j
     closed: bool = False  # an end-of-sequence token is in the window
     branched: bool = False  # one of its draft rounds was a token tree
 
@@ -540,14 +482,11 @@ class Window:
         a = verdict.num_accepted
         self.tokens += verdict.tokens
         self.hidden.append(verdict.hidden[:a + 1])
-        if verdict.probs is not None:
-            self.probs.append(verdict.probs[:a + 1])
 
     def cut_after(self, length: int) -> None:
         """Keep ``w_1 .. w_length`` (e.g. up to an end-of-sequence token)."""
         self.tokens = self.tokens[:length]
         self.hidden = [torch.cat(self.hidden)[:length]] if self.hidden else []
-        self.probs = [torch.cat(self.probs)[:length]] if self.probs else []
 
 
 class HiSpec(Strategy):
@@ -560,9 +499,8 @@ class HiSpec(Strategy):
         self.spec = spec
         self.lookahead = spec.lookahead
 
-    def free_round(self, batch: list[DecodeContext], cost: RowCost | None,
-                   plain_rest: bool = False) -> list[list[int] | None] | None:
-        return lookup_round(self.spec, batch, cost, plain_rest)
+    def free_round(self, batch: list[DecodeContext], cost: RowCost | None) -> list[list[int]] | None:
+        return lookup_round(self.spec, batch, cost)
 
     def step(self, batch: list[DecodeContext]) -> list[list[int]]:
         model = batch[0].model
@@ -615,7 +553,7 @@ class HiSpec(Strategy):
             window.closed = True
 
     def _verify_windows(self, batch: list[DecodeContext], windows: list[Window]) -> list[list[int]]:
-        """Full verification of each ``w_1..w_m``: speculative sampling, draft ``p_i``, target ``p_f``."""
+        """Full verification of each window ``w_1..w_m`` (``accept``)."""
         model, runner, verify_layer = batch[0].model, batch[0].runner, self.spec.verify_layer
         last = [c.token_tensor([w.tokens[-1] if w.tokens else c.tokens[-1]]) for c, w in zip(batch, windows)]
         h_last = runner.forward_many([(c.seq_id, w.base + len(w), x) for c, w, x in zip(batch, windows, last)], 0,
@@ -625,8 +563,7 @@ class HiSpec(Strategy):
                                  model.num_layers)
         logits = model.exit_logits(torch.cat(hs) if len(hs) > 1 else hs[0], model.num_layers)  # [sum (m_b + 1), V]
         drafts = [c.token_tensor(w.tokens) for c, w in zip(batch, windows)]
-        p_i = [torch.cat(w.probs) if w.probs else None for w in windows]  # [m, V]: the window's proposal distributions
-        accepted, _ = accept(batch, drafts, p_i, logits, [w.tokens for w in windows])
+        accepted = accept(batch, drafts, logits, [w.tokens for w in windows], [w.base for w in windows])
         commits = []
         for c, w, lg, toks in zip(batch, windows, split_rows(logits, [h.shape[0] for h in hs]), accepted):
             num = len(toks) - 1
@@ -655,9 +592,8 @@ class Lookup(Strategy):
         self._ar = Autoregressive()
         self.lookahead = max(spec.lookup_max_draft * spec.lookup_branches + 2, self._ar.lookahead)
 
-    def free_round(self, batch: list[DecodeContext], cost: RowCost | None,
-                   plain_rest: bool = False) -> list[list[int] | None] | None:
-        return lookup_round(self.spec, batch, cost, plain_rest=True)  # its own steps are plain, always
+    def free_round(self, batch: list[DecodeContext], cost: RowCost | None) -> list[list[int]] | None:
+        return lookup_round(self.spec, batch, cost)
 
     def step(self, batch: list[DecodeContext]) -> list[list[int]]:
         return self._ar.step(batch)

@@ -12,14 +12,11 @@ after that node's branch. ``accept_tree`` then walks from the root:
 
 - greedy: go to the child whose token is the verifier's argmax; stop when none is; the argmax
   there is the next token;
-- sampling (multi-draft rejection sampling with fixed drafts, SpecInfer's rule for drafts that
-  are not samples of a known q): at a node with target distribution ``p`` and children
-  ``c_1 .. c_m``, accept ``c_1`` with probability ``p(c_1)``; otherwise set ``p(c_1) = 0``,
-  renormalise, and try ``c_2`` the same way, and so on; if every child is rejected, draw the next
-  token from what is left. Each step is the one-draft rule ``accept x w.p. r(x), else draw from r
-  without x``, which outputs a sample of ``r`` for any draft ``x`` chosen independently of the
-  verifier's randomness; by induction over the children the output token is distributed as
-  ``p``, and by induction over depth the committed path is distributed as plain sampling.
+- sampling: each position's token is drawn as a plain step would draw it (``DecodeContext.uniforms``:
+  the position's uniform number), and the walk goes to the child that has it; stop when none has.
+  A child is kept with probability ``p`` of its token (the children's together: the sum of theirs),
+  as multi-draft speculative sampling keeps fixed drafts, and the tokens are plain decoding's
+  whatever the tree.
 
 The accepted path's K/V then move into place (``LayerRunner.keep_path``), so the cache holds the
 path as if it had been a chain.
@@ -31,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..cache.kv_cache import TreeLayout
-from ..sampling.sampler import argmax, logits_to_probs, sample
+from ..sampling.sampler import argmax, logits_to_probs, pick
 from .base import DecodeContext
 
 
@@ -98,11 +95,12 @@ class DraftTree:
 
 
 def accept_tree(ctx: DecodeContext, tree: DraftTree, logits: torch.Tensor,
-                prefix: list[int] | tuple = ()) -> tuple[list[int], int]:
+                prefix: list[int] | tuple = (), u: list[float] = ()) -> tuple[list[int], int]:
     """Walk ``tree`` against the verifier's ``logits [N, V]`` (row ``i``: after node ``i``'s
     branch, before the request's logits processing; ``prefix``: the speculative tokens before
     the root's, for that processing): the accepted path (node indices from the root) and the
-    next token (the argmax or sampled token after the path's last node)."""
+    next token (the argmax or sampled token after the path's last node). ``u``: the uniform
+    numbers of the positions after the root, which a sampled sequence's tokens are drawn with."""
     greedy = ctx.params.greedy and ctx.processor is None
     top = argmax(logits).tolist() if greedy else None
     path = [0]
@@ -115,28 +113,14 @@ def accept_tree(ctx: DecodeContext, tree: DraftTree, logits: torch.Tensor,
             row = ctx.process(logits[i:i + 1], list(prefix) + tree.path_tokens(i))  # [1, V]
             if ctx.params.greedy:
                 nxt = int(argmax(row)[0])
-                child = next((c for c in kids if tree.tokens[c] == nxt), None)
             else:
-                child, nxt = _sample_among(kids, [tree.tokens[c] for c in kids],
-                                           logits_to_probs(row, ctx.params)[0], ctx.generator)
+                probs = logits_to_probs(row, ctx.params)  # [1, V]
+                nxt = int(pick(probs, torch.tensor(u[len(path) - 1:len(path)], dtype=torch.float64,
+                                               device=probs.device))[0])
+            child = next((c for c in kids if tree.tokens[c] == nxt), None)
         if child is None:
             return path, nxt
         path.append(child)
-
-
-def _sample_among(nodes: list[int], tokens: list[int], p: torch.Tensor,
-                  generator: torch.Generator | None) -> tuple[int | None, int]:
-    """Multi-draft rejection sampling over fixed drafts ``tokens`` (see the module docstring):
-    ``(node, its token)`` of the accepted one, or ``(None, a token drawn from p without them)``."""
-    r = p.clone()  # [V], unnormalised as drafts are ruled out
-    for node, x in zip(nodes, tokens):
-        u = torch.rand((), generator=generator, device=r.device)
-        if bool(u * r.sum() < r[x]):
-            return node, x
-        r[x] = 0.0
-    if not bool(r.sum() > 0):  # the drafts held all of p's mass (and were rejected by rounding)
-        r = p
-    return None, int(sample(r[None], generator)[0])
 
 
 def exit_tree(start_token: int, chain: list[int], runners_up: list[list[int]]) -> DraftTree:

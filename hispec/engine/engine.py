@@ -49,10 +49,6 @@ def _warn_if_rows_interact(model: DecoderModel, strategy: Strategy, max_batch_si
                     "identical", str(model.dtype).removeprefix("torch."))
 
 
-def _generator_state(seq: Sequence) -> torch.Tensor | None:
-    return seq.ctx.generator.get_state() if seq.ctx.generator is not None else None
-
-
 class PromptTooLongError(ValueError):
     """The prompt does not fit the model's context."""
 
@@ -196,16 +192,15 @@ class Engine:
         request_id = request_id if request_id is not None else f"req-{seq_id}"
         if request_id in self._requests:
             raise ConfigError(f"request id {request_id!r} is already in use")
-        generator = None
+        seed = None
         if not params.greedy:
             seed = params.seed if params.seed is not None else int(torch.seed() % 2**63)
-            generator = torch.Generator(device=self.model.device).manual_seed(seed)
-        ctx = DecodeContext(self.runner, seq_id, list(prompt_ids), params, generator, DecodeStats(self.strategy.name),
+        ctx = DecodeContext(self.runner, seq_id, list(prompt_ids), params, seed, DecodeStats(self.strategy.name),
                             min(len(prompt_ids) + params.max_new_tokens, max_pos),
                             frozenset() if params.ignore_eos else self.eos_ids)
         if params.modifies_logits:
             ctx.processor = LogitsProcessor(params, self.model.cfg.vocab_size, self.model.device)
-        if self.suffix is not None and params.greedy:  # sampled sequences take no drafts from it (free_drafts)
+        if self.suffix is not None:
             ctx.suffix = self.suffix.cache_for(draft_scope)
         seq = Sequence(request_id, ctx, self._decode, max_pos)
         seq.draft_scope = draft_scope
@@ -264,7 +259,6 @@ class Engine:
     def _rounds(self, running: list[Sequence]) -> tuple[dict, dict]:
         """Each sequence's committed chunk, or the exception its round raised. A failed batched
         round is rolled back and retried one sequence at a time to find the culprit(s)."""
-        saved = [_generator_state(s) for s in running]
         try:
             return dict(zip(running, self._round(running))), {}
         except Exception as e:
@@ -272,8 +266,8 @@ class Engine:
                 log.exception("request %s failed", running[0].request_id)
                 return {}, {running[0]: e}
             log.warning("a batched step failed (%s); retrying its %d requests one at a time", e, len(running))
-        for s, state in zip(running, saved):
-            self._roll_back(s, state)
+        for s in running:
+            self._roll_back(s)
         chunks, errors = {}, {}
         for s in running:
             try:
@@ -293,29 +287,18 @@ class Engine:
 
     def _decode_round(self, running: list[Sequence]) -> list[list[int]]:
         """Free drafts where the strategy has some worth verifying (``Strategy.free_round``);
-        the other sequences get the strategy's round or, where measured speculation does not
-        pay, a plain one."""
+        else the strategy's round or, where measured speculation does not pay, a plain one."""
         batch = [s.ctx for s in running]
         cost = self.adaptive.row_cost if self.adaptive is not None else None
         free_round = getattr(self.strategy, "free_round", None)  # a wrapper may have none
-        # under the adaptive rule a sampled sequence's own round is a plain one: it may ride along (lookup_round)
-        commits = (free_round(batch, cost, plain_rest=self._switches) if free_round is not None else None) \
-            or [None] * len(batch)
-        rest = [b for b, chunk in enumerate(commits) if chunk is None]
-        if rest:
-            for b, chunk in zip(rest, self._step_round([batch[b] for b in rest], cost)):
-                commits[b] = chunk
-        return commits
+        commits = free_round(batch, cost) if free_round is not None else None
+        return commits if commits is not None else self._step_round(batch, cost)
 
     def _step_round(self, batch: list[DecodeContext], cost) -> list[list[int]]:
         """The strategy's round or a plain one, as the adaptive controller chooses."""
-        # Only greedy batches follow the measurements: a sampled sequence's random stream depends on
-        # the mode, and a seeded request must give the same output whatever else shares its batch and
-        # however fast the machine is. An adaptive engine decodes a batch with a sampled request
-        # plainly (its free drafts came first, chosen at the prior row cost): speculating on every
-        # step, the default model's sampled requests ran at 0.67x `ar` (held-out prompts, 2 threads).
-        adaptive = self._switches and all(c.params.greedy for c in batch)
-        mode = self.adaptive.choose(len(batch)) if adaptive else PLAIN if self._switches else SPECULATE
+        # Every mode gives the same tokens (sampled ones too: each position's token is drawn with its own
+        # uniform number, ``DecodeContext.uniforms``), so the measurements decide for any batch.
+        mode = self.adaptive.choose(len(batch)) if self._switches else SPECULATE
         strategy = {SPECULATE: self.strategy, CHAIN: self._chain, PLAIN: self._ar}[mode]
         row_cost = cost.relative(len(batch)) if cost is not None else None
         for c in batch:  # what a verification row costs now: token trees add the rows that pay for it
@@ -328,23 +311,21 @@ class Engine:
         if self.model.device.type == "cuda":
             torch.cuda.synchronize(self.model.device)
         elapsed = time.perf_counter() - t0
-        if adaptive:
+        if self._switches:
             self.adaptive.record(len(batch), mode, sum(len(c) for c in commits), elapsed)
             rates = self.adaptive.rates_at(len(batch))
             for c in batch:
                 c.stats.modes[mode] = c.stats.modes.get(mode, 0) + 1
                 c.stats.mode_rates = rates
-        # a plain round of a greedy batch: what drafts must beat (a sampled one picks its tokens in Python)
-        if cost is not None and (strategy is self._ar and adaptive or not self._switches):
+        # a plain round: what drafts must beat
+        if cost is not None and (strategy is self._ar and self._switches or not self._switches):
             cost.record_plain(len(batch), elapsed / max(map(len, commits)))
         return commits
 
-    def _roll_back(self, seq: Sequence, generator_state: torch.Tensor | None) -> None:
+    def _roll_back(self, seq: Sequence) -> None:
         """Back to the state before a failed round: the cache holds the committed tokens but the
-        pending one (or nothing, if the prefill had not finished), the random stream as it was."""
+        pending one (or nothing, if the prefill had not finished)."""
         self.runner.truncate(seq.seq_id, len(seq.ctx.tokens) - 1 if seq.prefilled else seq.num_cached)
-        if generator_state is not None:
-            seq.ctx.generator.set_state(generator_state)
 
     def _fail(self, seq: Sequence, error: Exception) -> RequestOutput:
         """End a request whose round raised: finish reason ``error``, blocks freed."""

@@ -246,21 +246,3 @@ def sample_pick(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     out = torch.empty(probs.shape[0], dtype=torch.int64)
     library().hs_sample_pick(probs.data_ptr(), probs.shape[0], probs.shape[1], u.data_ptr(), out.data_ptr())
     return out
-
-
-def sample_residual(p: torch.Tensor, q: torch.Tensor | None, rejected: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """One token per row of ``p [T, V]`` (float32) -> ``[T]`` (long): ``sample_pick`` of the row, or where
-    ``rejected [T]`` (bool) of its residual ``max(0, p - q)`` (``q [T, V]``; the row itself where that is all
-    zeros), with ``u [T]`` (float64 in [0, 1))."""
-    p, u = _check(p, F32), _check(u, torch.float64)
-    rejected = _check(rejected, torch.bool)
-    if rejected.shape != p.shape[:1] or u.shape != p.shape[:1]:
-        raise ValueError(f"sample_residual: one flag and one u per row of {p.shape[0]}")
-    if bool(rejected.any()):
-        if q is None or q.shape != p.shape:
-            raise ValueError("sample_residual: a rejected row needs its draft distribution, q [T, V]")
-        q = _check(q, F32)
-    out = torch.empty(p.shape[0], dtype=torch.int64)
-    library().hs_sample_residual(p.data_ptr(), q.data_ptr() if q is not None else None, rejected.data_ptr(),
-                                 p.shape[0], p.shape[1], u.data_ptr(), out.data_ptr())
-    return out

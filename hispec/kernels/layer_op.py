@@ -150,7 +150,8 @@ def decode_step(tokens: list[int], positions: list[int], tables: list[list[int]]
 class RowSampling(NamedTuple):
     """How ``decode_steps`` chooses each row's tokens: ``temperature[b] > 0`` samples (with ``top_k[b]``, 0 =
     off, and ``top_p[b]``, 1 = off, as ``sampler.logits_to_probs``) by ``sampler.pick`` with ``uniforms[b, s]``
-    at step ``s`` (``[B, steps]`` float64, from the row's generator); temperature 0 takes the argmax."""
+    at step ``s`` (``[B, steps]`` float64: its positions' numbers, ``DecodeContext.uniforms``); temperature 0
+    takes the argmax."""
     temperature: list[float]
     top_k: list[int]
     top_p: list[float]

@@ -7,8 +7,14 @@ the *processed* ones (temperature, then top-k, then top-p), so every level goes 
 A batch mixes requests: ``logits_to_probs`` and ``choose`` take one ``SamplingParams`` per row
 and work on the whole ``[T, V]`` tensor at once (per-row temperature, top-k and top-p as
 tensors, as nano-vllm's and vLLM's samplers do; on a CPU one compiled pass per row, or without the
-kernels PyTorch ops in cache-sized blocks of rows). Each request keeps its own random stream: the
-only per-row work is drawing its random number from its own generator.
+kernels PyTorch ops in cache-sized blocks of rows).
+
+A sampled token is drawn by inverting its row's distribution function with one uniform number
+(``pick``), and the token a sampled sequence takes at position ``i`` of its text is drawn with the
+number ``position_uniforms(key, i, 1)`` (``key`` from the request's seed), whichever level or round
+chooses it: a plain step, a run of steps, an exit's draft, a verification pass (which keeps a draft
+when it is the token drawn there). So drafting never changes a seeded request's tokens: they are
+plain decoding's, alone or in any batch, and nothing is drawn per row but that number.
 """
 from __future__ import annotations
 
@@ -20,7 +26,29 @@ import torch
 from ..config import SamplingParams
 from ..kernels import fused
 
-Generators = torch.Generator | None | Sequence[torch.Generator | None]  # one for every row, or one per row
+_MASK64 = (1 << 64) - 1
+_GOLDEN64 = 0x9E3779B97F4A7C15  # 2^64 / the golden ratio, SplitMix64's increment
+
+
+def _mix64(z: int) -> int:
+    """SplitMix64's output function (Steele, Lea and Flood 2014; Java's SplittableRandom): a bijection
+    of 64-bit integers, whose values over a counter stepped by ``_GOLDEN64`` pass BigCrush."""
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9 & _MASK64
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EB & _MASK64
+    return z ^ (z >> 31)
+
+
+def sample_key(seed: int) -> int:
+    """The key of a request's positional stream (``position_uniforms``) from its seed (any integer)."""
+    return _mix64(seed & _MASK64)
+
+
+def position_uniforms(key: int, start: int, n: int) -> list[float]:
+    """``U[0, 1)`` numbers for the tokens at positions ``start .. start + n - 1`` of a sequence whose
+    stream has ``key``: SplitMix64 at counter ``key + position * _GOLDEN64``, its top 53 bits. A
+    function of the position alone, so the token a position gets does not depend on the round that
+    chose it."""
+    return [(_mix64((key + pos * _GOLDEN64) & _MASK64) >> 11) * (1.0 / (1 << 53)) for pos in range(start, start + n)]
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
@@ -160,14 +188,6 @@ def _top_p(probs: torch.Tensor, top_p: list[float]) -> torch.Tensor:
     return torch.where(rows[:, None], kept, probs)
 
 
-def uniforms(rows: int, generators: Generators, device: torch.device) -> torch.Tensor:
-    """``U[0, 1)`` draws ``[rows]`` (float64), row ``r`` from ``generators[r]`` (or all rows from one
-    generator): one number per sampled token, so a request's stream is the same in any batch."""
-    if generators is None or isinstance(generators, torch.Generator):
-        return torch.rand(rows, dtype=torch.float64, generator=generators, device=device)
-    return torch.cat([torch.rand(1, dtype=torch.float64, generator=g, device=device) for g in generators])
-
-
 def pick(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """``probs [T, V]`` (``p >= 0``, need not be normalised) and ``u [T]`` in ``[0, 1)`` -> ``[T]`` (long):
     the first token whose cumulative probability exceeds ``u`` times the row's mass (the inverse of
@@ -183,64 +203,23 @@ def pick(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.minimum(token, last)
 
 
-def sample(probs: torch.Tensor, generators: Generators) -> torch.Tensor:
-    """One token per row of ``probs [T, V]`` -> ``[T]`` (long), row ``r`` drawn with ``generators[r]``
-    (or every row with one generator): ``pick`` with one uniform number per row.
-
-    One draw whatever the vocabulary or how many tokens top-k / top-p leave: the exponential race
-    that this replaced drew one number per token a row can take (49,152 for SmolLM2 without top-p).
-    A seed's stream differs from releases before it."""
-    return pick(probs, uniforms(probs.shape[0], generators, probs.device))
-
-
-def sample_residual(target: torch.Tensor, draft: torch.Tensor | None, rejected: torch.Tensor,
-                    generators: Generators) -> torch.Tensor:
-    """A recovered or bonus token per row of ``target [T, V]`` (the verifier's distribution) -> ``[T]``:
-    where ``rejected [T]``, a sample of the residual ``norm(max(0, p - q))`` with ``q`` that row of
-    ``draft [T, V]`` (the distribution the rejected draft came from; ``p`` itself where the residual is
-    all zeros, i.e. ``p == q`` up to rounding), elsewhere of ``p``; one uniform number per row, as
-    ``sample``. On a CPU the compiled kernel takes the residual and the draw in one pass per row
-    (``fused.sample_residual``), without the vocabulary-wide temporaries."""
-    u = uniforms(target.shape[0], generators, target.device)
-    if on_kernels(target) and (draft is None or on_kernels(draft)):
-        return fused.sample_residual(target, draft, rejected, u)
-    if draft is not None:
-        target = torch.where(rejected[:, None], residual(target, draft), target)
-    return pick(target, u)
-
-
-def residual(target: torch.Tensor, draft: torch.Tensor) -> torch.Tensor:
-    """``norm(max(0, p - q))`` of rows ``[..., V]``, the distribution of a recovered token (``p``
-    itself where ``p <= q`` everywhere, which happens only when ``p == q`` up to rounding)."""
-    r = (target - draft).clamp_min_(0.0)
-    mass = r.sum(-1, keepdim=True)
-    return torch.where(mass > 0, r.div_(mass), target)
-
-
 def choose(logits: torch.Tensor, params: Sequence[SamplingParams],
-           generators: Sequence[torch.Generator | None]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One token per row of ``logits [T, V]`` (row ``r`` with ``params[r]`` and ``generators[r]``):
-    the argmax for greedy rows, a sample of ``logits_to_probs`` for the others, in one pass.
-    Returns the tokens ``[T]`` and the distributions of the sampled rows ``[S, V]`` (in row
-    order; None when every row is greedy)."""
+           u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One token per row of ``logits [T, V]`` (row ``r`` with ``params[r]`` and the uniform number
+    ``u[r]``, ``u [T]`` float64: its position's, ``position_uniforms``): the argmax for greedy rows,
+    ``pick`` from ``logits_to_probs`` for the others, in one pass. Returns the tokens ``[T]`` and the
+    distributions of the sampled rows ``[S, V]`` (in row order; None when every row is greedy)."""
     sampled = [r for r, p in enumerate(params) if not p.greedy]
     if not sampled:
         return argmax(logits), None
     every = len(sampled) == logits.shape[0]
     probs = logits_to_probs(logits if every else logits[sampled], [params[r] for r in sampled])  # [S, V]
-    picks = sample(probs, [generators[r] for r in sampled])
+    picks = pick(probs, u if every else u[sampled])
     if every:
         return picks, probs
     tokens = argmax(logits)
     tokens[sampled] = picks
     return tokens, probs
-
-
-def next_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
-    """Choose one token per row of ``logits [T, V]`` -> ``[T]``: argmax when greedy, else a sample."""
-    if params.greedy:
-        return argmax(logits)
-    return sample(logits_to_probs(logits, params), generator)
 
 
 def entropy(probs: torch.Tensor) -> torch.Tensor:

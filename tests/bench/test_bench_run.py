@@ -148,19 +148,16 @@ def test_peer_that_cannot_load_is_reported(tiny_model, prompt_file, tmp_path, mo
     assert e["available"] is False and "for the test" in e["reason"]
 
 
-def test_sampling_runs_have_no_identity_check(tiny_model, prompt_file, tmp_path, capsys):
-    """A sampled run has no identity check, and it says that its texts' lengths differ unless
-    ``--ignore-eos`` runs every prompt to the same length (in the report and as it starts)."""
-    assert bench(tiny_model, prompt_file, tmp_path, "--strategies", "ar,hispec", "--temperature", "0.8",
-                 "--seed", "3", "--no-plots") == 0
+@pytest.mark.parametrize("seed", [["--seed", "3"], []])
+def test_sampled_runs_are_checked_against_ar(tiny_model, prompt_file, tmp_path, seed):
+    """A sampled run gives every strategy each prompt's seed (``--seed`` plus its index, or a random base),
+    so hispec's strategies write ``ar``'s texts and are checked against it as greedy runs are."""
+    assert bench(tiny_model, prompt_file, tmp_path, "--strategies", "ar,selfspec,hispec", "--temperature", "0.8",
+                 *seed, "--no-plots") == 0
     r = json.loads((tmp_path / "results.json").read_text())
-    assert r["strategies"]["hispec"]["identical_to_ar"] is None and r["targets"]["all_identical_to_ar"] is None
-    assert r["config"]["sampling"]["seed"] == 3
-    assert "--ignore-eos runs every prompt" in capsys.readouterr().err
-    assert "--ignore-eos runs every prompt" in (tmp_path / "report.md").read_text()
-    assert bench(tiny_model, prompt_file, tmp_path, "--strategies", "ar,hispec", "--temperature", "0.8",
-                 "--ignore-eos", "--no-plots") == 0
-    assert "--ignore-eos runs" not in capsys.readouterr().err + (tmp_path / "report.md").read_text()
+    assert r["strategies"]["hispec"]["identical_to_ar"] is True and r["targets"]["all_identical_to_ar"] is True
+    assert r["strategies"]["selfspec"]["identical_to_ar"] is True
+    assert r["config"]["sampling"]["seed"] == (3 if seed else None)
 
 
 def test_unknown_strategy_and_dataset_are_clear_errors(tiny_model, prompt_file, tmp_path, capsys):

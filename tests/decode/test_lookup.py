@@ -290,27 +290,30 @@ def test_greedy_equals_ar_and_drafts_are_accepted(gen, strategy, adaptive):
         assert accepted > 20 and rejected > 0, (accepted, rejected)
 
 
-def test_greedy_rounds_in_one_op_call_match_the_general_path(gen, monkeypatch):
-    """Greedy free-draft rounds run as rows of one fused step (``greedy_rows``: layers, head and
-    argmax in C++); forced onto the general path (forward_many, exit_logits, accept) the same
-    prompts give the same tokens and the same acceptance, batched and alone."""
+@pytest.mark.parametrize("sampled", [False, True])
+def test_rounds_in_one_op_call_match_the_general_path(gen, monkeypatch, sampled):
+    """Free-draft rounds run as rows of one fused step (``greedy_rows``: layers, head and each row's
+    token in C++, the argmax or a sample with the row's number); forced onto the general path
+    (forward_many, exit_logits, ``choose``) the same prompts give the same tokens and the same
+    acceptance, batched and alone (greedy, or sampled with two seeds and a greedy request beside them)."""
     from hispec.decode import speculative
     from hispec.decode.base import LayerRunner
 
     fused_calls = []
     real = LayerRunner.greedy_rows
 
-    def counted(self, items):
-        out = real(self, items)
+    def counted(self, items, sampling=None):
+        out = real(self, items, sampling)
         fused_calls.append(out is not None)
         return out
 
     def run():
-        params = SamplingParams(max_new_tokens=30, ignore_eos=True)
-        alone = [gen.generate(p, params, "lookup", spec=SPEC) for p in PROMPTS]
+        params = [SamplingParams(max_new_tokens=30, ignore_eos=True, temperature=0.8 * sampled, seed=s)
+                  for s in (1, 2)] + [SamplingParams(max_new_tokens=30, ignore_eos=True)]
+        alone = [gen.generate(p, q, "lookup", spec=SPEC) for p, q in zip(PROMPTS, params)]
         engine = Engine(gen.model, make_strategy("lookup", SPEC, gen.model.num_layers),
                         EngineConfig(max_batch_size=3, kv_blocks=64), eos_ids=gen.eos_ids)
-        ids = [engine.add_request(p, params) for p in PROMPTS]
+        ids = [engine.add_request(p, q) for p, q in zip(PROMPTS, params)]
         final = engine.run_to_completion()
         level = lambda o: (o.stats.levels["lookup->final"].draft_tokens,  # noqa: E731
                            o.stats.levels["lookup->final"].accepted_tokens)
@@ -319,15 +322,17 @@ def test_greedy_rounds_in_one_op_call_match_the_general_path(gen, monkeypatch):
     monkeypatch.setattr(LayerRunner, "greedy_rows", counted)
     fused = run()
     assert fused_calls and all(fused_calls)  # the op ran every round
-    monkeypatch.setattr(speculative, "_verify_free_greedy", lambda *a: None)
+    assert sum(level[0] for level in (o[1] for o in fused[0])) > 0  # drafts were verified
+    monkeypatch.setattr(speculative, "_verify_free_op", lambda *a: None)
+    monkeypatch.setattr(LayerRunner, "rows_logits", lambda self, items: None)
     fused_calls.clear()
     assert run() == fused and not fused_calls
 
 
-def test_sampled_rounds_take_their_logits_from_one_op_call_with_the_general_paths_bits(gen, monkeypatch):
-    """Sampled free-draft rounds (and rounds with a logits processor) take every row's logits from one
-    fused step (``rows_logits``: layers and head in C++); forced onto forward_many and exit_logits the
-    same seeded prompts give the same tokens and acceptance, batched and alone: the same bits."""
+def test_rounds_with_a_processor_take_their_logits_from_one_op_call_with_the_general_paths_bits(gen, monkeypatch):
+    """Free-draft rounds with a logits processor (beside sampled requests) take every row's logits from
+    one fused step (``rows_logits``: layers and head in C++); forced onto forward_many and exit_logits
+    the same seeded prompts give the same tokens and acceptance, batched and alone: the same bits."""
     from hispec.decode.base import LayerRunner
 
     calls = []
@@ -491,7 +496,7 @@ def test_the_statistic_rejects_a_sampler_that_keeps_every_lookup_draft(sampling_
 
     prompt = PROMPT + PROMPT[:2]
     monkeypatch.setattr(ref, "PROMPT", prompt)
-    monkeypatch.setattr(spec_mod, "sample_accept", ref.accept_all)
+    monkeypatch.setattr(spec_mod, "num_kept", lambda drafts, chosen: len(drafts))  # WRONG: keep every draft
     params = _copy(SETTINGS["T1"])
     counts, _ = empirical(sampling_gen, "lookup", params, 300, prompt)
     result = fit(counts, exact_joint(hf_model, params))
@@ -526,8 +531,7 @@ def test_cache_after_lookup_rounds_equals_autoregressive(gen, temperature):
     runner, stats = LayerRunner(model, blocks, pool), DecodeStats("lookup")
     blocks.add_sequence(1)
     params = SamplingParams(temperature=temperature, seed=0, max_new_tokens=max_new)
-    ctx = DecodeContext(runner, 1, list(prompt), params, torch.Generator().manual_seed(0) if temperature else None,
-                        stats, max_tokens, frozenset())
+    ctx = DecodeContext(runner, 1, list(prompt), params, 0 if temperature else None, stats, max_tokens, frozenset())
     runner.forward(1, 0, ctx.token_tensor(prompt[:-1]), 0, n)
     for chunk in Lookup(SPEC).steps(ctx):
         ctx.tokens.extend(chunk)
@@ -548,9 +552,8 @@ def test_cache_after_lookup_rounds_equals_autoregressive(gen, temperature):
 def test_plain_runs_stop_where_lookup_drafts_would_pay():
     """``lookup_stop``: the shortest match whose drafts would pay for a pass now (at a quarter of a
     step a row: a two-token match's, not a one-token match's), none where no match pays or no
-    draft fits before the token limit, any match where nothing is measured. A sampled sequence's: the
-    shortest match whose drafts ``sampled_drafts`` takes, at the prior row cost whatever the batch and
-    the measured cost."""
+    draft fits before the token limit, any match where nothing is measured; a sampled sequence's the
+    same (its tokens do not depend on where its runs stop)."""
     from types import SimpleNamespace
 
     from hispec.decode.lookup import lookup_stop
@@ -568,9 +571,8 @@ def test_plain_runs_stop_where_lookup_drafts_would_pay():
     ctx = SimpleNamespace(lookup=LookupState(max_draft=8, max_ngram=3), remaining=100, params=SamplingParams())
     sampled = SimpleNamespace(lookup=LookupState(max_draft=8, max_ngram=3), remaining=100,
                               params=SamplingParams(temperature=1.0))
-    assert lookup_stop(sampled, 1, Cost(0.25, 0.1)) == lookup_stop(sampled, 8, Cost(3.0, 0.5)) == 1
-    assert lookup_stop(sampled, 1, Cost(0.02, 0.0, prior=0.5)) == 2  # (the prior, not the measured cost)
-    assert lookup_stop(sampled, 1, Cost(0.02, 0.0, prior=3.0)) == 0
+    for cost, batch in ((Cost(0.25, 0.1), 1), (Cost(0.02, 0.0), 1), (Cost(0.66, 0.35), 8), (None, 1)):
+        assert lookup_stop(sampled, batch, cost) == lookup_stop(ctx, batch, cost)
     assert lookup_stop(ctx, 1, Cost(0.25, 0.1)) == 2
     assert lookup_stop(ctx, 1, Cost(0.02, 0.0)) == 1  # rows nearly free: a one-token match pays too
     assert lookup_stop(ctx, 8, Cost(0.66, 0.35)) == 0  # one sequence of 8 drafting: no match pays the pass

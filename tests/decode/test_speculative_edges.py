@@ -246,9 +246,8 @@ def test_cache_after_rejections_equals_autoregressive(request, strategy, which, 
     seq, ref = 1, 2
     blocks.add_sequence(seq)
     params = SamplingParams(temperature=temperature, seed=0, max_new_tokens=max_new)
-    generator = torch.Generator().manual_seed(0) if temperature else None
     stats = DecodeStats(strategy.name)
-    ctx = DecodeContext(runner, seq, list(PROMPT), params, generator, stats, max_tokens, frozenset())
+    ctx = DecodeContext(runner, seq, list(PROMPT), params, 0 if temperature else None, stats, max_tokens, frozenset())
     runner.forward(seq, 0, ctx.token_tensor(PROMPT[:-1]), 0, num_layers)  # prefill
     snapshots = []  # after each round: (positions held, [(K, V) of each layer])
     for chunk in strategy.steps(ctx):

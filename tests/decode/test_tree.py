@@ -15,15 +15,20 @@ from hispec.config import ConfigError, SamplingParams, SpecConfig
 from hispec.decode.tree import DraftTree, accept_tree, exit_tree
 from hispec.generate import Generator
 from hispec.model.load.checkpoint import load_model
+from hispec.sampling.sampler import position_uniforms, sample_key
 from tests.decode.test_speculative_greedy import make_agreeing
 from tests.decode.test_speculative_sampling import (SETTINGS, SPEC, _copy, empirical, exact_joint, fit, gen,  # noqa: F401
                                                     hf_model, model_dir, repeats, report)
 
 
 def _ctx(temperature: float, seed: int):
-    g = torch.Generator().manual_seed(seed)
-    return SimpleNamespace(params=SamplingParams(temperature=temperature), generator=g, processor=None,
+    return SimpleNamespace(params=SamplingParams(temperature=temperature), processor=None,
                            process=lambda logits, spec=(): logits)
+
+
+def _u(seed: int) -> list[float]:
+    """A sequence's numbers for the three positions after a root (``DecodeContext.uniforms``)."""
+    return position_uniforms(sample_key(seed), 10, 3)
 
 
 # ---- the walk, on a synthetic tree ----------------------------------------------------------
@@ -58,7 +63,7 @@ def test_walk_samples_the_target():
     first, pairs = Counter(), Counter()
     n = 20000
     for seed in range(n):
-        path, nxt = accept_tree(_ctx(1.0, seed), TREE, logits)
+        path, nxt = accept_tree(_ctx(1.0, seed), TREE, logits, (), _u(seed))
         tokens = [TREE.tokens[i] for i in path[1:]] + [nxt]
         first[tokens[0]] += 1
         if len(tokens) >= 2:
@@ -72,24 +77,18 @@ def test_walk_samples_the_target():
     assert result["stat"] <= result["bound"], result
 
 
-def test_walk_rejects_a_wrong_rule(monkeypatch):
-    """WRONG: accepting a sibling with p(c) after an earlier sibling was rejected, without
-    renormalising: the statistic must catch it (so the test above can fail)."""
-    import hispec.decode.tree as tree_mod
-
-    def biased(nodes, tokens, p, generator):
-        for node, x in zip(nodes, tokens):
-            if bool(torch.rand((), generator=generator) < p[x]):
-                return node, x
-        return None, int(torch.multinomial(p, 1, generator=generator))
-
-    monkeypatch.setattr(tree_mod, "_sample_among", biased)
-    logits, first = _logits(), Counter()
+def test_walk_rejects_a_wrong_rule():
+    """WRONG: every position drawn with the first position's number (the second token then depends on
+    the first): the statistic on pairs must catch it (so the test above can fail)."""
+    logits, pairs = _logits(), Counter()
     for seed in range(20000):
-        path, nxt = accept_tree(_ctx(1.0, seed), TREE, logits)
-        first[([TREE.tokens[i] for i in path[1:]] + [nxt])[0]] += 1
-    p0 = logits[0].softmax(-1)
-    result = fit(first, {t: float(p0[t]) for t in range(V)})
+        path, nxt = accept_tree(_ctx(1.0, seed), TREE, logits, (), _u(seed)[:1] * 3)
+        tokens = [TREE.tokens[i] for i in path[1:]] + [nxt]
+        if len(tokens) >= 2:
+            pairs[tuple(tokens[:2])] += 1
+    exact = _exact_two_tokens(logits)
+    total = sum(exact.values())
+    result = fit(pairs, {k: v / total for k, v in exact.items()})
     assert result["stat"] > result["bound"], result
 
 
@@ -230,8 +229,8 @@ class PathSpy:
         self.off_chain = 0
         real = spec_mod.accept_tree
 
-        def spy(ctx, tree, logits, prefix=()):
-            path, nxt = real(ctx, tree, logits, prefix)
+        def spy(ctx, tree, logits, prefix=(), u=None):
+            path, nxt = real(ctx, tree, logits, prefix, u)
             self.off_chain += sum(1 for j, n in enumerate(path) if n != j)
             return path, nxt
 

@@ -192,11 +192,11 @@ def test_single_request_adaptive_generation(model, workload):
     assert always.plain_steps == 0 and not always.modes
 
 
-def test_adaptive_engines_decode_sampled_requests_plainly(model, workload):
-    """A sampled sequence's random stream depends on the mode, so measurements never choose it: an
-    adaptive engine decodes batches with a sampled request plainly (free drafts first), the same
-    seeded output whatever its controller has measured meanwhile, alone or beside greedy requests;
-    without the adaptive rule they speculate."""
+def test_adaptive_engines_measure_sampled_requests_too(model, workload):
+    """Every mode gives a seeded request ``ar``'s tokens (each position's token is drawn with its own
+    number), so an adaptive engine speculates on batches with sampled requests as on greedy ones,
+    and the output is the same whatever its controller has measured meanwhile, alone or beside
+    greedy requests, adaptive or not."""
     import dataclasses
 
     prompts, limits, expected, eos = workload
@@ -205,20 +205,20 @@ def test_adaptive_engines_decode_sampled_requests_plainly(model, workload):
     no_lookup = dataclasses.replace(STRATEGIES["hispec"], lookup_max_draft=0)
     strategy = make_strategy("hispec", no_lookup, model.num_layers)
     p = SamplingParams(max_new_tokens=30, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True)
+    want = gen.generate(prompts[0], p, "ar").token_ids
     first = gen.generate(prompts[0], p, strategy, adaptive=True)
-    assert first.token_ids == gen.generate(prompts[0], p, "ar").token_ids  # plain rounds: ar's stream
-    assert first.stats.plain_steps > 0 and "exits" not in first.stats.rounds and not first.stats.modes
+    assert first.token_ids == want and first.stats.modes.get("speculate", 0) > 0
     greedy = [gen.generate(q, SamplingParams(max_new_tokens=n), strategy, adaptive=True)
               for q, n in zip(prompts, limits)]
     assert [o.token_ids for o in greedy] == expected and sum(o.stats.modes.get("speculate", 0) for o in greedy)
-    assert gen.generate(prompts[0], p, strategy, adaptive=True).token_ids == first.token_ids
+    assert gen.generate(prompts[0], p, strategy, adaptive=True).token_ids == want
     always = gen.generate(prompts[0], p, strategy)  # not adaptive: every round drafts at the exits
-    assert always.stats.plain_steps == 0 and always.stats.rounds.get("exits", 0) > 0
+    assert always.stats.plain_steps == 0 and always.stats.rounds.get("exits", 0) > 0 and always.token_ids == want
     engine = Engine(model, strategy, eos_ids={eos}, kv_blocks=400, block_size=4, max_batch_size=4)
     ids = [engine.add_request(q, SamplingParams(max_new_tokens=n)) for q, n in zip(prompts[1:4], limits[1:4])]
     mine = engine.add_request(prompts[0], p)
     final = engine.run_to_completion()
-    assert final[mine].token_ids == first.token_ids and [final[i].token_ids for i in ids] == expected[1:4]
+    assert final[mine].token_ids == want and [final[i].token_ids for i in ids] == expected[1:4]
 
 
 def test_abort_frees_blocks(model):

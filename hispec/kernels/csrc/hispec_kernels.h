@@ -131,10 +131,6 @@ void hs_sampling_probs(const float *logits, float *probs, int64_t T, int64_t V, 
 /* out[t] = the first token whose cumulative probability in row t of probs[T, V] exceeds u[t] (in [0, 1)) times
  * the row's mass: an exact sample of the (unnormalised) row; 0 for a row of zeros. */
 void hs_sample_pick(const float *probs, int64_t T, int64_t V, const double *u, int64_t *out);
-/* hs_sample_pick of each row of p[T, V], or where rejected[t] of its residual max(0, p - q) (q[T, V]: the draft
- * distribution a rejected draft came from; p itself where the residual is all zeros): a recovered or bonus token. */
-void hs_sample_residual(const float *p, const float *q, const uint8_t *rejected, int64_t T, int64_t V,
-                        const double *u, int64_t *out);
 
 #ifdef __cplusplus
 }

@@ -211,25 +211,3 @@ void hs_sample_pick(const float *probs, int64_t T, int64_t V, const double *u, i
     for (int64_t t = 0; t < T; t++) out[t] = pick_row(probs + t * V, V, u[t], block);
     free(block);
 }
-
-void hs_sample_residual(const float *p, const float *q, const uint8_t *rejected, int64_t T, int64_t V,
-                        const double *u, int64_t *out) {
-    double *block = malloc((size_t)((V + PICK_BLOCK - 1) / PICK_BLOCK) * sizeof *block);
-    float *r = malloc((size_t)V * sizeof *r);
-    for (int64_t t = 0; t < T; t++) {
-        const float *pt = p + t * V, *row = pt;
-        if (rejected[t]) {
-            const float *qt = q + t * V;
-            int any = 0;
-            for (int64_t i = 0; i < V; i++) {
-                float d = pt[i] - qt[i];
-                r[i] = d > 0.0f ? d : 0.0f;
-                any |= d > 0.0f;
-            }
-            if (any) row = r;
-        }
-        out[t] = pick_row(row, V, u[t], block);
-    }
-    free(r);
-    free(block);
-}
