@@ -43,7 +43,7 @@ import torch
 
 from ..config import ConfigError, SpecConfig
 from ..sampling.sampler import choose
-from ..sampling.speculative import greedy_accept, greedy_accept_batch
+from ..sampling.speculative import accept_chosen, accept_chosen_batch
 from .autoregressive import Autoregressive, row_sampling
 from .base import DecodeContext, Strategy, process_rows, split_rows
 from .lookup import RowCost, free_drafts
@@ -220,7 +220,7 @@ def accept(batch: list[DecodeContext], proposed: list[torch.Tensor], target_logi
     token at ``positions[b]``), after the request's logits processing (``specs[b]``: its speculative
     tokens, ``proposed[b]`` last): each row's token chosen as a plain step would (the argmax, or a
     sample with its position's uniform number), the proposals kept up to the first that differs from
-    it (``greedy_accept``). Returns, per sequence, the accepted proposals followed by the next chosen
+    it (``accept_chosen``). Returns, per sequence, the accepted proposals followed by the next chosen
     token (host ints: one host sync for the batch)."""
     sizes = [t.shape[0] + 1 for t in proposed]
     target_logits = process_rows(batch, target_logits, sizes, specs)
@@ -229,9 +229,9 @@ def accept(batch: list[DecodeContext], proposed: list[torch.Tensor], target_logi
                      dtype=torch.float64, device=target_logits.device)  # [sum (k_b + 1)]
     chosen = choose(target_logits, [c.params for c in rows], u)[0]  # [sum (k_b + 1)]
     if len(batch) == 1:
-        num, token = greedy_accept(proposed[0], chosen)
+        num, token = accept_chosen(proposed[0], chosen)
         return [proposed[0][:num].tolist() + [token]]
-    return _committed(*greedy_accept_batch(proposed, chosen), proposed)
+    return _committed(*accept_chosen_batch(proposed, chosen), proposed)
 
 
 def _committed(num: torch.Tensor, token: torch.Tensor, proposed: list[torch.Tensor]) -> list[list[int]]:

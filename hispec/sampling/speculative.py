@@ -24,16 +24,16 @@ from collections.abc import Sequence
 import torch
 
 
-def greedy_accept(draft_tokens: torch.Tensor,  # [k]
-                  target_argmax: torch.Tensor,  # [k] or [k + 1] (with a bonus row)
+def accept_chosen(draft_tokens: torch.Tensor,  # [k]
+                  chosen: torch.Tensor,  # [k] or [k + 1] (with a bonus row): the verifier's token per row
                   ) -> tuple[int, int | None]:
     """Number of accepted drafts and the next token (None if all accepted and no bonus row)."""
     k = draft_tokens.shape[0]
-    accepted = (draft_tokens == target_argmax[:k]).long().cumprod(0).sum()
-    if target_argmax.shape[0] == k:
+    accepted = (draft_tokens == chosen[:k]).long().cumprod(0).sum()
+    if chosen.shape[0] == k:
         num = int(accepted)
-        return num, (int(target_argmax[num]) if num < k else None)
-    num, token = torch.stack([accepted, target_argmax[accepted]]).tolist()
+        return num, (int(chosen[num]) if num < k else None)
+    num, token = torch.stack([accepted, chosen[accepted]]).tolist()
     return num, token
 
 
@@ -52,12 +52,12 @@ class RaggedRounds:
         self.target_rows = self.target_start[:, None] + torch.minimum(j, self.num_drafts[:, None])  # [B, K + 1]
 
 
-def greedy_accept_batch(draft_tokens: Sequence[torch.Tensor],  # B x [k_b]
-                        target_argmax: torch.Tensor,  # [sum (k_b + 1)]: each sequence's rows, bonus row last
+def accept_chosen_batch(draft_tokens: Sequence[torch.Tensor],  # B x [k_b]
+                        chosen: torch.Tensor,  # [sum (k_b + 1)]: each sequence's rows, bonus row last
                         ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``greedy_accept`` for a ragged batch in one pass: accepted drafts ``[B]`` and next tokens
+    """``accept_chosen`` for a ragged batch in one pass: accepted drafts ``[B]`` and next tokens
     ``[B]`` (device tensors; nothing is synced)."""
     r = RaggedRounds(draft_tokens)
-    argmax = target_argmax[r.target_rows]  # [B, K + 1]: row k_b (the bonus) repeated past the drafts
-    num = (r.drafts == argmax[:, :-1]).long().cumprod(1).sum(1)  # [B]; padding never matches
-    return num, argmax.gather(1, num[:, None]).squeeze(1)
+    per_seq = chosen[r.target_rows]  # [B, K + 1]: row k_b (the bonus) repeated past the drafts
+    num = (r.drafts == per_seq[:, :-1]).long().cumprod(1).sum(1)  # [B]; padding never matches
+    return num, per_seq.gather(1, num[:, None]).squeeze(1)

@@ -143,9 +143,9 @@ def measure_costs(model, token_counts=tuple(range(1, 11)), context: int = 256, r
     head = {L: {n: med[("head", L, n)] + (per_layer[n] if getattr(heads.get(L), "has_kv", False) else 0.0)
                 for n in token_counts} for L in list(heads) + [n_layers]}
     logits = torch.randn(5, model.cfg.vocab_size, generator=g).to(model.device)
-    from ..sampling.speculative import greedy_accept
+    from ..sampling.speculative import accept_chosen
     drafts = logits[:4].argmax(-1)
-    sampling = _median_time(lambda: greedy_accept(drafts, logits.argmax(-1)), repeat)
+    sampling = _median_time(lambda: accept_chosen(drafts, logits.argmax(-1)), repeat)
     blocks.free(0)
     return CostModel(per_layer, overhead, head, n_layers, sampling)
 

@@ -23,7 +23,7 @@ from hispec.generate import Generator
 from hispec.model.load.checkpoint import load_model
 from hispec.decode.base import DecodeContext
 from hispec.sampling.sampler import argmax, choose, logits_to_probs, pick, position_uniforms, sample_key
-from hispec.sampling.speculative import greedy_accept, greedy_accept_batch
+from hispec.sampling.speculative import accept_chosen, accept_chosen_batch
 
 ALPHA = 1e-3  # chi-square significance level; the wrong samplers score p-values far below it
 VOCAB = 8
@@ -245,7 +245,7 @@ def one_number(self, start, n):
 @pytest.mark.parametrize("wrong,strategy,num_seeds", [("accept_all", "selfspec", 300), ("one_number", "hispec", 500)])
 def test_the_statistic_rejects_a_biased_sampler(gen, hf_model, monkeypatch, wrong, strategy, num_seeds):
     if wrong == "accept_all":  # the strategies call the name they imported into hispec.decode.speculative
-        monkeypatch.setattr(spec_mod, "greedy_accept", accept_all)
+        monkeypatch.setattr(spec_mod, "accept_chosen", accept_all)
     else:
         monkeypatch.setattr(DecodeContext, "uniforms", one_number)
     params = _copy(SETTINGS["T1"])
@@ -326,21 +326,21 @@ def test_position_uniforms_are_uniform_and_independent_across_positions_and_keys
     ([1, 2, 3], [1, 2, 0], (2, 0)),
     ([], [6], (0, 6)),
 ])
-def test_greedy_accept(drafts, argmax, expected):
-    assert greedy_accept(torch.tensor(drafts, dtype=torch.long), torch.tensor(argmax)) == expected
+def test_accept_chosen(drafts, argmax, expected):
+    assert accept_chosen(torch.tensor(drafts, dtype=torch.long), torch.tensor(argmax)) == expected
 
 
 # ---- the batched rules are the one-sequence rules, sequence by sequence ----------------------
 
 def test_batched_accept_rule_equals_the_one_sequence_rule():
-    """Ragged batches (0 to 4 drafts): each sequence gets exactly what ``greedy_accept`` gives it."""
+    """Ragged batches (0 to 4 drafts): each sequence gets exactly what ``accept_chosen`` gives it."""
     r = torch.Generator().manual_seed(0)
     for trial in range(200):
         counts = torch.randint(0, 5, (int(torch.randint(1, 6, (1,), generator=r)),), generator=r).tolist()
         chosen = [torch.randint(0, 3, (k + 1,), generator=r) for k in counts]
         guesses = [torch.randint(0, 3, (k,), generator=r) for k in counts]
-        num, token = greedy_accept_batch(guesses, torch.cat(chosen))
-        assert list(zip(num.tolist(), token.tolist())) == [greedy_accept(g, a) for g, a in zip(guesses, chosen)]
+        num, token = accept_chosen_batch(guesses, torch.cat(chosen))
+        assert list(zip(num.tolist(), token.tolist())) == [accept_chosen(g, a) for g, a in zip(guesses, chosen)]
 
 
 def test_per_row_sampling_parameters_give_each_row_its_own_result():

@@ -147,9 +147,9 @@ def test_runners_up_kept_by_their_branch_probability():
 
 
 def test_tree_min_probs_follow_the_measured_row_cost(agreeing):
-    """``tree_min_prob=None``: a greedy sequence weighs a runner-up against what its row costs (the
-    engine's measured share of a plain step, times the layers it runs through); a sampled one
-    against the prior (its random stream must not depend on timing); a number is taken as it is."""
+    """``tree_min_prob=None``: a sequence, greedy or sampled, weighs a runner-up against what its row
+    costs (the engine's measured share of a plain step, times the layers it runs through; the prior
+    before one is measured); a number is taken as it is."""
     from hispec.decode.lookup import RowCost
 
     model = agreeing.model
@@ -161,7 +161,7 @@ def test_tree_min_probs_follow_the_measured_row_cost(agreeing):
     auto = SpecConfig(draft_layer=1, verify_layer=3, tree_width=3)
     assert auto.tree_min_prob is None
     got = spec_mod.tree_min_probs(batch, auto, 3)
-    assert got == pytest.approx([0.4 * 3 / n, RowCost.prior * 3 / n, RowCost.prior * 3 / n])
+    assert got == pytest.approx([0.4 * 3 / n, 0.4 * 3 / n, RowCost.prior * 3 / n])
     assert spec_mod.tree_min_probs(batch, replace(auto, tree_min_prob=0.07), 3) == [0.07] * 3
 
 
