@@ -19,7 +19,7 @@ from pydantic_core import PydanticCustomError
 
 from .errors import APIError, bad
 
-SEED_RANGE = (-(2 ** 63), 2 ** 64 - 1)  # what torch.Generator.manual_seed accepts
+SEED_RANGE = (-(2 ** 63), 2 ** 64 - 1)  # a 64-bit seed, signed or not (its draws: sampler.sample_key)
 MAX_STOP = 16
 MAX_LOGPROBS = 20  # alternatives per token (OpenAI's chat limit; vLLM's default max_logprobs)
 MAX_N = 64  # choices (n, best_of) per prompt
