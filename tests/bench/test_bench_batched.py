@@ -54,3 +54,19 @@ def test_paired_ratios_outlast_a_machine_that_switches_speed():
     assert _paired(ar, other, 64, 64) == 0.5
     assert _paired(ar, [1.5, 2.2, 2.2, 2.2, 2.2], 32, 64) == 1.0  # half the tokens in half the time
     assert _paired(ar, [], 64, 64) is None
+
+
+@pytest.mark.parametrize("seed", [["--seed", "4"], []])
+def test_sampled_batch_sizes_are_checked_against_ar_when_seeded(tiny_text_model_dir, tmp_path, seed):
+    """With ``--seed`` every request's draws are fixed, so each strategy's sampled outputs are ``ar``'s at
+    every batch size (checked); without one each request draws its own seed (not checked)."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"id": str(i), "prompt": p}) + "\n"
+                               for i, p in enumerate(["hello", "1+1=", "abc", "the cat"])))
+    out = tmp_path / "out"
+    assert main(["bench", "--model", str(tiny_text_model_dir), "--data", str(prompts), "--strategies",
+                 "ar,selfspec,hispec,lookup", "--batch-sizes", "1,4", "--max-new-tokens", "8", "--ignore-eos",
+                 "--temperature", "0.9", *seed, "--rounds", "1", "--out", str(out), "--no-progress",
+                 "--no-plots"]) == 0
+    for row in json.loads((out / "batch_results.json").read_text())["batch_sizes"].values():
+        assert all(r["identical_to_ar"] is (True if seed else None) for r in row.values())
