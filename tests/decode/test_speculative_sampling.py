@@ -392,34 +392,62 @@ def test_top_p_sorts_a_prefix_and_keeps_what_a_full_sort_keeps(spread, monkeypat
     assert torch.allclose(logits_to_probs(logits, params).double(), reference_probs(logits, params), atol=1e-6)
 
 
-def test_pick_inverts_the_distribution(monkeypatch):
-    """``pick`` takes the first token whose cumulative mass exceeds ``u`` times the row's: it follows the
-    row's distribution for uniform ``u``, never gives a token with p = 0 (not even where rounding reaches
-    the end), gives 0 for a row of zeros, and the compiled kernel picks what the PyTorch definition picks."""
+def test_pick_draws_each_row_exactly(monkeypatch):
+    """``pick`` follows each row's distribution for uniform ``u`` (a race where few tokens have p > 0, the
+    inverse distribution function elsewhere), never gives a token with p = 0 (not even where rounding
+    reaches the end of a long row), gives 0 for a row of zeros, and the compiled kernel picks what the
+    PyTorch / NumPy definition picks, on rows of both kinds."""
     from hispec.sampling import sampler
 
     probs = torch.zeros(3, 1000)
     probs[0, [3, 500, 999]] = torch.tensor([0.2, 0.5, 0.3])
     probs[1, 42] = 1.0
-    probs[2] = torch.softmax(torch.randn(1000, generator=torch.Generator().manual_seed(0)), -1)
     u = torch.tensor(position_uniforms(sample_key(0), 0, 6000), dtype=torch.float64)
     counts = Counter(sampler.pick(probs[:1].expand(6000, -1).contiguous(), u).tolist())
     assert set(counts) == {3, 500, 999}
     assert all(abs(counts[t] / 6000 - p) < 0.025 for t, p in ((3, 0.2), (500, 0.5), (999, 0.3))), counts
-    assert sampler.pick(probs[1:2], u[:1]).tolist() == [42]
-    assert sampler.pick(torch.zeros(1, 10), u[:1]).tolist() == [0]
-    edge = torch.tensor([1.0 - 2.0 ** -53, 0.0, 0.7], dtype=torch.float64)
-    rows = torch.zeros(3, 8)
-    rows[:, 2], rows[:, 5] = 0.25, 0.75
-    rows[1] = 0.0  # a row of zeros
-    u = torch.rand(200, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
-    many = probs[2].expand(200, -1).contiguous()
-    for kernel in (True, False):  # the compiled pick (where built), then PyTorch's
+    g = torch.Generator().manual_seed(4)
+    long = torch.zeros(2, 2000)
+    long[:, :1500] = torch.softmax(torch.randn(2, 1500, generator=g), -1)  # more than RACE_MAX tokens
+    small = torch.softmax(3 * torch.randn(40, 300, generator=g), -1)
+    small[small < 1e-3] = 0.0  # tens of tokens each: races
+    u = torch.rand(40, dtype=torch.float64, generator=g)
+    edge = torch.tensor([1.0 - 2.0 ** -53, 0.3], dtype=torch.float64)
+    picks = []
+    for kernel in (True, False):  # the compiled pick (where built), then the definition
         if not kernel:
             monkeypatch.setattr(sampler.fused, "available", lambda: False)
-        assert sampler.pick(rows, edge).tolist() == [5, 0, 5]
-        assert sampler.pick(many, u).tolist() == torch.searchsorted(
-            probs[2].double().cumsum(0), u * probs[2].double().sum(), right=True).tolist()
+        assert sampler.pick(probs[1:2], u[:1]).tolist() == [42]
+        assert sampler.pick(torch.zeros(1, 10), u[:1]).tolist() == [0]
+        got = sampler.pick(long, edge).tolist()
+        assert got[0] == 1499 and got[1] == int(torch.searchsorted(long[1].double().cumsum(0),
+                                                                   0.3 * long[1].double().sum(), right=True))
+        picks.append(sampler.pick(small, u))
+        assert bool((small.gather(1, picks[-1][:, None]) > 0).all())
+    assert torch.equal(picks[0], picks[1])
+
+
+def test_rows_drawn_with_one_number_agree_as_a_coupling_allows():
+    """Two close distributions drawn with the same numbers (an exit's draft and its verifier's draw) give
+    the same token nearly as often as ``1 - TV`` allows (the race), far more than inverting both in
+    vocabulary order would, and each still follows its own distribution."""
+    from hispec.sampling import sampler
+
+    g = torch.Generator().manual_seed(5)
+    logits = 4 * torch.randn(3000, 200, generator=g)
+    p, q = torch.softmax(logits, -1), torch.softmax(logits + 0.5 * torch.randn(3000, 200, generator=g), -1)
+    u = torch.rand(3000, dtype=torch.float64, generator=g)
+    same = float((sampler.pick(p, u) == sampler.pick(q, u)).double().mean())
+    bound = 1 - 0.5 * float((p - q).abs().sum(-1).mean())
+    inverse = [torch.searchsorted(x.double().cumsum(-1), u[:, None] * x.double().sum(-1, keepdim=True), right=True)
+               for x in (p, q)]
+    vocab_order = float((inverse[0] == inverse[1]).double().mean())
+    assert bound - 0.06 < same <= bound + 0.02 and same > vocab_order + 0.05, (same, bound, vocab_order)
+    row = torch.softmax(torch.randn(1, 12, generator=g), -1)
+    u = torch.tensor(position_uniforms(sample_key(1), 0, 8000), dtype=torch.float64)
+    counts = Counter(sampler.pick(row.expand(8000, -1).contiguous(), u).tolist())
+    result = fit(counts, {t: float(row[0, t]) for t in range(12)})
+    assert result["stat"] <= result["bound"], result
 
 
 def test_the_sampling_kernel_gives_the_pytorch_distributions(monkeypatch):

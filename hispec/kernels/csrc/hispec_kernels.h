@@ -128,8 +128,9 @@ void hs_q8a_q4_panel_matmul(const uint8_t *qs, const uint16_t *d, const uint16_t
  * reaches top_p[t] (>= 1: off; ties: lower token first), renormalised. Rows in parallel (OpenMP). */
 void hs_sampling_probs(const float *logits, float *probs, int64_t T, int64_t V, const float *temperature,
                        const int64_t *top_k, const float *top_p);
-/* out[t] = the first token whose cumulative probability in row t of probs[T, V] exceeds u[t] (in [0, 1)) times
- * the row's mass: an exact sample of the (unnormalised) row; 0 for a row of zeros. */
+/* out[t] = an exact sample of row t of probs[T, V] (unnormalised) drawn with u[t] (in [0, 1)): where at most
+ * 1024 tokens have p > 0, the race argmin E_i / p[i] with E_i exponential from u[t]'s bits and i; elsewhere the
+ * first token whose cumulative probability exceeds u[t] times the row's mass; 0 for a row of zeros. */
 void hs_sample_pick(const float *probs, int64_t T, int64_t V, const double *u, int64_t *out);
 
 #ifdef __cplusplus

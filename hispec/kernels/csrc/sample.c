@@ -206,8 +206,48 @@ static int64_t pick_row(const float *p, int64_t V, double u, double *block) {
     return 0;
 }
 
+/* A row with at most this many tokens of p > 0 (top-k, top-p) is drawn by a race instead. */
+#define RACE_MAX 1024
+
+/* SplitMix64's output function (sampler._mix64). */
+static inline uint64_t mix64(uint64_t z) {
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+/* The race over the n tokens of p > 0: argmin over them of E_i / p[i] (the lower token on ties), with
+ * E_i = -log U_i exponential, U_i in (0, 1] from the 53 top bits of mix64(bits of u + (i + 1) * golden):
+ * token i wins with probability p[i] / sum p, and two rows drawn with one u draw alike as often as a
+ * coupling of their distributions can (near 1 - TV). */
+static int64_t race_row(const float *p, int64_t V, double u) {
+    uint64_t key;
+    memcpy(&key, &u, 8);
+    int64_t best = 0;
+    double best_r = INFINITY;
+    for (int64_t i0 = 0; i0 < V; i0 += LANES) {
+        int64_t end = i0 + LANES < V ? i0 + LANES : V;
+        if (end - i0 == LANES && hsum16(load8(p + i0), load8(p + i0 + 8)) == 0.0f) continue;  /* no p > 0 here */
+        for (int64_t i = i0; i < end; i++) {
+            if (!(p[i] > 0.0f)) continue;
+            double U = (double)((mix64(key + (uint64_t)(i + 1) * 0x9E3779B97F4A7C15ull) >> 11) + 1) * 0x1p-53;
+            double r = -log(U) / (double)p[i];
+            if (r < best_r) {
+                best_r = r;
+                best = i;
+            }
+        }
+    }
+    return best;
+}
+
 void hs_sample_pick(const float *probs, int64_t T, int64_t V, const double *u, int64_t *out) {
     double *block = malloc((size_t)((V + PICK_BLOCK - 1) / PICK_BLOCK) * sizeof *block);
-    for (int64_t t = 0; t < T; t++) out[t] = pick_row(probs + t * V, V, u[t], block);
+    for (int64_t t = 0; t < T; t++) {
+        const float *p = probs + t * V;
+        int64_t n = 0;
+        for (int64_t i = 0; i < V; i++) n += p[i] > 0.0f;  /* (vectorised) */
+        out[t] = n <= RACE_MAX ? race_row(p, V, u[t]) : pick_row(p, V, u[t], block);
+    }
     free(block);
 }
