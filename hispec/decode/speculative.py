@@ -34,7 +34,6 @@ batch draft, verify and accept independently (different lengths), in shared pass
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import time
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -313,28 +312,22 @@ def verify_free(batch: list[DecodeContext], drafts: list[list[int]], level: str 
     Afterwards each cache holds the committed tokens but the new pending one."""
     model, runner, n = batch[0].model, batch[0].runner, batch[0].model.num_layers
     positions = [len(c.tokens) - 1 for c in batch]
-    sizes = [len(d) + 1 for d in drafts]
-    rows = [c for c, k in zip(batch, sizes) for _ in range(k)]  # each row's sequence
-    u = [x for c, pos, k in zip(batch, positions, sizes) for x in c.uniforms(pos + 1, k)]  # each row's number
-    chosen = _verify_free_op(batch, drafts, positions, rows, u)
-    logits = None
-    if chosen is None:
+    chosen = _verify_free_op(batch, drafts, positions)
+    if chosen is not None:  # best[i]: the token after the pending one and d[:i]
+        kept = [num_kept(d, best) for d, best in zip(drafts, chosen)]
+        accepted = [d[:k] + [best[k]] for d, best, k in zip(drafts, chosen, kept)]
+        rows: list[torch.Tensor | None] = [None] * len(batch)
+    else:
         logits = runner.rows_logits([(c.seq_id, pos, c.tokens[-1:] + d) for c, pos, d in zip(batch, positions, drafts)])
         if logits is None:  # the general path: layers, then the head
             hs = runner.forward_many([(c.seq_id, pos, c.token_tensor(c.tokens[-1:] + d))
                                       for c, pos, d in zip(batch, positions, drafts)], 0, n)  # B x [k_b + 1, H]
             logits = model.exit_logits(torch.cat(hs) if len(hs) > 1 else hs[0], n)  # [sum (k_b + 1), V]
-        processed = process_rows(batch, logits, sizes, drafts)
-        flat = choose(processed, [c.params for c in rows], torch.tensor(u, dtype=torch.float64,
-                                                                        device=logits.device))[0].tolist()
-        chosen = [flat[at - k:at] for k, at in zip(sizes, itertools.accumulate(sizes))]
-    accepted = []
-    for c, d, pos, best, lg in zip(batch, drafts, positions, chosen, split_rows(logits, sizes) if logits is not None
-                                   else [None] * len(batch)):  # best[i]: the token after the pending one and d[:i]
-        num = num_kept(d, best)
-        accepted.append(d[:num] + [best[num]])
-        c.target_logits = None if lg is None else lg[:num + 1]  # (only a request with logprobs reads them)
-        _verified_free(c, d, pos, num, level)
+        accepted = accept(batch, [c.token_tensor(d) for c, d in zip(batch, drafts)], logits, drafts, positions)
+        rows = split_rows(logits, [len(d) + 1 for d in drafts])
+    for c, d, pos, toks, lg in zip(batch, drafts, positions, accepted, rows):
+        c.target_logits = None if lg is None else lg[:len(toks)]  # (only a request with logprobs reads them)
+        _verified_free(c, d, pos, len(toks) - 1, level)
     return accepted
 
 
@@ -344,15 +337,19 @@ def num_kept(drafts: list[int], chosen: list[int]) -> int:
     return next((i for i, t in enumerate(drafts) if t != chosen[i]), len(drafts))
 
 
-def _verify_free_op(batch: list[DecodeContext], drafts: list[list[int]], positions: list[int],
-                    rows: list[DecodeContext], u: list[float]) -> list[list[int]] | None:
+def _verify_free_op(batch: list[DecodeContext], drafts: list[list[int]],
+                    positions: list[int]) -> list[list[int]] | None:
     """``verify_free``'s choices for sequences with nothing between their logits and the token (no
     logits processor, no logprobs), in one op call (``greedy_rows``: layers, final norm, head and each
-    row's token in C++, the argmax or a sample with the row's number; the same bits as the general
-    path): ``[B][k_b + 1]``. None where it does not apply (nothing written)."""
+    row's token in C++, the argmax or a sample with the row's number; the same bits as ``accept`` on
+    the general path): ``[B][k_b + 1]``. None where it does not apply (nothing written)."""
     if any(c.processor is not None or c.params.logprobs is not None for c in batch):
         return None
-    sampling = row_sampling(rows, [[x] for x in u]) if any(not c.params.greedy for c in batch) else None
+    sampling = None
+    if any(not c.params.greedy for c in batch):  # one entry per row: its sequence's parameters and number
+        sampling = row_sampling([c for c, d in zip(batch, drafts) for _ in range(len(d) + 1)],
+                                [[x] for c, pos, d in zip(batch, positions, drafts)
+                                 for x in c.uniforms(pos + 1, len(d) + 1)])
     return batch[0].runner.greedy_rows([(c.seq_id, pos, c.tokens[-1:] + d)
                                         for c, pos, d in zip(batch, positions, drafts)], sampling)
 

@@ -238,8 +238,9 @@ def sampling_probs(logits: torch.Tensor, temperature: list[float], top_k: list[i
 
 
 def sample_pick(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """One token per row of ``probs [T, V]`` (float32, unnormalised) -> ``[T]`` (long): the first token
-    whose cumulative probability exceeds ``u [T]`` (float64 in [0, 1)) times the row's mass."""
+    """One token per row of ``probs [T, V]`` (float32, unnormalised) -> ``[T]`` (long), drawn with ``u [T]``
+    (float64 in [0, 1)) as ``sampler.pick`` defines it: a race where at most 1,024 tokens have p > 0,
+    else the first token whose cumulative probability exceeds ``u`` times the row's mass."""
     probs, u = _check(probs, F32), _check(u, torch.float64)
     if u.shape != probs.shape[:1]:
         raise ValueError(f"sample_pick: one u per row of {probs.shape[0]}, got {tuple(u.shape)}")

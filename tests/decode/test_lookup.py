@@ -290,6 +290,19 @@ def test_greedy_equals_ar_and_drafts_are_accepted(gen, strategy, adaptive):
         assert accepted > 20 and rejected > 0, (accepted, rejected)
 
 
+def lookup_runs(gen, params: list[SamplingParams]):
+    """``PROMPTS`` with ``params`` through ``lookup``, one at a time and batched: each one-at-a-time
+    output's tokens with its lookup drafts and their accepted ones, and the batched outputs' tokens."""
+    alone = [gen.generate(p, q, "lookup", spec=SPEC) for p, q in zip(PROMPTS, params)]
+    engine = Engine(gen.model, make_strategy("lookup", SPEC, gen.model.num_layers),
+                    EngineConfig(max_batch_size=3, kv_blocks=64), eos_ids=gen.eos_ids)
+    ids = [engine.add_request(p, q) for p, q in zip(PROMPTS, params)]
+    final = engine.run_to_completion()
+    level = lambda o: (o.stats.levels["lookup->final"].draft_tokens,  # noqa: E731
+                       o.stats.levels["lookup->final"].accepted_tokens)
+    return [(o.token_ids, level(o)) for o in alone], [final[r].token_ids for r in ids]
+
+
 @pytest.mark.parametrize("sampled", [False, True])
 def test_rounds_in_one_op_call_match_the_general_path(gen, monkeypatch, sampled):
     """Free-draft rounds run as rows of one fused step (``greedy_rows``: layers, head and each row's
@@ -310,14 +323,7 @@ def test_rounds_in_one_op_call_match_the_general_path(gen, monkeypatch, sampled)
     def run():
         params = [SamplingParams(max_new_tokens=30, ignore_eos=True, temperature=0.8 * sampled, seed=s)
                   for s in (1, 2)] + [SamplingParams(max_new_tokens=30, ignore_eos=True)]
-        alone = [gen.generate(p, q, "lookup", spec=SPEC) for p, q in zip(PROMPTS, params)]
-        engine = Engine(gen.model, make_strategy("lookup", SPEC, gen.model.num_layers),
-                        EngineConfig(max_batch_size=3, kv_blocks=64), eos_ids=gen.eos_ids)
-        ids = [engine.add_request(p, q) for p, q in zip(PROMPTS, params)]
-        final = engine.run_to_completion()
-        level = lambda o: (o.stats.levels["lookup->final"].draft_tokens,  # noqa: E731
-                           o.stats.levels["lookup->final"].accepted_tokens)
-        return [(o.token_ids, level(o)) for o in alone], [final[r].token_ids for r in ids]
+        return lookup_runs(gen, params)
 
     monkeypatch.setattr(LayerRunner, "greedy_rows", counted)
     fused = run()
@@ -346,14 +352,7 @@ def test_rounds_with_a_processor_take_their_logits_from_one_op_call_with_the_gen
     def run():
         params = [SamplingParams(max_new_tokens=30, ignore_eos=True, temperature=0.8, seed=s) for s in (1, 2)] + \
                  [SamplingParams(max_new_tokens=30, ignore_eos=True, presence_penalty=0.5)]
-        alone = [gen.generate(p, q, "lookup", spec=SPEC) for p, q in zip(PROMPTS, params)]
-        engine = Engine(gen.model, make_strategy("lookup", SPEC, gen.model.num_layers),
-                        EngineConfig(max_batch_size=3, kv_blocks=64), eos_ids=gen.eos_ids)
-        ids = [engine.add_request(p, q) for p, q in zip(PROMPTS, params)]
-        final = engine.run_to_completion()
-        level = lambda o: (o.stats.levels["lookup->final"].draft_tokens,  # noqa: E731
-                           o.stats.levels["lookup->final"].accepted_tokens)
-        return [(o.token_ids, level(o)) for o in alone], [final[r].token_ids for r in ids]
+        return lookup_runs(gen, params)
 
     monkeypatch.setattr(LayerRunner, "rows_logits", counted)
     fused = run()

@@ -109,7 +109,7 @@ def test_rounds_of_several_greedy_tokens_equal_one_token_rounds(model, workload,
 
 def test_rounds_of_several_sampled_tokens_equal_one_token_rounds(model, workload, monkeypatch):
     """Seeded sampled requests (temperature, top-k, top-p; greedy ones beside them) take several
-    tokens per op call with the ids and generator streams of one-token rounds: alone, batched, with
+    tokens per op call with the ids of one-token rounds (each position's own number): alone, batched, with
     EOS and token limits inside a round, under a pool small enough to preempt; and sampled, not the
     argmax (the runs differ from greedy ones)."""
     from hispec.kernels import layer_op

@@ -385,8 +385,8 @@ bool ngram_recurs(const std::vector<int64_t>& text, int64_t n) {
 //
 // ``temperature`` (empty: every row greedy, or one per row): a row with temperature > 0 samples
 // instead, from hs_sampling_probs of its logits row (that temperature, ``top_k``, ``top_p``) by
-// hs_sample_pick with ``uniforms[b, s]`` ([B, steps] float64, drawn by the caller from the row's
-// generator): the token sampler.choose gives with the same logits and number.
+// hs_sample_pick with ``uniforms[b, s]`` ([B, steps] float64: the numbers of the positions it fills,
+// DecodeContext.uniforms): the token sampler.choose gives with the same logits and number.
 at::Tensor decode_steps(std::vector<int64_t> tokens, std::vector<int64_t> positions, const std::vector<int64_t>& tables,
                         int64_t block_size, const at::Tensor& cos_table, const at::Tensor& ssin_table,
                         int64_t steps, const std::vector<int64_t>& eos, const std::vector<int64_t>& history,

@@ -1,7 +1,8 @@
 /* Sampling on the CPU (hispec_kernels.h): each sampled row's distribution after temperature, top-k and
- * top-p in one pass over its logits, and one token per row by the inverse of its cumulative
- * distribution. hispec/sampling/sampler.py defines both and calls these where the library is built;
- * its PyTorch code is the same definition for other devices and for CPUs without the library. */
+ * top-p in one pass over its logits, and one token per row drawn with one uniform number (a race over
+ * a small support, else the inverse of its cumulative distribution). hispec/sampling/sampler.py defines
+ * both and calls these where the library is built; its PyTorch code is the same definition for other
+ * devices and for CPUs without the library. */
 #include "simd.h"
 
 /* Below this a float32 exp underflows (exp(-87.34) is the smallest normal float): such a token's
