@@ -13,8 +13,9 @@ A sampled token is drawn with one uniform number (``pick``: a race over a small 
 inverse of the row's distribution function), and the token a sampled sequence takes at position
 ``i`` of its text is drawn with the number ``position_uniforms(key, i, 1)`` (``key`` from the
 request's seed), whichever level or round chooses it: a plain step, a run of steps, an exit's draft,
-a verification pass (which keeps a draft when it is the token drawn there). So drafting never changes a seeded request's tokens: they are
-plain decoding's, alone or in any batch, and nothing is drawn per row but that number.
+a verification pass (which keeps a draft when it is the token drawn there). So drafting never
+changes a seeded request's tokens: they are plain decoding's, alone or in any batch, and nothing is
+drawn per row but that number.
 """
 from __future__ import annotations
 
