@@ -74,7 +74,8 @@ def test_streams_text_and_prints_stats(tiny):
     as_json = run_cli("generate", "hello", "--model", tiny, "--max-new-tokens", "10", "--ignore-eos", "--json")
     assert proc.stdout == json.loads(as_json.stdout)["text"] + "\n"  # the streamed text is the whole text
     sampled = {s: run_process("generate", "hello", "--model", tiny, "--max-new-tokens", "10", "--ignore-eos",
-                              "--stats", "--strategy", s, "--temperature", "0.8", "--seed", "1") for s in ("ar", "hispec")}
+                              "--stats", "--strategy", s, "--temperature", "0.8", "--seed", "1")
+               for s in ("ar", "hispec")}
     assert sampled["hispec"].returncode == 0 and "adaptive rounds: speculate" in sampled["hispec"].stderr
     assert sampled["hispec"].stdout == sampled["ar"].stdout  # a seed's text, whatever drafted it
 
