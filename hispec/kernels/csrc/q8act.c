@@ -177,20 +177,29 @@ static int quantize_block_avx2(const float *xb, int8_t *qb, int32_t *sum, float 
 
 /* x [T, K] float32 -> codes int8 [T, K], dx float32 [T, K/32], sx int32 [T, K/32], dxs float32 [T, K/32].
  * Each block on its own: the same bits however the blocks are split. */
+/* Where the activations go (hs_q8a_quantize's outputs) for a kernel that quantizes them itself. */
+typedef struct { int8_t *codes; float *dx; int32_t *sx; float *dxs; } q8a_scratch;
+
+/* Block i of x [T, K] (blocks in row order) into the scratch. avx2: the CPU has AVX2 and FMA. */
+static inline void quantize_at(const float *x, int64_t i, q8a_scratch q, int avx2) {
+    float amax;
+    int32_t s;
+    if (!(avx2 && quantize_block_avx2(x + i * BLOCK, q.codes + i * BLOCK, &s, &amax)))
+        amax = quantize_block(x + i * BLOCK, q.codes + i * BLOCK, &s);
+    const float d = amax / 127.0f;
+    q.dx[i] = d;
+    q.sx[i] = s;
+    q.dxs[i] = d * (float)s;
+}
+
+static int cpu_avx2_fma(void) { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }
+
 void hs_q8a_quantize(const float *x, int64_t T, int64_t K, int8_t *codes, float *dx, int32_t *sx, float *dxs) {
     const int64_t nb = K / BLOCK;
-    const int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    const int avx2 = cpu_avx2_fma();
+    const q8a_scratch q = {codes, dx, sx, dxs};
 #pragma omp parallel for schedule(static) if (T * nb >= QUANTIZE_PARALLEL_BLOCKS)
-    for (int64_t i = 0; i < T * nb; i++) {
-        float amax;
-        int32_t s;
-        if (!(avx2 && quantize_block_avx2(x + i * BLOCK, codes + i * BLOCK, &s, &amax)))
-            amax = quantize_block(x + i * BLOCK, codes + i * BLOCK, &s);
-        const float d = amax / 127.0f;
-        dx[i] = d;
-        sx[i] = s;
-        dxs[i] = d * (float)s;
-    }
+    for (int64_t i = 0; i < T * nb; i++) quantize_at(x, i, q, avx2);
 }
 
 /* ---- plain C: the definition of the arithmetic ---------------------------------------------- */
@@ -327,25 +336,37 @@ int hs_q8a_best_isa(void) {
  * and x given quantized (hs_q8a_quantize). isa: HS_Q8A_AUTO (the best this CPU has) or one path.
  * Returns the path that ran, or -1 when the CPU lacks the one asked for (nothing written) or scratch
  * memory could not be allocated (y incomplete). */
-int hs_q8a_matmul(int fmt, const uint8_t *w, const uint16_t *d, const uint16_t *m, const int8_t *codes, const float *dx,
-                  const int32_t *sx, const float *dxs, int64_t T, int64_t N, int64_t K, float *y, int isa,
-                  int parallel) {
+/* hs_q8a_matmul, with x [T, K] quantized into q first where x is given: by the SIMD paths inside
+ * their own parallel region, the threads sharing the blocks (a step's 8-16 rows quantized on one
+ * thread while the other waited took ~7% of an 8-row step's matmuls). */
+static int q8a_dispatch(int fmt, const uint8_t *w, const uint16_t *d, const uint16_t *m, const float *x, q8a_scratch q,
+                        int64_t T, int64_t N, int64_t K, float *y, int isa, int parallel) {
     if (isa == HS_Q8A_AUTO) isa = hs_q8a_best_isa();
     if (!hs_q8a_isa_supported(isa)) return -1;
     int done = 1;
     switch (isa) {
-        case HS_Q8A_AVX512VNNI: done = matmul_avx512vnni(w, d, m, fmt, codes, dx, sx, dxs, T, N, K, y, parallel); break;
+        case HS_Q8A_AVX512VNNI: done = matmul_avx512vnni(w, d, m, fmt, x, q, T, N, K, y, parallel); break;
         case HS_Q8A_VNNI256:
             if (__builtin_cpu_supports("avxvnni"))
-                done = matmul_avxvnni(w, d, m, fmt, codes, dx, sx, dxs, T, N, K, y, parallel);
+                done = matmul_avxvnni(w, d, m, fmt, x, q, T, N, K, y, parallel);
             else
-                done = matmul_vl256(w, d, m, fmt, codes, dx, sx, dxs, T, N, K, y, parallel);
+                done = matmul_vl256(w, d, m, fmt, x, q, T, N, K, y, parallel);
             break;
-        case HS_Q8A_AVX2: done = matmul_avx2(w, d, m, fmt, codes, dx, sx, dxs, T, N, K, y, parallel); break;
-        case HS_Q8A_EMULATED: done = matmul_emulated(w, d, m, fmt, codes, dx, sx, dxs, T, N, K, y, parallel); break;
-        default: scalar_matmul(w, d, m, fmt, codes, dx, sx, dxs, T, N, K, y, parallel); break;
+        case HS_Q8A_AVX2: done = matmul_avx2(w, d, m, fmt, x, q, T, N, K, y, parallel); break;
+        case HS_Q8A_EMULATED: done = matmul_emulated(w, d, m, fmt, x, q, T, N, K, y, parallel); break;
+        default:
+            if (x) hs_q8a_quantize(x, T, K, q.codes, q.dx, q.sx, q.dxs);
+            scalar_matmul(w, d, m, fmt, q.codes, q.dx, q.sx, q.dxs, T, N, K, y, parallel);
+            break;
     }
     return done ? isa : -1;
+}
+
+int hs_q8a_matmul(int fmt, const uint8_t *w, const uint16_t *d, const uint16_t *m, const int8_t *codes, const float *dx,
+                  const int32_t *sx, const float *dxs, int64_t T, int64_t N, int64_t K, float *y, int isa,
+                  int parallel) {
+    const q8a_scratch q = {(int8_t *)codes, (float *)dx, (int32_t *)sx, (float *)dxs};  /* (read only: x is NULL) */
+    return q8a_dispatch(fmt, w, d, m, NULL, q, T, N, K, y, isa, parallel);
 }
 
 /* x float32 [T, K] quantized here (scratch from the caller: codes [T, K], dx, sx, dxs [T, K/32]). */
@@ -356,10 +377,8 @@ int hs_q8a_matmul_f32(int fmt, const uint8_t *w, const uint16_t *d, const uint16
     float *dx = malloc((size_t)(T * nb) * sizeof(float)), *dxs = malloc((size_t)(T * nb) * sizeof(float));
     int32_t *sx = malloc((size_t)(T * nb) * sizeof(int32_t));
     int ran = -1;
-    if (codes && dx && dxs && sx) {
-        hs_q8a_quantize(x, T, K, codes, dx, sx, dxs);
-        ran = hs_q8a_matmul(fmt, w, d, m, codes, dx, sx, dxs, T, N, K, y, isa, parallel);
-    }
+    if (codes && dx && dxs && sx) ran = q8a_dispatch(fmt, w, d, m, x, (q8a_scratch){codes, dx, sx, dxs}, T, N, K, y, isa,
+                                                     parallel);
     free(codes);
     free(dx);
     free(dxs);
@@ -596,13 +615,20 @@ static inline __attribute__((always_inline)) void FN(rows)(vi *buf, vi *sbuf, co
 }
 
 static inline __attribute__((always_inline)) int FN(run)(const uint8_t *w, const uint16_t *d, const uint16_t *m,
-                                                          const int fmt, const int8_t *codes, const float *dx,
-                                                          const int32_t *sx, const float *dxs, int64_t T, int64_t N,
-                                                          int64_t K, float *y, int parallel) {
+                                                          const int fmt, const float *x, q8a_scratch q, int64_t T,
+                                                          int64_t N, int64_t K, float *y, int parallel) {
     const int64_t nb = K / BLOCK, row_bytes = nb * (fmt == HS_Q8A_Q8 ? 32 : 16), tiles = (N + COLS - 1) / COLS;
+    const int8_t *codes = q.codes;
+    const float *dx = q.dx, *dxs = q.dxs;
+    const int32_t *sx = q.sx;
+    const int avx2 = x ? cpu_avx2_fma() : 0;
     int failed = 0;  /* a thread's scratch could not be allocated: its tiles are not computed */
 #pragma omp parallel if (parallel)
     {
+        if (x) {  /* the activations first, block by block (hs_q8a_quantize's bits); the loop ends in a barrier */
+#pragma omp for schedule(static)
+            for (int64_t i = 0; i < T * nb; i++) quantize_at(x, i, q, avx2);
+        }
         const size_t vbytes = (size_t)(nb * 8 * TV) * sizeof(vi);
         vi *buf = aligned_alloc(64, vbytes), *sbuf = DP_VNNI ? NULL : aligned_alloc(64, vbytes);
         /* the last tile, when N is not a multiple of COLS: its columns (stored as rows) tiled here,
@@ -668,11 +694,10 @@ static inline __attribute__((always_inline)) int FN(run)(const uint8_t *w, const
 }
 
 /* 1, or 0 when scratch memory could not be allocated (y not fully written) */
-static int FN(matmul)(const uint8_t *w, const uint16_t *d, const uint16_t *m, const int fmt, const int8_t *codes,
-                      const float *dx, const int32_t *sx, const float *dxs, int64_t T, int64_t N, int64_t K, float *y,
-                      int parallel) {
-    if (fmt == HS_Q8A_Q4) return FN(run)(w, d, m, HS_Q8A_Q4, codes, dx, sx, dxs, T, N, K, y, parallel);
-    return FN(run)(w, d, m, HS_Q8A_Q8, codes, dx, sx, dxs, T, N, K, y, parallel);
+static int FN(matmul)(const uint8_t *w, const uint16_t *d, const uint16_t *m, const int fmt, const float *x,
+                      q8a_scratch q, int64_t T, int64_t N, int64_t K, float *y, int parallel) {
+    if (fmt == HS_Q8A_Q4) return FN(run)(w, d, m, HS_Q8A_Q4, x, q, T, N, K, y, parallel);
+    return FN(run)(w, d, m, HS_Q8A_Q8, x, q, T, N, K, y, parallel);
 }
 
 #undef COLS
