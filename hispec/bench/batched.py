@@ -3,8 +3,10 @@
 For each batch size the same prompts run through the continuous-batching engine once per
 strategy and round (``--rounds``, default 3; the order rotates from round to round and between
 batch sizes, after one warm-up run). A run's rate is the generated tokens of the whole run over
-its wall time; the result is the median run (the per-round seconds are kept). Greedy outputs
-are checked against the first batch size's ``ar`` outputs prompt by prompt, in every round.
+its wall time; the result is the median run (the per-round seconds are kept). Outputs are
+checked against the first batch size's ``ar`` outputs prompt by prompt, in every round: sampled
+ones too, each prompt drawing with its own seed (``--seed`` + its index, as the batch-1 bench
+gives them; a random base without ``--seed``), the same for every strategy, batch size and round.
 Peers (``--peers``) run in the same rotation: vLLM as one continuous-batching call of up to the largest batch size (static batches
 of ``b`` below it), llama.cpp at batch size 1 only (llama-cpp-python has no batched generation).
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import random
 import statistics
 import sys
 import time
@@ -28,7 +31,10 @@ def run_batch_sizes(gen, strategies: dict, prompt_ids: list[list[int]], params: 
     """``strategies``: label -> (strategy name, SpecConfig or None); ``peers``: PeerRunners (those
     without batching, llama.cpp's, run at batch size 1 only). Returns results per batch size."""
     from ..llm import LLM
+    from .runner import prompt_params
 
+    base_seed = params.seed if params.seed is not None else random.randrange(2**31)
+    own_params = [prompt_params(params, i, base_seed) for i in range(len(prompt_ids))]
     llms = {label: LLM(gen, name, spec=spec, max_batch_size=max(batch_sizes), adaptive=adaptive)
             for label, (name, spec) in strategies.items()}
     warm = prompt_ids[:min(2, len(prompt_ids))]
@@ -39,14 +45,14 @@ def run_batch_sizes(gen, strategies: dict, prompt_ids: list[list[int]], params: 
     results: dict[str, dict] = {}
     reference = None
     for round_, b in enumerate(batch_sizes):
-        runs = {label: _own(llms[label], b) for label in llms}
-        runs.update({p.label: _peer(p, b) for p in peers if p.batching or b == 1})
+        runs = {label: _own(llms[label], b, own_params) for label in llms}
+        runs.update({p.label: _peer(p, b, params) for p in peers if p.batching or b == 1})
         timed: dict[str, list] = {label: [] for label in runs}  # label -> [(seconds, token ids)] per round
         for r in range(rounds):
             labels = list(runs)
             shift = (round_ + r) % len(labels)
             for label in labels[shift:] + labels[:shift]:
-                ids, seconds = runs[label](prompt_ids, params)
+                ids, seconds = runs[label](prompt_ids)
                 timed[label].append((seconds, ids))
                 tokens = sum(len(x) for x in ids)
                 print(f"  batch {b:>2} round {r + 1}/{rounds} {label:<16} {tokens} tokens in {seconds:.1f} s"
@@ -63,10 +69,8 @@ def run_batch_sizes(gen, strategies: dict, prompt_ids: list[list[int]], params: 
             r["paired_speedup_vs_ar"] = _paired(ar_rounds, r["round_seconds"], r["tokens"], row["ar"]["tokens"]) \
                 if ar_rounds and label != "ar" else None
             every = r.pop("token_ids")  # one list per round
-            same_draws = params.greedy or params.seed is not None  # (unseeded requests draw their own seeds)
-            r["identical_to_ar"] = all(ids == reference for ids in every) if same_draws and reference else None
-            r["agreement_with_ar"] = (_agreement(every[-1], reference, agree_first)
-                                      if same_draws and reference else None)
+            r["identical_to_ar"] = all(ids == reference for ids in every) if reference else None
+            r["agreement_with_ar"] = _agreement(every[-1], reference, agree_first) if reference else None
         results[str(b)] = {label: row[label] for label in runs}  # rows in a fixed order
     if "ar" in strategies and str(batch_sizes[0]) in results and len(batch_sizes) > 1:
         base = results[str(batch_sizes[0])]["ar"]["tokens_per_second"]
@@ -95,8 +99,9 @@ def _paired(ar_seconds: list[float], seconds: list[float], tokens: int, ar_token
     return round(statistics.median(ratios), 3) if ratios else None
 
 
-def _own(llm, b: int):
-    def run(prompt_ids, params):
+def _own(llm, b: int, params: list[SamplingParams]):
+    """A run of hispec's engine at batch size ``b``, each prompt with its own parameters."""
+    def run(prompt_ids):
         llm.engine.set_max_batch_size(b)
         t0 = time.perf_counter()
         # a scope of its own per run: the same prompts' outputs of earlier rounds never draft for it
@@ -105,8 +110,9 @@ def _own(llm, b: int):
     return run
 
 
-def _peer(peer, b: int):
-    return lambda prompt_ids, params: peer.generate(prompt_ids, params, batch_size=b)
+def _peer(peer, b: int, params: SamplingParams):
+    """A peer's run (one set of parameters for every prompt: a peer's sampling is its own)."""
+    return lambda prompt_ids: peer.generate(prompt_ids, params, batch_size=b)
 
 
 def _agreement(ids: list[list[int]], reference: list[list[int]], n: int) -> dict:

@@ -57,16 +57,27 @@ def test_paired_ratios_outlast_a_machine_that_switches_speed():
 
 
 @pytest.mark.parametrize("seed", [["--seed", "4"], []])
-def test_sampled_batch_sizes_are_checked_against_ar_when_seeded(tiny_text_model_dir, tmp_path, seed):
-    """With ``--seed`` every request's draws are fixed, so each strategy's sampled outputs are ``ar``'s at
-    every batch size (checked); without one each request draws its own seed (not checked)."""
+def test_sampled_batch_sizes_are_checked_against_ar(tiny_text_model_dir, tmp_path, seed, monkeypatch):
+    """Each prompt draws with its own seed (``--seed`` + its index, or a random base), the same for every
+    strategy, batch size and round: each strategy's sampled outputs are ``ar``'s (checked), and no two
+    prompts share a seed (the same prompt twice draws twice)."""
+    from hispec.llm import LLM
+
+    seen = []
+    generate = LLM.generate
+    monkeypatch.setattr(LLM, "generate", lambda self, prompts, params=None, **kw: (
+        seen.append(params), generate(self, prompts, params, **kw))[1])
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"id": str(i), "prompt": p}) + "\n"
-                               for i, p in enumerate(["hello", "1+1=", "abc", "the cat"])))
+                               for i, p in enumerate(["hello", "1+1=", "abc", "the cat", "hello"])))
     out = tmp_path / "out"
     assert main(["bench", "--model", str(tiny_text_model_dir), "--data", str(prompts), "--strategies",
                  "ar,selfspec,hispec,lookup", "--batch-sizes", "1,4", "--max-new-tokens", "8", "--ignore-eos",
                  "--temperature", "0.9", *seed, "--rounds", "1", "--out", str(out), "--no-progress",
                  "--no-plots"]) == 0
+    runs = [p for p in seen if isinstance(p, list) and len(p) == 5]
+    seeds = [p.seed for p in runs[0]]
+    assert all([p.seed for p in run] == seeds for run in runs) and len(set(seeds)) == 5
+    assert seeds[0] == 4 or not seed
     for row in json.loads((out / "batch_results.json").read_text())["batch_sizes"].values():
-        assert all(r["identical_to_ar"] is (True if seed else None) for r in row.values())
+        assert all(r["identical_to_ar"] is True for r in row.values())
