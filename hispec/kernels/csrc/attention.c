@@ -303,9 +303,10 @@ static void attend_tile(const float *q, int64_t Hq, kv_head kp, kv_head vp, key_
  * arithmetic (emulating the instruction's with float32 multiply-adds took 3-4x as long).
  * - Scores: each query element as two bfloat16, h = bf16(x) and l = bf16(x - h) (x to ~2^-17, as
  *   float32 to 2^-24: rounded to one bfloat16, the default model's greedy tokens kept in step with
- *   float32 weights for 42 of 128 on average instead of 50, scripts/numerics.py). A key's D / 2
- *   words in 16 lanes (lane l: words l, l + 16, ... in order, each word's product with h's word,
- *   then with l's), the lanes summed by hsum16x16's tree, times scale.
+ *   float32 weights for 42 of 128 on average instead of 50, scripts/numerics.py). Keys 16 at a
+ *   time, a key a lane (the chunk transposed once for all the tile's rows, bf_transpose): a key's
+ *   score is four partial sums over its D / 2 words, p_c over the words w = c mod 4 in order (each
+ *   word's product with h's word, then with l's), added as (p_0 + p_1) + (p_2 + p_3), times scale.
  * - Values: the softmax weights rounded to bfloat16 (to nearest even); each output element over the
  *   row's keys in pairs (2u, 2u + 1) in order, key 2u + 1's product first; the key after a row's
  *   last has weight 0 (adds nothing). The weights' sum is that of the rounded weights.
@@ -345,32 +346,84 @@ static inline void prefetch_chunk(kv_head p, key_map m, int64_t j0, int64_t lmax
     }
 }
 
+/* Rows 16 x 16 of 32-bit words transposed in registers: r[i] word e -> r[e] word i (unpacks of
+ * dwords, then of qwords, then a 4 x 4 transpose of the 128-bit lanes). */
+static inline void bf_transpose16(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int g = 0; g < 16; g += 4) {  /* u[g + c], 128-bit lane L: rows g .. g + 3, word 4L + c */
+        r[g] = _mm512_unpacklo_epi64(t[g], t[g + 2]);
+        r[g + 1] = _mm512_unpackhi_epi64(t[g], t[g + 2]);
+        r[g + 2] = _mm512_unpacklo_epi64(t[g + 1], t[g + 3]);
+        r[g + 3] = _mm512_unpackhi_epi64(t[g + 1], t[g + 3]);
+    }
+    for (int c = 0; c < 4; c++) {
+        const __m512i a = r[c], b = r[4 + c], x = r[8 + c], y = r[12 + c];
+        const __m512i v0 = _mm512_shuffle_i32x4(a, b, 0x44), v1 = _mm512_shuffle_i32x4(a, b, 0xEE);
+        const __m512i v2 = _mm512_shuffle_i32x4(x, y, 0x44), v3 = _mm512_shuffle_i32x4(x, y, 0xEE);
+        t[c] = _mm512_shuffle_i32x4(v0, v2, 0x88);
+        t[4 + c] = _mm512_shuffle_i32x4(v0, v2, 0xDD);
+        t[8 + c] = _mm512_shuffle_i32x4(v1, v3, 0x88);
+        t[12 + c] = _mm512_shuffle_i32x4(v1, v3, 0xDD);
+    }
+    for (int i = 0; i < 16; i++) r[i] = t[i];
+}
+
+/* R (1 or 2) rows' scores for a chunk's 16 keys from its transposed words kt[W] (a key a lane):
+ * four partial sums per row, in registers. */
+static inline __attribute__((always_inline)) void bf_chunk_rows(const word *q0, const word *q1, const __m512i *kt,
+                                                               const int64_t W, const int R, float scale, int64_t n,
+                                                               float *s0, float *s1) {
+    __m512 p0[4], p1[4];
+    for (int c = 0; c < 4; c++) p0[c] = p1[c] = _mm512_setzero_ps();
+    for (int64_t w = 0; w < W; w += 4)
+        for (int c = 0; c < 4; c++) {
+            const __m512bh k = (__m512bh)kt[w + c];
+            p0[c] = _mm512_dpbf16_ps(p0[c], (__m512bh)_mm512_set1_epi32((int)q0[w + c]), k);
+            p0[c] = _mm512_dpbf16_ps(p0[c], (__m512bh)_mm512_set1_epi32((int)q0[W + w + c]), k);
+            if (R == 2) {
+                p1[c] = _mm512_dpbf16_ps(p1[c], (__m512bh)_mm512_set1_epi32((int)q1[w + c]), k);
+                p1[c] = _mm512_dpbf16_ps(p1[c], (__m512bh)_mm512_set1_epi32((int)q1[W + w + c]), k);
+            }
+        }
+    const __mmask16 lanes = (__mmask16)((1u << n) - 1u);
+    const __m512 sc = _mm512_set1_ps(scale);
+    _mm512_mask_storeu_ps(s0, lanes, _mm512_mul_ps(_mm512_add_ps(_mm512_add_ps(p0[0], p0[1]),
+                                                                 _mm512_add_ps(p0[2], p0[3])), sc));
+    if (R == 2)
+        _mm512_mask_storeu_ps(s1, lanes, _mm512_mul_ps(_mm512_add_ps(_mm512_add_ps(p1[0], p1[1]),
+                                                                     _mm512_add_ps(p1[2], p1[3])), sc));
+}
+
 /* scores[r * ls + j] = (q_r . k_j) * scale for the tile's rows and keys j < lmax, from the rows'
- * queries as words qw[r * D ..] (h's D / 2 words, then l's): per chunk of 16 keys, a row's 16 lane
- * sums for each key in 16 registers, summed together by hsum16x16. */
+ * queries as words qw[r * D ..] (h's D / 2 words, then l's): per chunk of 16 keys, the keys'
+ * words transposed into kt[D / 2] once, then the rows two at a time (bf_chunk_rows). */
 static inline __attribute__((always_inline)) void bf_scores(const word *qw, kv_head kp, key_map m, const int32_t *len,
                                                            int nq, int64_t G, const int64_t D, int64_t lmax,
-                                                           int64_t ls, float scale, float *scores) {
+                                                           int64_t ls, float scale, float *scores, __m512i *kt) {
     const int64_t W = D / 2;
     const word *keys[16];
     for (int64_t j0 = 0; j0 < lmax; j0 += 16) {
         int64_t n = lmax - j0 < 16 ? lmax - j0 : 16;
         chunk_rows(kp, m, j0, lmax, keys);
         prefetch_chunk(kp, m, j0 + 16, lmax);
-        for (int64_t r = 0; r < nq * G; r++) {
-            if (j0 >= len[r / G]) continue;
-            __m512 acc[16];
-            for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
-            for (int64_t c = 0; c < W; c += 16) {
-                __m512bh h = (__m512bh)_mm512_loadu_si512(qw + r * D + c);
-                __m512bh l = (__m512bh)_mm512_loadu_si512(qw + r * D + W + c);
-                for (int i = 0; i < 16; i++) {
-                    __m512bh k = (__m512bh)_mm512_loadu_si512(keys[i] + c);
-                    acc[i] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(acc[i], h, k), l, k);
-                }
-            }
-            __m512 sum = _mm512_mul_ps(hsum16x16(acc), _mm512_set1_ps(scale));
-            _mm512_mask_storeu_ps(scores + r * ls + j0, (__mmask16)((1u << n) - 1u), sum);
+        for (int64_t w0 = 0; w0 < W; w0 += 16) {
+            __m512i r[16];
+            for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_si512(keys[i] + w0);
+            bf_transpose16(r);
+            for (int i = 0; i < 16; i++) kt[w0 + i] = r[i];
+        }
+        for (int64_t r = 0; r < nq * G;) {
+            const int live = j0 < len[r / G], two = r + 1 < nq * G && j0 < len[(r + 1) / G];
+            if (live && two)
+                bf_chunk_rows(qw + r * D, qw + (r + 1) * D, kt, W, 2, scale, n, scores + r * ls + j0,
+                              scores + (r + 1) * ls + j0);
+            else if (live)
+                bf_chunk_rows(qw + r * D, NULL, kt, W, 1, scale, n, scores + r * ls + j0, NULL);
+            r += live && two ? 2 : 1;
         }
     }
 }
@@ -477,8 +530,9 @@ static void attend_tile_bf(const float *q, int64_t Hq, kv_head kp, kv_head vp, k
             qw[r * D + D / 2 + w] = bf_bits(x[2 * w] - f0) >> 16 | bf_bits(x[2 * w + 1] - f1);
         }
     }
-    if (D == 64) bf_scores(qw, kp, m, len, nq, G, 64, lmax, ls, scale, scores);
-    else bf_scores(qw, kp, m, len, nq, G, 128, lmax, ls, scale, scores);
+    __m512i *kt = (__m512i *)pairs;  /* (a chunk's transposed keys: D / 2 vectors, the size of pairs) */
+    if (D == 64) bf_scores(qw, kp, m, len, nq, G, 64, lmax, ls, scale, scores, kt);
+    else bf_scores(qw, kp, m, len, nq, G, 128, lmax, ls, scale, scores, kt);
     bf_softmax(scores, len, nq, G, ls, sum, pw, lw);
     if (D == 64) bf_values(pw, lw, vp, m, len, nq, G, 64, lmax, acc, pairs);
     else bf_values(pw, lw, vp, m, len, nq, G, 128, lmax, acc, pairs);
