@@ -244,6 +244,8 @@ def _bench_batch_sizes(args, gen, strategies, prompts, params, batch_sizes, out:
             "peers": {p.label: p.describe() | {"available": p.unavailable is None, "reason": p.unavailable}
                       for p in peers},
             "max_new_tokens": params.max_new_tokens, "adaptive": not args.no_adaptive, "rounds": args.rounds,
+            "sampling": {"temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p,
+                         "seed": params.seed, "stop": list(params.stop), "ignore_eos": params.ignore_eos},
             "commit": git_commit(),
             "command": "hispec " + portable_command(sys.argv[1:])}
     return write_batch_outputs(results, meta, out, plots=not args.no_plots)

@@ -191,7 +191,7 @@ def _from_batch(data: dict, source: str) -> list[Comparison]:
         out.append(Comparison(_machine(data.get("machine")), int(b), rows, prompts=data.get("num_prompts"),
                               max_new_tokens=data.get("max_new_tokens"), rounds=data.get("rounds"),
                               command=data.get("command"), adaptive=data.get("adaptive"),
-                              **_provenance(data, source)))
+                              sampling=_sampling(data.get("sampling")), **_provenance(data, source)))
     return out
 
 

@@ -154,6 +154,22 @@ def test_batch_results_give_one_comparison_per_batch_size(tmp_path):
     assert "median of 3 interleaved rounds" in summary.render(comparisons, ["x"])
 
 
+def test_sampled_batch_runs_are_other_comparisons(tmp_path):
+    """A batched run records its sampling; a sampled one is its own comparison, titled so."""
+    row = {"tokens": 64, "seconds": 1.0, "round_seconds": [1.0], "adaptive": None, "identical_to_ar": True}
+    meta = {"machine": {"cpu": "Test CPU", "threads": 2, "cpu_count": 2}, "model": "default", "num_prompts": 4,
+            "weights": "float32", "peers": {}, "max_new_tokens": 16, "adaptive": True, "rounds": 3, "commit": None,
+            "command": "hispec bench --batch-sizes 8"}
+    for name, day, temperature in (("greedy", "03", 0.0), ("sampled", "04", 0.7)):
+        results = {"8": {"ar": row | {"tokens_per_second": 20.0 + temperature, "speedup_vs_ar": 1.0}}}
+        sampling = {"temperature": temperature, "top_k": 0, "top_p": 0.9, "seed": None}
+        write_batch_outputs(results, meta | {"created": f"2026-12-{day}T10:00:00+0000", "sampling": sampling},
+                            tmp_path / name, plots=False)
+    shown = summary.latest([c for f in summary.result_files([tmp_path]) for c in summary.read(f)])
+    assert {c.sampling: c.rows[0].tokens_per_second for c in shown} == {None: 20.0, "temperature 0.7, top-p 0.9": 20.7}
+    assert "### Batch 8, sampled: ar" in summary.render(shown, ["x"])
+
+
 @pytest.mark.parametrize("text", ["no markers", f"{summary.END}\n{summary.START}",
                                   f"{summary.START}{summary.START}{summary.END}"])
 def test_markers_must_be_there_once_and_in_order(text):
