@@ -63,9 +63,9 @@ static inline int64_t key_run(key_map m, int64_t j0, int64_t lmax, int64_t *n) {
 }
 
 /* The slots of keys j0 .. j0 + n - 1 (n <= 16) into slots[]: a run of consecutive slots per block
- * they span (key_run), so one division per block instead of one per key (with a block size known
- * only at run time, each is an integer division: 4 per key and chunk of 16 keys took a fifth of a
- * verification window's attention). */
+ * they span (key_run), so one division per block instead of one per key (the block size is known
+ * only at run time: an integer division each; the bfloat16 path took four per key, and decode steps
+ * took 1.04-1.06x as long). */
 static inline void chunk_slots(key_map m, int64_t j0, int64_t n, int64_t *slots) {
     for (int64_t i = 0, run; i < n; i += run) {
         const int64_t first = key_run(m, j0 + i, j0 + n, &run);
@@ -304,7 +304,7 @@ static void attend_tile(const float *q, int64_t Hq, kv_head kp, kv_head vp, key_
  * - Scores: each query element as two bfloat16, h = bf16(x) and l = bf16(x - h) (x to ~2^-17, as
  *   float32 to 2^-24: rounded to one bfloat16, the default model's greedy tokens kept in step with
  *   float32 weights for 42 of 128 on average instead of 50, scripts/numerics.py). Keys 16 at a
- *   time, a key a lane (the chunk transposed once for all the tile's rows, bf_transpose): a key's
+ *   time, a key a lane (the chunk transposed once for all the tile's rows, bf_transpose16): a key's
  *   score is four partial sums over its D / 2 words, p_c over the words w = c mod 4 in order (each
  *   word's product with h's word, then with l's), added as (p_0 + p_1) + (p_2 + p_3), times scale.
  * - Values: the softmax weights rounded to bfloat16 (to nearest even); each output element over the

@@ -175,8 +175,6 @@ static int quantize_block_avx2(const float *xb, int8_t *qb, int32_t *sum, float 
  * (a few dozen rows at most, ~20 ns a block: less than the threads' start). */
 #define QUANTIZE_PARALLEL_BLOCKS 1024
 
-/* x [T, K] float32 -> codes int8 [T, K], dx float32 [T, K/32], sx int32 [T, K/32], dxs float32 [T, K/32].
- * Each block on its own: the same bits however the blocks are split. */
 /* Where the activations go (hs_q8a_quantize's outputs) for a kernel that quantizes them itself. */
 typedef struct { int8_t *codes; float *dx; int32_t *sx; float *dxs; } q8a_scratch;
 
@@ -194,6 +192,8 @@ static inline void quantize_at(const float *x, int64_t i, q8a_scratch q, int avx
 
 static int cpu_avx2_fma(void) { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }
 
+/* x [T, K] float32 -> codes int8 [T, K], dx float32 [T, K/32], sx int32 [T, K/32], dxs float32 [T, K/32].
+ * Each block on its own: the same bits however the blocks are split. */
 void hs_q8a_quantize(const float *x, int64_t T, int64_t K, int8_t *codes, float *dx, int32_t *sx, float *dxs) {
     const int64_t nb = K / BLOCK;
     const int avx2 = cpu_avx2_fma();
@@ -332,10 +332,6 @@ int hs_q8a_best_isa(void) {
     return HS_Q8A_SCALAR;
 }
 
-/* y [T, N] float32 = x @ W^T for W of format fmt (HS_Q8A_Q4: w = qs, d, m; HS_Q8A_Q8: w = q, d, m unused)
- * and x given quantized (hs_q8a_quantize). isa: HS_Q8A_AUTO (the best this CPU has) or one path.
- * Returns the path that ran, or -1 when the CPU lacks the one asked for (nothing written) or scratch
- * memory could not be allocated (y incomplete). */
 /* hs_q8a_matmul, with x [T, K] quantized into q first where x is given: by the SIMD paths inside
  * their own parallel region, the threads sharing the blocks (a step's 8-16 rows quantized on one
  * thread while the other waited took ~7% of an 8-row step's matmuls). */
@@ -362,6 +358,10 @@ static int q8a_dispatch(int fmt, const uint8_t *w, const uint16_t *d, const uint
     return done ? isa : -1;
 }
 
+/* y [T, N] float32 = x @ W^T for W of format fmt (HS_Q8A_Q4: w = qs, d, m; HS_Q8A_Q8: w = q, d, m unused)
+ * and x given quantized (hs_q8a_quantize). isa: HS_Q8A_AUTO (the best this CPU has) or one path.
+ * Returns the path that ran, or -1 when the CPU lacks the one asked for (nothing written) or scratch
+ * memory could not be allocated (y incomplete). */
 int hs_q8a_matmul(int fmt, const uint8_t *w, const uint16_t *d, const uint16_t *m, const int8_t *codes, const float *dx,
                   const int32_t *sx, const float *dxs, int64_t T, int64_t N, int64_t K, float *y, int isa,
                   int parallel) {
