@@ -244,10 +244,6 @@ def _committed(num: torch.Tensor, token: torch.Tensor, proposed: list[torch.Tens
     return out
 
 
-def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
-    return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
-
-
 def verify_tree(batch: list[DecodeContext], trees: list[DraftTree], roots: list[int], inputs: list[torch.Tensor],
                 from_layer: int, to_layer: int, level: str, prefixes: list[list[int]]) -> list[Verdict]:
     """``verify`` for token trees (``decode/tree.py``): every node of ``trees[b]`` (its flat order
