@@ -12,6 +12,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <time.h>
 
 #include "hispec_kernels.h"
@@ -39,6 +40,38 @@ static uint16_t half_bits(float v) {
     return (uint16_t)((b >> 16 & 0x8000u) | (((b >> 23 & 255u) - 112u) << 10) | (b >> 13 & 1023u));
 }
 
+/* The weights and activations, as the decode op finds them: in transparent huge pages (2 MiB) where
+ * Linux gives them (hispec/kernels/hugepages.py moves a loaded model's tensors into such an arena; on
+ * 4 KiB pages every 4 KiB of the stream is a TLB miss and the hardware prefetchers stop at each
+ * page's end). A bump allocator over one mapping advised MADV_HUGEPAGE, 64-byte aligned; malloc where
+ * the mapping fails or HUGE=0 is set in the environment. */
+static char *arena, *arena_end;
+
+static void *alloc(size_t n) {
+    n = (n + 63) / 64 * 64;
+    if (arena && arena + n <= arena_end) {
+        void *p = arena;
+        arena += n;
+        return p;
+    }
+    return malloc(n);
+}
+
+static void arena_init(size_t bytes) {
+    const char *env = getenv("HUGE");
+    if (env && env[0] == '0') return;
+    const size_t huge = (size_t)2 << 20;
+    bytes = (bytes + 2 * huge) / huge * huge;
+    char *p = mmap(NULL, bytes + huge, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) return;
+    char *start = (char *)(((uintptr_t)p + huge - 1) / huge * huge);
+#ifdef MADV_HUGEPAGE
+    madvise(start, bytes, MADV_HUGEPAGE);
+#endif
+    arena = start;
+    arena_end = start + bytes;
+}
+
 static uint32_t rng = 12345;
 static uint32_t next(void) { return rng = rng * 1664525u + 1013904223u; }
 
@@ -60,24 +93,28 @@ int main(int argc, char **argv) {
         nrows++;
     }
     const int nk = argc - 14;
+    /* the arena: per weight of n values n / 2 bytes of codes, n / 4 of float32 scales, n / 8 of float16 ones */
+    size_t bytes = (size_t)hn * (size_t)hk * 2 + (size_t)maxt * ((size_t)maxk + (size_t)(hn > 4096 ? hn : 4096)) * 4;
+    for (int j = 0; j < 4; j++) bytes += (size_t)layers * (size_t)N[j] * (size_t)K[j];
+    arena_init(bytes + (size_t)(layers * 4 + 8) * 128);
     uint8_t **qs = malloc(sizeof *qs * (size_t)(layers * 4));
     float **dm = malloc(sizeof *dm * (size_t)(layers * 4));
     uint16_t **hm = malloc(sizeof *hm * (size_t)(layers * 4));  /* the same scales in float16, for q8a */
     for (int i = 0; i < layers * 4; i++) {
         const size_t n = (size_t)N[i % 4] * (size_t)K[i % 4], nb = n / 32;
-        qs[i] = malloc(n / 2);
-        dm[i] = malloc(2 * nb * sizeof(float));
+        qs[i] = alloc(n / 2);
+        dm[i] = alloc(2 * nb * sizeof(float));
         for (size_t b = 0; b < n / 2; b++) qs[i][b] = (uint8_t)next();
         for (size_t b = 0; b < nb; b++) dm[i][b] = 1e-3f + (float)(next() % 100) * 2e-4f, dm[i][nb + b] = -1e-2f;
-        hm[i] = malloc(2 * nb * sizeof(uint16_t));
+        hm[i] = alloc(2 * nb * sizeof(uint16_t));
         for (size_t b = 0; b < 2 * nb; b++) hm[i][b] = half_bits(dm[i][b]);
     }
     const size_t hsize = (size_t)hn * (size_t)hk;
-    int8_t *hq = malloc(hsize);
-    float *hd = malloc(hsize / 32 * sizeof(float)), *x = malloc((size_t)maxt * (size_t)maxk * sizeof(float)),
-          *y = malloc((size_t)maxt * (size_t)(hn > 4096 ? hn : 4096) * sizeof(float));
+    int8_t *hq = alloc(hsize);
+    float *hd = alloc(hsize / 32 * sizeof(float)), *x = alloc((size_t)maxt * (size_t)maxk * sizeof(float)),
+          *y = alloc((size_t)maxt * (size_t)(hn > 4096 ? hn : 4096) * sizeof(float));
     for (size_t i = 0; i < hsize; i++) hq[i] = (int8_t)next();
-    uint16_t *hhd = malloc(hsize / 32 * sizeof(uint16_t));
+    uint16_t *hhd = alloc(hsize / 32 * sizeof(uint16_t));
     for (size_t i = 0; i < hsize / 32; i++) hd[i] = 1e-3f, hhd[i] = half_bits(hd[i]);
     for (int i = 0; i < maxt * maxk; i++) x[i] = (float)((int)(next() % 2001) - 1000) * 1e-3f;
     double *t = malloc(sizeof *t * (size_t)(nk * nrows * repeats)), *th = malloc(sizeof *th * (size_t)(nk * nrows * repeats));

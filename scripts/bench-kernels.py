@@ -26,6 +26,9 @@ cores, OpenMP's spinning threads wait out each other's time slices (steps ~10x s
 kernel alike); ``OMP_WAIT_POLICY=passive`` avoids that, but on a quiet machine it doubles every
 step (threads put to sleep between the calls: q4 12.1 ms instead of 5.5 on a Zen 4), so time quiet.
 The weights are random bytes, so their layout (``q8a``'s tiles) does not matter to the timing.
+The C driver keeps the weights in transparent huge pages, as the decode op finds a loaded model's
+(``kernels/hugepages.py``; ``HUGE=0`` in the environment: where ``malloc`` puts them). On a Zen 4 with
+2 threads a one-row step took ~2.6 ms there and ~3.0 on 4 KiB pages.
 
 Prints, per kernel and row count, the median ms of one step's matmuls (the kernels and rows are
 interleaved within each repeat, so a busy machine slows all alike) and the ratio to one row.
