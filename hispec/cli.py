@@ -199,6 +199,10 @@ def print_stats_table(stats, tokens: int, seconds: float, file, kernels: str | N
         lines.append("  adaptive rounds: " + ", ".join(f"{m} {n}" for m, n in d["modes"].items())
                      + f" (the controller's measured tokens/s per mode at this batch size: {rates}; "
                        "--no-adaptive to always speculate)")
+    if d.get("free_gain") is not None or d.get("free_skips"):
+        gain = f"{d['free_gain']:.2f}x" if d.get("free_gain") is not None else "not measured"
+        lines.append(f"  free-draft rounds: {gain} a plain step's tokens/s at this batch size (measured); skipped on "
+                     f"{d.get('free_skips', 0)} steps where they measured slower")
     if d["verification_wall"] is not None:
         lines.append(f"  verification wall: {d['verification_wall']:.2f} (full-verify s/token / draft s/token)")
     print("\n".join(lines), file=file)

@@ -87,6 +87,10 @@ class DecodeStats:
     # the tokens/s it had measured for each mode at this batch size when it last chose (why it chose)
     modes: dict[str, int] = field(default_factory=dict)
     mode_rates: dict[str, float] = field(default_factory=dict)
+    # free-draft rounds: steps that skipped them because they measured slower than plain steps at the
+    # batch size, and their measured gain (tokens/s over a plain step's) when last taken
+    free_skips: int = 0
+    free_gain: float | None = None
 
     def count_round(self, kind: str) -> None:
         self.rounds[kind] = self.rounds.get(kind, 0) + 1
@@ -111,6 +115,8 @@ class DecodeStats:
         self.draft_forward_tokens += other.draft_forward_tokens
         self.plain_steps += other.plain_steps
         self.lookup_stops += other.lookup_stops
+        self.free_skips += other.free_skips
+        self.free_gain = other.free_gain if other.free_gain is not None else self.free_gain
         for kind, n in other.rounds.items():
             self.rounds[kind] = self.rounds.get(kind, 0) + n
         for mode, n in other.modes.items():
@@ -132,6 +138,8 @@ class DecodeStats:
             "rounds": dict(self.rounds),
             "modes": dict(self.modes),
             "mode_rates": {m: round(r, 2) for m, r in self.mode_rates.items()},
+            "free_skips": self.free_skips,
+            "free_gain": None if self.free_gain is None else round(self.free_gain, 3),
             "mean_accepted_length": round(self.mean_accepted_length, 4),
             "levels": {name: lv.to_dict() for name, lv in self.levels.items()},
             "phase_seconds": {k: round(v, 6) for k, v in self.phase_seconds.items()},

@@ -286,13 +286,37 @@ class Engine:
         return [commits.get(s) for s in running]
 
     def _decode_round(self, running: list[Sequence]) -> list[list[int]]:
-        """Free drafts where the strategy has some worth verifying (``Strategy.free_round``);
-        else the strategy's round or, where measured speculation does not pay, a plain one."""
+        """Free drafts where the strategy has some worth verifying (``Strategy.free_round``) and
+        measured free rounds pay at this batch size (``FreeRoundGate``); else the strategy's round
+        or, where measured speculation does not pay, a plain one."""
         batch = [s.ctx for s in running]
         cost = self.adaptive.row_cost if self.adaptive is not None else None
         free_round = getattr(self.strategy, "free_round", None)  # a wrapper may have none
-        commits = free_round(batch, cost) if free_round is not None else None
+        commits = self._free_round(free_round, batch, cost) if free_round is not None else None
         return commits if commits is not None else self._step_round(batch, cost)
+
+    def _free_round(self, free_round, batch: list[DecodeContext], cost) -> list[list[int]] | None:
+        """``free_round(batch, cost)``, timed for the adaptive controller's gate, or None (without
+        calling it) where the gate finds free rounds slower than plain steps at this batch size: then
+        no plain run of several steps stops early for drafts (``DecodeContext.lookup_stop``)."""
+        if self.adaptive is None:
+            return free_round(batch, cost)
+        gate = self.adaptive.free
+        if not gate.allows(len(batch)):
+            for c in batch:
+                c.lookup_stop = 0
+                c.stats.free_skips += 1
+            return None
+        t0 = time.perf_counter()
+        commits = free_round(batch, cost)
+        if commits is not None:
+            if self.model.device.type == "cuda":
+                torch.cuda.synchronize(self.model.device)
+            gate.record(len(batch), sum(map(len, commits)), time.perf_counter() - t0, cost.plain.get(len(batch)))
+            gain = gate.gain_at(len(batch))
+            for c in batch:
+                c.stats.free_gain = gain
+        return commits
 
     def _step_round(self, batch: list[DecodeContext], cost) -> list[list[int]]:
         """The strategy's round or a plain one, as the adaptive controller chooses."""

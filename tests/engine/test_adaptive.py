@@ -86,3 +86,58 @@ def test_its_report_shows_only_the_modes_it_measured():
     assert ctl.choose(1) == SPECULATE
     ctl.record(1, SPECULATE, 10, 0.1)
     assert ctl.to_dict()["tokens_per_second"] == {"batch<=1:speculate": 100.0}
+
+
+# ---- free-draft rounds: taken while they measure at least as fast as plain steps ----------------
+def gate_rounds(gate, gain: float, steps: int, batch_size: int = 8, plain_seconds: float = 0.01) -> list[bool]:
+    """Drive ``gate`` for ``steps`` steps whose free rounds (where allowed) commit ``gain`` times the
+    tokens a plain step makes in the same time; whether each step took one."""
+    taken = []
+    for _ in range(steps):
+        ok = gate.allows(batch_size)
+        if ok:
+            gate.record(batch_size, tokens=round(gain * batch_size * 10), seconds=10 * plain_seconds,
+                        plain_seconds=plain_seconds)
+        taken.append(ok)
+    return taken
+
+
+def test_free_rounds_that_lose_are_skipped_after_their_warm_up_and_re_measured_less_often():
+    from hispec.engine.adaptive import FreeRoundGate
+    gate = FreeRoundGate(warmup=4, explore_every=5, max_backoff=4)
+    taken = gate_rounds(gate, 0.8, 4 + 80)
+    assert taken[:4] == [True] * 4 and not any(taken[4:8]) and taken[8]  # measured, skipped, tried again
+    tries = [i for i, t in enumerate(taken) if t][4:]
+    assert [b - a for a, b in zip(tries, tries[1:])][:3] == [10, 20, 20]  # 5 skips, then 10, then 20 (capped)
+    assert gate.gain_at(8) < 1 and gate.skipped[3] > 0
+
+
+def test_free_rounds_that_pay_are_always_taken_and_buckets_are_apart():
+    from hispec.engine.adaptive import FreeRoundGate
+    gate = FreeRoundGate(warmup=2)
+    assert all(gate_rounds(gate, 1.6, 50, batch_size=1))
+    gate_rounds(gate, 0.7, 10, batch_size=8)
+    assert gate.allows(1) and not gate.allows(8)
+    assert gate.to_dict() == {"batch<=1": 1.6, "batch<=8": 0.7}
+
+
+def test_free_round_gain_weighs_rounds_by_their_time():
+    """Many short rounds that barely lose do not outweigh a few long ones that commit much more."""
+    from hispec.engine.adaptive import FreeRoundGate
+    gate = FreeRoundGate(warmup=1, decay=1.0)
+    for _ in range(6):  # each 1 plain step long, 0.9 of its tokens
+        gate.record(1, tokens=9, seconds=0.01, plain_seconds=0.001)
+    gate.record(1, tokens=60, seconds=0.02, plain_seconds=0.001)  # 20 plain steps long, 3x its tokens
+    assert gate.gain_at(1) == (6 * 9 + 60) / (6 * 10 + 20) > 1
+    assert gate.allows(1)
+
+
+def test_a_free_round_gain_change_is_followed_and_resets_the_backoff():
+    from hispec.engine.adaptive import FreeRoundGate
+    gate = FreeRoundGate(warmup=2, explore_every=3, max_backoff=8, decay=0.0)
+    gate_rounds(gate, 0.5, 60)
+    assert gate._backoff[3] == 8
+    taken = gate_rounds(gate, 1.5, 60)
+    first = taken.index(True)
+    assert first < 3 * 8 and all(taken[first:])  # found at the next try, then taken at every step
+    assert gate._backoff[3] == 1

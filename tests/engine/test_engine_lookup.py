@@ -136,3 +136,30 @@ def test_sampled_requests_without_drafts_ride_along_in_the_lookup_pass(model, st
     if strategy == "hispec":
         rode = outs[ids[2]].stats
         assert rode.rounds.get("plain", 0) > rode.plain_steps, (rode.rounds, rode.plain_steps)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_free_rounds_the_gate_finds_slower_are_skipped_and_the_output_stays(model, strategy):
+    """With free rounds measured slower than plain steps at a batch size (``FreeRoundGate``), the engine
+    skips them until the gate's next try: no lookup rounds, no plain run cut short for drafts, the
+    skips counted in the statistics, and every output still ``ar``'s. Measured faster, they run."""
+    rng = random.Random(6)
+    prompts = [repeating(rng, 5, 30), repeating(rng, 7, 35), [rng.randrange(3, 128) for _ in range(8)]]
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    gen = Generator(model)
+    want = [gen.generate(p, params, "ar").token_ids for p in prompts]
+    engine = engine_for(model, strategy, True)
+    gate = engine.adaptive.free
+    for b in range(4):  # every batch size up to the engine's four: measured, and slower than plain
+        for _ in range(gate.warmup):
+            gate.record(2 ** b, tokens=1, seconds=1.0, plain_seconds=0.01)
+    gate.explore_every = 10 ** 6
+    ids = [engine.add_request(p, params) for p in prompts]
+    outs = engine.run_to_completion()
+    assert [outs[i].token_ids for i in ids] == want
+    assert lookup_rounds(outs.values()) == 0 and all(o.stats.free_skips > 0 for o in outs.values())
+    assert sum(o.stats.lookup_stops for o in outs.values()) == 0
+    fresh = engine_for(model, strategy, True)
+    ids = [fresh.add_request(p, params) for p in prompts]
+    outs = fresh.run_to_completion()
+    assert [outs[i].token_ids for i in ids] == want and lookup_rounds(outs.values()) > 0
