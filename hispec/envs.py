@@ -51,6 +51,9 @@ VARIABLES: dict[str, Var] = {
     "HISPEC_HUGE_PAGES": Var("1", _on, "`0`: weights and the KV cache in ordinary 4 KiB pages instead of "
                                        "transparent huge pages (Linux)"),
     "HISPEC_PREPACK": Var("1", _on, "`0`: no packed weight copies for the float32 panel kernel"),
+    "HISPEC_FREE_ROUND_GATE": Var("1", _on, "`0`: adaptive decoding takes free-draft rounds wherever the cost "
+                                            "model picks drafts, also at a batch size where they measured "
+                                            "slower than plain steps (the tests' setting)"),
     "HISPEC_BATCH_MATMUL": Var(None, _choice, "`panel` or `onednn`: force the float32 matmul of batched rows "
                                               "instead of timing"),
     "HISPEC_SMALL_MATMUL": Var(None, _choice, "`wxt`, `linear` or `panel`: force the float32 matmul of one or "

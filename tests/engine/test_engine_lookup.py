@@ -139,7 +139,7 @@ def test_sampled_requests_without_drafts_ride_along_in_the_lookup_pass(model, st
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_free_rounds_the_gate_finds_slower_are_skipped_and_the_output_stays(model, strategy):
+def test_free_rounds_the_gate_finds_slower_are_skipped_and_the_output_stays(model, strategy, monkeypatch):
     """With free rounds measured slower than plain steps at a batch size (``FreeRoundGate``), the engine
     skips them until the gate's next try: no lookup rounds, no plain run cut short for drafts, the
     skips counted in the statistics, and every output still ``ar``'s. Measured faster, they run."""
@@ -148,6 +148,7 @@ def test_free_rounds_the_gate_finds_slower_are_skipped_and_the_output_stays(mode
     params = SamplingParams(max_new_tokens=24, ignore_eos=True)
     gen = Generator(model)
     want = [gen.generate(p, params, "ar").token_ids for p in prompts]
+    monkeypatch.setenv("HISPEC_FREE_ROUND_GATE", "1")
     engine = engine_for(model, strategy, True)
     gate = engine.adaptive.free
     for b in range(4):  # every batch size up to the engine's four: measured, and slower than plain
@@ -159,6 +160,7 @@ def test_free_rounds_the_gate_finds_slower_are_skipped_and_the_output_stays(mode
     assert [outs[i].token_ids for i in ids] == want
     assert lookup_rounds(outs.values()) == 0 and all(o.stats.free_skips > 0 for o in outs.values())
     assert sum(o.stats.lookup_stops for o in outs.values()) == 0
+    monkeypatch.setenv("HISPEC_FREE_ROUND_GATE", "0")  # (a fresh gate could measure these rounds slower)
     fresh = engine_for(model, strategy, True)
     ids = [fresh.add_request(p, params) for p in prompts]
     outs = fresh.run_to_completion()
