@@ -15,9 +15,9 @@ one draft per position. The controller then weighs the three (trees pay only whe
 rows are cheap: ``decode/tree.py``), re-measuring the losers in turn.
 
 Free-draft rounds (prompt lookup, the suffix cache) are weighed the same way (``FreeRoundGate``):
-each one's tokens per second against a plain step's at its batch size; where they measure slower
-(at batch 8, sampled, on 2 Zen 4 cores: one sequence of eight drafting ~2 tokens, 62% accepted, in
-a pass that cost more than they saved) the engine skips them, re-measuring now and then.
+the tokens they commit against those plain steps at their batch size would make in the same time;
+where they measure slower (at batch 8 on 2 Zen 4 cores: mostly one sequence of eight drafting ~2
+tokens, in a pass that cost more than they saved) the engine skips them, re-measuring now and then.
 """
 from __future__ import annotations
 
@@ -77,7 +77,7 @@ class FreeRoundGate:
     their measured costs (``lookup.choose_drafts``); this catches what that model leaves out (the
     Python of a round, the plain runs it cuts short): at batch 8 on 2 Zen 4 cores, rounds where one
     sequence of eight drafted ~2 tokens cost more than they saved (0.92x a plain step's tokens/s
-    greedy, 0.76x sampled), while at batch 1 they made 1.4x."""
+    greedy, 0.76-0.81x sampled), while at batch 1 they made 1.1-2.7x by category."""
 
     warmup: int = 8
     explore_every: int = 24
