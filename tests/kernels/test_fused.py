@@ -125,7 +125,9 @@ def test_paged_attention_matches_eager_and_is_per_query(head_dim):
                                   # a window of 2, 5 or 7 over 3 KV heads on 2 threads: its tile halved
                                   dict(starts=[37], counts=[5], hq=6, hkv=3, d=64),
                                   dict(starts=[20], counts=[2], hq=6, hkv=3, d=64),
-                                  dict(starts=[100], counts=[7], hq=6, hkv=3, d=64)])
+                                  dict(starts=[100], counts=[7], hq=6, hkv=3, d=64),
+                                  # a prompt chunk of three query tiles
+                                  dict(starts=[5], counts=[70], hq=6, hkv=3, d=64)])
 def test_parallel_attention_equals_serial(monkeypatch, case, kv_dtype):
     batch, pool, q = paged_case(**case)
     k, v = pool.k[0].to(kv_dtype), pool.v[0].to(kv_dtype)
@@ -192,6 +194,20 @@ def test_paged_attention_over_a_bfloat16_pool(head_dim, bs):
             assert torch.equal(single.view(1, *q.shape[1:]), out[row:row + 1])
     with pytest.raises(TypeError):  # one dtype for K and V
         fused.paged_attention(q, kb, vb.float(), batch.kernel(), torch.float32)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_a_chunk_of_several_query_tiles_gives_each_query_its_own_bits(kv_dtype):
+    """A prompt chunk of 70 queries spans several query tiles (the kernel takes up to 32 a tile):
+    the queries on either side of each tile's edge give the bits they give alone."""
+    batch, pool, q = paged_case([5], [70], d=64)
+    k, v = pool.k[0].to(kv_dtype), pool.v[0].to(kv_dtype)
+    out = fused.paged_attention(q, k, v, batch.kernel(), torch.float32).view_as(q)
+    for j in (0, 1, 30, 31, 32, 33, 63, 64, 69):
+        alone, _, _ = paged_case([5 + j], [1], d=64)
+        alone.kernel().tables.copy_(batch.kernel(0).tables[:, :alone.kernel().tables.shape[1]])
+        single = fused.paged_attention(q[j:j + 1], k, v, alone.kernel(), torch.float32)
+        assert torch.equal(single.view(1, *q.shape[1:]), out[j:j + 1]), j
 
 
 @pytest.mark.parametrize("head_dim", [16, 64, 128])
