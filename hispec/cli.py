@@ -46,7 +46,9 @@ def register_generate(sub) -> None:
     p = sub.add_parser("generate", help="generate text (streams to stdout)",
                        description="Generate a continuation; output is identical across strategies at "
                                    "temperature 0.")
-    p.add_argument("prompt", nargs="?", help="the prompt (or use --prompts FILE)")
+    p.add_argument("prompt", nargs="?", help="the prompt (or use --prompt TEXT, or --prompts FILE)")
+    # (without it argparse took --prompt as short for --prompts and read the text as a file name)
+    p.add_argument("-p", "--prompt", dest="prompt_text", metavar="TEXT", help="the prompt, as an option")
     p.add_argument("--prompts", metavar="FILE", help="JSONL prompts: Spec-Bench form, {'id', 'prompt'}, GSM8K {'question'} or {'prompt_ids'}")
     add_strategy_option(p)
     p.add_argument("--chat", dest="chat", action="store_true", default=None,
@@ -71,8 +73,12 @@ def register_generate(sub) -> None:
 
 
 def cmd_generate(args) -> int:
+    if args.prompt is not None and args.prompt_text is not None:
+        raise UsageError("give the prompt once: as PROMPT or as --prompt TEXT")
+    if args.prompt_text is not None:
+        args.prompt = args.prompt_text
     if (args.prompt is None) == (args.prompts is None):
-        raise UsageError("give either a PROMPT or --prompts FILE")
+        raise UsageError("give either a PROMPT (or --prompt TEXT) or --prompts FILE")
     params = sampling_from_args(args)
     check_engine_args(args, max_batch_size="batch_size")
     prompts = None

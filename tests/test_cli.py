@@ -176,6 +176,20 @@ def test_no_prompt_given(tiny):
     assert_clean_error(run_cli("generate", "--model", tiny), "PROMPT")
 
 
+def test_prompt_as_an_option_is_text_not_a_file(tiny):
+    """``--prompt TEXT`` (and ``-p``) is the prompt itself, as the positional is: argparse used to
+    take ``--prompt`` as short for ``--prompts`` and look for a file named by the text."""
+    args = ("--model", tiny, "--max-new-tokens", "4", "--ignore-eos", "--json", "--strategy", "ar")
+    positional = run_cli("generate", "hello there", *args)
+    assert positional.returncode == 0, positional.stderr
+    for flag in ("--prompt", "-p"):
+        proc = run_cli("generate", flag, "hello there", *args)
+        assert proc.returncode == 0, proc.stderr
+        assert json.loads(proc.stdout)["token_ids"] == json.loads(positional.stdout)["token_ids"]
+    assert_clean_error(run_cli("generate", "hi", "--prompt", "hello", "--model", tiny), "once")
+    assert_clean_error(run_cli("generate", "--prompt", "hi", "--prompts", "f.jsonl", "--model", tiny), "either")
+
+
 def test_cuda_requested_without_gpu(tiny):
     import torch
 
