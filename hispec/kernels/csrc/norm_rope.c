@@ -58,6 +58,15 @@ void hs_silu_mul(const void *gu, int in_bf, int64_t T, int64_t I, void *out, int
         for (int64_t t = 0; t < T; t++) {
             load_row(gu, in_bf, t * 2 * I, 2 * I, g);
             int64_t i = 0;
+#if defined(__AVX512F__)  /* the scalar line below, 16 lanes at a time (the same operations lane by lane) */
+            for (; i + 16 <= I; i += 16) {
+                v16 x, u;
+                memcpy(&x, g + i, sizeof x);
+                memcpy(&u, g + I + i, sizeof u);
+                x = x / (1.0f + fast_exp16(-x)) * u;
+                memcpy(g + i, &x, sizeof x);
+            }
+#endif
             for (; i + 8 <= I; i += 8) {  /* the scalar line below, 8 lanes at a time */
                 v8 x = load8(g + i), y = x / (1.0f + fast_exp8(-x)) * load8(g + I + i);
                 memcpy(g + i, &y, sizeof y);
