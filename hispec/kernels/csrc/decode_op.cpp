@@ -137,23 +137,6 @@ std::tuple<std::vector<double>, std::vector<int64_t>> profile(bool on) {
     return summed;
 }
 
-// h[i] += delta[i] for n floats (delta float32 or bfloat16): ``h + down(...)`` as ATen adds them
-// (in float32; its multiply-add by alpha = 1 is exact), without a dispatcher call per layer.
-void add_into(float* h, const at::Tensor& delta, int64_t n) {
-    if (delta.scalar_type() == at::kBFloat16) {
-        const uint16_t* d = reinterpret_cast<const uint16_t*>(delta.data_ptr());
-        for (int64_t i = 0; i < n; i++) {
-            const uint32_t bits = static_cast<uint32_t>(d[i]) << 16;
-            float x;
-            std::memcpy(&x, &bits, sizeof x);
-            h[i] += x;
-        }
-    } else {
-        const float* d = delta.data_ptr<float>();
-        for (int64_t i = 0; i < n; i++) h[i] += d[i];
-    }
-}
-
 // A range of layers as the op runs it: their plans, flattened (plan.py's layer_plan;
 // layer_op.LayerPlans), and their cache layers in one KV pool. Made once per range and pool and held
 // between calls, so that a decoding step hands over one object instead of ~360 tensors (their
@@ -258,7 +241,7 @@ at::Tensor decode_layers(const at::Tensor& h_in, const at::Tensor& cos, const at
         const at::Tensor down = mm(3, a).contiguous();  // [T, H]
         {
             Timed t(RESIDUAL);
-            add_into(h2, down, T * H);  // h2 += down(a)
+            hs_add_into(h2, down.data_ptr(), is_bf(down), T, H);  // h2 += down(a)
         }
         h = h2;
     }

@@ -41,6 +41,8 @@ void hs_rms_norm(const float *x, const float *w, int64_t T, int64_t D, float eps
 /* h_out = h + delta (delta float32 or bfloat16); out = rms_norm(h_out) * w. All [T, D]. */
 void hs_add_rms_norm(const float *h, const void *delta, int delta_bf, const float *w, int64_t T, int64_t D,
                      float eps, float *h_out, void *out, int out_bf);
+/* h[T, D] += delta[T, D] (delta float32 or bfloat16, widened exactly): the residual after the MLP */
+void hs_add_into(float *h, const void *delta, int delta_bf, int64_t T, int64_t D);
 /* out[T, I] = silu(gate) * up for gate_up[T, 2I] = [gate | up] */
 void hs_silu_mul(const void *gu, int in_bf, int64_t T, int64_t I, void *out, int out_bf);
 /* RoPE on q and k of qkv[T, (Hq + 2 Hkv) * D]; K/V written at slots[T] of the pools [Hkv, S, D];
