@@ -104,12 +104,13 @@ def add_suffix_option(group) -> None:
 
 
 def add_prefill_option(group) -> None:
-    from .config import DEFAULT_PREFILL_CHUNK
+    from .config import DEFAULT_PREFILL_CHUNK, IDLE_PREFILL_CHUNKS
 
     group.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK, metavar="N",
                        help="chunked prefill: prompt tokens prefilled per engine step, all sequences together; "
                             "running sequences decode between a long prompt's chunks (as SGLang's "
-                            f"--chunked-prefill-size; 0 = whole prompts in one step; default: {DEFAULT_PREFILL_CHUNK})")
+                            "--chunked-prefill-size); a step in which nothing decodes takes up to "
+                            f"{IDLE_PREFILL_CHUNKS}x as many; 0 = whole prompts in one step; default: {DEFAULT_PREFILL_CHUNK})")
 
 
 

@@ -16,7 +16,7 @@ import torch
 
 from .. import envs
 from ..cache.paged import PagedCache
-from ..config import ConfigError, EngineConfig, SamplingParams, check_engine_options
+from ..config import IDLE_PREFILL_CHUNKS, ConfigError, EngineConfig, SamplingParams, check_engine_options
 from ..decode.autoregressive import Autoregressive
 from ..decode.base import DecodeContext, LayerRunner, Strategy
 from ..decode.lookup import SuffixStore
@@ -281,7 +281,7 @@ class Engine:
     def _round(self, running: list[Sequence]) -> list[list[int] | None]:
         """The next prefill chunks, then one round of the strategy for the sequences whose prompt
         is in the cache: each sequence's tokens (None for one whose prefill is not done)."""
-        self._prefill([s for s in running if not s.prefilled])
+        self._prefill([s for s in running if not s.prefilled], decoding=any(s.prefilled for s in running))
         ready = [s for s in running if s.prefilled]
         commits = dict(zip(ready, self._decode_round(ready))) if ready else {}
         return [commits.get(s) for s in running]
@@ -361,10 +361,11 @@ class Engine:
         self._requests.pop(seq.request_id, None)
         return self._output(seq, [], "", error=error)
 
-    def _prefill(self, seqs: list[Sequence]) -> None:
+    def _prefill(self, seqs: list[Sequence], decoding: bool = True) -> None:
         """Run the next chunk of each new (or preempted) sequence's tokens but the pending last one
-        through all layers: at most ``config.prefill_chunk`` tokens in all, oldest sequence first."""
-        budget = self.config.prefill_chunk or float("inf")
+        through all layers: at most ``config.prefill_chunk`` tokens in all, oldest sequence first
+        (``IDLE_PREFILL_CHUNKS`` times as many where no sequence is ``decoding`` in this step)."""
+        budget = (self.config.prefill_chunk * (1 if decoding else IDLE_PREFILL_CHUNKS)) or float("inf")
         parts: list[tuple[Sequence, int, int]] = []  # (sequence, start, end) of this step's chunks
         for s in seqs:
             end = min(len(s.ctx.tokens) - 1, s.num_cached + budget)

@@ -419,6 +419,25 @@ def test_long_prompt_kv_does_not_depend_on_its_chunks(tiny_model_dir):
     assert out[0] == out[64]
 
 
+def test_a_prompt_alone_is_prefilled_in_bigger_chunks(model):
+    """With no sequence decoding, a step prefills up to IDLE_PREFILL_CHUNKS chunks' tokens; once one
+    decodes, one chunk a step again (the latency bound the chunks are for)."""
+    from hispec.config import IDLE_PREFILL_CHUNKS
+
+    engine = Engine(model, make_strategy("ar", None, model.num_layers), kv_blocks=400, block_size=4,
+                    max_batch_size=8, prefill_chunk=16)
+    first = engine.add_request(list(range(1, 120)) * 2, SamplingParams(max_new_tokens=40, ignore_eos=True))
+    engine.step()
+    assert engine.sequence(first).num_cached == 16 * IDLE_PREFILL_CHUNKS
+    while not engine.sequence(first).prefilled:
+        engine.step()
+    second = engine.add_request(list(range(1, 120)), SamplingParams(max_new_tokens=4))
+    engine.step()
+    assert engine.sequence(second).num_cached == 16  # the first one decodes meanwhile
+    engine.run_to_completion()
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+
+
 def test_running_sequences_decode_between_prefill_chunks_and_an_abort_stops_the_prefill(model):
     engine = Engine(model, make_strategy("hispec", STRATEGIES["hispec"], model.num_layers), kv_blocks=400,
                     block_size=4, max_batch_size=8, prefill_chunk=16)
