@@ -325,9 +325,11 @@ static inline uint32_t bf_bits(float x) {
 
 static const word zero_words[64];  /* the keys and values past the last (D <= 128) */
 
-/* The 16 keys (or values) j0 .. j0 + 15 as rows of words: a row past lmax reads zeros. */
-static inline void chunk_rows(kv_head p, key_map m, int64_t j0, int64_t lmax, const word *rows[16]) {
-    int64_t n = lmax - j0 < 16 ? lmax - j0 : 16, slots[16];
+/* The 16 keys (or values) j0 .. j0 + 15 as rows of words: a row past lmax reads zeros; their slots
+ * (those below lmax) into slots[]. */
+static inline void chunk_rows(kv_head p, key_map m, int64_t j0, int64_t lmax, const word *rows[16],
+                              int64_t slots[16]) {
+    int64_t n = lmax - j0 < 16 ? lmax - j0 : 16;
     chunk_slots(m, j0, n, slots);
     for (int64_t i = 0; i < 16; i++) rows[i] = i < n ? (const word *)((const bf16 *)p.base + p.head + slots[i] * p.D)
                                                      : zero_words;
@@ -347,14 +349,18 @@ static inline void chunk_rows(kv_head p, key_map m, int64_t j0, int64_t lmax, co
  * ahead of bf_values as the keys are (for a context whose K and V do not both fit in L2): at batch
  * 8 attention took 0.88-0.90x as long, the generation 0.98x; at batch 1 0.95x (paired runs). */
 #define PREFETCH_AHEAD 2
-static inline void prefetch_chunk(kv_head p, key_map m, int64_t j0, int64_t lmax) {
-    int64_t n = lmax - j0 < 16 ? lmax - j0 : 16, slots[16];
-    if (n <= 0) return;
-    chunk_slots(m, j0, n, slots);
+static inline void prefetch_rows(kv_head p, const int64_t *slots, int64_t n) {
     for (int64_t i = 0; i < n; i++) {
         const char *row = (const char *)((const bf16 *)p.base + p.head + slots[i] * p.D);
         for (int64_t b = 0; b < p.D * (int64_t)sizeof(bf16); b += 64) __builtin_prefetch(row + b, 0, 2);
     }
+}
+
+static inline void prefetch_chunk(kv_head p, key_map m, int64_t j0, int64_t lmax) {
+    int64_t n = lmax - j0 < 16 ? lmax - j0 : 16, slots[16];
+    if (n <= 0) return;
+    chunk_slots(m, j0, n, slots);
+    prefetch_rows(p, slots, n);
 }
 
 /* Rows 16 x 16 of 32-bit words transposed in registers: r[i] word e -> r[e] word i (unpacks of
@@ -411,7 +417,8 @@ static inline __attribute__((always_inline)) void bf_chunk_rows(const word *q0, 
 
 /* scores[r * ls + j] = (q_r . k_j) * scale for the tile's rows and keys j < lmax, from the rows'
  * queries as words qw[r * D ..] (h's D / 2 words, then l's): per chunk of 16 keys, the keys'
- * words transposed into kt[D / 2] once, then the rows two at a time (bf_chunk_rows). */
+ * words transposed into kt[D / 2] once, then the rows two at a time (bf_chunk_rows); each chunk's
+ * values (vp, at the same slots) are prefetched meanwhile (PREFETCH_AHEAD). */
 static inline __attribute__((always_inline)) void bf_scores(const word *qw, kv_head kp, kv_head vp, key_map m,
                                                            const int32_t *len, int nq, int64_t G, const int64_t D,
                                                            int64_t lmax, int64_t ls, float scale, float *scores,
@@ -421,9 +428,10 @@ static inline __attribute__((always_inline)) void bf_scores(const word *qw, kv_h
     for (int64_t c = 1; c < PREFETCH_AHEAD; c++) prefetch_chunk(kp, m, 16 * c, lmax);
     for (int64_t j0 = 0; j0 < lmax; j0 += 16) {
         int64_t n = lmax - j0 < 16 ? lmax - j0 : 16;
-        chunk_rows(kp, m, j0, lmax, keys);
+        int64_t slots[16];
+        chunk_rows(kp, m, j0, lmax, keys, slots);
         prefetch_chunk(kp, m, j0 + 16 * PREFETCH_AHEAD, lmax);
-        prefetch_chunk(vp, m, j0, lmax);  /* the chunk's values, into L2 for bf_values */
+        prefetch_rows(vp, slots, n);  /* the chunk's values (the keys' slots), into L2 for bf_values */
         for (int64_t w0 = 0; w0 < W; w0 += 16) {
             __m512i r[16];
             for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_si512(keys[i] + w0);
@@ -494,7 +502,8 @@ static inline __attribute__((always_inline)) void bf_values(const word *pw, int6
     memset(acc, 0, (size_t)(nq * G * D) * sizeof(float));
     for (int64_t c = 1; c < PREFETCH_AHEAD; c++) prefetch_chunk(vp, m, 16 * c, lmax);
     for (int64_t j0 = 0; j0 < lmax; j0 += 16) {
-        chunk_rows(vp, m, j0, lmax, vals);
+        int64_t slots[16];
+        chunk_rows(vp, m, j0, lmax, vals, slots);
         prefetch_chunk(vp, m, j0 + 16 * PREFETCH_AHEAD, lmax);
         for (int64_t u = 0; u < 8; u++)  /* pairs[u * D ..]: pair u's D words, one a column */
             for (int64_t c = 0; c < D; c += 32) {

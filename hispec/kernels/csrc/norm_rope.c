@@ -27,6 +27,17 @@ void hs_rms_norm(const float *x, const float *w, int64_t T, int64_t D, float eps
     }
 }
 
+/* out[i] = h[i] + delta[off + i] for i < D (delta float32 or bfloat16, widened exactly; out may be h). */
+static inline void add_row(float *out, const float *h, const void *delta, int delta_bf, int64_t off, int64_t D) {
+    if (delta_bf) {
+        const bf16 *d = (const bf16 *)delta + off;
+        for (int64_t i = 0; i < D; i++) out[i] = h[i] + bf2f(d[i]);
+    } else {
+        const float *d = (const float *)delta + off;
+        for (int64_t i = 0; i < D; i++) out[i] = h[i] + d[i];
+    }
+}
+
 /* h_out = h + delta (delta float32 or bfloat16); out = rms_norm(h_out) * w. All [T, D]. */
 void hs_add_rms_norm(const float *h, const void *delta, int delta_bf, const float *w, int64_t T, int64_t D,
                      float eps, float *h_out, void *out, int out_bf) {
@@ -35,11 +46,8 @@ void hs_add_rms_norm(const float *h, const void *delta, int delta_bf, const floa
         float *y = malloc((size_t)D * sizeof(float));
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < T; t++) {
-            load_row(delta, delta_bf, t * D, D, y);
-            float *hr = h_out + t * D;
-            const float *hi = h + t * D;
-            for (int64_t i = 0; i < D; i++) hr[i] = hi[i] + y[i];
-            rms_row(hr, w, D, eps, y);
+            add_row(h_out + t * D, h + t * D, delta, delta_bf, t * D, D);
+            rms_row(h_out + t * D, w, D, eps, y);
             store_row(out, out_bf, t * D, D, y);
         }
         free(y);
@@ -51,16 +59,7 @@ void hs_add_rms_norm(const float *h, const void *delta, int delta_bf, const floa
  * op unvectorized, took ~80 us a layer of a 256-row chunk). */
 void hs_add_into(float *h, const void *delta, int delta_bf, int64_t T, int64_t D) {
 #pragma omp parallel for schedule(static) if (T >= ROWS_PARALLEL_MIN)
-    for (int64_t t = 0; t < T; t++) {
-        float *row = h + t * D;
-        if (delta_bf) {
-            const bf16 *d = (const bf16 *)delta + t * D;
-            for (int64_t i = 0; i < D; i++) row[i] += bf2f(d[i]);
-        } else {
-            const float *d = (const float *)delta + t * D;
-            for (int64_t i = 0; i < D; i++) row[i] += d[i];
-        }
-    }
+    for (int64_t t = 0; t < T; t++) add_row(h + t * D, h + t * D, delta, delta_bf, t * D, D);
 }
 
 /* out[T, I] = silu(gate) * up for gate_up[T, 2I] = [gate | up]; rows shared by the threads from
