@@ -49,7 +49,8 @@ def register_generate(sub) -> None:
     p.add_argument("prompt", nargs="?", help="the prompt (or use --prompt TEXT, or --prompts FILE)")
     # (without it argparse took --prompt as short for --prompts and read the text as a file name)
     p.add_argument("-p", "--prompt", dest="prompt_text", metavar="TEXT", help="the prompt, as an option")
-    p.add_argument("--prompts", metavar="FILE", help="JSONL prompts: Spec-Bench form, {'id', 'prompt'}, GSM8K {'question'} or {'prompt_ids'}")
+    p.add_argument("--prompts", metavar="FILE",
+                   help="JSONL prompts: Spec-Bench form, {'id', 'prompt'}, GSM8K {'question'} or {'prompt_ids'}")
     add_strategy_option(p)
     p.add_argument("--chat", dest="chat", action="store_true", default=None,
                    help="wrap the prompt in the model's chat template (default when the model has one)")
@@ -61,8 +62,10 @@ def register_generate(sub) -> None:
                         "are decoded plainly, with the same output")
     b = p.add_argument_group("batching (with --prompts)")
     b.add_argument("--batch-size", type=int, default=1, help="sequences decoded together (continuous batching)")
-    b.add_argument("--kv-blocks", type=int, default=None, help="KV-cache blocks of 16 tokens (default: enough for a full batch)")
-    b.add_argument("--kv-memory-fraction", type=float, default=None, help="size the KV pool as this fraction of free memory")
+    b.add_argument("--kv-blocks", type=int, default=None,
+                   help="KV-cache blocks of 16 tokens (default: enough for a full batch)")
+    b.add_argument("--kv-memory-fraction", type=float, default=None,
+                   help="size the KV pool as this fraction of free memory")
     add_prefill_option(b)
     add_suffix_option(b)
     add_model_options(p)

@@ -14,7 +14,6 @@ import sys
 from dataclasses import dataclass, field
 
 from ..config import ConfigError, SamplingParams
-from ..data import Record
 from .memory import PeakMemory
 from .strategies import Runner, Sample
 

@@ -46,7 +46,7 @@ from ..sampling.speculative import accept_chosen, accept_chosen_batch
 from .autoregressive import Autoregressive, row_sampling
 from .base import DecodeContext, Strategy, process_rows, split_rows
 from .lookup import RowCost, free_drafts
-from .policies import DraftPolicy, draft_confidence, make_policy
+from .policies import draft_confidence, make_policy
 from .stats import phase_timer
 from .tree import DraftTree, accept_tree, exit_tree
 
