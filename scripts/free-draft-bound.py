@@ -18,10 +18,9 @@
    upper bound for its policy (at batch 1, exactly the measured step).
 
 Prints, overall and per category, decoding's tokens per cost (prefill not counted) over plain
-decoding's for fixed policies
-(draft up to k tokens from matches of at least n tokens) and for the oracle that drafts exactly
-the tokens that will be accepted: the bound of any policy over these drafts. Run alone: the row
-costs are timings.
+decoding's, for fixed policies (up to k drafts from matches of at least n tokens) and for the
+oracle that drafts exactly the tokens that will be accepted: the bound of any policy over these
+drafts. Run alone: the row costs are timings.
 """
 from __future__ import annotations
 
