@@ -122,7 +122,8 @@ def test_paged_attention_matches_eager_and_is_per_query(head_dim):
 @pytest.mark.parametrize("case", [dict(starts=[40, 50, 60, 70], counts=[8, 8, 8, 8], bs=16),
                                   # fewer KV heads than threads: split by query head
                                   dict(starts=[70], counts=[1], hkv=1),
-                                  # a window of 2, 5 or 7 over 3 KV heads on 2 threads: its tile halved
+                                  # a window of 2, 5 or 7 over 3 KV heads on 2 threads: its tile halved (float32
+                                  # products) or whole (bfloat16 products)
                                   dict(starts=[37], counts=[5], hq=6, hkv=3, d=64),
                                   dict(starts=[20], counts=[2], hq=6, hkv=3, d=64),
                                   dict(starts=[100], counts=[7], hq=6, hkv=3, d=64),

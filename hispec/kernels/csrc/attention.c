@@ -583,9 +583,12 @@ int hs_attention_bf16_products(void) {
  * window: 1 tile x 3 KV heads on 2 threads, one thread doing two thirds): each tile of several
  * queries is cut in two, so that there are twice the items, each half the work. Each half reads
  * the KV head again (from the shared cache), but a window's attention is bound by its arithmetic
- * (4-5 queries over 300-800 positions: 0.88-0.93x the time). A query's result does not depend on
- * its tile, so the bits stay. first[0 .. ntiles] -> the new tiles' (reallocated); returns their
- * count. */
+ * (4-5 queries over 300-800 positions: 0.88-0.93x the time). Float32 products only: with bfloat16
+ * products a tile's keys are transposed once for all its queries, the work that halving doubles,
+ * and whole tiles took 0.83-0.98x the time of halved ones for windows of 2-3 queries over 90-800
+ * positions (4-7 queries: 0.83-1.06x, level on the whole; five interleaved runs of
+ * scripts/bench-attention.py). A query's result does not depend on its tile, so the bits stay.
+ * first[0 .. ntiles] -> the new tiles' (reallocated); returns their count. */
 static int64_t halve_tiles(int64_t **first, int64_t ntiles, int64_t T) {
     int64_t *split = malloc((size_t)(2 * ntiles + 1) * sizeof(int64_t)), n = 0;
     if (!split) return ntiles;
@@ -631,14 +634,14 @@ void hs_paged_attention(const float *q, const void *kpool, const void *vpool, in
 #else
     const int64_t threads = 1;
 #endif
-    if (threads > 1 && ntiles * Hkv % threads && ntiles * Hkv < 4 * threads)
-        ntiles = halve_tiles(&first, ntiles, T);
-    int64_t parts = ntiles * Hkv < threads ? G : 1, hg = G / parts;  /* items per group, heads per item */
 #if defined(__AVX512BF16__)
     const int bf_products = kv_bf && (D == 64 || D == 128);  /* attend_tile_bf */
 #else
     const int bf_products = 0;
 #endif
+    if (!bf_products && threads > 1 && ntiles * Hkv % threads && ntiles * Hkv < 4 * threads)
+        ntiles = halve_tiles(&first, ntiles, T);
+    int64_t parts = ntiles * Hkv < threads ? G : 1, hg = G / parts;  /* items per group, heads per item */
 #pragma omp parallel for schedule(dynamic) if (parallel)
     for (int64_t p = 0; p < ntiles * Hkv * parts; p++) {
         int64_t tile = p / (Hkv * parts), kvh = p / parts % Hkv, h0 = kvh * G + p % parts * hg;  /* first head */
