@@ -41,8 +41,6 @@ from hispec.llm import LLM
 
 POLICIES = [(3, 1), (3, 2), (3, 4), (2, 1), (2, 2), (1, 2)]  # (least match length n, drafts k)
 ORACLE_DRAFTS = 16
-
-
 EXTRA_ROWS = (1, 2, 4, 8, 16)
 
 
@@ -84,6 +82,14 @@ def interpolate(table: list[tuple[int, float]], d: int) -> float:
     return c1 + (c1 - c0) * (d - e1) / (e1 - e0)
 
 
+def accepted_prefix(drafts: list[int], truth: list[int]) -> int:
+    """How many of ``drafts`` greedy verification accepts: those equal to the tokens to come, up to the first not."""
+    accepted = 0
+    while accepted < min(len(drafts), len(truth)) and drafts[accepted] == truth[accepted]:
+        accepted += 1
+    return accepted
+
+
 def replay(prompt: list[int], output: list[int], drafts_for) -> list[int]:
     """How many drafts each step took, one text decoded with the drafts ``drafts_for(n, continuation,
     truth)`` picks at each position (``n``: the match length, 0 for none; ``truth``: the tokens to come)."""
@@ -91,10 +97,7 @@ def replay(prompt: list[int], output: list[int], drafts_for) -> list[int]:
     while i < len(output):
         n, ends = index.match(text)
         drafts = drafts_for(n, continuation(text, ends[-1], ORACLE_DRAFTS) if n else [], output[i:])
-        accepted = 0
-        while accepted < min(len(drafts), len(output) - i) and drafts[accepted] == output[i + accepted]:
-            accepted += 1
-        take = min(accepted + 1, len(output) - i)
+        take = min(accepted_prefix(drafts, output[i:]) + 1, len(output) - i)
         text += output[i:i + take]
         i = i + take
         steps.append(len(drafts))
@@ -108,10 +111,7 @@ def fixed(least: int, k: int):
 
 def oracle(n: int, cont: list[int], truth: list[int]) -> list[int]:
     """Exactly the drafts that will be accepted."""
-    accepted = 0
-    while accepted < min(len(cont), len(truth)) and cont[accepted] == truth[accepted]:
-        accepted += 1
-    return cont[:accepted]
+    return cont[:accepted_prefix(cont, truth)]
 
 
 def main() -> None:
@@ -146,6 +146,7 @@ def main() -> None:
                 cost[key] += sum(1 / b + interpolate(table, d) for d in steps)
         print(f"{label:<20}" + "".join(f"{tokens[k] / b / cost[k]:>{7 if k == 'all' else 12}.3f}"
                                        for k in ["all"] + cats))
+
 
 if __name__ == "__main__":
     main()
