@@ -31,10 +31,11 @@
  * The SIMD paths put output columns in vector lanes: a tile's dword i is one 512-bit vector (two
  * 256-bit ones), a 32-bit lane holding 4 consecutive codes of one column, so a block is read as 4
  * (8) plain loads, nibbles split in registers: 8 vectors per block, vector v pairing with the
- * activation bytes 4v .. 4v+3, which are broadcast to every lane. Per tile each block is expanded
- * once per call into a small buffer (by the first rows, just before their products), then every
- * row of x is run against it, a few rows at a time, while the next tile is prefetched. The threads
- * share the tiles (a thread's tiles are contiguous in memory).
+ * activation bytes 4v .. 4v+3, which are broadcast to every lane. The activations are quantized
+ * into groups of RT rows interleaved by row, so that one pointer walks a group's rows; each group
+ * runs against a tile block by block, reading the block's vectors from the tile itself (the first
+ * group brings them into the cache while the next tile is prefetched into L2). The threads share
+ * the tiles (a thread's tiles are contiguous in memory).
  *
  * Integer dot products: VNNI's dpbusd takes unsigned x signed bytes: 4-bit codes are unsigned as
  * they are; 8-bit codes are stored as q + 128 (q ^ 0x80) and each row's block sum starts at
@@ -178,16 +179,16 @@ static int quantize_block_avx2(const float *xb, int8_t *qb, int32_t *sum, float 
 /* Where the activations go (hs_q8a_quantize's outputs) for a kernel that quantizes them itself. */
 typedef struct { int8_t *codes; float *dx; int32_t *sx; float *dxs; } q8a_scratch;
 
-/* Block i of x [T, K] (blocks in row order) into the scratch. avx2: the CPU has AVX2 and FMA. */
-static inline void quantize_at(const float *x, int64_t i, q8a_scratch q, int avx2) {
+/* One block of 32 inputs xb: its codes into qb, its scale, code sum and their product into *dx, *sx,
+ * *dxs. avx2: the CPU has AVX2 and FMA. */
+static inline void quantize_one(const float *xb, int8_t *qb, float *dx, int32_t *sx, float *dxs, int avx2) {
     float amax;
     int32_t s;
-    if (!(avx2 && quantize_block_avx2(x + i * BLOCK, q.codes + i * BLOCK, &s, &amax)))
-        amax = quantize_block(x + i * BLOCK, q.codes + i * BLOCK, &s);
+    if (!(avx2 && quantize_block_avx2(xb, qb, &s, &amax))) amax = quantize_block(xb, qb, &s);
     const float d = amax / 127.0f;
-    q.dx[i] = d;
-    q.sx[i] = s;
-    q.dxs[i] = d * (float)s;
+    *dx = d;
+    *sx = s;
+    *dxs = d * (float)s;
 }
 
 static int cpu_avx2_fma(void) { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }
@@ -197,9 +198,8 @@ static int cpu_avx2_fma(void) { return __builtin_cpu_supports("avx2") && __built
 void hs_q8a_quantize(const float *x, int64_t T, int64_t K, int8_t *codes, float *dx, int32_t *sx, float *dxs) {
     const int64_t nb = K / BLOCK;
     const int avx2 = cpu_avx2_fma();
-    const q8a_scratch q = {codes, dx, sx, dxs};
 #pragma omp parallel for schedule(static) if (T * nb >= QUANTIZE_PARALLEL_BLOCKS)
-    for (int64_t i = 0; i < T * nb; i++) quantize_at(x, i, q, avx2);
+    for (int64_t i = 0; i < T * nb; i++) quantize_one(x + i * BLOCK, codes + i * BLOCK, dx + i, sx + i, dxs + i, avx2);
 }
 
 /* ---- plain C: the definition of the arithmetic ---------------------------------------------- */
@@ -332,9 +332,24 @@ int hs_q8a_best_isa(void) {
     return HS_Q8A_SCALAR;
 }
 
-/* hs_q8a_matmul, with x [T, K] quantized into q first where x is given: by the SIMD paths inside
- * their own parallel region, the threads sharing the blocks (a step's 8-16 rows quantized on one
- * thread while the other waited took ~7% of an 8-row step's matmuls). */
+/* The scalar path on x [T, K] float32 (quantized here into row-major scratch) or on q (x NULL). */
+static int scalar_run(int fmt, const uint8_t *w, const uint16_t *d, const uint16_t *m, const float *x, q8a_scratch q,
+                      int64_t T, int64_t N, int64_t K, float *y, int parallel) {
+    const int64_t nb = K / BLOCK;
+    int8_t *own = NULL;
+    if (x) {
+        own = malloc((size_t)(T * K) + (size_t)(T * nb) * (2 * sizeof(float) + sizeof(int32_t)));
+        if (!own) return 0;
+        q.codes = own, q.dx = (float *)(own + T * K), q.dxs = q.dx + T * nb, q.sx = (int32_t *)(q.dxs + T * nb);
+        hs_q8a_quantize(x, T, K, q.codes, q.dx, q.sx, q.dxs);
+    }
+    scalar_matmul(w, d, m, fmt, q.codes, q.dx, q.sx, q.dxs, T, N, K, y, parallel);
+    free(own);
+    return 1;
+}
+
+/* hs_q8a_matmul on path isa, x [T, K] quantized first where x is given (the SIMD paths do it inside
+ * their own parallel region, the threads sharing the blocks), else q read. */
 static int q8a_dispatch(int fmt, const uint8_t *w, const uint16_t *d, const uint16_t *m, const float *x, q8a_scratch q,
                         int64_t T, int64_t N, int64_t K, float *y, int isa, int parallel) {
     if (isa == HS_Q8A_AUTO) isa = hs_q8a_best_isa();
@@ -350,10 +365,7 @@ static int q8a_dispatch(int fmt, const uint8_t *w, const uint16_t *d, const uint
             break;
         case HS_Q8A_AVX2: done = matmul_avx2(w, d, m, fmt, x, q, T, N, K, y, parallel); break;
         case HS_Q8A_EMULATED: done = matmul_emulated(w, d, m, fmt, x, q, T, N, K, y, parallel); break;
-        default:
-            if (x) hs_q8a_quantize(x, T, K, q.codes, q.dx, q.sx, q.dxs);
-            scalar_matmul(w, d, m, fmt, q.codes, q.dx, q.sx, q.dxs, T, N, K, y, parallel);
-            break;
+        default: done = scalar_run(fmt, w, d, m, x, q, T, N, K, y, parallel); break;
     }
     return done ? isa : -1;
 }
@@ -369,21 +381,11 @@ int hs_q8a_matmul(int fmt, const uint8_t *w, const uint16_t *d, const uint16_t *
     return q8a_dispatch(fmt, w, d, m, NULL, q, T, N, K, y, isa, parallel);
 }
 
-/* x float32 [T, K] quantized here (scratch from the caller: codes [T, K], dx, sx, dxs [T, K/32]). */
+/* The same with x float32 [T, K], quantized by the kernel (hs_q8a_quantize's bits). */
 int hs_q8a_matmul_f32(int fmt, const uint8_t *w, const uint16_t *d, const uint16_t *m, const float *x, int64_t T,
                       int64_t N, int64_t K, float *y, int isa, int parallel) {
-    const int64_t nb = K / BLOCK;
-    int8_t *codes = malloc((size_t)(T * K));
-    float *dx = malloc((size_t)(T * nb) * sizeof(float)), *dxs = malloc((size_t)(T * nb) * sizeof(float));
-    int32_t *sx = malloc((size_t)(T * nb) * sizeof(int32_t));
-    int ran = -1;
-    if (codes && dx && dxs && sx) ran = q8a_dispatch(fmt, w, d, m, x, (q8a_scratch){codes, dx, sx, dxs}, T, N, K, y, isa,
-                                                     parallel);
-    free(codes);
-    free(dx);
-    free(dxs);
-    free(sx);
-    return ran;
+    const q8a_scratch none = {NULL, NULL, NULL, NULL};
+    return q8a_dispatch(fmt, w, d, m, x, none, T, N, K, y, isa, parallel);
 }
 
 /* The arguments of hs_q4_matmul and hs_q8_matmul (gguf.c), on the best path this CPU has, for tiled
@@ -504,59 +506,36 @@ static inline __attribute__((always_inline)) vi FN(bcast)(const int8_t *p) {  /*
     return V_SET1_32(v);
 }
 
-/* Expand block b of a tile (tw: its tiled bytes) into buf[(b * 8 + v) * TV + tv] (vector v: codes
- * 4v .. 4v+3 of each column, as the kernel multiplies them) and sbuf (AVX2 8-bit: the signed codes,
- * buf holding their magnitudes). 4-bit: dword i holds codes 4i.. in its low nibbles, 16 + 4i.. in
- * its high ones. */
-static inline __attribute__((always_inline)) void FN(expand)(const uint8_t *tw, int64_t b, const int fmt, vi *buf,
-                                                             vi *sbuf) {
-    const int D = fmt == HS_Q8A_Q8 ? 8 : 4;  /* dwords a block */
-    const uint8_t *src = tw + b * D * TILE * 4;
-    (void)sbuf;
-    for (int tv = 0; tv < TV; tv++) {
-        vi V[8];
-        /* constant trip counts: a count of D (fmt is not a constant in the outlined OpenMP body)
-         * was turned into a memcpy to the stack and reloaded, a library call per block that cost
-         * the one-row step a quarter of its time in the decode op */
-        if (fmt == HS_Q8A_Q4)
-            for (int i = 0; i < 4; i++) V[i] = V_LOADI(src + (i * TILE + tv * VW) * 4);
-        else
-            for (int i = 0; i < 8; i++) V[i] = V_LOADI(src + (i * TILE + tv * VW) * 4);
-        if (fmt == HS_Q8A_Q4) {
-            const vi mask = V_SET1_8(15);
-            for (int i = 0; i < 4; i++) {
-                V[4 + i] = V_AND(V_SRLI16(V[i], 4), mask);
-                V[i] = V_AND(V[i], mask);
-            }
-        }
-        for (int v = 0; v < 8; v++) {
-#if DP_VNNI
-            if (fmt == HS_Q8A_Q8) V[v] = V_XOR(V[v], V_SET1_8((char)0x80));  /* q + 128, unsigned */
-            V_STOREI(buf + (b * 8 + v) * TV + tv, V[v]);
-#else
-            if (fmt == HS_Q8A_Q8) {
-                V_STOREI(sbuf + (b * 8 + v) * TV + tv, V[v]);
-                V[v] = V_ABS8(V[v]);
-            }
-            V_STOREI(buf + (b * 8 + v) * TV + tv, V[v]);
-#endif
-        }
+/* Vector v of block b of a tile (tw: its tiled bytes), part tv: codes 4v .. 4v+3 of each column, as
+ * the kernel multiplies them (VNNI: unsigned; AVX2 8-bit: their magnitudes, *sgn the signed codes).
+ * 4-bit: dword i holds codes 4i.. in its low nibbles, 16 + 4i.. in its high ones. Read from the
+ * tile itself by every pass of rows (the first pass brings it into the cache). */
+static inline __attribute__((always_inline)) vi FN(wvec)(const uint8_t *tw, int64_t b, int v, int tv, const int fmt,
+                                                          vi *sgn) {
+    (void)sgn;
+    if (fmt == HS_Q8A_Q4) {
+        const vi raw = V_LOADI(tw + b * 4 * TILE * 4 + ((v & 3) * TILE + tv * VW) * 4);
+        return V_AND(v < 4 ? raw : V_SRLI16(raw, 4), V_SET1_8(15));
     }
+    const vi raw = V_LOADI(tw + b * 8 * TILE * 4 + (v * TILE + tv * VW) * 4);
+#if DP_VNNI
+    return V_XOR(raw, V_SET1_8((char)0x80));  /* q + 128, unsigned */
+#else
+    *sgn = raw;
+    return V_ABS8(raw);
+#endif
 }
 
-/* R (<= RT, a constant after inlining) rows t0 .. of x times a tile -> y[t, n0 .. n0 + ncols).
- * The first rows of a tile pass its tiled bytes tw: each block is expanded into buf just before
- * its products (later rows read buf), and the same block of the next tile (next, or NULL) is
- * prefetched into L2, so the weight stream runs one tile ahead of the products, spread over them,
- * instead of a burst of loads stalling before each tile (at 8-16 rows the stream and the products
- * had added up rather than overlapped). */
-static inline __attribute__((always_inline)) void FN(rows)(vi *buf, vi *sbuf, const uint8_t *tw, const uint8_t *next,
-                                                           const uint16_t *dbuf, const uint16_t *mbuf, const int8_t *codes,
-                                                           const float *dx, const int32_t *sx, const float *dxs,
-                                                           int64_t K, int64_t t0, const int R, const int fmt,
-                                                           float *y, int64_t N, int ncols) {
-    (void)sbuf;
-    (void)sx;
+/* R (<= RT, a constant after inlining) rows of a row group times a tile -> y[t, n0 .. n0 + ncols).
+ * The group's activations are interleaved by row (xg: block b's dword v of row r at (b * 8 + v) * R + r;
+ * dxg, dxsg, sxg: block b of row r at b * R + r), so that one pointer walks them all. While the first
+ * pass runs, the same block of the next tile (next, or NULL) is prefetched into L2: the weight stream
+ * runs one tile ahead of the products, spread over them. */
+static inline __attribute__((always_inline)) void FN(rows)(const uint8_t *tw, const uint8_t *next, const uint16_t *dbuf,
+                                                           const uint16_t *mbuf, const int8_t *xg, const float *dxg,
+                                                           const int32_t *sxg, const float *dxsg, int64_t K, const int R,
+                                                           const int fmt, float *y, int64_t N, int ncols) {
+    (void)sxg;
     const int64_t nb = K / BLOCK, bbytes = (fmt == HS_Q8A_Q8 ? 8 : 4) * TILE * 4;  /* a block's bytes in a tile */
     vf acc[RT][TV], macc[RT][TV];
     for (int r = 0; r < R; r++)
@@ -564,16 +543,30 @@ static inline __attribute__((always_inline)) void FN(rows)(vi *buf, vi *sbuf, co
     for (int64_t b = 0; b < nb; b++) {
         if (next)
             for (int i = 0; i < bbytes; i += 64) __builtin_prefetch(next + b * bbytes + i, 0, 2);
-        if (tw) FN(expand)(tw, b, fmt, buf, sbuf);
+        const int8_t *xb = xg + b * BLOCK * R;
         vi s[RT][TV];  /* the exact block sums (int32; AVX2 4-bit: 16-bit pairs until widened) */
         for (int r = 0; r < R; r++)
             for (int tv = 0; tv < TV; tv++)
-                s[r][tv] = DP_VNNI && fmt == HS_Q8A_Q8 ? V_SET1_32(-128 * sx[(t0 + r) * nb + b]) : V_ZEROI();
+                s[r][tv] = DP_VNNI && fmt == HS_Q8A_Q8 ? V_SET1_32(-128 * sxg[b * R + r]) : V_ZEROI();
+#if VW == 16
+        vi raw[8];  /* the block's weight vectors loaded together (a burst of cache lines) */
+        for (int i = 0; i < (fmt == HS_Q8A_Q4 ? 4 : 8); i++) raw[i] = V_LOADI(tw + b * bbytes + i * TILE * 4);
+#endif
+#pragma GCC unroll 8
         for (int v = 0; v < 8; v++) {
-            vi wv[TV];
-            for (int tv = 0; tv < TV; tv++) wv[tv] = V_LOADI(buf + (b * 8 + v) * TV + tv);
+            vi wv[TV], sg[TV];
+#if VW == 16
+            if (fmt == HS_Q8A_Q4)
+                wv[0] = V_AND(v < 4 ? raw[v & 3] : V_SRLI16(raw[v & 3], 4), V_SET1_8(15));
+            else
+                wv[0] = V_XOR(raw[v], V_SET1_8((char)0x80));
+            (void)sg;
+#else
+            for (int tv = 0; tv < TV; tv++) wv[tv] = FN(wvec)(tw, b, v, tv, fmt, sg + tv);
+#endif
+#pragma GCC unroll 8
             for (int r = 0; r < R; r++) {
-                const vi xv = FN(bcast)(codes + (t0 + r) * K + b * BLOCK + 4 * v);
+                const vi xv = FN(bcast)(xb + (v * R + r) * 4);
                 for (int tv = 0; tv < TV; tv++) {
 #if DP_VNNI
                     s[r][tv] = V_DPBUSD(s[r][tv], wv[tv], xv);
@@ -581,36 +574,43 @@ static inline __attribute__((always_inline)) void FN(rows)(vi *buf, vi *sbuf, co
                     if (fmt == HS_Q8A_Q4)
                         s[r][tv] = V_ADD16(s[r][tv], V_MADDUBS(wv[tv], xv));
                     else
-                        s[r][tv] = V_ADD32(s[r][tv], V_MADD16(V_MADDUBS(wv[tv], V_SIGN8(xv, V_LOADI(sbuf + (b * 8 + v) * TV + tv))),
-                                                              V_SET1_16(1)));
+                        s[r][tv] = V_ADD32(s[r][tv], V_MADD16(V_MADDUBS(wv[tv], V_SIGN8(xv, sg[tv])), V_SET1_16(1)));
 #endif
                 }
             }
         }
         for (int tv = 0; tv < TV; tv++) {
             const vf dv = V_LOADH(dbuf + b * COLS + tv * VW);
+#if VW == 16
+            const vf mv = fmt == HS_Q8A_Q4 ? V_LOADH(mbuf + b * COLS + tv * VW) : V_ZEROF();
+#endif
+#pragma GCC unroll 8
             for (int r = 0; r < R; r++) {
 #if !DP_VNNI
                 if (fmt == HS_Q8A_Q4) s[r][tv] = V_MADD16(s[r][tv], V_SET1_16(1));
 #endif
-                const vf c = V_MUL(dv, V_SET1F(dx[(t0 + r) * nb + b]));
+                const vf c = V_MUL(dv, V_SET1F(dxg[b * R + r]));
                 acc[r][tv] = V_FMA(V_CVT(s[r][tv]), c, acc[r][tv]);
+#if VW == 16  /* 32 registers: the offsets' sums beside the products' */
+                if (fmt == HS_Q8A_Q4) macc[r][tv] = V_FMA(mv, V_SET1F(dxsg[b * R + r]), macc[r][tv]);
+#endif
             }
         }
     }
+#if VW != 16  /* 16 registers: the offsets' sums in a loop of their own */
     if (fmt == HS_Q8A_Q4)
         for (int64_t b = 0; b < nb; b++)
             for (int tv = 0; tv < TV; tv++) {
                 const vf mv = V_LOADH(mbuf + b * COLS + tv * VW);
-                for (int r = 0; r < R; r++)
-                    macc[r][tv] = V_FMA(mv, V_SET1F(dxs[(t0 + r) * nb + b]), macc[r][tv]);
+                for (int r = 0; r < R; r++) macc[r][tv] = V_FMA(mv, V_SET1F(dxsg[b * R + r]), macc[r][tv]);
             }
+#endif
     for (int r = 0; r < R; r++)
         for (int tv = 0; tv < TV; tv++) {
             const int n = ncols - tv * VW;
             if (n <= 0) break;
             const vf out = fmt == HS_Q8A_Q4 ? V_ADDF(acc[r][tv], macc[r][tv]) : acc[r][tv];
-            FN(store_cols)(y + (t0 + r) * N + tv * VW, out, n);
+            FN(store_cols)(y + r * N + tv * VW, out, n);
         }
 }
 
@@ -618,19 +618,29 @@ static inline __attribute__((always_inline)) int FN(run)(const uint8_t *w, const
                                                           const int fmt, const float *x, q8a_scratch q, int64_t T,
                                                           int64_t N, int64_t K, float *y, int parallel) {
     const int64_t nb = K / BLOCK, row_bytes = nb * (fmt == HS_Q8A_Q8 ? 32 : 16), tiles = (N + COLS - 1) / COLS;
-    const int8_t *codes = q.codes;
-    const float *dx = q.dx, *dxs = q.dxs;
-    const int32_t *sx = q.sx;
     const int avx2 = x ? cpu_avx2_fma() : 0;
+    /* the activations in row groups (FN(rows)); x given: quantized straight into them, else the
+     * row-major codes of q put in place */
+    int8_t *codes = malloc((size_t)(T * K) + (size_t)(T * nb) * (2 * sizeof(float) + sizeof(int32_t)));
+    if (!codes) return 0;
+    float *dx = (float *)(codes + T * K), *dxs = dx + T * nb;  /* (T * K: a multiple of 32) */
+    int32_t *sx = (int32_t *)(dxs + T * nb);
     int failed = 0;  /* a thread's scratch could not be allocated: its tiles are not computed */
 #pragma omp parallel if (parallel)
     {
-        if (x) {  /* the activations first, block by block (hs_q8a_quantize's bits); the loop ends in a barrier */
 #pragma omp for schedule(static)
-            for (int64_t i = 0; i < T * nb; i++) quantize_at(x, i, q, avx2);
+        for (int64_t i = 0; i < T * nb; i++) {  /* in the groups' order: a thread writes one stretch of them */
+            const int64_t g = i / (RT * nb), j = i - g * RT * nb, R = T - g * RT < RT ? T - g * RT : RT;
+            const int64_t b = j / R, r = j % R, t = g * RT + r, src_i = t * nb + b;
+            const int64_t at = g * RT * nb * 8 + r;  /* in dwords of codes, + (b * 8 + v) * R; scalars at i */
+            int8_t tmp[BLOCK];
+            const int8_t *src = x ? tmp : q.codes + src_i * BLOCK;
+            if (x)
+                quantize_one(x + src_i * BLOCK, tmp, dx + i, sx + i, dxs + i, avx2);
+            else
+                dx[i] = q.dx[src_i], sx[i] = q.sx[src_i], dxs[i] = q.dxs[src_i];
+            for (int v = 0; v < 8; v++) memcpy(codes + (at + (b * 8 + v) * R) * 4, src + 4 * v, 4);
         }
-        const size_t vbytes = (size_t)(nb * 8 * TV) * sizeof(vi);
-        vi *buf = aligned_alloc(64, vbytes), *sbuf = DP_VNNI ? NULL : aligned_alloc(64, vbytes);
         /* the last tile, when N is not a multiple of COLS: its columns (stored as rows) tiled here,
          * the missing ones zero (zero codes and scales; their outputs are not stored) */
         uint8_t *pad_w = NULL;
@@ -640,12 +650,12 @@ static inline __attribute__((always_inline)) int FN(run)(const uint8_t *w, const
             pad_d = calloc((size_t)(COLS * nb), sizeof(uint16_t));
             pad_m = calloc((size_t)(COLS * nb), sizeof(uint16_t));
         }
-        const int ok = buf && (DP_VNNI || sbuf) && (N % COLS == 0 || (pad_w && pad_d && pad_m));
+        const int ok = N % COLS == 0 || (pad_w && pad_d && pad_m);
         if (!ok) {
 #pragma omp atomic write
             failed = 1;
         }
-#pragma omp for schedule(static)
+#pragma omp for schedule(static) nowait /* the region's end is the barrier */
         for (int64_t tile = 0; tile < tiles; tile++) {
             if (!ok) continue;
             const int64_t n0 = tile * COLS;
@@ -666,10 +676,20 @@ static inline __attribute__((always_inline)) int FN(run)(const uint8_t *w, const
             }
             const uint8_t *next = tile + 1 < N / COLS ? w + (n0 + COLS) * row_bytes : NULL;
             for (int64_t t0 = 0; t0 < T; t0 += RT) {
-                float *yt = y + n0;
-                const uint8_t *fresh = t0 ? NULL : tw, *ahead = t0 ? NULL : next;  /* the first rows expand */
-                switch (T - t0 < RT ? T - t0 : RT) {  /* constant row counts keep the sums in registers */
-#define ROWS_CASE(R) case R: FN(rows)(buf, sbuf, fresh, ahead, dbuf, mbuf, codes, dx, sx, dxs, K, t0, R, fmt, yt, N, ncols); break;
+                const uint8_t *ahead = t0 ? NULL : next;  /* the first pass prefetches */
+                const int8_t *xg = codes + t0 * K;
+                const float *dxg = dx + t0 * nb, *dxsg = dxs + t0 * nb;
+                const int32_t *sxg = sx + t0 * nb;
+                float *yt = y + t0 * N + n0;
+                /* constant row counts keep the sums in registers; a constant format keeps its branches out of
+                 * the loops (fmt is a variable in the outlined OpenMP body) */
+#define ROWS_CALL(R)                                                                                   \
+    if (fmt == HS_Q8A_Q4)                                                                              \
+        FN(rows)(tw, ahead, dbuf, mbuf, xg, dxg, sxg, dxsg, K, R, HS_Q8A_Q4, yt, N, ncols);            \
+    else                                                                                               \
+        FN(rows)(tw, ahead, dbuf, mbuf, xg, dxg, sxg, dxsg, K, R, HS_Q8A_Q8, yt, N, ncols)
+                switch (T - t0 < RT ? T - t0 : RT) {
+#define ROWS_CASE(R) case R: ROWS_CALL(R); break;
                     ROWS_CASE(1)
                     ROWS_CASE(2)
                     ROWS_CASE(3)
@@ -679,17 +699,17 @@ static inline __attribute__((always_inline)) int FN(run)(const uint8_t *w, const
                     ROWS_CASE(6)
                     ROWS_CASE(7)
 #endif
-                    default: FN(rows)(buf, sbuf, fresh, ahead, dbuf, mbuf, codes, dx, sx, dxs, K, t0, RT, fmt, yt, N, ncols); break;
+                    default: ROWS_CALL(RT); break;
 #undef ROWS_CASE
+#undef ROWS_CALL
                 }
             }
         }
-        free(buf);
-        free(sbuf);
         free(pad_w);
         free(pad_d);
         free(pad_m);
     }
+    free(codes);
     return !failed;
 }
 
