@@ -629,17 +629,18 @@ static inline __attribute__((always_inline)) int FN(run)(const uint8_t *w, const
 #pragma omp parallel if (parallel)
     {
 #pragma omp for schedule(static)
-        for (int64_t i = 0; i < T * nb; i++) {  /* in the groups' order: a thread writes one stretch of them */
-            const int64_t g = i / (RT * nb), j = i - g * RT * nb, R = T - g * RT < RT ? T - g * RT : RT;
-            const int64_t b = j / R, r = j % R, t = g * RT + r, src_i = t * nb + b;
-            const int64_t at = g * RT * nb * 8 + r;  /* in dwords of codes, + (b * 8 + v) * R; scalars at i */
-            int8_t tmp[BLOCK];
-            const int8_t *src = x ? tmp : q.codes + src_i * BLOCK;
-            if (x)
-                quantize_one(x + src_i * BLOCK, tmp, dx + i, sx + i, dxs + i, avx2);
-            else
-                dx[i] = q.dx[src_i], sx[i] = q.sx[src_i], dxs[i] = q.dxs[src_i];
-            for (int v = 0; v < 8; v++) memcpy(codes + (at + (b * 8 + v) * R) * 4, src + 4 * v, 4);
+        for (int64_t u = 0; u < (T + RT - 1) / RT * nb; u++) {  /* block b of group g, in the groups' order */
+            const int64_t g = u / nb, b = u % nb, R = T - g * RT < RT ? T - g * RT : RT;
+            for (int64_t r = 0; r < R; r++) {
+                const int64_t i = g * RT * nb + b * R + r, src_i = (g * RT + r) * nb + b;  /* group, row-major */
+                int8_t tmp[BLOCK];
+                const int8_t *src = x ? tmp : q.codes + src_i * BLOCK;
+                if (x)
+                    quantize_one(x + src_i * BLOCK, tmp, dx + i, sx + i, dxs + i, avx2);
+                else
+                    dx[i] = q.dx[src_i], sx[i] = q.sx[src_i], dxs[i] = q.dxs[src_i];
+                for (int v = 0; v < 8; v++) memcpy(codes + (g * RT * K + ((b * 8 + v) * R + r) * 4), src + 4 * v, 4);
+            }
         }
         /* the last tile, when N is not a multiple of COLS: its columns (stored as rows) tiled here,
          * the missing ones zero (zero codes and scales; their outputs are not stored) */
