@@ -506,22 +506,21 @@ static inline __attribute__((always_inline)) vi FN(bcast)(const int8_t *p) {  /*
     return V_SET1_32(v);
 }
 
-/* Vector v of block b of a tile (tw: its tiled bytes), part tv: codes 4v .. 4v+3 of each column, as
- * the kernel multiplies them (VNNI: unsigned; AVX2 8-bit: their magnitudes, *sgn the signed codes).
- * 4-bit: dword i holds codes 4i.. in its low nibbles, 16 + 4i.. in its high ones. Read from the
- * tile itself by every pass of rows (the first pass brings it into the cache). */
-static inline __attribute__((always_inline)) vi FN(wvec)(const uint8_t *tw, int64_t b, int v, int tv, const int fmt,
-                                                          vi *sgn) {
-    (void)sgn;
-    if (fmt == HS_Q8A_Q4) {
-        const vi raw = V_LOADI(tw + b * 4 * TILE * 4 + ((v & 3) * TILE + tv * VW) * 4);
-        return V_AND(v < 4 ? raw : V_SRLI16(raw, 4), V_SET1_8(15));
-    }
-    const vi raw = V_LOADI(tw + b * 8 * TILE * 4 + (v * TILE + tv * VW) * 4);
+/* Where vector v of block b of a tile (tw: its tiled bytes), part tv, is read: 4-bit: dword v % 4
+ * (its low nibbles are codes 4v.. for v < 4, its high ones codes 16 + 4(v - 4)..); 8-bit: dword v. */
+static inline __attribute__((always_inline)) const uint8_t *FN(wptr)(const uint8_t *tw, int64_t b, int v, int tv,
+                                                                      const int fmt) {
+    if (fmt == HS_Q8A_Q4) return tw + b * 4 * TILE * 4 + ((v & 3) * TILE + tv * VW) * 4;
+    return tw + b * 8 * TILE * 4 + (v * TILE + tv * VW) * 4;
+}
+
+/* Codes 4v .. 4v+3 of each column from that vector (raw), as the kernel multiplies them (VNNI:
+ * unsigned; AVX2 8-bit: their magnitudes, the signs read again where used). */
+static inline __attribute__((always_inline)) vi FN(wcodes)(vi raw, int v, const int fmt) {
+    if (fmt == HS_Q8A_Q4) return V_AND(v < 4 ? raw : V_SRLI16(raw, 4), V_SET1_8(15));
 #if DP_VNNI
     return V_XOR(raw, V_SET1_8((char)0x80));  /* q + 128, unsigned */
 #else
-    *sgn = raw;
     return V_ABS8(raw);
 #endif
 }
@@ -531,11 +530,14 @@ static inline __attribute__((always_inline)) vi FN(wvec)(const uint8_t *tw, int6
  * dxg, dxsg, sxg: block b of row r at b * R + r), so that one pointer walks them all. While the first
  * pass runs, the same block of the next tile (next, or NULL) is prefetched into L2: the weight stream
  * runs one tile ahead of the products, spread over them. */
-static inline __attribute__((always_inline)) void FN(rows)(const uint8_t *tw, const uint8_t *next, const uint16_t *dbuf,
-                                                           const uint16_t *mbuf, const int8_t *xg, const float *dxg,
-                                                           const int32_t *sxg, const float *dxsg, int64_t K, const int R,
-                                                           const int fmt, float *y, int64_t N, int ncols) {
+static inline __attribute__((always_inline)) void FN(rows)(const uint8_t *tw, const uint8_t *next, vi *wbuf, int wbuf_read,
+                                                           const uint16_t *dbuf, const uint16_t *mbuf, const int8_t *xg,
+                                                           const float *dxg, const int32_t *sxg, const float *dxsg,
+                                                           int64_t K, const int R, const int fmt, float *y, int64_t N,
+                                                           int ncols) {
     (void)sxg;
+    (void)wbuf;
+    (void)wbuf_read;
     const int64_t nb = K / BLOCK, bbytes = (fmt == HS_Q8A_Q8 ? 8 : 4) * TILE * 4;  /* a block's bytes in a tile */
     vf acc[RT][TV], macc[RT][TV];
     for (int r = 0; r < R; r++)
@@ -548,22 +550,26 @@ static inline __attribute__((always_inline)) void FN(rows)(const uint8_t *tw, co
         for (int r = 0; r < R; r++)
             for (int tv = 0; tv < TV; tv++)
                 s[r][tv] = DP_VNNI && fmt == HS_Q8A_Q8 ? V_SET1_32(-128 * sxg[b * R + r]) : V_ZEROI();
-#if VW == 16
-        vi raw[8];  /* the block's weight vectors loaded together (a burst of cache lines) */
-        for (int i = 0; i < (fmt == HS_Q8A_Q4 ? 4 : 8); i++) raw[i] = V_LOADI(tw + b * bbytes + i * TILE * 4);
+#if VW == 16  /* 32 registers: the block's vectors loaded together (a burst of cache lines) */
+        vi raw[8];
+        for (int i = 0; i < (fmt == HS_Q8A_Q4 ? 4 : 8); i++) raw[i] = V_LOADI(FN(wptr)(tw, b, i, 0, fmt));
 #endif
 #pragma GCC unroll 8
         for (int v = 0; v < 8; v++) {
-            vi wv[TV], sg[TV];
+            vi wv[TV];
+            for (int tv = 0; tv < TV; tv++) {
 #if VW == 16
-            if (fmt == HS_Q8A_Q4)
-                wv[0] = V_AND(v < 4 ? raw[v & 3] : V_SRLI16(raw[v & 3], 4), V_SET1_8(15));
-            else
-                wv[0] = V_XOR(raw[v], V_SET1_8((char)0x80));
-            (void)sg;
+                wv[tv] = FN(wcodes)(raw[fmt == HS_Q8A_Q4 ? v & 3 : v], v, fmt);
 #else
-            for (int tv = 0; tv < TV; tv++) wv[tv] = FN(wvec)(tw, b, v, tv, fmt, sg + tv);
+                vi *kept = wbuf ? wbuf + (b * 8 + v) * TV + tv : NULL;
+                if (kept && wbuf_read) {
+                    wv[tv] = V_LOADI(kept);
+                } else {
+                    wv[tv] = FN(wcodes)(V_LOADI(FN(wptr)(tw, b, v, tv, fmt)), v, fmt);
+                    if (kept) V_STOREI(kept, wv[tv]);
+                }
 #endif
+            }
 #pragma GCC unroll 8
             for (int r = 0; r < R; r++) {
                 const vi xv = FN(bcast)(xb + (v * R + r) * 4);
@@ -573,8 +579,10 @@ static inline __attribute__((always_inline)) void FN(rows)(const uint8_t *tw, co
 #else
                     if (fmt == HS_Q8A_Q4)
                         s[r][tv] = V_ADD16(s[r][tv], V_MADDUBS(wv[tv], xv));
-                    else
-                        s[r][tv] = V_ADD32(s[r][tv], V_MADD16(V_MADDUBS(wv[tv], V_SIGN8(xv, sg[tv])), V_SET1_16(1)));
+                    else {  /* the signs from the tile again (L1; registers are short on AVX2) */
+                        const vi sx8 = V_SIGN8(xv, V_LOADI(FN(wptr)(tw, b, v, tv, fmt)));
+                        s[r][tv] = V_ADD32(s[r][tv], V_MADD16(V_MADDUBS(wv[tv], sx8), V_SET1_16(1)));
+                    }
 #endif
                 }
             }
@@ -651,7 +659,10 @@ static inline __attribute__((always_inline)) int FN(run)(const uint8_t *w, const
             pad_d = calloc((size_t)(COLS * nb), sizeof(uint16_t));
             pad_m = calloc((size_t)(COLS * nb), sizeof(uint16_t));
         }
-        const int ok = N % COLS == 0 || (pad_w && pad_d && pad_m);
+        /* 16 registers (VW 8) and several passes of rows: the first keeps the tile's expanded vectors
+         * here for the others (32 registers: the others expand them again, from the cache) */
+        vi *wbuf = VW == 8 && T > RT ? aligned_alloc(64, (size_t)(nb * 8 * TV) * sizeof(vi)) : NULL;
+        const int ok = (N % COLS == 0 || (pad_w && pad_d && pad_m)) && (VW != 8 || T <= RT || wbuf);
         if (!ok) {
 #pragma omp atomic write
             failed = 1;
@@ -686,9 +697,9 @@ static inline __attribute__((always_inline)) int FN(run)(const uint8_t *w, const
                  * the loops (fmt is a variable in the outlined OpenMP body) */
 #define ROWS_CALL(R)                                                                                   \
     if (fmt == HS_Q8A_Q4)                                                                              \
-        FN(rows)(tw, ahead, dbuf, mbuf, xg, dxg, sxg, dxsg, K, R, HS_Q8A_Q4, yt, N, ncols);            \
+        FN(rows)(tw, ahead, wbuf, t0 > 0, dbuf, mbuf, xg, dxg, sxg, dxsg, K, R, HS_Q8A_Q4, yt, N, ncols); \
     else                                                                                               \
-        FN(rows)(tw, ahead, dbuf, mbuf, xg, dxg, sxg, dxsg, K, R, HS_Q8A_Q8, yt, N, ncols)
+        FN(rows)(tw, ahead, wbuf, t0 > 0, dbuf, mbuf, xg, dxg, sxg, dxsg, K, R, HS_Q8A_Q8, yt, N, ncols)
                 switch (T - t0 < RT ? T - t0 : RT) {
 #define ROWS_CASE(R) case R: ROWS_CALL(R); break;
                     ROWS_CASE(1)
@@ -709,6 +720,7 @@ static inline __attribute__((always_inline)) int FN(run)(const uint8_t *w, const
         free(pad_w);
         free(pad_d);
         free(pad_m);
+        free(wbuf);
     }
     free(codes);
     return !failed;
