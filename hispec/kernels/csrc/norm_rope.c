@@ -14,17 +14,21 @@ static void rms_row(const float *x, const float *w, int64_t n, float eps, float 
 #define ROWS_PARALLEL_MIN 64
 
 /* out[T, D] = rms_norm(x[T, D]) * w */
-void hs_rms_norm(const float *x, const float *w, int64_t T, int64_t D, float eps, void *out, int out_bf) {
-#pragma omp parallel if (T >= ROWS_PARALLEL_MIN)
-    {
-        float *y = malloc((size_t)D * sizeof(float));
-#pragma omp for schedule(static)
-        for (int64_t t = 0; t < T; t++) {
-            rms_row(x + t * D, w, D, eps, y);
-            store_row(out, out_bf, t * D, D, y);
-        }
-        free(y);
+typedef struct { const float *x, *w; int64_t D; float eps; void *out; int out_bf; } rms_args;
+
+static void rms_rows(void *ctx, int64_t t0, int64_t t1) {
+    const rms_args *a = ctx;
+    float *y = malloc((size_t)a->D * sizeof(float));
+    for (int64_t t = t0; t < t1; t++) {
+        rms_row(a->x + t * a->D, a->w, a->D, a->eps, y);
+        store_row(a->out, a->out_bf, t * a->D, a->D, y);
     }
+    free(y);
+}
+
+void hs_rms_norm(const float *x, const float *w, int64_t T, int64_t D, float eps, void *out, int out_bf) {
+    rms_args a = {x, w, D, eps, out, out_bf};
+    for_rows(T, ROWS_PARALLEL_MIN, rms_rows, &a);
 }
 
 /* out[i] = h[i] + delta[off + i] for i < D (delta float32 or bfloat16, widened exactly; out may be h). */
@@ -39,59 +43,77 @@ static inline void add_row(float *out, const float *h, const void *delta, int de
 }
 
 /* h_out = h + delta (delta float32 or bfloat16); out = rms_norm(h_out) * w. All [T, D]. */
+typedef struct { const float *h; const void *delta; int delta_bf; const float *w; int64_t D; float eps; float *h_out;
+                 void *out; int out_bf; } add_rms_args;
+
+static void add_rms_rows(void *ctx, int64_t t0, int64_t t1) {
+    const add_rms_args *a = ctx;
+    const int64_t D = a->D;
+    float *y = malloc((size_t)D * sizeof(float));
+    for (int64_t t = t0; t < t1; t++) {
+        add_row(a->h_out + t * D, a->h + t * D, a->delta, a->delta_bf, t * D, D);
+        rms_row(a->h_out + t * D, a->w, D, a->eps, y);
+        store_row(a->out, a->out_bf, t * D, D, y);
+    }
+    free(y);
+}
+
 void hs_add_rms_norm(const float *h, const void *delta, int delta_bf, const float *w, int64_t T, int64_t D,
                      float eps, float *h_out, void *out, int out_bf) {
-#pragma omp parallel if (T >= ROWS_PARALLEL_MIN)
-    {
-        float *y = malloc((size_t)D * sizeof(float));
-#pragma omp for schedule(static)
-        for (int64_t t = 0; t < T; t++) {
-            add_row(h_out + t * D, h + t * D, delta, delta_bf, t * D, D);
-            rms_row(h_out + t * D, w, D, eps, y);
-            store_row(out, out_bf, t * D, D, y);
-        }
-        free(y);
-    }
+    add_rms_args a = {h, delta, delta_bf, w, D, eps, h_out, out, out_bf};
+    for_rows(T, ROWS_PARALLEL_MIN, add_rms_rows, &a);
 }
 
 /* h[T, D] += delta[T, D], float32 adds as ATen's (its multiply-add by alpha = 1 is exact); rows
  * shared by the threads from ROWS_PARALLEL_MIN (a prompt chunk's residual on one thread, in the C++
  * op unvectorized, took ~80 us a layer of a 256-row chunk). */
+typedef struct { float *h; const void *delta; int delta_bf; int64_t D; } add_args;
+
+static void add_rows(void *ctx, int64_t t0, int64_t t1) {
+    const add_args *a = ctx;
+    for (int64_t t = t0; t < t1; t++) add_row(a->h + t * a->D, a->h + t * a->D, a->delta, a->delta_bf, t * a->D, a->D);
+}
+
 void hs_add_into(float *h, const void *delta, int delta_bf, int64_t T, int64_t D) {
-#pragma omp parallel for schedule(static) if (T >= ROWS_PARALLEL_MIN)
-    for (int64_t t = 0; t < T; t++) add_row(h + t * D, h + t * D, delta, delta_bf, t * D, D);
+    add_args a = {h, delta, delta_bf, D};
+    for_rows(T, ROWS_PARALLEL_MIN, add_rows, &a);
 }
 
 /* out[T, I] = silu(gate) * up for gate_up[T, 2I] = [gate | up]; rows shared by the threads from
  * SILU_PARALLEL_MIN outputs: one token's (SmolLM2: 1,536) are too few to pay for the hand-over, a
  * verification pass's 3-8 took 0.14-0.33 ms of a step on one thread and 0.11-0.22 on two. */
 #define SILU_PARALLEL_MIN (1 << 12)
-void hs_silu_mul(const void *gu, int in_bf, int64_t T, int64_t I, void *out, int out_bf) {
-#pragma omp parallel if (T * I >= SILU_PARALLEL_MIN)
-    {
-        float *g = malloc((size_t)(2 * I) * sizeof(float));
-#pragma omp for schedule(static)
-        for (int64_t t = 0; t < T; t++) {
-            load_row(gu, in_bf, t * 2 * I, 2 * I, g);
-            int64_t i = 0;
+typedef struct { const void *gu; int in_bf; int64_t I; void *out; int out_bf; } silu_args;
+
+static void silu_rows(void *ctx, int64_t t0, int64_t t1) {
+    const silu_args *a = ctx;
+    const int64_t I = a->I;
+    float *g = malloc((size_t)(2 * I) * sizeof(float));
+    for (int64_t t = t0; t < t1; t++) {
+        load_row(a->gu, a->in_bf, t * 2 * I, 2 * I, g);
+        int64_t i = 0;
 #if defined(__AVX512F__)  /* the scalar line below, 16 lanes at a time (the same operations lane by lane) */
-            for (; i + 16 <= I; i += 16) {
-                v16 x, u;
-                memcpy(&x, g + i, sizeof x);
-                memcpy(&u, g + I + i, sizeof u);
-                x = x / (1.0f + fast_exp16(-x)) * u;
-                memcpy(g + i, &x, sizeof x);
-            }
-#endif
-            for (; i + 8 <= I; i += 8) {  /* the scalar line below, 8 lanes at a time */
-                v8 x = load8(g + i), y = x / (1.0f + fast_exp8(-x)) * load8(g + I + i);
-                memcpy(g + i, &y, sizeof y);
-            }
-            for (; i < I; i++) g[i] = g[i] / (1.0f + fast_exp(-g[i])) * g[I + i];
-            store_row(out, out_bf, t * I, I, g);
+        for (; i + 16 <= I; i += 16) {
+            v16 x, u;
+            memcpy(&x, g + i, sizeof x);
+            memcpy(&u, g + I + i, sizeof u);
+            x = x / (1.0f + fast_exp16(-x)) * u;
+            memcpy(g + i, &x, sizeof x);
         }
-        free(g);
+#endif
+        for (; i + 8 <= I; i += 8) {  /* the scalar line below, 8 lanes at a time */
+            v8 x = load8(g + i), y = x / (1.0f + fast_exp8(-x)) * load8(g + I + i);
+            memcpy(g + i, &y, sizeof y);
+        }
+        for (; i < I; i++) g[i] = g[i] / (1.0f + fast_exp(-g[i])) * g[I + i];
+        store_row(a->out, a->out_bf, t * I, I, g);
     }
+    free(g);
+}
+
+void hs_silu_mul(const void *gu, int in_bf, int64_t T, int64_t I, void *out, int out_bf) {
+    silu_args a = {gu, in_bf, I, out, out_bf};
+    for_rows(T, (SILU_PARALLEL_MIN + I - 1) / I, silu_rows, &a);  /* T * I >= SILU_PARALLEL_MIN */
 }
 
 /* A KV pool is [Hkv, S, D] per layer (S slots): each KV head's rows in slot order, so that a
@@ -104,29 +126,34 @@ static inline int64_t kv_offset(int64_t slot, int64_t h, int64_t S, int64_t D) {
  * and values to the pools [Hkv, S, D] (float32, or bfloat16 if kv_bf: rounded to nearest even, as
  * PyTorch casts) at slots[T], and the rotated queries to q_out[T, Hq, D] (float32; q_out
  * may be NULL to write K/V only). */
+typedef struct { const void *qkv; int in_bf; const float *cos_, *ssin; const int64_t *slots; int64_t Hq, Hkv, D, S;
+                 void *kpool, *vpool; int kv_bf; float *q_out; } rope_args;
+
+static void rope_rows(void *ctx, int64_t t0, int64_t t1) {
+    const rope_args *a = ctx;
+    const int64_t Hq = a->Hq, Hkv = a->Hkv, D = a->D, width = (Hq + 2 * Hkv) * D, half = D / 2;
+    float *row = malloc((size_t)(width + D) * sizeof(float)), *key = row + width;  /* key: a rotated key head */
+    for (int64_t t = t0; t < t1; t++) {
+        load_row(a->qkv, a->in_bf, t * width, width, row);
+        const float *c = a->cos_ + t * D, *s = a->ssin + t * D;
+        for (int64_t h = a->q_out ? 0 : Hq; h < Hq + Hkv; h++) {
+            const float *x = row + h * D;
+            float *dst = h < Hq ? a->q_out + (t * Hq + h) * D : key;
+            for (int64_t i = 0; i < half; i++) {
+                dst[i] = x[i] * c[i] + x[i + half] * s[i];
+                dst[i + half] = x[i + half] * c[i + half] + x[i] * s[i + half];
+            }
+            if (h >= Hq) store_row(a->kpool, a->kv_bf, kv_offset(a->slots[t], h - Hq, a->S, D), D, key);
+        }
+        for (int64_t h = 0; h < Hkv; h++)
+            store_row(a->vpool, a->kv_bf, kv_offset(a->slots[t], h, a->S, D), D, row + (Hq + Hkv + h) * D);
+    }
+    free(row);
+}
+
 void hs_rope_write(const void *qkv, int in_bf, const float *cos_, const float *ssin, const int64_t *slots,
                    int64_t T, int64_t Hq, int64_t Hkv, int64_t D, int64_t S, void *kpool, void *vpool, int kv_bf,
                    float *q_out) {
-    const int64_t width = (Hq + 2 * Hkv) * D, half = D / 2;
-#pragma omp parallel if (T >= ROWS_PARALLEL_MIN)
-    {
-        float *row = malloc((size_t)(width + D) * sizeof(float)), *key = row + width;  /* key: a rotated key head */
-#pragma omp for schedule(static)
-        for (int64_t t = 0; t < T; t++) {
-            load_row(qkv, in_bf, t * width, width, row);
-            const float *c = cos_ + t * D, *s = ssin + t * D;
-            for (int64_t h = q_out ? 0 : Hq; h < Hq + Hkv; h++) {
-                const float *x = row + h * D;
-                float *dst = h < Hq ? q_out + (t * Hq + h) * D : key;
-                for (int64_t i = 0; i < half; i++) {
-                    dst[i] = x[i] * c[i] + x[i + half] * s[i];
-                    dst[i + half] = x[i + half] * c[i + half] + x[i] * s[i + half];
-                }
-                if (h >= Hq) store_row(kpool, kv_bf, kv_offset(slots[t], h - Hq, S, D), D, key);
-            }
-            for (int64_t h = 0; h < Hkv; h++)
-                store_row(vpool, kv_bf, kv_offset(slots[t], h, S, D), D, row + (Hq + Hkv + h) * D);
-        }
-        free(row);
-    }
+    rope_args a = {qkv, in_bf, cos_, ssin, slots, Hq, Hkv, D, S, kpool, vpool, kv_bf, q_out};
+    for_rows(T, ROWS_PARALLEL_MIN, rope_rows, &a);
 }
