@@ -150,26 +150,32 @@ static void nucleus(float *p, int64_t V, float top_p, candidate *c) {
     }
 }
 
+typedef struct { const float *logits; float *probs; int64_t V; const float *temperature; const int64_t *top_k;
+                 const float *top_p; } probs_args;
+
+static void probs_rows(void *ctx, int64_t t0, int64_t t1) {
+    const probs_args *a = ctx;
+    const int64_t V = a->V;
+    candidate *c = malloc((size_t)V * sizeof *c);  /* also the top-k copy (V floats) */
+    for (int64_t t = t0; t < t1; t++) {
+        const float *l = a->logits + t * V;
+        float *p = a->probs + t * V, m = row_max(l, V), temp = a->temperature[t];
+        for (int64_t i = 0; i < V; i++) p[i] = (l[i] - m) / temp;
+        if (a->top_k[t] > 0 && a->top_k[t] < V) {
+            float kth = kth_scaled(p, V, a->top_k[t], (float *)c);
+            for (int64_t i = 0; i < V; i++) p[i] = p[i] < kth ? -INFINITY : p[i];
+        }
+        float sum = exp_in_place(p, V);
+        for (int64_t i = 0; i < V; i++) p[i] = p[i] / sum;
+        if (a->top_p[t] < 1.0f) nucleus(p, V, a->top_p[t], c);
+    }
+    free(c);
+}
+
 void hs_sampling_probs(const float *logits, float *probs, int64_t T, int64_t V, const float *temperature,
                        const int64_t *top_k, const float *top_p) {
-#pragma omp parallel if (T > 1)
-    {
-        candidate *c = malloc((size_t)V * sizeof *c);  /* also the top-k copy (V floats) */
-#pragma omp for schedule(static)
-        for (int64_t t = 0; t < T; t++) {
-            const float *l = logits + t * V;
-            float *p = probs + t * V, m = row_max(l, V), temp = temperature[t];
-            for (int64_t i = 0; i < V; i++) p[i] = (l[i] - m) / temp;
-            if (top_k[t] > 0 && top_k[t] < V) {
-                float kth = kth_scaled(p, V, top_k[t], (float *)c);
-                for (int64_t i = 0; i < V; i++) p[i] = p[i] < kth ? -INFINITY : p[i];
-            }
-            float sum = exp_in_place(p, V);
-            for (int64_t i = 0; i < V; i++) p[i] = p[i] / sum;
-            if (top_p[t] < 1.0f) nucleus(p, V, top_p[t], c);
-        }
-        free(c);
-    }
+    probs_args a = {logits, probs, V, temperature, top_k, top_p};
+    for_rows(T, 2, probs_rows, &a);  /* one row on the calling thread */
 }
 
 #define PICK_BLOCK 256
