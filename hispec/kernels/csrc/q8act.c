@@ -176,7 +176,7 @@ static int quantize_block_avx2(const float *xb, int8_t *qb, int32_t *sum, float 
  * (a few dozen rows at most, ~20 ns a block: less than the threads' start). */
 #define QUANTIZE_PARALLEL_BLOCKS 1024
 
-/* Where the activations go (hs_q8a_quantize's outputs) for a kernel that quantizes them itself. */
+/* Activations quantized row by row (hs_q8a_quantize's outputs), as hs_q8a_matmul takes them. */
 typedef struct { int8_t *codes; float *dx; int32_t *sx; float *dxs; } q8a_scratch;
 
 /* One block of 32 inputs xb: its codes into qb, its scale, code sum and their product into *dx, *sx,
@@ -529,12 +529,13 @@ static inline __attribute__((always_inline)) vi FN(wcodes)(vi raw, int v, const 
  * The group's activations are interleaved by row (xg: block b's dword v of row r at (b * 8 + v) * R + r;
  * dxg, dxsg, sxg: block b of row r at b * R + r), so that one pointer walks them all. While the first
  * pass runs, the same block of the next tile (next, or NULL) is prefetched into L2: the weight stream
- * runs one tile ahead of the products, spread over them. */
-static inline __attribute__((always_inline)) void FN(rows)(const uint8_t *tw, const uint8_t *next, vi *wbuf, int wbuf_read,
-                                                           const uint16_t *dbuf, const uint16_t *mbuf, const int8_t *xg,
-                                                           const float *dxg, const int32_t *sxg, const float *dxsg,
-                                                           int64_t K, const int R, const int fmt, float *y, int64_t N,
-                                                           int ncols) {
+ * runs one tile ahead of the products, spread over them. wbuf (256-bit paths with several passes):
+ * the tile's expanded vectors, written by the first pass, read by the others (wbuf_read). */
+static inline __attribute__((always_inline)) void FN(rows)(const uint8_t *tw, const uint8_t *next, vi *wbuf,
+                                                           int wbuf_read, const uint16_t *dbuf, const uint16_t *mbuf,
+                                                           const int8_t *xg, const float *dxg, const int32_t *sxg,
+                                                           const float *dxsg, int64_t K, const int R, const int fmt,
+                                                           float *y, int64_t N, int ncols) {
     (void)sxg;
     (void)wbuf;
     (void)wbuf_read;
