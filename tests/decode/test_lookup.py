@@ -391,10 +391,10 @@ def test_batched_engine_with_different_lengths_and_end_conditions(gen):
             ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
             final = engine.run_to_completion()
             assert [final[r].token_ids for r in ids] == want, (strategy, adaptive)
-            if strategy == "lookup":  # batched plain runs stopped at matches, too
-                assert sum(final[r].stats.lookup_stops for r in ids) > 0
-            if not adaptive:
+            if not adaptive:  # (adaptive: the measured row cost decides whether drafts pay, so stops vary)
                 assert sum(final[r].stats.rounds.get("lookup", 0) for r in ids) > 0
+                if strategy == "lookup":  # batched plain runs stopped at matches, too
+                    assert sum(final[r].stats.lookup_stops for r in ids) > 0
             assert engine.blocks.num_used_blocks == 0
 
 
