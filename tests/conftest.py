@@ -40,6 +40,18 @@ def _free_rounds_ungated(monkeypatch):
     monkeypatch.setenv("HISPEC_FREE_ROUND_GATE", "0")
 
 
+@pytest.fixture
+def pinned_row_cost(monkeypatch):
+    """Adaptive engines price a verification row at 0.1 of a plain step and a drafting pass at no
+    overhead, as the default model's small batches measure, instead of timing the tiny models (whose
+    passes are mostly Python: on a slow machine no draft pays, and a test that checks drafting ran
+    would fail by the machine's speed). For tests whose assertions need drafts to be taken."""
+    from hispec.decode.lookup import RowCost
+
+    monkeypatch.setattr(RowCost, "relative", lambda self, batch_size: 0.1)
+    monkeypatch.setattr(RowCost, "overhead", lambda self, batch_size: 0.0)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Callable[..., Path]:
     """Factory: ``tiny_model_dir("llama", num_hidden_layers=4, ...) -> Path`` (cached per arguments)."""

@@ -57,7 +57,7 @@ def run_staggered(engine: Engine, arrivals: list[tuple[int, list[int], SamplingP
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("adaptive", [False, True])
-def test_staggered_arrivals_equal_batch_of_one_ar(model, strategy, adaptive):
+def test_staggered_arrivals_equal_batch_of_one_ar(model, strategy, adaptive, pinned_row_cost):
     """Eight requests (seven greedy, one seeded sampled) arrive over eleven steps into a batch of
     at most four (some wait for a slot): repeating and random prompts, token limits and EOS.
     Each greedy output equals its own ``ar`` output; the sampled one equals itself run alone."""
@@ -123,7 +123,7 @@ def test_chunked_prefill_of_repeating_prompts_equals_ar(model, strategy):
 
 
 @pytest.mark.parametrize("strategy", ["hispec", "lookup"])
-def test_sampled_requests_without_drafts_ride_along_in_the_lookup_pass(model, strategy):
+def test_sampled_requests_without_drafts_ride_along_in_the_lookup_pass(model, strategy, pinned_row_cost):
     """Under the adaptive rule (and with the lookup strategy) a sampled sequence's own round is a plain
     one, so in a step where others verify drafts it takes its token in their pass: every seeded output
     equals itself run alone, and the request that seldom drafts rode along (plain rounds beyond the
@@ -145,7 +145,8 @@ def test_sampled_requests_without_drafts_ride_along_in_the_lookup_pass(model, st
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_free_rounds_the_gate_finds_slower_are_skipped_and_the_output_stays(model, strategy, monkeypatch):
+def test_free_rounds_the_gate_finds_slower_are_skipped_and_the_output_stays(model, strategy, monkeypatch,
+                                                                            pinned_row_cost):
     """With free rounds measured slower than plain steps at a batch size (``FreeRoundGate``), the engine
     skips them until the gate's next try: no lookup rounds, no plain run cut short for drafts, the
     skips counted in the statistics, and every output still ``ar``'s. Measured faster, they run."""
