@@ -39,7 +39,8 @@ def test_names_stay_as_given():
 
 def test_shipped_files_carry_no_machine_paths():
     machine = re.compile(r"(?<![\w.])/(work|tmp|home|root|Users|mnt|var)/")
-    files = [ROOT / "BENCHMARKS.md", ROOT / "README.md", *(ROOT / "hispec" / "exits").rglob("*.md"),
+    files = [ROOT / "BENCHMARKS.md", ROOT / "docs" / "benchmarks" / "history.md", ROOT / "README.md",
+             *(ROOT / "hispec" / "exits").rglob("*.md"),
              *(ROOT / "hispec" / "exits").rglob("*.json")]
     for f in files:
         if f.is_file():

@@ -361,7 +361,8 @@ def limit_lines(strategies: dict) -> list[str]:
 
 def render_benchmarks(results: dict, notes: str | None = None) -> str:
     """A full benchmark page of one run: setup, how to reproduce, every table, and where each ratio's
-    time goes. (BENCHMARKS.md itself is a summary plus dated history: ``hispec bench --summary``.)"""
+    time goes. (BENCHMARKS.md itself is a summary made by ``hispec bench --summary``; the dated history is
+    docs/benchmarks/history.md.)"""
     cfg = results["config"]
     lines = [
         "# Benchmarks", "",

@@ -1,18 +1,26 @@
-"""BENCHMARKS.md's current summary: the newest figures of each comparison, made from result files.
+"""BENCHMARKS.md's current summary: the newest figures of each kind of comparison, made from result files.
 
 A *comparison* is what one ``hispec bench`` run measured side by side: its engines (hispec's
 strategies and the peers) at one batch size on one machine. Result files are a run's
 ``results.json`` (batch 1) or ``batch_results.json`` (``--batch-sizes``: one comparison per batch
 size); a folder stands for the result files under it. Where several files hold the same
-comparison (same machine, batch size and engines), the newest (``created``) is shown.
+comparison (same machine, batch size and engines), the newest (``created``) counts.
+
+The summary shows one table per *kind* of comparison: batch size, greedy or sampled, and whether
+other engines (llama.cpp, vLLM, transformers: peers that are not hispec run with other options) ran
+beside hispec's strategies. Each kind's table is its newest comparison, whatever the machine; every
+other comparison gets one line under "Older comparisons" (its figures over ``ar``'s and its result
+file), and the dated history (``docs/benchmarks/history.md`` beside the markdown file, linked where
+it exists) says what each run was for.
 
 The summary replaces the text between the markers ``<!-- summary:start -->`` and
-``<!-- summary:end -->`` of a markdown file; everything outside them (BENCHMARKS.md's dated
-history) is kept byte for byte. ``hispec bench --summary FILE [--results PATH ...]``.
+``<!-- summary:end -->`` of a markdown file; everything outside them is kept byte for byte.
+``hispec bench --summary FILE [--results PATH ...]`` (default: the files in
+``docs/benchmarks/results/`` beside FILE).
 
 A file may carry ``transcribed_from`` (figures copied from a dated entry whose run's own file was
 not kept) and ``note`` (the machine's load, anything else that qualifies the figures): both are
-shown with the comparison.
+shown with a comparison's table.
 """
 from __future__ import annotations
 
@@ -25,6 +33,7 @@ from ..settings import STRATEGIES
 
 START, END = "<!-- summary:start -->", "<!-- summary:end -->"
 RESULT_NAMES = ("results.json", "batch_results.json")
+HISTORY = "docs/benchmarks/history.md"  # the dated history, relative to the markdown file's folder
 
 
 @dataclass
@@ -55,12 +64,24 @@ class Comparison:
     note: str | None = None
     adaptive: bool | None = None  # speculation decoded adaptively (None: not recorded)
     sampling: str | None = None  # e.g. "temperature 0.7, top-p 0.9, seed 1"; None: greedy
+    link: str | None = None  # the result file relative to the markdown file (set by ``make``)
     key: tuple = field(init=False)
 
     def __post_init__(self) -> None:
         self.key = (self.machine, self.batch_size, tuple(sorted(r.label for r in self.rows)), bool(self.adaptive),
                     next((r.weights for r in self.rows if r.own), None),  # e.g. runs on another kernel
                     self.sampling)
+
+    @property
+    def with_peers(self) -> bool:
+        """Whether another engine ran beside hispec's strategies (a peer that is not a hispec
+        strategy with other options, such as ``ar:kv_cache_dtype=bfloat16``)."""
+        return any(not r.own and r.label.split(":")[0] not in STRATEGIES for r in self.rows)
+
+    @property
+    def kind(self) -> tuple:
+        """What the summary shows one table of: (batch size, sampled, against other engines)."""
+        return (self.batch_size, self.sampling is not None, self.with_peers)
 
 
 # ---- reading result files ------------------------------------------------------------------
@@ -207,6 +228,20 @@ def latest(comparisons: list[Comparison]) -> list[Comparison]:
     return sorted(newest_first, key=lambda c: c.batch_size)
 
 
+def current(comparisons: list[Comparison]) -> tuple[list[Comparison], list[Comparison]]:
+    """``comparisons`` (as ``latest`` gives them) split into the newest of each kind (batch size,
+    sampled, against other engines), ordered by batch size, greedy first, against other engines
+    first; and the others, ordered by batch size, then newest first."""
+    shown: dict[tuple, Comparison] = {}
+    for c in comparisons:
+        kept = shown.get(c.kind)
+        if kept is None or (c.created or "") > (kept.created or ""):
+            shown[c.kind] = c
+    kinds = sorted(shown, key=lambda k: (k[0], k[1], not k[2]))
+    chosen = {id(c) for c in shown.values()}
+    return [shown[k] for k in kinds], [c for c in comparisons if id(c) not in chosen]
+
+
 # ---- rendering ------------------------------------------------------------------------------
 def _num(x: float | None, fmt: str = "{:.1f}") -> str:
     return "–" if x is None else fmt.format(x)
@@ -253,10 +288,39 @@ def _setup(c: Comparison) -> str:
     return "; ".join(parts) + "."
 
 
-def render(comparisons: list[Comparison], sources: list[str], target: str = "BENCHMARKS.md") -> str:
-    """The summary section of the markdown file ``target`` (without the markers)."""
+def _title(c: Comparison) -> str:
+    date = (c.created or "date not recorded")[:10]
+    sampled = ", sampled" if c.sampling else ""
+    return f"Batch {c.batch_size}{sampled}: {', '.join(r.label for r in c.rows)} ({c.machine}, {date})"
+
+
+def _source(c: Comparison) -> str:
+    return f"[`{c.source}`]({c.link})" if c.link else f"`{c.source}`"
+
+
+def line(c: Comparison) -> str:
+    """An older comparison in one line: ``ar``'s tokens/s, the other engines' over it, its file."""
+    ar = next((r for r in c.rows if r.label == "ar"), None)
+    figures = []
+    for r in c.rows:
+        if r is ar:
+            continue
+        if ar and ar.tokens_per_second and r.tokens_per_second is not None:
+            figures.append(f"{r.label} {r.tokens_per_second / ar.tokens_per_second:.2f}x"
+                           + (" (not `ar`'s ids)" if r.same_ids == "NO" else ""))
+        else:
+            figures.append(f"{r.label} {_num(r.tokens_per_second)} tokens/s")
+    head = f"ar {_num(ar.tokens_per_second)} tokens/s" if ar else ""
+    return f"- {_title(c)}: {'; '.join(x for x in (head, ', '.join(figures)) if x)}. {_source(c)}"
+
+
+def render(comparisons: list[Comparison], sources: list[str], target: str = "BENCHMARKS.md",
+           older: list[Comparison] | None = None, history: str | None = None) -> str:
+    """The summary section of the markdown file ``target`` (without the markers): a table for each
+    of ``comparisons``, a line for each of ``older``; ``history``: the dated history's link."""
     lines = ["## Current summary", "",
-             "The newest run of each comparison (machine, batch size, engines) among the result files "
+             "The newest run of each kind of comparison (batch size; greedy or sampled; hispec's strategies "
+             "alone or against other engines) among the result files "
              f"({', '.join(f'`{s}`' for s in sources) or 'none given'}). tokens/s include prefill; `vs ar` is "
              "tokens/s over hispec `ar`'s in the same run; `decode vs ar` (batch 1, hispec's strategies) is the "
              "same with each prompt's prefill left out, the part speculation changes; greedy unless a "
@@ -266,17 +330,22 @@ def render(comparisons: list[Comparison], sources: list[str], target: str = "BEN
     if not comparisons:
         lines += ["(no result files)", ""]
     for c in comparisons:
-        date = (c.created or "date not recorded")[:10]
-        sampled = ", sampled" if c.sampling else ""
-        lines += [f"### Batch {c.batch_size}{sampled}: {', '.join(r.label for r in c.rows)} ({c.machine}, {date})", ""]
+        lines += [f"### {_title(c)}", ""]
         if c.command:
             lines += [f"`{c.command}`", ""]
         lines += table(c) + ["", _setup(c)]
         if c.note:
             lines.append(c.note)
-        lines.append(f"Source: `{c.source}`" + (f", transcribed from {c.transcribed_from}." if c.transcribed_from
-                                                 else "."))
+        lines.append(f"Source: {_source(c)}" + (f", transcribed from {c.transcribed_from}." if c.transcribed_from
+                                               else "."))
         lines.append("")
+    if older:
+        where = f"[the dated history]({history})" if history else "the dated history"
+        lines += ["### Older comparisons", "",
+                  "The newest run of every other comparison (machine, batch size, engines), one line each: `ar`'s "
+                  "tokens/s and each other engine's over it, then the result file; what each run was for and "
+                  f"what changed between them: {where}.", ""]
+        lines += [line(c) for c in older] + [""]
     return "\n".join(lines).rstrip("\n")
 
 
@@ -290,21 +359,35 @@ def replace_section(text: str, section: str) -> str:
     return f"{head}{START}\n{section}\n{END}{tail}"
 
 
+def make(target: Path, paths: list[Path]) -> tuple[str, list[Comparison], list[Comparison]]:
+    """The summary section for ``target`` from the result files at ``paths``: its text, the
+    comparisons shown as tables and the older ones shown as lines."""
+    found = []
+    for f in result_files(paths):
+        for c in read(f):
+            c.link = _shown(f, target, link=True)
+            found.append(c)
+    shown, older = current(latest(found))
+    sources = sorted({_shown(p, target) for p in paths})
+    history = HISTORY if (target.resolve().parent / HISTORY).is_file() else None
+    return render(shown, sources, target.name, older, history), shown, older
+
+
 def write_summary(target: Path, paths: list[Path]) -> list[Comparison]:
-    """Rewrite ``target``'s summary from the result files at ``paths``; the comparisons shown."""
+    """Rewrite ``target``'s summary from the result files at ``paths``; the comparisons shown
+    (tables first, then the older ones' lines)."""
     if not target.is_file():
         raise UsageError(f"--summary {target}: no such file")
-    files = result_files(paths)
-    comparisons = latest([c for f in files for c in read(f)])
-    sources = sorted({_shown(p, target) for p in paths})
+    section, shown, older = make(target, paths)
     text = target.read_text(encoding="utf-8")
-    target.write_text(replace_section(text, render(comparisons, sources, target.name)), encoding="utf-8")
-    return comparisons
+    target.write_text(replace_section(text, section), encoding="utf-8")
+    return shown + older
 
 
-def _shown(path: Path, target: Path) -> str:
-    """A source as the summary names it: relative to the markdown file's folder where it is inside."""
+def _shown(path: Path, target: Path, link: bool = False) -> str | None:
+    """A source as the summary names it: relative to the markdown file's folder where it is inside
+    (else its name, or with ``link`` None: no link to a file outside the markdown file's folder)."""
     try:
         return path.resolve().relative_to(target.resolve().parent).as_posix()
     except ValueError:
-        return path.name
+        return None if link else path.name

@@ -194,12 +194,68 @@ def test_bad_inputs_are_clear_errors(tmp_path, capsys):
 
 def test_benchmarks_md_summary_is_what_the_command_makes():
     """The repository's summary is the command's output from docs/benchmarks/results: it can be
-    regenerated, and the kept result files hold every figure it shows."""
-    text = (ROOT / "BENCHMARKS.md").read_text(encoding="utf-8")
+    regenerated, the kept result files hold every figure it shows, and it stays short (one table
+    per kind of comparison, the history in its own file)."""
+    target = ROOT / "BENCHMARKS.md"
+    text = target.read_text(encoding="utf-8")
     inner = text.split(summary.START)[1].split(summary.END)[0]
-    files = summary.result_files([ROOT / "docs" / "benchmarks" / "results"])
-    made = summary.render(summary.latest([c for f in files for c in summary.read(f)]), ["docs/benchmarks/results"])
+    made, shown, older = summary.make(target, [ROOT / "docs" / "benchmarks" / "results"])
     assert inner == f"\n{made}\n"
+    assert len({c.kind for c in shown}) == len(shown) and inner.count("\n### Batch ") == len(shown)
+    assert f"[the dated history]({summary.HISTORY})" in inner and (ROOT / summary.HISTORY).is_file()
+    assert len(text.splitlines()) <= 400
+
+
+def test_one_table_per_kind_older_ones_in_a_line(tmp_path):
+    """The newest comparison of each kind (batch size, sampled, against other engines) gets a table,
+    whatever its machine; every other comparison one line: ``ar``'s tokens/s, the others over it and
+    its result file, linked where it lies beside the markdown file, as is the dated history."""
+    runs = tmp_path / "docs" / "benchmarks" / "results"
+    runs.mkdir(parents=True)
+    peers_old = results_json("2026-12-01T10:00:00+0000", 50.0, 25.0)
+    peers_new = results_json("2026-12-03T10:00:00+0000", 80.0, 40.0, cpu="Other CPU")  # newest, another machine
+    own = results_json("2026-12-02T10:00:00+0000", 60.0, 0.0)
+    del own["strategies"]["llama.cpp:q4_1"]
+    own_variant = results_json("2026-12-01T09:00:00+0000", 70.0, 0.0)  # hispec in its own process: not a peer
+    own_variant["strategies"]["llama.cpp:q4_1"] |= {"weights": "hispec --kv-cache-dtype bfloat16"}
+    own_variant["strategies"]["ar:kv_cache_dtype=bfloat16"] = own_variant["strategies"].pop("llama.cpp:q4_1")
+    sampled = results_json("2026-12-01T08:00:00+0000", 30.0, 15.0)
+    sampled["config"]["sampling"] = {"temperature": 0.7, "top_k": 0, "top_p": 1.0, "seed": 1}
+    for name, data in (("peers-old", peers_old), ("peers-new", peers_new), ("own", own),
+                       ("own-variant", own_variant), ("sampled", sampled)):
+        write(runs / f"{name}.json", data)
+    md = tmp_path / "BENCHMARKS.md"
+    md.write_text(markdown())
+    text, shown, older = summary.make(md, [runs])
+    assert [(c.kind, c.source) for c in shown] == [((1, False, True), "peers-new.json"),
+                                                   ((1, False, False), "own.json"),
+                                                   ((1, True, True), "sampled.json")]
+    assert [c.source for c in older] == ["peers-old.json", "own-variant.json"]  # newest first
+    assert text.count("\n### Batch 1") == 3 and "### Older comparisons" in text
+    assert ("- Batch 1: ar, hispec, llama.cpp:q4_1 (Test CPU, 2 threads of 2 CPUs, 2026-12-01): ar 50.0 tokens/s; "
+            "hispec 0.50x, llama.cpp:q4_1 0.50x. "
+            "[`peers-old.json`](docs/benchmarks/results/peers-old.json)") in text
+    assert "Source: [`own.json`](docs/benchmarks/results/own.json)." in text
+    assert "[the dated history]" not in text and "the dated history." in text  # no history file: no link
+    (tmp_path / summary.HISTORY).write_text("# history\n")
+    assert main(["bench", "--summary", str(md)]) == 0  # default: docs/benchmarks/results beside the file
+    written = md.read_text()
+    assert f"[the dated history]({summary.HISTORY})" in written and written.endswith(summary.END + HISTORY)
+    assert written.count("\n- Batch 1: ") == 2
+
+
+def test_a_file_outside_the_markdown_files_folder_is_named_not_linked(tmp_path):
+    md = tmp_path / "md" / "B.md"
+    md.parent.mkdir()
+    md.write_text(markdown())
+    new = write(tmp_path / "new.json", results_json("2026-12-02T10:00:00+0000", 80.0, 40.0))
+    old_data = results_json("2026-12-01T10:00:00+0000", 80.0, 40.0, cpu="Other CPU")
+    old_data["strategies"]["hispec"]["identical_to_ar"] = False
+    old = write(tmp_path / "old.json", old_data)
+    text, shown, older = summary.make(md, [old, new])
+    assert [c.source for c in shown] == ["new.json"] and [c.source for c in older] == ["old.json"]
+    assert "Source: `new.json`." in text and "](" not in text
+    assert text.endswith("hispec 0.50x (not `ar`'s ids), llama.cpp:q4_1 0.50x. `old.json`")
 
 
 def test_summary_of_real_bench_runs(tiny_text_model_dir, tmp_path):
@@ -217,10 +273,11 @@ def test_summary_of_real_bench_runs(tiny_text_model_dir, tmp_path):
                  "--results", str(tmp_path / "bs" / "batch_results.json")]) == 0
     text = md.read_text()
     assert text.endswith(summary.END + HISTORY)
-    assert text.count("### Batch 1: ar, hispec") == 1 and text.count("### Batch 1: ar, selfspec") == 1
+    # batch 1, greedy, hispec alone: one kind, so one table (the newer run) and one line (the other)
+    assert text.count("### Batch 1: ar, ") == 1 and text.count("\n- Batch 1: ar, ") == 1
+    assert sum(text.count(f"{h}Batch 1: ar, {s} (") for h in ("### ", "\n- ") for s in ("hispec", "selfspec")) == 2
     assert text.count("### Batch 2: ar, selfspec") == 1
-    assert "| hispec `hispec` (float32) |" in text and "| hispec `selfspec` (float32) |" in text
-    assert text.count("| reference |") == 3 and "load not recorded" not in text
+    assert text.count("| reference |") == 2 and "load not recorded" not in text
     assert "date not recorded" not in text
 
 
