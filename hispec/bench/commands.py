@@ -1,4 +1,5 @@
-"""``hispec bench``: every strategy and its peers on the same prompts, one process, interleaved."""
+"""``hispec bench``: every strategy and its peers on the same prompts, one process, interleaved;
+``hispec perplexity``: a model's perplexity over a text file (``perplexity.py``)."""
 from __future__ import annotations
 
 import argparse
@@ -100,6 +101,72 @@ def register(subparsers) -> None:
     add_sampling_options(p)
     add_spec_options(p)
     p.set_defaults(func=cmd_bench)
+    register_perplexity(subparsers)
+
+
+def register_perplexity(subparsers) -> None:
+    from ..options import add_model_options
+    from .perplexity import DEFAULT_CONTEXT
+
+    p = subparsers.add_parser(
+        "perplexity", help="a model's perplexity over a text file (as llama-perplexity)",
+        description="The perplexity of the model over a text file, tokenized whole (no chat template), on the "
+                    "weights and kernels the model options choose. Default: llama-perplexity's method, "
+                    "consecutive windows of --context tokens each scored on its second half (comparable to "
+                    "llama-perplexity -c N's final estimate); --stride S: Hugging Face's sliding windows.")
+    g = p.add_argument_group("perplexity")
+    g.add_argument("--data", required=True, metavar="FILE", help="a UTF-8 text file")
+    g.add_argument("--context", type=int, default=DEFAULT_CONTEXT, metavar="N",
+                   help=f"tokens per window (default {DEFAULT_CONTEXT})")
+    g.add_argument("--stride", type=int, default=None, metavar="S",
+                   help="sliding windows of --context tokens every S tokens (S <= N), each scoring the tokens no "
+                        "earlier window scored (Hugging Face's method); default: non-overlapping windows, each "
+                        "scored on its second half (llama-perplexity's)")
+    g.add_argument("--json", action="store_true", help="print one JSON object")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_model_options(p)
+    p.set_defaults(func=cmd_perplexity)
+
+
+def cmd_perplexity(args) -> int:
+    from ..kernels.select import describe
+    from ..options import UsageError, load_generator
+    from .perplexity import check_window_options, perplexity, text_tokens
+
+    check_window_options(args.context, args.stride)
+    if args.exits:
+        raise UsageError("--exits: perplexity is scored on the model's own final head (exit heads do not apply)")
+    try:
+        text = Path(args.data).read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        from ..data import DataError
+        raise DataError(f"{args.data}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    if not text.strip():
+        from ..data import DataError
+        raise DataError(f"{args.data}: the file is empty")
+    args.no_exits = True
+    gen = load_generator(args, progress=not args.json)
+    if gen.tokenizer is None:
+        raise UsageError(f"{args.model}: the model has no tokenizer, so it cannot read a text")
+    tokens, bos = text_tokens(gen.tokenizer, text)
+    result = perplexity(gen.model, tokens, context=args.context, stride=args.stride, bos=bos,
+                        progress=not args.no_progress)
+    model = gen.model
+    record = {"model": args.model if args.model == "default" else portable(args.model), "data": portable(args.data),
+              **result.to_dict(), "quantize": args.quantize, "weights": model.weight_format,
+              "dtype": str(model.dtype).removeprefix("torch."),
+              "kv_cache_dtype": str(model.kv_dtype).removeprefix("torch."),
+              "device": str(model.device), "kernels": describe(model) if model.device.type == "cpu" else None}
+    if args.json:
+        print(json.dumps(record))
+        return 0
+    print(result.summary())
+    print(f"  {result.tokens_evaluated} tokens through the model in {result.seconds:.2f} s = "
+          f"{result.tokens_per_second:.1f} tokens/s; weights {model.weight_format} (--quantize {args.quantize}), "
+          f"KV cache {record['kv_cache_dtype']}")
+    if record["kernels"]:
+        print(f"  kernels: {record['kernels']}")
+    return 0
 
 
 def _int_list(text: str | None, option: str) -> list[int] | None:
