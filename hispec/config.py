@@ -10,7 +10,10 @@ import numbers
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Mapping
 
-FAMILIES = ("llama", "qwen2", "qwen3", "opt")
+FAMILIES = ("llama", "qwen2", "qwen3", "gemma3", "opt")
+
+
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "relu", "gelu")
 
 
 class ConfigError(ValueError):
@@ -35,8 +38,16 @@ class ModelConfig:
     rope_scaling: dict[str, Any] | None = None
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # q/k/v biases (Qwen2); OPT has biases everywhere
-    qk_norm: bool = False  # RMSNorm on q and k per head (Qwen3)
-    hidden_act: str = "silu"
+    qk_norm: bool = False  # RMSNorm on q and k per head (Qwen3, Gemma 3)
+    hidden_act: str = "silu"  # of the gate: silu (SwiGLU), gelu_pytorch_tanh (Gemma's GeGLU), relu/gelu (OPT)
+    # Gemma 3: norms on the attention's and the MLP's outputs too, before each residual add ("sandwich")
+    sandwich_norm: bool = False
+    embed_scale: float = 1.0  # the embeddings are multiplied by this (Gemma: sqrt(hidden_size))
+    attn_scale: float | None = None  # attention logits' scale; None: head_dim ** -0.5
+    # sliding-window attention: the layers that attend only to their last ``sliding_window`` positions
+    sliding_window: int | None = None
+    sliding_layers: tuple[int, ...] = ()
+    rope_local_theta: float | None = None  # the RoPE base of the sliding layers (Gemma 3: 10,000); None: rope_theta
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     # OPT only
@@ -54,6 +65,10 @@ class ModelConfig:
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(f"num_attention_heads ({self.num_heads}) must be a multiple of "
                               f"num_key_value_heads ({self.num_kv_heads})")
+        if self.hidden_act not in ACTIVATIONS:
+            raise ConfigError(f"unsupported activation {self.hidden_act!r}; supported: {', '.join(ACTIVATIONS)}")
+        if self.sliding_layers and not self.sliding_window:
+            raise ConfigError("sliding_layers given without a sliding_window")
         if self.family == "opt" and not self.do_layer_norm_before:
             raise ConfigError("OPT models with do_layer_norm_before=false (OPT-350m) are not supported")
 
@@ -62,14 +77,16 @@ class ModelConfig:
         """Build from a parsed Hugging Face config.json (transformers 4.x or 5.x layout)."""
         model_type = cfg.get("model_type", "")
         family = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
-                  "opt": "opt"}.get(model_type)
+                  "gemma3_text": "gemma3", "opt": "opt"}.get(model_type)
         if family is None:
             raise ConfigError(f"unsupported model_type {model_type!r}; supported: llama (incl. CodeLlama, "
-                              "LayerSkip, SmolLM), qwen2, qwen3, opt")
+                              "LayerSkip, SmolLM, Mistral), qwen2, qwen3, gemma3_text, opt")
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         if family == "opt":
             return cls._from_opt(cfg, eos_ids)
+        if family == "gemma3":
+            return cls._from_gemma3(cfg, eos_ids)
         rope = cfg.get("rope_parameters") or {}
         scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
         if scaling is not None and scaling.get("rope_type", scaling.get("type", "default")) == "default":
@@ -95,6 +112,56 @@ class ModelConfig:
             hidden_act=cfg.get("hidden_act", "silu"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
+        )
+
+    @classmethod
+    def _from_gemma3(cls, cfg: dict[str, Any], eos_ids: tuple[int, ...]) -> "ModelConfig":
+        """Gemma 3 (text): GeGLU, QK-norm, sandwich norms, scaled embeddings, sliding-window layers
+        with their own RoPE base. ``rope_parameters`` per layer type (transformers 5) or
+        ``rope_theta`` / ``rope_local_base_freq`` (4.x); ``layer_types`` or every 6th layer global."""
+        n, heads = cfg["num_hidden_layers"], cfg["num_attention_heads"]
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+        types = cfg.get("layer_types") or ["sliding_attention" if (i + 1) % cfg.get("sliding_window_pattern", 6)
+                                           else "full_attention" for i in range(n)]
+        rope = cfg.get("rope_parameters") or {}
+        full, local = rope.get("full_attention") or {}, rope.get("sliding_attention") or {}
+        for kind in (full, local):
+            if kind.get("rope_type", "default") not in ("default", "linear"):
+                raise ConfigError(f"unsupported Gemma 3 RoPE scaling {kind.get('rope_type')!r} (supported: "
+                                  "default, linear)")
+        for cap in ("final_logit_softcapping", "attn_logit_softcapping"):
+            if cfg.get(cap):
+                raise ConfigError(f"Gemma 3 configs with {cap} (Gemma 2 style) are not supported")
+        scaling = full if full.get("rope_type") == "linear" else None
+        if local.get("rope_type") == "linear":
+            raise ConfigError("linear RoPE scaling of Gemma 3's sliding layers is not supported")
+        eos = eos_ids or (1,)
+        return cls(
+            family="gemma3",
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=n,
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=head_dim,
+            max_position_embeddings=cfg.get("max_position_embeddings", 32768),
+            norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(full.get("rope_theta", cfg.get("rope_theta", 1_000_000.0))),
+            rope_scaling=scaling,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+            attention_bias=bool(cfg.get("attention_bias", False)),
+            qk_norm=True,
+            hidden_act=cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh",
+            sandwich_norm=True,
+            embed_scale=math.sqrt(cfg["hidden_size"]),
+            attn_scale=float(cfg.get("query_pre_attn_scalar", head_dim)) ** -0.5,
+            sliding_window=cfg.get("sliding_window") or None,
+            sliding_layers=tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+            if cfg.get("sliding_window") else (),
+            rope_local_theta=float(local.get("rope_theta", cfg.get("rope_local_base_freq", 10_000.0))),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos,
         )
 
     @classmethod

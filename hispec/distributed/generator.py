@@ -93,7 +93,7 @@ def identity_view(folder: Path, cfg, dtype: torch.dtype) -> SimpleNamespace:
     for f in sorted(Path(folder).glob("*.safetensors")):
         with safe_open(str(f), framework="pt") as sf:
             for key in sf.keys():
-                mapped = internal_name(key)
+                mapped = internal_name(key, cfg.family)
                 if mapped and mapped[0] in wanted:
                     where.setdefault(mapped[0], {})[mapped[1]] = (f, key)
     samples = {name: _sampled(parts, dtype) for name, parts in where.items()}

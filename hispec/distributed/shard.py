@@ -147,6 +147,9 @@ def load_shard(path: str | Path, comm: Comm, *, device="cpu", dtype: torch.dtype
 
     path = Path(path)
     cfg = read_config(path)
+    if cfg.family == "gemma3":
+        raise ModelLoadError("tensor parallelism does not run gemma3 models yet (sandwich norms, sliding "
+                             "windows); run them on one process")
     layout = Layout.of(cfg, comm.rank, comm.world_size)
     files = sorted(path.glob("*.safetensors"))
     if not files:
@@ -159,7 +162,7 @@ def load_shard(path: str | Path, comm: Comm, *, device="cpu", dtype: torch.dtype
     for f in files:
         with safe_open(str(f), framework="pt") as sf:
             for hf_name in sf.keys():
-                mapped = internal_name(hf_name)
+                mapped = internal_name(hf_name, cfg.family)
                 if mapped is None or mapped[0] not in full_shapes:
                     if ignored(hf_name, cfg):
                         continue

@@ -1,7 +1,9 @@
 """A decoder-only transformer that runs in layer ranges over a paged KV cache.
 
 Covers the Llama family (Llama 2/3/3.x, CodeLlama, LayerSkip, SmolLM), Qwen2/2.5 (q/k/v
-bias), Qwen3 (per-head q/k RMSNorm) and OPT (learned positions, LayerNorm, ReLU).
+bias), Qwen3 (per-head q/k RMSNorm), Gemma 3 (q/k RMSNorm, GeGLU, norms on the attention's and
+MLP's outputs, scaled embeddings, sliding-window layers with their own RoPE base) and OPT
+(learned positions, LayerNorm, ReLU). The families differ only by ``ModelConfig`` fields.
 
 The model only computes; it never decides what to generate. Decoding strategies call:
 
@@ -57,19 +59,28 @@ class LayerNorm(nn.LayerNorm):
         return y if out_dtype is None or out_dtype == y.dtype else y.to(out_dtype)
 
 
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+ACTIVATIONS = {"silu": F.silu, "relu": F.relu, "gelu": F.gelu, "gelu_pytorch_tanh": gelu_tanh}
+
+
 def make_norm(cfg: ModelConfig, dim: int) -> nn.Module:
     if cfg.family == "opt":
         return LayerNorm(dim, eps=cfg.norm_eps)
     return RMSNorm(dim, cfg.norm_eps)
 
 
-def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> torch.Tensor:
     """Inverse frequencies ``[head_dim / 2]`` for default, linear and llama3 RoPE (none of them scales cos/sin),
     on the CPU whatever the default device (a model built on the meta device: ``arange`` there costs a
-    process ~1 s the first time, PyTorch importing its reference implementations)."""
+    process ~1 s the first time, PyTorch importing its reference implementations). ``local``: those of
+    the sliding-window layers (their own base, ``rope_local_theta``, unscaled)."""
     dim = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64, device="cpu") / dim))
-    scaling = cfg.rope_scaling or {}
+    theta = cfg.rope_local_theta if local else cfg.rope_theta
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64, device="cpu") / dim))
+    scaling = {} if local else cfg.rope_scaling or {}
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "default":
         pass
@@ -117,8 +128,10 @@ EXACT_MAX_QUERIES = 32
 SDPA_MIN_QUERIES = 256
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """Grouped-query attention of one sequence: ``q [T, Hq, D]`` over ``k, v [C, Hkv, D]`` -> ``[T, Hq, D]``.
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+           scale: float | None = None) -> torch.Tensor:
+    """Grouped-query attention of one sequence: ``q [T, Hq, D]`` over ``k, v [C, Hkv, D]`` -> ``[T, Hq, D]``,
+    logits scaled by ``scale`` (None: ``D ** -0.5``).
 
     ``mask [T, C]`` (True = may attend) or None when every key is visible. On CUDA, and on CPU
     for prefill-sized queries (``T >= SDPA_MIN_QUERIES``), this is ``scaled_dot_product_attention``
@@ -129,12 +142,13 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     if q.device.type != "cpu" or q.shape[0] >= SDPA_MIN_QUERIES:
         # with a batch dimension: 3-D inputs take CPU SDPA's unfused path (1,400 x 1,400: 188 vs 71 ms)
         return F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                                              attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])[0].transpose(0, 1)
+                                              attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1],
+                                              scale=scale)[0].transpose(0, 1)
     T, hq, d = q.shape
     hkv, c = k.shape[1], k.shape[0]
     g = hq // hkv
     qg = q.view(T, hkv, g, d).permute(1, 2, 0, 3).reshape(hkv, g * T, d)  # [Hkv, G*T, D]
-    scores = torch.bmm(qg, k.permute(1, 2, 0)) * (d ** -0.5)  # [Hkv, G*T, C]
+    scores = torch.bmm(qg, k.permute(1, 2, 0)) * (d ** -0.5 if scale is None else scale)  # [Hkv, G*T, C]
     if mask is not None:
         scores = scores.view(hkv, g, T, c).masked_fill(~mask, float("-inf")).view(hkv, g * T, c)
     out = torch.bmm(scores.float().softmax(-1).to(v.dtype), v.transpose(0, 1))  # [Hkv, G*T, D]
@@ -146,11 +160,15 @@ ROPE_TABLE_MIN = 1024  # positions in the first RoPE table (CPU; doubled as posi
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm attention + MLP. q/k/v and gate/up projections are fused for fewer matmuls."""
+    """Pre-norm attention + MLP. q/k/v and gate/up projections are fused for fewer matmuls.
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    ``index``: the layer's place in the model (None: a copy outside it, e.g. an exit block, which
+    attends globally); it decides whether the layer attends over a sliding window (``sliding``)."""
+
+    def __init__(self, cfg: ModelConfig, index: int | None = None) -> None:
         super().__init__()
         self.cfg = cfg
+        self.sliding = index is not None and index in cfg.sliding_layers
         h, hd = cfg.hidden_size, cfg.head_dim
         self.q_size, self.kv_size = cfg.num_heads * hd, cfg.num_kv_heads * hd
         self.input_norm = make_norm(cfg, h)
@@ -158,14 +176,17 @@ class DecoderLayer(nn.Module):
         self.o_proj = Linear(self.q_size, h, bias=cfg.family == "opt")
         self.q_norm = RMSNorm(hd, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(hd, cfg.norm_eps) if cfg.qk_norm else None
-        self.post_norm = make_norm(cfg, h)
+        self.post_norm = make_norm(cfg, h)  # before the MLP
+        # Gemma 3's norms of the attention's and the MLP's outputs (before their residual adds)
+        self.attn_out_norm = RMSNorm(h, cfg.norm_eps) if cfg.sandwich_norm else None
+        self.mlp_out_norm = RMSNorm(h, cfg.norm_eps) if cfg.sandwich_norm else None
         if cfg.family == "opt":
             self.fc1 = Linear(h, cfg.intermediate_size, bias=True)
             self.fc2 = Linear(cfg.intermediate_size, h, bias=True)
         else:
             self.gate_up_proj = Linear(h, 2 * cfg.intermediate_size, bias=False)
             self.down_proj = Linear(cfg.intermediate_size, h, bias=False)
-        self.act = {"silu": F.silu, "relu": F.relu, "gelu": F.gelu}[cfg.hidden_act]
+        self.act = ACTIVATIONS[cfg.hidden_act]
         # dtype of the linear layers' inputs: None = the residual stream's; bfloat16 when they
         # run on the quantized kernels (set by loader.apply_quantization), so the norms hand
         # them bfloat16 directly and their outputs stay bfloat16 into the next kernel
@@ -198,6 +219,7 @@ class DecoderLayer(nn.Module):
         if self._fusable is None:
             cfg = self.cfg
             self._fusable = (cfg.family != "opt" and self.q_norm is None and cfg.hidden_act == "silu"
+                             and not cfg.sandwich_norm and not cfg.sliding_layers and cfg.attn_scale is None
                              and isinstance(self.input_norm, RMSNorm) and fused.available())
         return self._fusable
 
@@ -206,8 +228,10 @@ class DecoderLayer(nn.Module):
         # h: [T, H] (the residual stream stays in the model's dtype)
         if self.runs_fused(h, rope, pool, layer):
             return self._forward_fused(h, layer, rope, batch, pool)
-        h = h + self._attention(self.input_norm(h, self.act_dtype), layer, rope, batch, pool)
-        return h + self.mlp(self.post_norm(h, self.act_dtype))
+        a = self._attention(self.input_norm(h, self.act_dtype), layer, rope, batch, pool)
+        h = h + (a if self.attn_out_norm is None else self.attn_out_norm(a.to(h.dtype)))
+        m = self.mlp(self.post_norm(h, self.act_dtype))
+        return h + (m if self.mlp_out_norm is None else self.mlp_out_norm(m.to(h.dtype)))
 
     # ---- the fused CPU path (kernels/fused.py) ----------------------------------------------
     def runs_fused(self, h: torch.Tensor, rope, pool: KVPool, layer: int) -> bool:
@@ -253,6 +277,28 @@ class DecoderLayer(nn.Module):
         3,000-token prompt.)"""
         return fused.paged_attention(q, pool.k[layer], pool.v[layer], batch.kernel(), dt)
 
+    def _window(self, mask: torch.Tensor | None, positions: torch.Tensor, context: int) -> torch.Tensor | None:
+        """``mask [T, C]`` (None: all visible) narrowed, on a sliding layer, to the keys within the
+        window of each query at ``positions [T]``: key ``j`` is seen from position ``p`` iff
+        ``p - j < sliding_window`` (the context's key ``j`` is position ``j``, a tree's nodes after it)."""
+        w = self.cfg.sliding_window
+        if not self.sliding or int(positions.max()) < w:
+            return mask
+        window = torch.arange(context, device=positions.device)[None, :] > (positions[:, None] - w)  # [T, C]
+        return window if mask is None else mask & window
+
+    def _window_keys(self, keys, position: int):
+        """The keys (a count: the first ``keys``; or indices) that a query at ``position`` sees on this
+        layer: on a sliding layer, those within its window (as indices)."""
+        w = self.cfg.sliding_window
+        if not self.sliding or position < w:
+            return keys
+        first = position - w + 1
+        if isinstance(keys, int):
+            return torch.arange(first, keys)
+        keys = torch.as_tensor(keys)
+        return keys[keys >= first]
+
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
         if self.cfg.family == "opt":
             return self.fc2(self.act(self.fc1(x)))
@@ -287,12 +333,13 @@ class DecoderLayer(nn.Module):
     def _attention(self, x: torch.Tensor, layer: int, rope, batch: AttentionBatch, pool: KVPool) -> torch.Tensor:
         T = x.shape[0]
         hq, d = self.cfg.num_heads, self.cfg.head_dim
+        scale = self.cfg.attn_scale
         q, k, v = self.qkv(x, rope)
         pool.write(layer, batch.write_slots, k, v)
         exact = self.act_dtype is not None
         if len(batch.chunks) == 1 and not (exact and 1 < T <= EXACT_MAX_QUERIES):
             ck, cv = pool.context(layer, batch, 0, q.dtype)  # [C, Hkv, D]
-            out = attend(q, ck, cv, batch.masks[0])
+            out = attend(q, ck, cv, self._window(batch.masks[0], batch.positions, ck.shape[0]), scale)
         else:
             out = q.new_empty((T, hq, d))
             for i, c in enumerate(batch.chunks):
@@ -300,11 +347,12 @@ class DecoderLayer(nn.Module):
                 ck, cv = pool.context(layer, batch, i, q.dtype)
                 if exact and 1 < c.num_tokens <= EXACT_MAX_QUERIES:
                     for j in range(c.num_tokens):  # each query exactly as if it were decoded alone
-                        keys = c.keys(j)  # a count, or a tree node's positions
+                        keys = self._window_keys(c.keys(j), int(batch.positions[lo + j]))  # a count, or key indices
                         kj, vj = (ck[:keys], cv[:keys]) if isinstance(keys, int) else (ck[keys], cv[keys])
-                        out[lo + j:lo + j + 1] = attend(q[lo + j:lo + j + 1], kj, vj, None)
+                        out[lo + j:lo + j + 1] = attend(q[lo + j:lo + j + 1], kj, vj, None, scale)
                 else:
-                    out[lo:hi] = attend(q[lo:hi], ck, cv, batch.masks[i])
+                    out[lo:hi] = attend(q[lo:hi], ck, cv, self._window(batch.masks[i], batch.positions[lo:hi],
+                                                                       ck.shape[0]), scale)
         out = out.reshape(T, self.q_size)
         return self.o_proj(out if self.act_dtype is None else out.to(self.act_dtype))
 
@@ -323,7 +371,7 @@ class DecoderModel(nn.Module):
         self.cfg = cfg
         emb_dim = cfg.word_embed_proj_dim or cfg.hidden_size
         self.embed_tokens = _embedding(cfg.vocab_size, emb_dim)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = make_norm(cfg, cfg.hidden_size)
         self.lm_head = Linear(emb_dim, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
@@ -339,6 +387,9 @@ class DecoderModel(nn.Module):
         else:
             inv_freq = rope_inv_freq(cfg)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        # the sliding-window layers' own RoPE (Gemma 3), else None: every layer rotates by inv_freq
+        local = cfg.sliding_layers and cfg.rope_local_theta not in (None, cfg.rope_theta)
+        self.register_buffer("inv_freq_local", rope_inv_freq(cfg, local=True) if local else None, persistent=False)
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None  # see rope_table
         self.exits: dict[int, nn.Module] = {}  # trained exits by layer; see model/exits/, exit_block.py
         self.weight_format = "none"  # or "native" / "int4" / "int8": see loader.apply_quantization
@@ -379,6 +430,8 @@ class DecoderModel(nn.Module):
     def embed(self, token_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # token_ids, positions: [T] -> [T, H]
         h = self.embed_tokens(token_ids)
+        if self.cfg.embed_scale != 1.0:  # Gemma: sqrt(hidden), a float32 scalar as transformers multiplies
+            h = h * torch.tensor(self.cfg.embed_scale, dtype=torch.float32).to(h.dtype)
         if self.project_in is not None:
             h = self.project_in(h)
         if self.embed_positions is not None:
@@ -397,6 +450,16 @@ class DecoderModel(nn.Module):
             table = self.rope_table(int(positions.max()))
             cos, sin = table[0].index_select(0, positions), table[1].index_select(0, positions)
         return cos[:, None, :], sin[:, None, :]  # [T, 1, D]
+
+    def local_rope(self, positions: torch.Tensor, rope):
+        """The sliding-window layers' ``(cos, signed sin)`` ``[T, 1, D]`` where they have their own
+        RoPE base (``inv_freq_local``), else ``rope`` (every layer's)."""
+        if self.inv_freq_local is None or rope is None:
+            return rope
+        freqs = positions.float()[:, None] * self.inv_freq_local.to(positions.device)[None, :]  # [T, D/2]
+        cos, sin = freqs.cos(), freqs.sin()
+        cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
+        return cos.to(self.dtype)[:, None, :], sin.to(self.dtype)[:, None, :]
 
     def rope_table(self, last: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(cos, signed sin)`` ``[P, D]`` of positions ``0 .. P - 1``, ``P > last`` (grown by doubling)."""
@@ -421,8 +484,10 @@ class DecoderModel(nn.Module):
         out = fast_path(self).run_layers(h, start, end, rope, batch, pool)  # one C++ call where it can, same values
         if out is not None:
             return out
+        local = self.local_rope(batch.positions, rope) if any(
+            self.layers[i].sliding for i in range(start, end)) else rope
         for layer in range(start, end):
-            h = self.layers[layer](h, layer, rope, batch, pool)
+            h = self.layers[layer](h, layer, local if self.layers[layer].sliding else rope, batch, pool)
         return h
 
     def move_kv(self, pool: KVPool, layer: int, src: list[int], dst: list[int]) -> None:

@@ -62,6 +62,18 @@ def _qwen3():
                                     max_position_embeddings=128, tie_word_embeddings=True, eos_token_id=3)
 
 
+def _gemma3():
+    # sliding layers (window 5: crossed by every sequence here) with their own RoPE base, a global
+    # one between; head_dim 16 != 64 / 4; a query scale that is not head_dim ** -0.5
+    return transformers.Gemma3TextConfig(
+        vocab_size=181, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=16, max_position_embeddings=256, sliding_window=5,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"], query_pre_attn_scalar=20,
+        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 100000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}},
+        tie_word_embeddings=False, bos_token_id=2, eos_token_id=1, pad_token_id=0)
+
+
 def _opt():
     return transformers.OPTConfig(vocab_size=139, hidden_size=64, ffn_dim=128, num_hidden_layers=3,
                                   num_attention_heads=4, max_position_embeddings=96, dropout=0.0,
@@ -75,6 +87,7 @@ FAMILIES = {
     "llama-tied": lambda: _llama(num_hidden_layers=3, num_key_value_heads=4, tie_word_embeddings=True),
     "qwen2": _qwen2,
     "qwen3": _qwen3,
+    "gemma3": _gemma3,
     "opt": _opt,
 }
 
@@ -177,6 +190,9 @@ def test_config_read_back(pair: Pair) -> None:
         assert cfg.attention_bias
     if pair.family == "llama3-rope":
         assert cfg.rope_scaling and cfg.rope_scaling["rope_type"] == "llama3"
+    if pair.family == "gemma3":
+        assert cfg.sliding_layers == (0, 2) and cfg.sliding_window == 5 and cfg.sandwich_norm and cfg.qk_norm
+        assert cfg.attn_scale == 20 ** -0.5 and cfg.embed_scale == 8.0
     # the logits are not flat: greedy choices are well separated
     logits = pair.hf_logits(_ids(17, pair.vocab, 0))
     assert logits.std().item() > 1.0, logits.std()
@@ -185,6 +201,11 @@ def test_config_read_back(pair: Pair) -> None:
 def test_rope_frequencies(pair: Pair) -> None:
     if pair.family == "opt":
         assert pair.model.inv_freq is None and pair.model.embed_positions is not None  # learned positions
+        return
+    if pair.family == "gemma3":
+        rot = pair.hf.model.rotary_emb
+        assert torch.allclose(pair.model.inv_freq, rot.full_attention_inv_freq.float(), rtol=1e-6, atol=0)
+        assert torch.allclose(pair.model.inv_freq_local, rot.sliding_attention_inv_freq.float(), rtol=1e-6, atol=0)
         return
     want = pair.hf.model.rotary_emb.inv_freq.float()
     assert torch.allclose(pair.model.inv_freq, want, rtol=1e-6, atol=0), (pair.model.inv_freq, want)

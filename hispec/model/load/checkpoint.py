@@ -48,20 +48,26 @@ _TOP_RULES = {
     "project_out.weight": "project_out.weight",
     "lm_head.weight": "lm_head.weight",
 }
+# Gemma 3 names its norms after where they sit: the one after attention is on its output
+_GEMMA3_RULES: list[tuple[str, str, str | None]] = [
+    (r"post_attention_layernorm\.weight", "attn_out_norm.weight", None),
+    (r"pre_feedforward_layernorm\.weight", "post_norm.weight", None),
+    (r"post_feedforward_layernorm\.weight", "mlp_out_norm.weight", None),
+]
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
 FUSED_ORDER = {"qkv_proj": ("q", "k", "v"), "gate_up_proj": ("gate", "up")}
 
 
-def internal_name(hf_name: str) -> tuple[str, str | None] | None:
-    """Map a Hugging Face tensor name to ``(internal name, fused part)``; None if unknown."""
-    name = re.sub(r"^(model\.)?(decoder\.)?", "", hf_name)
+def internal_name(hf_name: str, family: str = "llama") -> tuple[str, str | None] | None:
+    """Map a Hugging Face tensor name of a ``family`` model to ``(internal name, fused part)``; None if unknown."""
+    name = re.sub(r"^(model\.)?(language_model\.)?(decoder\.)?", "", hf_name)
     if name in _TOP_RULES:
         return _TOP_RULES[name], None
     m = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
     if not m:
         return None
     layer, rest = m.groups()
-    for pattern, target, part in _LAYER_RULES:
+    for pattern, target, part in (_GEMMA3_RULES if family == "gemma3" else []) + _LAYER_RULES:
         pm = re.fullmatch(pattern, rest)
         if pm:
             return f"layers.{layer}." + target.format(*pm.groups()), part.format(*pm.groups()) if part else None
@@ -153,7 +159,7 @@ def load_weights(model: DecoderModel, files: list[Path], dtype: torch.dtype) -> 
     state: dict[str, torch.Tensor] = {}
     parts: dict[str, dict[str, torch.Tensor]] = {}
     for hf_name, tensor in _iter_tensors(files):
-        mapped = internal_name(hf_name)
+        mapped = internal_name(hf_name, model.cfg.family)
         if mapped is None or mapped[0] not in expected:
             if ignored(hf_name, model.cfg):
                 continue
@@ -173,9 +179,17 @@ def load_weights(model: DecoderModel, files: list[Path], dtype: torch.dtype) -> 
     missing = sorted(set(expected) - set(state))
     if missing:
         raise ModelLoadError(f"checkpoint lacks {len(missing)} tensor(s), e.g. {', '.join(missing[:4])}")
+    if model.cfg.family == "gemma3":
+        state = gemma_norms(state)
     model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False, assign=True)
     if model.cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
+
+
+def gemma_norms(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Gemma's RMSNorms scale by ``1 + w`` (``w`` is what its checkpoints store): the model's norms
+    get ``1 + w``, computed in float32 as transformers computes it on every call."""
+    return {k: (1.0 + v.float()) if k.endswith("norm.weight") else v for k, v in state.items()}
 
 
 def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
@@ -200,6 +214,8 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
     if cfg.family != "opt":  # the RoPE buffer was built on the meta device
         from ..decoder import rope_inv_freq
         model.inv_freq = rope_inv_freq(cfg)
+        if model.inv_freq_local is not None:
+            model.inv_freq_local = rope_inv_freq(cfg, local=True)
     model = model.to(device).eval().requires_grad_(False)
     apply_quantization(model, quantize, gguf)
     if model.device.type == "cpu":

