@@ -1,23 +1,59 @@
 """A GGUF file's own quantized blocks as :class:`~hispec.kernels.quant.QuantLinear` layers.
 
 ``gguf_convert`` writes a float32 copy of a GGUF model (the reference). This module reads the
-same file's 4-bit tensors without dequantizing them and puts them on the int4 kernel, so the
-decoder runs on the file's own ``q``, ``d`` and ``m`` (see ``quant.py`` for the rounding).
+same file's quantized tensors without dequantizing them and puts them on hispec's block kernels
+(see ``quant.py``), in one of two forms, both blocks of 32 inputs per output row:
 
-Block layouts (32 weights per block, ggml ``block_q4_0`` / ``block_q4_1``)::
+- the 4-bit form ``w = d * q + m`` (``q`` 0..15, ``d``, ``m`` float16; kernels ``q4``, ``q8a``,
+  ``int4``: :meth:`QuantLinear.from_blocks`), and
+- the 8-bit form ``w = d * q`` (``q`` int8, ``d`` float16; kernels ``q8``, ``q8a8``, ``int4x2``:
+  :meth:`QuantLinear.from_q8_blocks`).
 
-    Q4_0: d (f16), qs[16]          w[j] = d * (q[j] - 8)
-    Q4_1: d (f16), m (f16), qs[16] w[j] = d * q[j] + m
-    q[j] = qs[j] & 15 and q[j + 16] = qs[j] >> 4, for j < 16
+GGUF block layouts (ggml's ``block_*`` structs, little-endian; ``d``, ``dmin``, ``m`` float16) and
+how each maps::
 
-Other tensor types (F32, F16, Q8_0, the K-quants) have no kernel here and stay on the float
-path (their float32 copy from the conversion).
+    Q4_0 (32 weights, 18 bytes): d, qs[16]       w[j] = d * (q[j] - 8)
+        4-bit form: m = -8 d (exact in float16); 8-bit form: q - 8, d (exact)
+    Q4_1 (32 weights, 20 bytes): d, m, qs[16]    w[j] = d * q[j] + m
+        4-bit form as stored (exact)
+        for both: q[j] = qs[j] & 15 and q[j + 16] = qs[j] >> 4, j < 16 ("legacy" nibble order)
+    Q5_0 (32 weights, 22 bytes): d, qh[4], qs[16]  w[j] = d * (q[j] - 16), q 5-bit:
+        low 4 bits as Q4_0's nibbles, bit 4 of q[j] = bit j of qh read as a little-endian uint32
+        8-bit form: q - 16 in -16..15, d (exact)
+    Q8_0 (32 weights, 34 bytes): d, qs[32] int8  w[j] = d * qs[j]
+        8-bit form as stored (exact)
+    Q4_K (256 weights, 144 bytes): d, dmin, scales[12], qs[128]
+        8 sub-blocks of 32, each with a 6-bit scale sc and a 6-bit min mn packed in scales:
+        j < 4: sc = scales[j] & 63, mn = scales[j + 4] & 63;
+        j >= 4: sc = (scales[j + 4] & 15) | (scales[j - 4] >> 6) << 4,
+                mn = (scales[j + 4] >> 4) | (scales[j] >> 6) << 4;
+        qs in 4 chunks of 32 bytes, each 64 weights: the low nibbles are its first 32 (sub-block
+        2c), the high nibbles its last 32 (sub-block 2c + 1) ("K" nibble order);
+        w = d * sc * q - dmin * mn.
+        4-bit form per sub-block: d' = d * sc, m' = -dmin * mn, each computed exactly in float32
+        and rounded once to float16, the only rounding: relative error <= 2^-11 of d' and of m'
+        where they are normal float16, exact below (measured max 4.880e-4 for both on 41k random
+        super-blocks: d, dmin in 1e-4..2e-2, random scale bytes); a weight moves by at most
+        2^-11 (|d' q| + |m'|) (measured max 1.43e-3 of its sub-block's largest |w|, where d' q
+        and m' nearly cancel). The nibbles are unpacked to ``q [N, K]`` and repacked by
+        ``from_blocks`` in the legacy order the kernels read. A tensor whose d' or m' overflow
+        float16 (not seen in real files) stays float.
+
+A fused layer (``FUSED``: q/k/v, gate/up) runs natively when all its parts map to one form
+(types may differ: Q5_0 + Q8_0 in the 8-bit form, Q4_K + Q4_0 in the 4-bit form; the 4-bit form
+is preferred where both fit, i.e. all parts Q4_0); otherwise (a Q5_1, Q5_K, Q6_K, F16, ... part,
+or parts in different forms) it stays on its float32 copy from the conversion (``float_layers``
+says which and why; the loader logs it). The rows of a tile of 16 are packed together, so a layer
+runs natively only where its rows are a multiple of 16. The Q and K rows of llama-architecture
+files are in llama.cpp's interleaved rotary order and are put back in the model's (rows only:
+every block stays whole); qwen2, qwen3 and gemma3 files store them in the model's order.
 """
 from __future__ import annotations
 
 import functools
 
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -28,21 +64,112 @@ BLOCK = 32
 # our fused layer -> its GGUF parts, in the order the float loader fuses them
 FUSED = {"qkv_proj": ("attn_q", "attn_k", "attn_v"), "gate_up_proj": ("ffn_gate", "ffn_up"),
          "o_proj": ("attn_output",), "down_proj": ("ffn_down",)}
-FOUR_BIT = ("Q4_0", "Q4_1")
+FOUR_BIT = ("Q4_0", "Q4_1", "Q4_K")  # types with the 4-bit form w = d * q + m
+EIGHT_BIT = ("Q8_0", "Q5_0", "Q4_0")  # types with the 8-bit form w = d * q
+NATIVE_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q8_0")
+SUPPORTED = "Q4_0, Q4_1, Q4_K (4-bit blocks) and Q5_0, Q8_0 (8-bit blocks)"  # for messages
+
+
+def _split_f16(blocks: np.ndarray, at: int) -> np.ndarray:
+    """The float16 at byte ``at`` of each block (``blocks [..., bytes]`` uint8) -> ``[...]`` float16."""
+    return np.ascontiguousarray(blocks[..., at:at + 2]).view(np.float16)[..., 0]
+
+
+def _legacy_nibbles(qs: np.ndarray) -> np.ndarray:
+    """``qs [..., 16]`` -> ``[..., 32]`` uint8 in 0..15: q[j] = qs[j] & 15, q[j + 16] = qs[j] >> 4."""
+    return np.concatenate([qs & 15, qs >> 4], axis=-1)
+
+
+def _rows(tensor) -> tuple[np.ndarray, str]:
+    raw = np.asarray(tensor.data, dtype=np.uint8)
+    return raw.reshape(raw.shape[0], -1), tensor.tensor_type.name
 
 
 def _blocks(tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``q [N, K]`` uint8 in 0..15 and ``d, m [N, K / 32]`` float16 of a Q4_0 / Q4_1 tensor."""
-    kind = tensor.tensor_type.name
-    raw = np.asarray(tensor.data, dtype=np.uint8)
+    """``q [N, K]`` uint8 in 0..15 and ``d, m [N, K / 32]`` float16 (``w = d * q + m``) of a Q4_0,
+    Q4_1 or Q4_K tensor (see the module's docstring); ValueError where a Q4_K's ``d'`` or ``m'``
+    overflow float16."""
+    raw, kind = _rows(tensor)
     n = raw.shape[0]
+    if kind == "Q4_K":
+        return _q4_k_blocks(raw)
+    if kind not in ("Q4_0", "Q4_1"):
+        raise ValueError(f"{kind} has no 4-bit form w = d * q + m")
     head = 2 if kind == "Q4_0" else 4  # bytes of d (and m) before the 16 bytes of nibbles
     blocks = raw.reshape(n, -1, head + 16)  # [N, K/32, bytes]
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0]  # [N, K/32]
-    m = blocks[..., 2:4].copy().view(np.float16)[..., 0] if kind == "Q4_1" else (-8 * d.astype(np.float32)).astype(np.float16)
-    qs = blocks[..., head:]
-    q = np.concatenate([qs & 15, qs >> 4], axis=-1).reshape(n, -1)  # [N, K]
+    d = _split_f16(blocks, 0)  # [N, K/32]
+    m = _split_f16(blocks, 2) if kind == "Q4_1" else -8 * d  # exact in float16 (a power of two)
+    q = _legacy_nibbles(blocks[..., head:]).reshape(n, -1)  # [N, K]
     return torch.from_numpy(q), torch.from_numpy(np.ascontiguousarray(d)), torch.from_numpy(np.ascontiguousarray(m))
+
+
+def _q4_k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``scales [..., 12]`` uint8 -> the 8 sub-blocks' 6-bit scales and mins, ``[..., 8]`` uint8 each."""
+    a, b, c = scales[..., 0:4], scales[..., 4:8], scales[..., 8:12]
+    sc = np.concatenate([a & 63, (c & 15) | ((a >> 6) << 4)], axis=-1)
+    mn = np.concatenate([b & 63, (c >> 4) | ((b >> 6) << 4)], axis=-1)
+    return sc, mn
+
+
+def _q4_k_blocks(raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_K rows ``[N, K / 256 * 144]`` uint8 -> the 4-bit form per sub-block of 32 (module docstring)."""
+    n = raw.shape[0]
+    blocks = raw.reshape(n, -1, 144)  # [N, K/256, 144]
+    d, dmin = _split_f16(blocks, 0).astype(np.float32), _split_f16(blocks, 2).astype(np.float32)
+    sc, mn = _q4_k_scales(blocks[..., 4:16])  # [N, K/256, 8]
+    with np.errstate(over="ignore"):  # overflow is checked below
+        d32 = (d[..., None] * sc.astype(np.float32)).astype(np.float16)  # exact in float32, rounded once
+        m32 = (-(dmin[..., None] * mn.astype(np.float32))).astype(np.float16)
+    if not (np.isfinite(d32).all() and np.isfinite(m32).all()):
+        raise ValueError("a Q4_K sub-block's scale d * sc or min dmin * m overflows float16")
+    qs = blocks[..., 16:].reshape(n, -1, 4, 1, 32)  # [N, K/256, chunk, 1, byte]
+    q = np.concatenate([qs & 15, qs >> 4], axis=3).reshape(n, -1)  # [N, K]: chunk c = sub-blocks 2c, 2c + 1
+    return (torch.from_numpy(q), torch.from_numpy(d32.reshape(n, -1)), torch.from_numpy(m32.reshape(n, -1)))
+
+
+def _q8_blocks(tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``q [N, K]`` int8 and ``d [N, K / 32]`` float16 (``w = d * q``) of a Q8_0, Q5_0 or Q4_0
+    tensor (see the module's docstring)."""
+    raw, kind = _rows(tensor)
+    n = raw.shape[0]
+    if kind == "Q8_0":  # d, then 32 int8
+        blocks = raw.reshape(n, -1, 2 + BLOCK)
+        q = blocks[..., 2:].copy().view(np.int8)
+    elif kind == "Q5_0":  # d, qh[4], qs[16]
+        blocks = raw.reshape(n, -1, 22)
+        high = np.unpackbits(blocks[..., 2:6], axis=-1, bitorder="little")  # [N, K/32, 32]: bit j of qh
+        q = (_legacy_nibbles(blocks[..., 6:]) | (high << 4)).view(np.int8) - np.int8(16)
+    elif kind == "Q4_0":  # d, qs[16]
+        blocks = raw.reshape(n, -1, 18)
+        q = _legacy_nibbles(blocks[..., 2:]).view(np.int8) - np.int8(8)
+    else:
+        raise ValueError(f"{kind} has no 8-bit form w = d * q")
+    d = _split_f16(blocks, 0)
+    return torch.from_numpy(np.ascontiguousarray(q.reshape(n, -1))), torch.from_numpy(np.ascontiguousarray(d))
+
+
+def form_of(kinds) -> str | None:
+    """The block form that tensors of the GGUF types ``kinds`` share: ``"4-bit"`` (preferred where
+    both fit), ``"8-bit"``, or None."""
+    kinds = set(kinds)
+    if kinds and kinds <= set(FOUR_BIT):
+        return "4-bit"
+    if kinds and kinds <= set(EIGHT_BIT):
+        return "8-bit"
+    return None
+
+
+def _native(tensors, form: str, source: str, undo=None) -> QuantLinear:
+    """One QuantLinear of ``tensors`` (their rows stacked in order) in ``form``; ``undo(i, x)``
+    reorders part ``i``'s rows (any per-row array)."""
+    undo = undo or (lambda i, x: x)
+    if form == "4-bit":
+        parts = [[undo(i, x) for x in _blocks(t)] for i, t in enumerate(tensors)]
+        q, d, m = (torch.cat(xs) for xs in zip(*parts))
+        return QuantLinear.from_blocks(q, d, m, source)
+    parts = [[undo(i, x) for x in _q8_blocks(t)] for i, t in enumerate(tensors)]
+    q, d = (torch.cat(xs) for xs in zip(*parts))
+    return QuantLinear.from_q8_blocks(q, d, source)
 
 
 def gguf_tensors(gguf_path: str | Path) -> list:
@@ -70,29 +197,99 @@ def _unpermute_rows(t: torch.Tensor, n_head: int) -> torch.Tensor:
     return t.reshape(n_head, half, 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape)
 
 
-def native_linears(gguf_path: str | Path, num_heads: int, num_kv_heads: int) -> tuple[dict[str, QuantLinear], str]:
-    """QuantLinears for every decoder linear whose GGUF parts are all 4-bit, by module name
-    (``layers.3.qkv_proj``), and the file's type of those tensors (e.g. ``Q4_1``)."""
+class FloatLayer(NamedTuple):
+    """A decoder linear left on its float32 copy: why, and what that costs."""
+    name: str  # e.g. "layers.3.down_proj"
+    types: tuple[str, ...]  # its parts' GGUF types
+    weights: int  # number of weights (float32: 4 bytes each)
+    file_bytes: int  # what its parts take in the file
+    why: str
+
+
+def _layer_parts(by_name: dict, i: int, parts: tuple[str, ...]) -> list:
+    return [by_name.get(f"blk.{i}.{p}.weight") for p in parts]
+
+
+def native_linears(gguf_path: str | Path, num_heads: int, num_kv_heads: int,
+                   permuted: bool = True) -> tuple[dict[str, QuantLinear], str]:
+    """QuantLinears for every decoder linear whose GGUF parts all map to one block form (module
+    docstring), by module name (``layers.3.qkv_proj``), and the file's types of those tensors
+    (e.g. ``Q4_K+Q8_0``). ``permuted``: the file's Q and K rows are in llama.cpp's interleaved
+    rotary order (the ``llama`` architecture's files; qwen2, qwen3 and gemma3 files are not) and are
+    put back in the model's. :func:`float_layers` tells which layers are left out and why."""
     by_name = {t.name: t for t in gguf_tensors(gguf_path)}
-    layers = sorted({int(n.split(".")[1]) for n in by_name if n.startswith("blk.")})
     out, kinds = {}, set()
+    for i, fused, tensors in _decoder_layers(by_name):
+        if _why_float(tensors) is not None:
+            continue
+        types = [t.tensor_type.name for t in tensors]
+        heads = [num_heads if p == "attn_q" else num_kv_heads if p == "attn_k" else 0 for p in FUSED[fused]]
+
+        def undo(j, x, heads=heads):
+            return _unpermute_rows(x, heads[j]) if permuted and heads[j] else x
+        try:
+            out[f"layers.{i}.{fused}"] = _native(tensors, form_of(types), "+".join(sorted(set(types))), undo)
+        except ValueError:  # a Q4_K scale that overflows float16: float32 copy (float_layers says so)
+            continue
+        kinds.update(types)
+    return out, "+".join(sorted(kinds))
+
+
+def _decoder_layers(by_name: dict):
+    """``(i, fused name, its parts' tensors or None)`` for every decoder layer of the file."""
+    layers = sorted({int(n.split(".")[1]) for n in by_name if n.startswith("blk.")})
     for i in layers:
         for fused, parts in FUSED.items():
-            tensors = [by_name.get(f"blk.{i}.{p}.weight") for p in parts]
-            if any(t is None or t.tensor_type.name not in FOUR_BIT for t in tensors) \
-                    or sum(t.data.shape[0] for t in tensors) % 16:  # the packed layout needs 16-row tiles
-                continue
-            qs, ds, ms = [], [], []
-            for p, t in zip(parts, tensors):
-                q, d, m = _blocks(t)
-                if p in ("attn_q", "attn_k"):
-                    heads = num_heads if p == "attn_q" else num_kv_heads
-                    q, d, m = (_unpermute_rows(x, heads) for x in (q, d, m))
-                qs.append(q), ds.append(d), ms.append(m)
-                kinds.add(t.tensor_type.name)
-            out[f"layers.{i}.{fused}"] = QuantLinear.from_blocks(torch.cat(qs), torch.cat(ds), torch.cat(ms),
-                                                                 "+".join(sorted({t.tensor_type.name for t in tensors})))
-    return out, "+".join(sorted(kinds))
+            tensors = _layer_parts(by_name, i, parts)
+            if any(t is not None for t in tensors):
+                yield i, fused, tensors
+
+
+def _why_float(tensors) -> str | None:
+    """Why a fused layer of these parts cannot run natively (None: it can, unless a Q4_K scale
+    overflows float16)."""
+    if any(t is None for t in tensors):
+        return "a part is missing"
+    types = [t.tensor_type.name for t in tensors]
+    if form_of(types) is None:
+        other = sorted(set(types) - set(NATIVE_TYPES))
+        return f"{'+'.join(other)} has no native kernel" if other else "its parts' types share no block form"
+    if sum(t.data.shape[0] for t in tensors) % 16:
+        return "its rows are not a multiple of 16"  # the packed layout needs 16-row tiles
+    return None
+
+
+def float_layers(gguf_path: str | Path, native: dict[str, QuantLinear]) -> list[FloatLayer]:
+    """The decoder linears of the file that ``native`` (``native_linears``' layers) leaves on their
+    float32 copy, each with its types, size and the reason."""
+    by_name = {t.name: t for t in gguf_tensors(gguf_path)}
+    out = []
+    for i, fused, tensors in _decoder_layers(by_name):
+        name = f"layers.{i}.{fused}"
+        if name in native:
+            continue
+        present = [t for t in tensors if t is not None]
+        why = _why_float(tensors) or "a Q4_K scale overflows float16"
+        out.append(FloatLayer(name, tuple(t.tensor_type.name for t in present),
+                              sum(int(np.prod(t.shape)) for t in present), sum(int(t.n_bytes) for t in present), why))
+    return out
+
+
+def float_message(file: str, floats: list[FloatLayer], n_native: int) -> str:
+    """One line for the log: which decoder linears of ``file`` stay on their float32 copy
+    (:func:`float_layers`), why, and what that costs beside the file's blocks."""
+    groups: dict[str, dict[str, int]] = {}
+    for f in floats:
+        fused = groups.setdefault(f.why, {})
+        kind = f.name.rsplit(".", 1)[1]
+        fused[kind] = fused.get(kind, 0) + 1
+    why = "; ".join(f"{w}: " + ", ".join(f"{k} in {n} layer{'s' * (n > 1)}" for k, n in fused.items())
+                    for w, fused in groups.items())
+    f32 = sum(f.weights for f in floats) * 4
+    stored = sum(f.file_bytes for f in floats)
+    return (f"{file}: {len(floats)} of {len(floats) + n_native} decoder linears run on a float32 copy, not on "
+            f"the file's blocks ({why}): {f32 / 2**20:.1f} MB as float32, {f32 / max(stored, 1):.1f}x their "
+            f"{stored / 2**20:.1f} MB in the file; the native kernels run {SUPPORTED}")
 
 
 def decoder_types(gguf_path: str | Path) -> dict[str, str]:
@@ -106,23 +303,17 @@ def decoder_types(gguf_path: str | Path) -> dict[str, str]:
     return out
 
 
-def _q8_blocks(tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``q [N, K]`` int8 and ``d [N, K / 32]`` float16 of a Q8_0 tensor (``d`` f16, then 32 int8)."""
-    raw = np.asarray(tensor.data, dtype=np.uint8)
-    blocks = raw.reshape(raw.shape[0], -1, 2 + BLOCK)
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0]
-    q = blocks[..., 2:].copy().view(np.int8).reshape(raw.shape[0], -1)
-    return torch.from_numpy(q), torch.from_numpy(np.ascontiguousarray(d))
-
-
 def native_head(gguf_path: str | Path) -> QuantLinear | None:
-    """The output head on the int4 kernel, when the file stores it (or the tied embedding) as
-    Q4_0 / Q4_1 / Q8_0; None otherwise."""
+    """The output head (or the tied embedding) on a block kernel where the file stores it in a type
+    with a native form: Q4_0, Q4_1, Q4_K in the 4-bit form, Q8_0, Q5_0 in the 8-bit one (module
+    docstring); None otherwise (and where its rows are not a multiple of 16)."""
     by_name = {t.name: t for t in gguf_tensors(gguf_path)}
     t = by_name.get("output.weight") or by_name.get("token_embd.weight")
     kind = t.tensor_type.name if t is not None and t.data.shape[0] % 16 == 0 else None
-    if kind in FOUR_BIT:
-        return QuantLinear.from_blocks(*_blocks(t), kind)
-    if kind == "Q8_0":
-        return QuantLinear.from_q8_blocks(*_q8_blocks(t))
-    return None
+    form = form_of([kind]) if kind else None
+    if form is None:
+        return None
+    try:
+        return _native([t], form, kind)
+    except ValueError:  # a Q4_K scale that overflows float16
+        return None
