@@ -233,28 +233,50 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
 
 def apply_quantization(model: DecoderModel, quantize: str, gguf: str | Path | None = None) -> str:
     """Put the decoder's linear layers on the quantized kernels as ``quantize`` asks; returns the
-    format chosen (``model.weight_format``)."""
+    format chosen (``model.weight_format``).
+
+    ``native``: every decoder linear whose GGUF tensors map onto one of the block kernels' forms
+    (``gguf_weights``: Q4_0, Q4_1, Q4_K, Q5_0, Q8_0) runs on the file's blocks, and so does the
+    output head where its type maps; the other linears keep their float32 copy, said in one warning
+    (their types, how many, their float32 size). A file with nothing that maps is refused, naming
+    what does. ``auto``: ``native`` where the file has a tensor of such a type and the kernels pay on
+    this CPU (else, or where none of its layers maps after all, ``none``)."""
+    import logging
+
     from ...kernels.quant import ACT_DTYPE, Q4_STORAGE, act_dtype_of, q8a_prefills_on_rows, quantize_linears
     from ...kernels.select import cpu_has_bf16, quantized_kernels_pay
 
     check_engine_options({"quantize": quantize})
+    asked = quantize
     on_cpu = model.device.type == "cpu"
     if quantize == "auto":
         pays = on_cpu and gguf is not None and quantized_kernels_pay()[0]
-        quantize = "native" if pays and _has_four_bit(gguf) else "none"
+        quantize = "native" if pays and _has_native_tensor(gguf) else "none"
     if quantize != "none" and not on_cpu:
         raise ConfigError(f"--quantize {quantize}: the int4/int8 kernels are CPU kernels; use --quantize none on "
                           f"{model.device.type}")
     if quantize == "native":
         if gguf is None:
             raise ConfigError("--quantize native needs a GGUF model (the default model or a .gguf file)")
-        from .gguf_weights import decoder_types, native_linears
+        from .gguf_weights import SUPPORTED, decoder_types, float_layers, float_message, native_head, native_linears
 
-        linears, kind = native_linears(gguf, model.cfg.num_heads, model.cfg.num_kv_heads)
-        if not linears:
-            found = ", ".join(f"{name} is {k}" for k, name in decoder_types(gguf).items()) or "no decoder linears"
-            raise ConfigError(f"{Path(gguf).name} has no Q4_0/Q4_1 decoder tensors to run natively ({found}; the "
-                              "kernels run only those); --quantize none runs its float32 copy")
+        # only llama.cpp's ``llama`` architecture stores Q and K rows permuted (qwen2, qwen3, gemma3 do not)
+        linears, kind = native_linears(gguf, model.cfg.num_heads, model.cfg.num_kv_heads,
+                                       permuted=model.cfg.family == "llama")
+        head = native_head(gguf)
+        floats = float_layers(gguf, linears)
+        if not linears and head is None:
+            if asked == "auto":
+                quantize = "none"
+            else:
+                found = ", ".join(f"{name} is {k}" for k, name in decoder_types(gguf).items()) or "no decoder linears"
+                why = "; ".join(sorted({f.why for f in floats}))
+                raise ConfigError(f"{Path(gguf).name} has no tensors that run natively ({found}{': ' if why else ''}"
+                                  f"{why}); the native kernels run {SUPPORTED}; --quantize none runs its float32 "
+                                  "copy")
+        elif floats:
+            logging.getLogger(__name__).warning(float_message(Path(gguf).name, floats, len(linears)))
+    if quantize == "native":
         for name, layer in linears.items():
             parent, child = name.rsplit(".", 1)
             old = getattr(model.get_submodule(parent), child)  # the file's values, dequantized to float32
@@ -265,9 +287,6 @@ def apply_quantization(model: DecoderModel, quantize: str, gguf: str | Path | No
                     and old.weight.shape == (layer.out_features, layer.in_features):
                 layer.dense = old.weight.detach().to(torch.bfloat16).contiguous()
             setattr(model.get_submodule(parent), child, layer)
-        from .gguf_weights import native_head
-
-        head = native_head(gguf)
         if head is not None:  # the embedding keeps its float32 copy of the same values for lookups
             model.lm_head = head
     elif quantize in ("int4", "int8"):
@@ -279,7 +298,8 @@ def apply_quantization(model: DecoderModel, quantize: str, gguf: str | Path | No
     return quantize
 
 
-def _has_four_bit(gguf: str | Path) -> bool:
-    from .gguf_weights import gguf_tensors
+def _has_native_tensor(gguf: str | Path) -> bool:
+    """Whether the GGUF file has a tensor of a type with a native block form (``gguf_weights``)."""
+    from .gguf_weights import NATIVE_TYPES, gguf_tensors
 
-    return any(t.tensor_type.name in ("Q4_0", "Q4_1") for t in gguf_tensors(gguf))
+    return any(t.tensor_type.name in NATIVE_TYPES for t in gguf_tensors(gguf))
