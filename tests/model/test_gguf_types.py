@@ -1,0 +1,419 @@
+"""GGUF types on hispec's block kernels (``hispec/model/load/gguf_weights.py``), checked against the
+gguf package's own dequantization:
+
+* each type's block form (4-bit ``w = d q + m``: Q4_0, Q4_1, Q4_K; 8-bit ``w = d q``: Q8_0, Q5_0,
+  and Q4_0 again) gives gguf's weights (exactly, Q4_K within its one float16 rounding) and each
+  kernel of that form multiplies by them within its documented error;
+* fused layers take one form when all their parts share it, else stay float (named in a warning);
+* a tiny llama GGUF of Q4_K / Q5_0 / Q8_0 tensors loads with ``--quantize native`` on those kernels.
+"""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+
+from hispec.kernels import fused, q8act  # noqa: E402
+from hispec.kernels.quant import Q4_STORAGE, Q8_STORAGE, QuantLinear  # noqa: E402
+from hispec.model.load import gguf_weights as gw  # noqa: E402
+
+Q = gguf.GGMLQuantizationType
+QK_SIZES = gguf.constants.GGML_QUANT_SIZES
+
+
+class _Tensor:
+    """What ``gguf_weights`` reads of a tensor: its type and its rows of blocks."""
+
+    def __init__(self, kind: str, data: np.ndarray) -> None:
+        self.tensor_type, self.data = Q[kind], data
+
+
+def _random_k_blocks(kind: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """``[N, K / 256 * bytes]`` random Q4_K / Q6_K blocks (the gguf package cannot quantize
+    K-quants) with float16 scales in a sane range: Q4_K's d, dmin in [1e-5, 4e-4] (so |w| <~ 0.4),
+    Q6_K's d in [1e-6, 1e-5]."""
+    block, size = QK_SIZES[Q[kind]]
+    raw = rng.integers(0, 256, (n, k // block, size), dtype=np.uint8)
+    if kind == "Q4_K":
+        for at in (0, 2):  # d, dmin
+            raw[..., at:at + 2] = rng.uniform(1e-5, 4e-4, raw.shape[:2]).astype(np.float16)[..., None].view(np.uint8)
+    else:  # Q6_K: ql[128], qh[64], scales[16], d
+        raw[..., 208:210] = rng.uniform(1e-6, 1e-5, raw.shape[:2]).astype(np.float16)[..., None].view(np.uint8)
+    return raw.reshape(n, -1)
+
+
+def _quantized(kind: str, n: int, k: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """(the file's rows of ``kind`` blocks for a random ``[N, K]`` weight, gguf's dequantization)."""
+    rng = np.random.default_rng(seed)
+    if kind in ("Q4_K", "Q6_K"):
+        raw = _random_k_blocks(kind, n, k, rng)
+    else:
+        raw = gguf.quants.quantize((rng.standard_normal((n, k)) * 0.1).astype(np.float32), Q[kind])
+    return raw, gguf.quants.dequantize(raw, Q[kind]).astype(np.float32)
+
+
+def _q4_k_bound(raw: np.ndarray) -> np.ndarray:
+    """``[N, K]``: 2^-11 (|d sc q| + |dmin mn|), how far Q4_K's 4-bit form may move each weight
+    (``d' = d sc`` and ``m' = -dmin mn`` rounded once to float16), from the exact values."""
+    n = raw.shape[0]
+    b = raw.reshape(n, -1, 144)
+    d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float64)
+    dmin = b[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float64)
+    sc, mn = gguf.quants.Q4_K.get_scale_min(b[..., 4:16].reshape(-1, 12))
+    sc, mn = sc.reshape(n, -1, 8), mn.reshape(n, -1, 8)
+    ds = (d[..., None] * sc).reshape(n, -1).repeat(32, 1)
+    ms = (dmin[..., None] * mn).reshape(n, -1).repeat(32, 1)
+    q = torch.as_tensor(gw._blocks(_Tensor("Q4_K", raw))[0]).double().numpy()
+    return 2.0 ** -11 * (ds * q + ms)
+
+
+FOUR_BIT_KERNELS = ["q4", "q8a", "int4"]
+EIGHT_BIT_KERNELS = ["q8", "q8a8", "int4x2"]
+
+
+def _kernel_or_skip(kernel: str) -> None:
+    if kernel in ("q4", "q8") and not fused.available():
+        pytest.skip("needs the fused CPU kernels (a C compiler)")
+    if kernel in ("q8a", "q8a8") and not (fused.available() and q8act.available()):
+        pytest.skip("needs the q8act kernels (a C compiler)")
+
+
+def _check_output(layer: QuantLinear, w_ref: torch.Tensor, x: torch.Tensor) -> None:
+    """``layer(x)`` within its kernel's documented error of ``x @ w_ref.T`` (float64), plus what the
+    layer's weights differ from ``w_ref`` by (|x| |dW|: zero where the form is exact)."""
+    w = layer.source_weight().double()
+    ref = x.double() @ w_ref.double().T
+    out = layer(x).double()
+    moved = x.double().abs() @ (w - w_ref.double()).abs().T
+    xb = x.abs().view(x.shape[0], -1, 32).amax(-1).repeat_interleave(32, 1).double()  # each input's block max
+    if layer.kernel in ("q4", "q8"):  # 16-bit activations per block: half a step of 1/32767 of its largest
+        bound = xb * (0.5 / 32767) @ w.abs().T + 1e-5
+    elif layer.kernel in ("q8a", "q8a8"):  # 8-bit activations per block: half a step of amax / 127
+        bound = (xb / 254) @ w.abs().T + 1e-4
+    else:  # int4, int4x2: bfloat16 activations, scales and output (2^-9 each, with margin)
+        bound = (x.double().abs() @ w.abs().T) * 2 ** -6 + 1e-3
+    assert ((out - ref).abs() <= bound + moved * (1 + 1e-6)).all(), (out - ref).abs().max()
+    for t in (1, 3):  # each row the same whatever the rows beside it
+        assert torch.equal(layer(x[:t]), layer(x)[:t])
+
+
+# ---- each type's block form -------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K"])
+def test_four_bit_form_equals_gguf_dequantization(kind):
+    raw, want = _quantized(kind, 48, 512)
+    q, d, m = gw._blocks(_Tensor(kind, raw))
+    assert q.shape == (48, 512) and int(q.max()) <= 15 and d.shape == m.shape == (48, 16)
+    assert d.dtype == m.dtype == torch.float16
+    got = (q.double() * d.double().repeat_interleave(32, 1) + m.double().repeat_interleave(32, 1)).numpy()
+    if kind != "Q4_K":  # exact: the file's d, m (Q4_0: m = -8 d)
+        assert np.array_equal(got.astype(np.float32), want)
+        return
+    err = np.abs(got - want)
+    assert (err <= _q4_k_bound(raw) * (1 + 1e-6) + 1e-12).all()  # d', m' rounded once to float16
+    assert err.max() > 0  # the rounding is real (the bound is not vacuous)
+    # the nibble order matters: K-quants' chunk of 64 is 32 low nibbles then 32 high ones
+    blocks = raw.reshape(48, -1, 144)
+    assert np.array_equal(q.numpy()[:, 32:64], blocks[:, 0, 16:48] >> 4)
+
+
+def test_q4_k_scales_round_once_to_float16():
+    """d' = d sc and m' = -dmin mn: within half a float16 step of the exact products (2^-11 of them,
+    where they are normal), 4.88e-4 measured; a d' that overflows float16 is refused, not inf."""
+    raw, _ = _quantized("Q4_K", 256, 1024, seed=3)
+    _, d, m = gw._blocks(_Tensor("Q4_K", raw))
+    b = raw.reshape(256, -1, 144)
+    sc, mn = gguf.quants.Q4_K.get_scale_min(b[..., 4:16].reshape(-1, 12))
+    exact_d = b[..., 0:2].copy().view(np.float16).astype(np.float64).reshape(-1, 1) * sc
+    exact_m = -b[..., 2:4].copy().view(np.float16).astype(np.float64).reshape(-1, 1) * mn
+    for got, exact in ((d, exact_d), (m, exact_m)):
+        exact = exact.reshape(256, -1)
+        nz = exact != 0
+        rel = np.abs(got.double().numpy() - exact)[nz] / np.abs(exact[nz])
+        assert 2 ** -12 < rel.max() <= 2 ** -11
+    big = raw.copy().reshape(256, -1, 144)
+    big[0, 0, 0:2] = np.array([60000], np.float16).view(np.uint8)  # d * sc > 65504 (sc > 1 likely)
+    big[0, 0, 4] |= 63
+    with pytest.raises(ValueError, match="overflows float16"):
+        gw._blocks(_Tensor("Q4_K", big.reshape(256, -1)))
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q5_0", "Q4_0"])
+def test_eight_bit_form_equals_gguf_dequantization(kind):
+    raw, want = _quantized(kind, 48, 256)
+    q, d = gw._q8_blocks(_Tensor(kind, raw))
+    assert q.dtype == torch.int8 and q.shape == (48, 256) and d.dtype == torch.float16
+    lo, hi = {"Q8_0": (-128, 127), "Q5_0": (-16, 15), "Q4_0": (-8, 7)}[kind]
+    assert lo <= int(q.min()) and int(q.max()) <= hi
+    got = q.float() * d.float().repeat_interleave(32, 1)
+    assert np.array_equal(got.numpy(), want)  # exact
+
+
+def test_forms_of_types():
+    assert gw.form_of(["Q4_0"]) == "4-bit" and gw.form_of(["Q4_K", "Q4_0", "Q4_1"]) == "4-bit"
+    assert gw.form_of(["Q5_0", "Q8_0"]) == "8-bit" and gw.form_of(["Q4_0", "Q8_0"]) == "8-bit"
+    for mixed in (["Q4_1", "Q5_0"], ["Q4_K", "Q8_0"], ["Q6_K"], ["Q5_1"], ["Q5_K"], ["F16"], ["Q4_K", "Q6_K"]):
+        assert gw.form_of(mixed) is None, mixed
+
+
+@pytest.mark.parametrize("kind,kernel", [(k, kn) for k in ("Q4_0", "Q4_1", "Q4_K") for kn in FOUR_BIT_KERNELS]
+                         + [(k, kn) for k in ("Q8_0", "Q5_0") for kn in EIGHT_BIT_KERNELS])
+def test_kernels_multiply_by_the_files_weights(kind, kernel):
+    _kernel_or_skip(kernel)
+    raw, want = _quantized(kind, 32, 256, seed=1)
+    t = _Tensor(kind, raw)
+    layer = QuantLinear.from_blocks(*gw._blocks(t), kind, kernel=kernel) if kernel in FOUR_BIT_KERNELS \
+        else QuantLinear.from_q8_blocks(*gw._q8_blocks(t), kind, kernel=kernel)
+    assert layer.kernel == kernel and layer.source == kind
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(2))
+    _check_output(layer, torch.from_numpy(want), x)
+
+
+# ---- fused layers, the head --------------------------------------------------------------------------
+HIDDEN, N_HEAD, N_KV, FFN = 256, 4, 2, 512
+
+
+def _write(path, tensors: dict[str, tuple[str, np.ndarray]], arch: str = "llama") -> None:
+    """A GGUF file of raw tensors ``name -> (type, rows of blocks or float32 array)`` (no metadata
+    beyond the architecture: ``gguf_weights`` reads tensors only)."""
+    w = gguf.GGUFWriter(str(path), arch)
+    for name, (kind, data) in tensors.items():
+        if kind == "F32":
+            w.add_tensor(name, data)
+        else:
+            w.add_tensor(name, data, raw_dtype=Q[kind])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+SHAPES = {"attn_q": HIDDEN, "attn_k": HIDDEN // N_HEAD * N_KV, "attn_v": HIDDEN // N_HEAD * N_KV,
+          "attn_output": HIDDEN, "ffn_gate": FFN, "ffn_up": FFN, "ffn_down": HIDDEN}
+
+
+def _layer_tensors(types: dict[str, str], layer: int = 0, seed: int = 0):
+    """``{gguf name: (type, raw)}`` and ``{gguf name: gguf's dequantization}`` of one decoder layer."""
+    raws, refs = {}, {}
+    for i, (part, kind) in enumerate(types.items()):
+        k = FFN if part == "ffn_down" else HIDDEN
+        raw, want = _quantized(kind, SHAPES[part], k, seed=seed + 7 * layer + i)
+        name = f"blk.{layer}.{part}.weight"
+        raws[name], refs[name] = (kind, raw), want
+    return raws, refs
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    return torch.as_tensor(w).reshape(n_head, -1, 2, w.shape[1]).transpose(1, 2).reshape(w.shape).numpy()
+
+
+@pytest.mark.parametrize("permuted", [True, False])
+def test_fused_layers_share_a_form_or_stay_float(tmp_path, four_bit_kernel, permuted):
+    four_bit_kernel("int4")  # no timed choice (and the 8-bit kernel follows from it: q8, or int4x2 without C)
+    q8 = "q8" if fused.available() else "int4x2"
+    layer0 = {"attn_q": "Q5_0", "attn_k": "Q5_0", "attn_v": "Q8_0", "attn_output": "Q4_K",
+              "ffn_gate": "Q4_K", "ffn_up": "Q4_0", "ffn_down": "Q6_K"}
+    layer1 = {"attn_q": "Q4_1", "attn_k": "Q5_0", "attn_v": "Q5_0", "attn_output": "Q5_1",
+              "ffn_gate": "Q4_0", "ffn_up": "Q8_0", "ffn_down": "Q4_K"}
+    raws, refs = _layer_tensors(layer0, 0)
+    more = _layer_tensors(layer1, 1)
+    raws.update(more[0]), refs.update(more[1])
+    src = tmp_path / "mixed.gguf"
+    _write(src, raws)
+    native, kinds = gw.native_linears(src, N_HEAD, N_KV, permuted=permuted)
+    assert sorted(native) == ["layers.0.gate_up_proj", "layers.0.o_proj", "layers.0.qkv_proj",
+                              "layers.1.down_proj", "layers.1.gate_up_proj"]
+    assert kinds == "Q4_0+Q4_K+Q5_0+Q8_0"
+    forms = {"layers.0.qkv_proj": ("Q5_0+Q8_0", q8), "layers.0.o_proj": ("Q4_K", "int4"),
+             "layers.0.gate_up_proj": ("Q4_0+Q4_K", "int4"), "layers.1.down_proj": ("Q4_K", "int4"),
+             "layers.1.gate_up_proj": ("Q4_0+Q8_0", q8)}  # Q4_0 beside Q8_0: in the 8-bit form
+    fused_parts = {"qkv_proj": ("attn_q", "attn_k", "attn_v"), "o_proj": ("attn_output",),
+                   "gate_up_proj": ("ffn_gate", "ffn_up"), "down_proj": ("ffn_down",)}
+    for name, layer in native.items():
+        assert (layer.source, layer.kernel) == forms[name], name
+        i, fused_name = name.split(".")[1:]
+        parts = []
+        for p in fused_parts[fused_name]:
+            w = refs[f"blk.{i}.{p}.weight"]
+            if permuted and p in ("attn_q", "attn_k"):
+                w = _unpermute(w, N_HEAD if p == "attn_q" else N_KV)
+            parts.append(w)
+        want = torch.from_numpy(np.concatenate(parts))
+        got = layer.source_weight()
+        if "Q4_K" in layer.source:
+            assert (got - want).abs().max() <= 2 ** -11 * want.abs().max() * 4
+        else:
+            assert torch.equal(got, want), name
+    floats = {f.name: f for f in gw.float_layers(src, native)}
+    assert sorted(floats) == ["layers.0.down_proj", "layers.1.o_proj", "layers.1.qkv_proj"]
+    assert floats["layers.0.down_proj"].why == "Q6_K has no native kernel"
+    assert floats["layers.1.o_proj"].why == "Q5_1 has no native kernel"
+    assert floats["layers.1.qkv_proj"].why == "its parts' types share no block form"
+    assert floats["layers.1.qkv_proj"].types == ("Q4_1", "Q5_0", "Q5_0")
+    assert floats["layers.0.down_proj"].weights == HIDDEN * FFN
+    msg = gw.float_message("mixed.gguf", list(floats.values()), len(native))
+    assert "3 of 8 decoder linears run on a float32 copy" in msg and "Q6_K" in msg and "Q5_1" in msg
+    assert "down_proj in 1 layer" in msg and " MB as float32" in msg and "Q4_K" in msg
+
+
+def test_sixteen_row_tiles_are_kept(tmp_path):
+    """The packed layout needs rows in tiles of 16: a layer of 40 rows stays float, saying why."""
+    raw, _ = _quantized("Q8_0", 40, 256)
+    src = tmp_path / "odd.gguf"
+    _write(src, {"blk.0.attn_output.weight": ("Q8_0", raw)})
+    native, _ = gw.native_linears(src, N_HEAD, N_KV)
+    assert native == {}
+    assert [f.why for f in gw.float_layers(src, native)] == ["its rows are not a multiple of 16"]
+
+
+@pytest.mark.parametrize("kind,name,kernels", [("Q5_0", "output.weight", Q8_STORAGE + ("int4x2",)),
+                                               ("Q4_K", "token_embd.weight", Q4_STORAGE + ("int4",)),
+                                               ("Q6_K", "output.weight", None)])
+def test_native_head(tmp_path, kind, name, kernels):
+    raw, want = _quantized(kind, 64, 256, seed=5)
+    src = tmp_path / f"head-{kind}.gguf"
+    _write(src, {name: (kind, raw)})
+    head = gw.native_head(src)
+    if kernels is None:
+        assert head is None
+        return
+    assert head.kernel in kernels and head.source == kind and head.out_features == 64
+    got, want = head.source_weight(), torch.from_numpy(want)
+    if kind == "Q4_K":
+        assert ((got.double() - want.double()).abs().numpy() <= _q4_k_bound(raw) * (1 + 1e-6) + 1e-12).all()
+    else:
+        assert torch.equal(got, want)
+
+
+# ---- end to end: a tiny llama GGUF ------------------------------------------------------------------
+DECODER_TYPES = {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q4_K", "attn_output": "Q5_0",
+                 "ffn_gate": "Q8_0", "ffn_up": "Q5_0", "ffn_down": "Q4_K"}
+
+
+def _tiny_llama_gguf(path, types: dict[str, str]) -> None:
+    """A 2-layer llama (hidden 256: Q4_K's super-blocks) with decoder tensors of ``types``, F32 norms,
+    embedding and head, and the byte-level tokenizer of ``test_gguf_convert``."""
+    from tests.model.test_gguf_convert import CHAT_TEMPLATE, _tiny_tokens
+
+    tokens, token_types, merges = _tiny_tokens()
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(2)
+    w.add_context_length(256)
+    w.add_embedding_length(HIDDEN)
+    w.add_feed_forward_length(FFN)
+    w.add_head_count(N_HEAD)
+    w.add_head_count_kv(N_KV)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_dimension_count(HIDDEN // N_HEAD)
+    w.add_vocab_size(len(tokens))
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types(token_types)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_chat_template(CHAT_TEMPLATE)
+    rng = np.random.default_rng(0)
+    f32 = {"token_embd.weight": (rng.standard_normal((len(tokens), HIDDEN)) * 0.5).astype(np.float32),
+           "output.weight": (rng.standard_normal((len(tokens), HIDDEN)) * 0.05).astype(np.float32),
+           "output_norm.weight": np.ones(HIDDEN, np.float32)}
+    for name, arr in f32.items():
+        w.add_tensor(name, arr)
+    for i in range(2):
+        for norm in ("attn_norm", "ffn_norm"):
+            w.add_tensor(f"blk.{i}.{norm}.weight", (1 + 0.1 * rng.standard_normal(HIDDEN)).astype(np.float32))
+        for name, (kind, raw) in _layer_tensors(types, i, seed=11)[0].items():
+            w.add_tensor(name, raw, raw_dtype=Q[kind])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def _logits(model, ids):
+    from hispec.cache.block_manager import BlockManager
+    from hispec.cache.kv_cache import KVPool
+    from hispec.decode.base import LayerRunner
+
+    blocks, pool = BlockManager(4, 16, 2), KVPool(2, 4, 16, N_KV, HIDDEN // N_HEAD, torch.float32, "cpu")
+    blocks.add_sequence(0)
+    h = LayerRunner(model, blocks, pool).forward(0, 0, ids, 0, 2)
+    return model.exit_logits(h, 2)
+
+
+@pytest.mark.parametrize("down,kernel", [("Q4_K", "q4"), ("Q6_K", "q4"), ("Q4_K", "q8a")])
+def test_tiny_llama_loads_natively(tmp_path, four_bit_kernel, caplog, down, kernel):
+    """Q4_K / Q5_0 / Q8_0 decoder tensors run on the block kernels with gguf's values (the float32
+    copy's): the 4-bit form on ``kernel``, the 8-bit one on its partner (q8, q8a8); a Q6_K ffn_down
+    stays on its float32 copy and one warning says so."""
+    from hispec.model.load.checkpoint import load_model
+    from hispec.model.load.gguf_convert import convert_gguf
+
+    _kernel_or_skip(kernel)
+    four_bit_kernel(kernel)
+    src = tmp_path / "tiny.gguf"
+    _tiny_llama_gguf(src, {**DECODER_TYPES, "ffn_down": down})
+    out = convert_gguf(src, tmp_path / "out", progress=False)
+    ref = load_model(out)
+    with caplog.at_level(logging.WARNING, logger="hispec.model.load.checkpoint"):
+        native = load_model(out, quantize="native", gguf=src)
+    assert native.weight_format == "native"
+    q8 = "q8a8" if kernel == "q8a" else "q8"
+    want = {"qkv_proj": ("Q4_K", kernel), "o_proj": ("Q5_0", q8), "gate_up_proj": ("Q5_0+Q8_0", q8),
+            "down_proj": ("Q4_K", kernel)}
+    for layer, float_layer in zip(native.layers, ref.layers):
+        for name, (source, kernel) in want.items():
+            lin, w = getattr(layer, name), getattr(float_layer, name).weight
+            if name == "down_proj" and down == "Q6_K":
+                assert not isinstance(lin, QuantLinear) and torch.equal(lin.weight, w)
+                continue
+            assert isinstance(lin, QuantLinear) and (lin.source, lin.kernel) == (source, kernel), name
+            if source == "Q4_K":  # d', m' rounded once to float16
+                assert 0 < (lin.source_weight() - w).abs().max() <= 2 ** -11 * 4 * w.abs().max()
+            else:
+                assert torch.equal(lin.source_weight(), w), name
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING
+                and r.name == "hispec.model.load.checkpoint"]
+    if down == "Q6_K":
+        assert len(warnings) == 1
+        assert warnings[0].startswith("tiny.gguf: 2 of 8 decoder linears run on a float32 copy")
+        assert "Q6_K has no native kernel: down_proj in 2 layers" in warnings[0] and "1.0 MB as float32" in warnings[0]
+    else:
+        assert warnings == []
+    ids = torch.tensor([1, 40, 50, 60, 70, 80, 90, 100])
+    a, b = _logits(ref, ids), _logits(native, ids)
+    tol = 0.05 if kernel == "q8a" else 0.02  # q8a, q8a8: activations in 8 bits per block
+    assert torch.isfinite(a).all() and (a - b).abs().max() < tol * a.abs().max()
+
+
+NOTHING_NATIVE = {"q6_k": {p: "Q6_K" for p in DECODER_TYPES},
+                  "mixed": {"attn_q": "Q4_1", "attn_k": "Q5_0", "attn_v": "Q5_0", "attn_output": "Q6_K",
+                            "ffn_gate": "Q4_K", "ffn_up": "Q8_0", "ffn_down": "Q5_1"}}
+
+
+@pytest.mark.parametrize("case", NOTHING_NATIVE)
+def test_nothing_native_is_refused_naming_what_is(tmp_path, four_bit_kernel, monkeypatch, case):
+    """``native`` on a file of which no layer maps is refused, naming the file's types and what
+    maps; ``auto`` then runs the float32 copy (even where the file has tensors of native types, in
+    parts that share no form), without an error."""
+    from hispec.config import ConfigError
+    from hispec.kernels import select
+    from hispec.model.load.checkpoint import apply_quantization, load_model
+    from hispec.model.load.gguf_convert import convert_gguf
+
+    four_bit_kernel("int4")
+    src = tmp_path / "tiny.gguf"
+    _tiny_llama_gguf(src, NOTHING_NATIVE[case])
+    out = convert_gguf(src, tmp_path / "out", progress=False)
+    first = r"blk\.0\.attn_q\.weight is " + NOTHING_NATIVE[case]["attn_q"]
+    with pytest.raises(ConfigError, match=first + r".*the native kernels run Q4_0, Q4_1, Q4_K .* Q5_0, Q8_0") as e:
+        apply_quantization(load_model(out), "native", src)
+    if case == "mixed":
+        assert "share no block form" in str(e.value) and "Q6_K has no native kernel" in str(e.value)
+    monkeypatch.setattr(select, "quantized_kernels_pay", lambda *a, **k: (True, "patched"))
+    assert apply_quantization(load_model(out), "auto", src) == "none"
