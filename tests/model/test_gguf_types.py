@@ -293,13 +293,14 @@ DECODER_TYPES = {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q4_K", "attn_out
                  "ffn_gate": "Q8_0", "ffn_up": "Q5_0", "ffn_down": "Q4_K"}
 
 
-def _tiny_llama_gguf(path, types: dict[str, str]) -> None:
-    """A 2-layer llama (hidden 256: Q4_K's super-blocks) with decoder tensors of ``types``, F32 norms,
-    embedding and head, and the byte-level tokenizer of ``test_gguf_convert``."""
+def _tiny_llama_gguf(path, types: dict[str, str], arch: str = "llama") -> None:
+    """A 2-layer llama (or ``arch``: qwen2 with its q/k/v biases; hidden 256: Q4_K's super-blocks)
+    with decoder tensors of ``types``, F32 norms, biases, embedding and head, and the byte-level
+    tokenizer of ``test_gguf_convert``."""
     from tests.model.test_gguf_convert import CHAT_TEMPLATE, _tiny_tokens
 
     tokens, token_types, merges = _tiny_tokens()
-    w = gguf.GGUFWriter(str(path), "llama")
+    w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(2)
     w.add_context_length(256)
     w.add_embedding_length(HIDDEN)
@@ -327,6 +328,9 @@ def _tiny_llama_gguf(path, types: dict[str, str]) -> None:
     for i in range(2):
         for norm in ("attn_norm", "ffn_norm"):
             w.add_tensor(f"blk.{i}.{norm}.weight", (1 + 0.1 * rng.standard_normal(HIDDEN)).astype(np.float32))
+        if arch == "qwen2":
+            for part in ("attn_q", "attn_k", "attn_v"):
+                w.add_tensor(f"blk.{i}.{part}.bias", rng.standard_normal(SHAPES[part]).astype(np.float32))
         for name, (kind, raw) in _layer_tensors(types, i, seed=11)[0].items():
             w.add_tensor(name, raw, raw_dtype=Q[kind])
     w.write_header_to_file()
@@ -389,6 +393,29 @@ def test_tiny_llama_loads_natively(tmp_path, four_bit_kernel, caplog, down, kern
     a, b = _logits(ref, ids), _logits(native, ids)
     tol = 0.05 if kernel == "q8a" else 0.02  # q8a, q8a8: activations in 8 bits per block
     assert torch.isfinite(a).all() and (a - b).abs().max() < tol * a.abs().max()
+
+
+def test_tiny_qwen2_keeps_its_biases_and_row_order(tmp_path, four_bit_kernel):
+    """A qwen2 file: Q and K rows are in the model's order (not un-permuted) and the q/k/v biases
+    are added after the kernel; logits stay close to the float32 copy's."""
+    from hispec.model.load.checkpoint import load_model
+    from hispec.model.load.gguf_convert import convert_gguf
+
+    four_bit_kernel("int4")
+    src = tmp_path / "qwen2.gguf"
+    _tiny_llama_gguf(src, {**DECODER_TYPES, "attn_q": "Q8_0", "attn_k": "Q5_0", "attn_v": "Q8_0"}, arch="qwen2")
+    out = convert_gguf(src, tmp_path / "out", progress=False)
+    ref = load_model(out)
+    assert ref.cfg.family == "qwen2"
+    native = load_model(out, quantize="native", gguf=src)
+    for layer, float_layer in zip(native.layers, ref.layers):
+        lin, want = layer.qkv_proj, float_layer.qkv_proj
+        assert isinstance(lin, QuantLinear) and lin.source == "Q5_0+Q8_0"
+        assert torch.equal(lin.source_weight(), want.weight)  # exact, in the file's row order
+        assert lin.bias is not None and torch.equal(lin.bias, want.bias)
+    ids = torch.tensor([1, 40, 50, 60, 70, 80, 90, 100])
+    a, b = _logits(ref, ids), _logits(native, ids)
+    assert (a - b).abs().max() < 0.02 * a.abs().max()
 
 
 NOTHING_NATIVE = {"q6_k": {p: "Q6_K" for p in DECODER_TYPES},

@@ -286,6 +286,8 @@ def apply_quantization(model: DecoderModel, quantize: str, gguf: str | Path | No
                     and getattr(old, "weight", None) is not None \
                     and old.weight.shape == (layer.out_features, layer.in_features):
                 layer.dense = old.weight.detach().to(torch.bfloat16).contiguous()
+            if getattr(old, "bias", None) is not None:  # e.g. qwen2's q/k/v biases: added after the kernel
+                layer.bias = old.bias.detach()
             setattr(model.get_submodule(parent), child, layer)
         if head is not None:  # the embedding keeps its float32 copy of the same values for lookups
             model.lm_head = head
