@@ -233,7 +233,8 @@ def cmd_models(args) -> int:
         return 0
     print(f"models in {hispec_home() / 'models'}:")
     for r in rows:
-        state = "cached" if r["cached"] else "not converted yet (converted on first use)"
+        state = ("cached" if r["cached"] else "not converted yet (converted on first use)"
+                 if r.get("installed", True) else "not installed")
         print(f"  {r['name']:<28} {state}\n      {r['description']}; from: {r['source']}")
     return 0
 

