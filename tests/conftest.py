@@ -28,6 +28,11 @@ def _hf_model(family: str, cfg_kwargs: dict):
     if family == "qwen3":
         cfg_kwargs.setdefault("head_dim", cfg_kwargs["hidden_size"] // cfg_kwargs["num_attention_heads"])
         return tf.Qwen3ForCausalLM(tf.Qwen3Config(**cfg_kwargs))
+    if family == "gemma3":  # a window of 8 (crossed by most sequences), every sixth layer global
+        cfg_kwargs.setdefault("head_dim", cfg_kwargs["hidden_size"] // cfg_kwargs["num_attention_heads"])
+        cfg_kwargs.setdefault("query_pre_attn_scalar", cfg_kwargs["head_dim"])
+        cfg_kwargs.setdefault("sliding_window", 8)
+        return tf.Gemma3ForCausalLM(tf.Gemma3TextConfig(**cfg_kwargs))
     raise ValueError(f"no tiny model recipe for family {family!r}")
 
 

@@ -116,11 +116,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
     return x * cos + swapped * signed_sin
 
 
-# With bfloat16 between layers (the quantized kernels), a last-bit difference in attention can flip
-# a rounding and grow; batched matmuls give a query's scores last-bit differences depending on how
-# many queries share the call and on the padded context. So a sequence's verification queries (up
-# to this many) are attended one by one, each over exactly its own context, as in one-token
-# decoding: every strategy then computes each token bit for bit as ``ar`` does.
+# A last-bit difference in attention can flip a greedy choice (with bfloat16 between layers, a
+# rounding, and grow); batched matmuls give a query's scores last-bit differences depending on how
+# many queries share the call and on the padded context. So on the CPU (and with bfloat16 between
+# layers anywhere) a sequence's verification queries (up to this many) are attended one by one, each
+# over exactly its own context (on a sliding layer, its window), as in one-token decoding: every
+# strategy then computes each token bit for bit as ``ar`` does.
 EXACT_MAX_QUERIES = 32
 # eager CPU attention (attend, where the fused kernels are unavailable): a sequence's queries from which
 # it takes SDPA's fused kernel (as fast as the batched matmuls there, and leaner); the fused paged
@@ -288,16 +289,16 @@ class DecoderLayer(nn.Module):
         return window if mask is None else mask & window
 
     def _window_keys(self, keys, position: int):
-        """The keys (a count: the first ``keys``; or indices) that a query at ``position`` sees on this
-        layer: on a sliding layer, those within its window (as indices)."""
+        """Which of the context's keys (``keys``: a count, the first ``keys``; or indices) a query at
+        ``position`` sees on this layer, as a slice (of a count) or indices: on a sliding layer only
+        those within its window. A one-token step and a verification window's query at the same
+        position both attend over exactly these keys (so over the same bits)."""
         w = self.cfg.sliding_window
-        if not self.sliding or position < w:
-            return keys
-        first = position - w + 1
+        first = position - w + 1 if self.sliding and position >= w else 0
         if isinstance(keys, int):
-            return torch.arange(first, keys)
+            return slice(first, keys)
         keys = torch.as_tensor(keys)
-        return keys[keys >= first]
+        return keys[keys >= first] if first else keys
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
         if self.cfg.family == "opt":
@@ -311,9 +312,10 @@ class DecoderLayer(nn.Module):
         cfg, lead = self.cfg, x.shape[:-1]
         hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         qkv = self.qkv_proj(x)  # [..., Q + 2 KV]
-        if self.q_norm is not None:
+        if self.q_norm is not None:  # per head; as rows of [T * heads, D] (the norm kernel's rows: row-invariant)
             q, k, _ = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            qk = torch.cat([self.q_norm(q.view(*lead, hq, d)), self.k_norm(k.view(*lead, hkv, d))], dim=-2)
+            q, k = q.reshape(-1, d), k.reshape(-1, d)
+            qk = torch.cat([self.q_norm(q).view(*lead, hq, d), self.k_norm(k).view(*lead, hkv, d)], dim=-2)
         else:
             qk = qkv[..., :self.q_size + self.kv_size].view(*lead, hq + hkv, d)  # q and k heads
         v = qkv[..., self.q_size + self.kv_size:].view(*lead, hkv, d)
@@ -336,8 +338,12 @@ class DecoderLayer(nn.Module):
         scale = self.cfg.attn_scale
         q, k, v = self.qkv(x, rope)
         pool.write(layer, batch.write_slots, k, v)
-        exact = self.act_dtype is not None
-        if len(batch.chunks) == 1 and not (exact and 1 < T <= EXACT_MAX_QUERIES):
+        exact = self.act_dtype is not None or x.device.type == "cpu"
+        if len(batch.chunks) == 1 and T == 1:  # one token of a chain: its keys are the context's first C
+            ck, cv = pool.context(layer, batch, 0, q.dtype)  # [C, Hkv, D]
+            keys = self._window_keys(ck.shape[0], int(batch.positions[0]))
+            out = attend(q, ck[keys], cv[keys], None, scale)
+        elif len(batch.chunks) == 1 and not (exact and 1 < T <= EXACT_MAX_QUERIES):
             ck, cv = pool.context(layer, batch, 0, q.dtype)  # [C, Hkv, D]
             out = attend(q, ck, cv, self._window(batch.masks[0], batch.positions, ck.shape[0]), scale)
         else:
@@ -347,9 +353,8 @@ class DecoderLayer(nn.Module):
                 ck, cv = pool.context(layer, batch, i, q.dtype)
                 if exact and 1 < c.num_tokens <= EXACT_MAX_QUERIES:
                     for j in range(c.num_tokens):  # each query exactly as if it were decoded alone
-                        keys = self._window_keys(c.keys(j), int(batch.positions[lo + j]))  # a count, or key indices
-                        kj, vj = (ck[:keys], cv[:keys]) if isinstance(keys, int) else (ck[keys], cv[keys])
-                        out[lo + j:lo + j + 1] = attend(q[lo + j:lo + j + 1], kj, vj, None, scale)
+                        keys = self._window_keys(c.keys(j), int(batch.positions[lo + j]))  # a slice, or key indices
+                        out[lo + j:lo + j + 1] = attend(q[lo + j:lo + j + 1], ck[keys], cv[keys], None, scale)
                 else:
                     out[lo:hi] = attend(q[lo:hi], ck, cv, self._window(batch.masks[i], batch.positions[lo:hi],
                                                                        ck.shape[0]), scale)

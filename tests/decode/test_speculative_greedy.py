@@ -28,8 +28,10 @@ MODELS = {
     "qwen2-agree-int8": ("qwen2", {}, True),
     "llama-agree-kv-bf16": ("llama", {}, True),  # a bfloat16 KV cache on the fused kernels
     "qwen3-kv-bf16": ("qwen3", {"num_hidden_layers": 5}, False),  # ... and on the eager path (q/k norms)
+    "gemma3": ("gemma3", {}, False),  # sliding windows of 8 crossed, sandwich norms, GeGLU
+    "gemma3-agree-int4": ("gemma3", {}, True),
 }
-QUANTIZED = {"llama-int4": "int4", "qwen2-agree-int8": "int8"}
+QUANTIZED = {"llama-int4": "int4", "qwen2-agree-int8": "int8", "gemma3-agree-int4": "int4"}
 KV_BF16 = {"llama-agree-kv-bf16", "qwen3-kv-bf16"}
 
 
@@ -38,8 +40,12 @@ def make_agreeing(model) -> None:
     with the final layer's (long accepted runs, bonus tokens) while the output still depends
     on every layer."""
     for layer in model.layers[1:]:
-        layer.o_proj.weight.mul_(0.1)
-        layer.down_proj.weight.mul_(0.1)
+        if layer.attn_out_norm is not None:  # sandwich norms: the norms after attention and MLP set the scale
+            layer.attn_out_norm.weight.mul_(0.1)
+            layer.mlp_out_norm.weight.mul_(0.1)
+        else:
+            layer.o_proj.weight.mul_(0.1)
+            layer.down_proj.weight.mul_(0.1)
 
 
 
