@@ -135,6 +135,9 @@ class QuantLinear(nn.Module):
         #                                           q8: [N, K/group] float32 block scales
         self.register_buffer("bias", bias)
         self._exact = exact or {}  # GGUF blocks: {"d", "m": [N, K / group] float16} with w = d * q + m
+        # GGUF types whose float values were requantized to this form (gguf_weights.requantize_q8),
+        # not mapped from the file's blocks; empty for exact forms
+        self.requantized: tuple[str, ...] = ()
         # prefill weights: the same values as one dense bfloat16 matrix [N, K] (set by the loader for
         # GGUF files, see loader.apply_quantization), or None. Prompt chunks are compute-bound, and this
         # CPU kernel for int4 is built for decode-sized inputs: at 512 rows the dense bfloat16 product is

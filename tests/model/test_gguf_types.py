@@ -4,8 +4,11 @@ gguf package's own dequantization:
 * each type's block form (4-bit ``w = d q + m``: Q4_0, Q4_1, Q4_K; 8-bit ``w = d q``: Q8_0, Q5_0,
   and Q4_0 again) gives gguf's weights (exactly, Q4_K within its one float16 rounding) and each
   kernel of that form multiplies by them within its documented error;
-* fused layers take one form when all their parts share it, else stay float (named in a warning);
-* a tiny llama GGUF of Q4_K / Q5_0 / Q8_0 tensors loads with ``--quantize native`` on those kernels.
+* fused layers take one form when all their parts share it; other layers (Q6_K, Q5_1, parts of
+  different forms) run in the 8-bit form, the parts without an exact one requantized from their float
+  values within amax / 254 per weight (named in a warning), so that no layer stays on float32;
+* a tiny llama GGUF of Q4_K / Q5_0 / Q8_0 tensors loads with ``--quantize native`` on those kernels,
+  and a Q4_K_M-like one (Q4_K + Q6_K parts) with no float layers.
 """
 from __future__ import annotations
 
@@ -69,6 +72,14 @@ def _q4_k_bound(raw: np.ndarray) -> np.ndarray:
     ms = (dmin[..., None] * mn).reshape(n, -1).repeat(32, 1)
     q = torch.as_tensor(gw._blocks(_Tensor("Q4_K", raw))[0]).double().numpy()
     return 2.0 ** -11 * (ds * q + ms)
+
+
+def _requant_bound(w: torch.Tensor, group: int = 32) -> torch.Tensor:
+    """``[N, K]``: how far requantization may move each weight (``gguf_weights.requantize_q8``): half
+    a step d / 2, d = amax / 127 rounded to float16 (at most one float16 step up)."""
+    n, k = w.shape
+    amax = w.double().abs().reshape(n, k // group, group).amax(-1)
+    return (amax / 254 * (1 + 2.0 ** -10) + 2.0 ** -25).repeat_interleave(group, 1)
 
 
 FOUR_BIT_KERNELS = ["q4", "q8a", "int4"]
@@ -211,7 +222,7 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 @pytest.mark.parametrize("permuted", [True, False])
-def test_fused_layers_share_a_form_or_stay_float(tmp_path, four_bit_kernel, permuted):
+def test_fused_layers_share_a_form_or_are_requantized(tmp_path, four_bit_kernel, permuted):
     four_bit_kernel("int4")  # no timed choice (and the 8-bit kernel follows from it: q8, or int4x2 without C)
     q8 = "q8" if fused.available() else "int4x2"
     layer0 = {"attn_q": "Q5_0", "attn_k": "Q5_0", "attn_v": "Q8_0", "attn_output": "Q4_K",
@@ -224,39 +235,84 @@ def test_fused_layers_share_a_form_or_stay_float(tmp_path, four_bit_kernel, perm
     src = tmp_path / "mixed.gguf"
     _write(src, raws)
     native, kinds = gw.native_linears(src, N_HEAD, N_KV, permuted=permuted)
-    assert sorted(native) == ["layers.0.gate_up_proj", "layers.0.o_proj", "layers.0.qkv_proj",
-                              "layers.1.down_proj", "layers.1.gate_up_proj"]
-    assert kinds == "Q4_0+Q4_K+Q5_0+Q8_0"
-    forms = {"layers.0.qkv_proj": ("Q5_0+Q8_0", q8), "layers.0.o_proj": ("Q4_K", "int4"),
-             "layers.0.gate_up_proj": ("Q4_0+Q4_K", "int4"), "layers.1.down_proj": ("Q4_K", "int4"),
-             "layers.1.gate_up_proj": ("Q4_0+Q8_0", q8)}  # Q4_0 beside Q8_0: in the 8-bit form
+    assert len(native) == 8 and gw.float_layers(src, native) == []  # nothing stays on float32
+    assert kinds == "Q4_0+Q4_1+Q4_K+Q5_0+Q5_1+Q6_K+Q8_0"
+    forms = {"layers.0.qkv_proj": ("Q5_0+Q8_0", q8, ()), "layers.0.o_proj": ("Q4_K", "int4", ()),
+             "layers.0.gate_up_proj": ("Q4_0+Q4_K", "int4", ()), "layers.1.down_proj": ("Q4_K", "int4", ()),
+             "layers.1.gate_up_proj": ("Q4_0+Q8_0", q8, ()),  # Q4_0 beside Q8_0: in the 8-bit form
+             # no exact form: requantized from the float values, in the 8-bit form
+             "layers.0.down_proj": ("Q6_K", q8, ("Q6_K",)), "layers.1.o_proj": ("Q5_1", q8, ("Q5_1",)),
+             # Q4_1 has no 8-bit form, Q5_0 no 4-bit one: the Q4_1 part requantized, the Q5_0 ones exact
+             "layers.1.qkv_proj": ("Q4_1+Q5_0", q8, ("Q4_1",))}
     fused_parts = {"qkv_proj": ("attn_q", "attn_k", "attn_v"), "o_proj": ("attn_output",),
                    "gate_up_proj": ("ffn_gate", "ffn_up"), "down_proj": ("ffn_down",)}
     for name, layer in native.items():
-        assert (layer.source, layer.kernel) == forms[name], name
+        assert (layer.source, layer.kernel, layer.requantized) == forms[name], name
         i, fused_name = name.split(".")[1:]
-        parts = []
+        parts, exact = [], []
         for p in fused_parts[fused_name]:
             w = refs[f"blk.{i}.{p}.weight"]
             if permuted and p in ("attn_q", "attn_k"):
                 w = _unpermute(w, N_HEAD if p == "attn_q" else N_KV)
             parts.append(w)
-        want = torch.from_numpy(np.concatenate(parts))
+            exact.append(np.full(w.shape[0], raws[f"blk.{i}.{p}.weight"][0] not in layer.requantized))
+        want, exact = torch.from_numpy(np.concatenate(parts)), torch.from_numpy(np.concatenate(exact))
         got = layer.source_weight()
-        if "Q4_K" in layer.source:
+        if layer.requantized:
+            err = (got - want).abs()
+            assert (err <= _requant_bound(want)).all() and err.max() > 0, name
+            assert torch.equal(got[exact], want[exact]), name  # the parts with an exact form as in the file
+        elif "Q4_K" in layer.source:
             assert (got - want).abs().max() <= 2 ** -11 * want.abs().max() * 4
         else:
             assert torch.equal(got, want), name
-    floats = {f.name: f for f in gw.float_layers(src, native)}
-    assert sorted(floats) == ["layers.0.down_proj", "layers.1.o_proj", "layers.1.qkv_proj"]
-    assert floats["layers.0.down_proj"].why == "Q6_K has no native kernel"
-    assert floats["layers.1.o_proj"].why == "Q5_1 has no native kernel"
-    assert floats["layers.1.qkv_proj"].why == "its parts' types share no block form"
-    assert floats["layers.1.qkv_proj"].types == ("Q4_1", "Q5_0", "Q5_0")
-    assert floats["layers.0.down_proj"].weights == HIDDEN * FFN
-    msg = gw.float_message("mixed.gguf", list(floats.values()), len(native))
-    assert "3 of 8 decoder linears run on a float32 copy" in msg and "Q6_K" in msg and "Q5_1" in msg
-    assert "down_proj in 1 layer" in msg and " MB as float32" in msg and "Q4_K" in msg
+    msg = gw.float_message("mixed.gguf", [], native)
+    assert msg.startswith("mixed.gguf: 3 of 8 decoder linears run on 8-bit blocks requantized from their float "
+                          "values"), msg
+    assert "Q6_K has no exact native form: down_proj in 1 layer" in msg and "Q5_1 has no exact native form" in msg
+    assert "Q4_1 requantized beside parts of another form: qkv_proj in 1 layer" in msg
+    assert "amax / 254" in msg and "float32" not in msg
+    exact_only = {k: v for k, v in native.items() if not v.requantized}
+    assert gw.float_message("mixed.gguf", [], exact_only) is None  # nothing to say
+
+
+def test_requantize_q8_moves_each_weight_by_at_most_half_a_step():
+    """Q8_0-style requantization: d = amax / 127 in float16 (never below it: codes stay in
+    -127..127), each weight within d / 2 <= amax / 254 (1 + 2^-10) (+ 2^-25 where d is subnormal); a
+    zero block gives zero codes and scale; values that are not finite are refused."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 256, generator=g) * torch.logspace(-6, 1, 64)[:, None]  # rows from tiny to large
+    w[3, 32:64] = 0.0
+    q, d = gw.requantize_q8(w)
+    assert q.dtype == torch.int8 and d.dtype == torch.float16 and d.shape == (64, 8)
+    assert int(q.abs().max()) <= 127
+    amax = w.abs().reshape(64, 8, 32).amax(-1)
+    assert (d.float() * 127 >= amax).all() and d[3, 1] == 0 and (q[3, 32:64] == 0).all()
+    got = q.float() * d.float().repeat_interleave(32, 1)
+    err = (got.double() - w.double()).abs()
+    assert (err <= d.double().repeat_interleave(32, 1) / 2 * (1 + 1e-6)).all()
+    assert (err <= _requant_bound(w)).all()
+    assert (err / d.double().repeat_interleave(32, 1).clamp(min=1e-30)).max() > 0.49  # nearly reached
+    bad = w.clone()
+    bad[0, 0] = float("nan")
+    with pytest.raises(ValueError, match="not finite"):
+        gw.requantize_q8(bad)
+
+
+@pytest.mark.parametrize("kernel", EIGHT_BIT_KERNELS)
+def test_requantized_q6_k_on_the_kernels(kernel):
+    """Q6_K blocks requantized to the 8-bit form: within the bound of gguf's values, each kernel within
+    its documented error of x @ W.T, and each row the same bits alone as in a batch of 5."""
+    _kernel_or_skip(kernel)
+    raw, want = _quantized("Q6_K", 32, 512, seed=4)
+    q, d = gw._requantized_blocks(_Tensor("Q6_K", raw))
+    want = torch.from_numpy(want)
+    layer = QuantLinear.from_q8_blocks(q, d, "Q6_K", kernel=kernel)
+    assert ((layer.source_weight() - want).abs() <= _requant_bound(want)).all()
+    x = torch.randn(5, 512, generator=torch.Generator().manual_seed(6))
+    _check_output(layer, want, x)
+    for t in range(5):
+        assert torch.equal(layer(x[t:t + 1]), layer(x)[t:t + 1])
 
 
 def test_sixteen_row_tiles_are_kept(tmp_path):
@@ -271,9 +327,15 @@ def test_sixteen_row_tiles_are_kept(tmp_path):
 
 @pytest.mark.parametrize("kind,name,kernels", [("Q5_0", "output.weight", Q8_STORAGE + ("int4x2",)),
                                                ("Q4_K", "token_embd.weight", Q4_STORAGE + ("int4",)),
-                                               ("Q6_K", "output.weight", None)])
+                                               ("Q6_K", "output.weight", Q8_STORAGE + ("int4x2",)),
+                                               ("F32", "output.weight", None)])
 def test_native_head(tmp_path, kind, name, kernels):
-    raw, want = _quantized(kind, 64, 256, seed=5)
+    """The head on the file's blocks where its type maps, else requantized to the 8-bit form (a Q6_K
+    head); an F32 head is the file's own precision and stays float."""
+    if kind == "F32":
+        raw = want = np.random.default_rng(5).standard_normal((64, 256)).astype(np.float32)
+    else:
+        raw, want = _quantized(kind, 64, 256, seed=5)
     src = tmp_path / f"head-{kind}.gguf"
     _write(src, {name: (kind, raw)})
     head = gw.native_head(src)
@@ -284,8 +346,12 @@ def test_native_head(tmp_path, kind, name, kernels):
     got, want = head.source_weight(), torch.from_numpy(want)
     if kind == "Q4_K":
         assert ((got.double() - want.double()).abs().numpy() <= _q4_k_bound(raw) * (1 + 1e-6) + 1e-12).all()
+    elif kind == "Q6_K":
+        assert head.requantized == ("Q6_K",) and ((got - want).abs() <= _requant_bound(want)).all()
+        msg = gw.float_message("head.gguf", [], {}, head)
+        assert "the output head (Q6_K) runs on 8-bit blocks requantized" in msg and "float32" not in msg
     else:
-        assert torch.equal(got, want)
+        assert torch.equal(got, want) and head.requantized == ()
 
 
 # ---- end to end: a tiny llama GGUF ------------------------------------------------------------------
@@ -354,7 +420,7 @@ def _logits(model, ids):
 def test_tiny_llama_loads_natively(tmp_path, four_bit_kernel, caplog, down, kernel):
     """Q4_K / Q5_0 / Q8_0 decoder tensors run on the block kernels with gguf's values (the float32
     copy's): the 4-bit form on ``kernel``, the 8-bit one on its partner (q8, q8a8); a Q6_K ffn_down
-    stays on its float32 copy and one warning says so."""
+    runs in the 8-bit form too, requantized from its float values, and one warning says so."""
     from hispec.model.load.checkpoint import load_model
     from hispec.model.load.gguf_convert import convert_gguf
 
@@ -369,15 +435,14 @@ def test_tiny_llama_loads_natively(tmp_path, four_bit_kernel, caplog, down, kern
     assert native.weight_format == "native"
     q8 = "q8a8" if kernel == "q8a" else "q8"
     want = {"qkv_proj": ("Q4_K", kernel), "o_proj": ("Q5_0", q8), "gate_up_proj": ("Q5_0+Q8_0", q8),
-            "down_proj": ("Q4_K", kernel)}
+            "down_proj": ("Q4_K", kernel) if down == "Q4_K" else (down, q8)}
     for layer, float_layer in zip(native.layers, ref.layers):
         for name, (source, kernel) in want.items():
             lin, w = getattr(layer, name), getattr(float_layer, name).weight
-            if name == "down_proj" and down == "Q6_K":
-                assert not isinstance(lin, QuantLinear) and torch.equal(lin.weight, w)
-                continue
             assert isinstance(lin, QuantLinear) and (lin.source, lin.kernel) == (source, kernel), name
-            if source == "Q4_K":  # d', m' rounded once to float16
+            if source == "Q6_K":  # requantized from the float32 copy's values
+                assert lin.requantized == ("Q6_K",) and ((lin.source_weight() - w).abs() <= _requant_bound(w)).all()
+            elif source == "Q4_K":  # d', m' rounded once to float16
                 assert 0 < (lin.source_weight() - w).abs().max() <= 2 ** -11 * 4 * w.abs().max()
             else:
                 assert torch.equal(lin.source_weight(), w), name
@@ -385,14 +450,48 @@ def test_tiny_llama_loads_natively(tmp_path, four_bit_kernel, caplog, down, kern
                 and r.name == "hispec.model.load.checkpoint"]
     if down == "Q6_K":
         assert len(warnings) == 1
-        assert warnings[0].startswith("tiny.gguf: 2 of 8 decoder linears run on a float32 copy")
-        assert "Q6_K has no native kernel: down_proj in 2 layers" in warnings[0] and "1.0 MB as float32" in warnings[0]
+        assert warnings[0].startswith("tiny.gguf: 2 of 8 decoder linears run on 8-bit blocks requantized")
+        assert "Q6_K has no exact native form: down_proj in 2 layers" in warnings[0] and "float32" not in warnings[0]
     else:
         assert warnings == []
     ids = torch.tensor([1, 40, 50, 60, 70, 80, 90, 100])
     a, b = _logits(ref, ids), _logits(native, ids)
     tol = 0.05 if kernel == "q8a" else 0.02  # q8a, q8a8: activations in 8 bits per block
     assert torch.isfinite(a).all() and (a - b).abs().max() < tol * a.abs().max()
+
+
+Q4_K_M = {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q4_K",
+          "ffn_gate": "Q4_K", "ffn_up": "Q4_K", "ffn_down": "Q6_K"}
+
+
+def test_q4_k_m_like_llama_has_no_float_layers(tmp_path, four_bit_kernel, caplog):
+    """A Q4_K_M-like file (Q4_K, with Q6_K attn_v and ffn_down): every decoder linear runs on a block
+    kernel (q/k/v in the 8-bit form: Q4_K has none, so its parts are requantized beside the Q6_K
+    one), none on float32; the logits stay close to the float32 copy's."""
+    from hispec.model.load.checkpoint import load_model
+    from hispec.model.load.gguf_convert import convert_gguf
+
+    _kernel_or_skip("q8")
+    four_bit_kernel("q4")
+    src = tmp_path / "q4km.gguf"
+    _tiny_llama_gguf(src, Q4_K_M)
+    out = convert_gguf(src, tmp_path / "out", progress=False)
+    ref = load_model(out)
+    with caplog.at_level(logging.WARNING, logger="hispec.model.load.checkpoint"):
+        native = load_model(out, quantize="native", gguf=src)
+    for layer, float_layer in zip(native.layers, ref.layers):
+        for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+            lin, w = getattr(layer, name), getattr(float_layer, name).weight
+            assert isinstance(lin, QuantLinear), name
+            if lin.requantized:
+                assert ((lin.source_weight() - w).abs() <= _requant_bound(w, lin.group)).all(), name
+    assert native.layers[0].o_proj.kernel == "q4" and native.layers[0].qkv_proj.kernel == "q8"
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING
+                and r.name == "hispec.model.load.checkpoint"]
+    assert len(warnings) == 1 and "float32" not in warnings[0], warnings
+    ids = torch.tensor([1, 40, 50, 60, 70, 80, 90, 100])
+    a, b = _logits(ref, ids), _logits(native, ids)
+    assert torch.isfinite(a).all() and (a - b).abs().max() < 0.02 * a.abs().max()
 
 
 def test_tiny_qwen2_keeps_its_biases_and_row_order(tmp_path, four_bit_kernel):
@@ -418,29 +517,27 @@ def test_tiny_qwen2_keeps_its_biases_and_row_order(tmp_path, four_bit_kernel):
     assert (a - b).abs().max() < 0.02 * a.abs().max()
 
 
-NOTHING_NATIVE = {"q6_k": {p: "Q6_K" for p in DECODER_TYPES},
-                  "mixed": {"attn_q": "Q4_1", "attn_k": "Q5_0", "attn_v": "Q5_0", "attn_output": "Q6_K",
-                            "ffn_gate": "Q4_K", "ffn_up": "Q8_0", "ffn_down": "Q5_1"}}
+NO_EXACT_FORM = {"q6_k": {p: "Q6_K" for p in DECODER_TYPES},
+                 "mixed": {"attn_q": "Q4_1", "attn_k": "Q5_0", "attn_v": "Q5_0", "attn_output": "Q6_K",
+                           "ffn_gate": "Q4_K", "ffn_up": "Q8_0", "ffn_down": "Q5_1"}}
 
 
-@pytest.mark.parametrize("case", NOTHING_NATIVE)
-def test_nothing_native_is_refused_naming_what_is(tmp_path, four_bit_kernel, monkeypatch, case):
-    """``native`` on a file of which no layer maps is refused, naming the file's types and what
-    maps; ``auto`` then runs the float32 copy (even where the file has tensors of native types, in
-    parts that share no form), without an error."""
-    from hispec.config import ConfigError
+@pytest.mark.parametrize("case", NO_EXACT_FORM)
+def test_layers_without_an_exact_form_run_requantized(tmp_path, four_bit_kernel, monkeypatch, case):
+    """``native`` on a file of which no layer maps exactly runs every layer requantized (none on
+    float32); ``auto`` still runs the float32 copy where the file has no tensor of an exact native
+    type (Q6_K alone), and natively where it has one."""
     from hispec.kernels import select
     from hispec.model.load.checkpoint import apply_quantization, load_model
     from hispec.model.load.gguf_convert import convert_gguf
 
     four_bit_kernel("int4")
     src = tmp_path / "tiny.gguf"
-    _tiny_llama_gguf(src, NOTHING_NATIVE[case])
+    _tiny_llama_gguf(src, NO_EXACT_FORM[case])
     out = convert_gguf(src, tmp_path / "out", progress=False)
-    first = r"blk\.0\.attn_q\.weight is " + NOTHING_NATIVE[case]["attn_q"]
-    with pytest.raises(ConfigError, match=first + r".*the native kernels run Q4_0, Q4_1, Q4_K .* Q5_0, Q8_0") as e:
-        apply_quantization(load_model(out), "native", src)
-    if case == "mixed":
-        assert "share no block form" in str(e.value) and "Q6_K has no native kernel" in str(e.value)
+    model = load_model(out)
+    assert apply_quantization(model, "native", src) == "native"
+    assert all(isinstance(getattr(layer, n), QuantLinear) and getattr(layer, n).requantized
+               for layer in model.layers for n in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))
     monkeypatch.setattr(select, "quantized_kernels_pay", lambda *a, **k: (True, "patched"))
-    assert apply_quantization(load_model(out), "auto", src) == "none"
+    assert apply_quantization(load_model(out), "auto", src) == ("none" if case == "q6_k" else "native")

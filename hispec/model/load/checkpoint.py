@@ -237,9 +237,11 @@ def apply_quantization(model: DecoderModel, quantize: str, gguf: str | Path | No
 
     ``native``: every decoder linear whose GGUF tensors map onto one of the block kernels' forms
     (``gguf_weights``: Q4_0, Q4_1, Q4_K, Q5_0, Q8_0) runs on the file's blocks, and so does the
-    output head where its type maps; the other linears keep their float32 copy, said in one warning
-    (their types, how many, their float32 size). A file with nothing that maps is refused, naming
-    what does. ``auto``: ``native`` where the file has a tensor of such a type and the kernels pay on
+    output head where its type maps; the other linears (and a head in another type than F32) are
+    requantized to the 8-bit form from their float values (row-invariant kernels, error <= amax / 254
+    per weight), and only those whose rows are not a multiple of 16 keep their float32 copy: one
+    warning says which (their types, how many, the error bound, the float32 size). A file with
+    nothing that runs natively is refused, naming what does. ``auto``: ``native`` where the file has a tensor of such a type and the kernels pay on
     this CPU (else, or where none of its layers maps after all, ``none``)."""
     import logging
 
@@ -274,8 +276,8 @@ def apply_quantization(model: DecoderModel, quantize: str, gguf: str | Path | No
                 raise ConfigError(f"{Path(gguf).name} has no tensors that run natively ({found}{': ' if why else ''}"
                                   f"{why}); the native kernels run {SUPPORTED}; --quantize none runs its float32 "
                                   "copy")
-        elif floats:
-            logging.getLogger(__name__).warning(float_message(Path(gguf).name, floats, len(linears)))
+        elif (said := float_message(Path(gguf).name, floats, linears, head)) is not None:
+            logging.getLogger(__name__).warning(said)
     if quantize == "native":
         for name, layer in linears.items():
             parent, child = name.rsplit(".", 1)

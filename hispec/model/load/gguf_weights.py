@@ -39,14 +39,21 @@ how each maps::
         ``from_blocks`` in the legacy order the kernels read. A tensor whose d' or m' overflow
         float16 (not seen in real files) stays float.
 
-A fused layer (``FUSED``: q/k/v, gate/up) runs natively when all its parts map to one form
-(types may differ: Q5_0 + Q8_0 in the 8-bit form, Q4_K + Q4_0 in the 4-bit form; the 4-bit form
-is preferred where both fit, i.e. all parts Q4_0); otherwise (a Q5_1, Q5_K, Q6_K, F16, ... part,
-or parts in different forms) it stays on its float32 copy from the conversion (``float_layers``
-says which and why; the loader logs it). The rows of a tile of 16 are packed together, so a layer
-runs natively only where its rows are a multiple of 16. The Q and K rows of llama-architecture
-files are in llama.cpp's interleaved rotary order and are put back in the model's (rows only:
-every block stays whole); qwen2, qwen3 and gemma3 files store them in the model's order.
+A fused layer (``FUSED``: q/k/v, gate/up) runs on the file's blocks when all its parts map to one
+form (types may differ: Q5_0 + Q8_0 in the 8-bit form, Q4_K + Q4_0 in the 4-bit form; the 4-bit
+form is preferred where both fit, i.e. all parts Q4_0). Otherwise (a Q5_1, Q5_K, Q6_K, F16, ...
+part, or parts in different forms) it runs in the 8-bit form with its parts that have no exact
+8-bit form **requantized** from their float values (gguf's dequantization, what the float32 copy
+holds) as Q8_0 quantizes (:func:`requantize_q8`: per block of 32, d = amax / 127 in float16, q =
+round(w / d); each weight moves by at most amax / 254, e.g. 1/8 of a Q6_K step), ~1.06 bytes per
+weight: the block kernels give a row the same bits whatever rows share the call, which float32's
+matmuls (one row: gemv; several: gemm) do not, and speculative verification must give one-token
+decoding's tokens. A layer stays on its float32 copy only where its rows are not a multiple of 16
+(the rows of a tile of 16 are packed together), a part is missing or a value is not finite
+(``float_layers`` says which and why; the loader logs it with the requantized ones). The Q and K
+rows of llama-architecture files are in llama.cpp's interleaved rotary order and are put back in
+the model's (rows only: every block stays whole); qwen2, qwen3 and gemma3 files store them in the
+model's order.
 """
 from __future__ import annotations
 
@@ -159,17 +166,69 @@ def form_of(kinds) -> str | None:
     return None
 
 
-def _native(tensors, form: str, source: str, undo=None) -> QuantLinear:
+def requantize_q8(w: torch.Tensor, group: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float weights ``w [N, K]`` -> the 8-bit form ``w ~ d * q`` (``q [N, K]`` int8 in -127..127,
+    ``d [N, K / group]`` float16), as Q8_0 quantizes: per block of ``group``, ``d`` = amax / 127
+    rounded to float16 (one float16 step up where that fell below amax / 127, so that no code
+    passes 127), ``q = round(w / d)``. Each weight moves by at most half a step, ``d / 2``: at most
+    amax / 254 (1 + 2^-10) of its block's largest |w| where ``d`` is a normal float16 (amax >= 127 *
+    2^-14), amax / 254 + 2^-25 below. ValueError where a value is not finite or ``d`` overflows."""
+    w = w.float()
+    n, k = w.shape
+    blocks = w.reshape(n, k // group, group)
+    amax = blocks.abs().amax(-1)
+    if not torch.isfinite(amax).all():
+        raise ValueError("a weight is not finite")
+    d = (amax / 127).half()
+    low = d.float() * 127 < amax  # exact product (11 x 7 bits)
+    d = torch.where(low, (d.view(torch.int16) + 1).view(torch.float16), d)  # the next float16 up
+    if not torch.isfinite(d).all():
+        raise ValueError("a block's scale amax / 127 overflows float16")
+    df = d.float()[..., None]
+    q = torch.where(df > 0, torch.round(blocks / torch.where(df > 0, df, 1.0)), 0.0).clamp(-127, 127)
+    return q.to(torch.int8).reshape(n, k), d.contiguous()
+
+
+REQUANTIZE_ROWS = 4096  # rows dequantized at a time (the scratch of a 262k-row head stays small)
+
+
+def _requantized_blocks(tensor, group: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """``q [N, K]`` int8 and ``d [N, K / group]`` float16 of a tensor of any type, from its float
+    values (gguf's dequantization, as the float32 copy has them): :func:`requantize_q8`."""
+    from gguf.quants import dequantize
+
+    data, qs, ds = tensor.data, [], []
+    for r0 in range(0, data.shape[0], REQUANTIZE_ROWS):
+        w = dequantize(np.asarray(data[r0:r0 + REQUANTIZE_ROWS]), tensor.tensor_type)
+        q, d = requantize_q8(torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32)), group)
+        qs.append(q), ds.append(d)
+    return torch.cat(qs), torch.cat(ds)
+
+
+def _requantize_mask(types) -> list[bool]:
+    """Which parts of a layer that has no common exact form go to the 8-bit form from their float
+    values (those without an exact 8-bit form)."""
+    return [k not in EIGHT_BIT for k in types]
+
+
+def _native(tensors, form: str, source: str, undo=None, requantize=None) -> QuantLinear:
     """One QuantLinear of ``tensors`` (their rows stacked in order) in ``form``; ``undo(i, x)``
-    reorders part ``i``'s rows (any per-row array)."""
+    reorders part ``i``'s rows (any per-row array). ``requantize`` (8-bit form only): which parts
+    are requantized from their float values (:func:`requantize_q8`) rather than mapped exactly; the
+    layer's ``requantized`` names their types."""
     undo = undo or (lambda i, x: x)
+    requantize = requantize or [False] * len(tensors)
     if form == "4-bit":
+        assert not any(requantize)
         parts = [[undo(i, x) for x in _blocks(t)] for i, t in enumerate(tensors)]
         q, d, m = (torch.cat(xs) for xs in zip(*parts))
         return QuantLinear.from_blocks(q, d, m, source)
-    parts = [[undo(i, x) for x in _q8_blocks(t)] for i, t in enumerate(tensors)]
+    parts = [[undo(i, x) for x in (_requantized_blocks(t) if r else _q8_blocks(t))]
+             for i, (t, r) in enumerate(zip(tensors, requantize))]
     q, d = (torch.cat(xs) for xs in zip(*parts))
-    return QuantLinear.from_q8_blocks(q, d, source)
+    layer = QuantLinear.from_q8_blocks(q, d, source)
+    layer.requantized = tuple(sorted({t.tensor_type.name for t, r in zip(tensors, requantize) if r}))
+    return layer
 
 
 def gguf_tensors(gguf_path: str | Path) -> list:
@@ -212,11 +271,17 @@ def _layer_parts(by_name: dict, i: int, parts: tuple[str, ...]) -> list:
 
 def native_linears(gguf_path: str | Path, num_heads: int, num_kv_heads: int,
                    permuted: bool = True) -> tuple[dict[str, QuantLinear], str]:
-    """QuantLinears for every decoder linear whose GGUF parts all map to one block form (module
-    docstring), by module name (``layers.3.qkv_proj``), and the file's types of those tensors
-    (e.g. ``Q4_K+Q8_0``). ``permuted``: the file's Q and K rows are in llama.cpp's interleaved
-    rotary order (the ``llama`` architecture's files; qwen2, qwen3 and gemma3 files are not) and are
-    put back in the model's. :func:`float_layers` tells which layers are left out and why."""
+    """QuantLinears for the file's decoder linears, by module name (``layers.3.qkv_proj``), and
+    the file's types of those tensors (e.g. ``Q4_K+Q8_0``): a layer whose GGUF parts all map to
+    one block form (module docstring) runs on the file's blocks; otherwise (a type without an
+    exact form: Q5_K, Q6_K, F16, ...; parts whose forms differ) it runs in the 8-bit form, its
+    parts without an exact 8-bit form requantized from their float values (:func:`requantize_q8`;
+    the layer's ``requantized`` names their types): the block kernels give each row the same
+    bits whatever rows share the call, which float32's matmuls do not. ``permuted``: the file's Q
+    and K rows are in llama.cpp's interleaved rotary order (the ``llama`` architecture's files;
+    qwen2, qwen3 and gemma3 files are not) and are put back in the model's. :func:`float_layers`
+    tells which layers are left on float32 (rows not a multiple of 16, a part missing, values
+    that are not finite) and why."""
     by_name = {t.name: t for t in gguf_tensors(gguf_path)}
     out, kinds = {}, set()
     for i, fused, tensors in _decoder_layers(by_name):
@@ -227,10 +292,17 @@ def native_linears(gguf_path: str | Path, num_heads: int, num_kv_heads: int,
 
         def undo(j, x, heads=heads):
             return _unpermute_rows(x, heads[j]) if permuted and heads[j] else x
+        source, form = "+".join(sorted(set(types))), form_of(types)
         try:
-            out[f"layers.{i}.{fused}"] = _native(tensors, form_of(types), "+".join(sorted(set(types))), undo)
-        except ValueError:  # a Q4_K scale that overflows float16: float32 copy (float_layers says so)
+            try:
+                layer = _native(tensors, form or "8-bit", source, undo, None if form else _requantize_mask(types))
+            except ValueError:  # a Q4_K scale that overflows float16: those parts requantized
+                if form is None or not any(_requantize_mask(types)):
+                    raise
+                layer = _native(tensors, "8-bit", source, undo, _requantize_mask(types))
+        except ValueError:  # values that are not finite: float32 copy (float_layers says so)
             continue
+        out[f"layers.{i}.{fused}"] = layer
         kinds.update(types)
     return out, "+".join(sorted(kinds))
 
@@ -246,16 +318,14 @@ def _decoder_layers(by_name: dict):
 
 
 def _why_float(tensors) -> str | None:
-    """Why a fused layer of these parts cannot run natively (None: it can, unless a Q4_K scale
-    overflows float16)."""
+    """Why a fused layer of these parts stays on its float32 copy (None: it runs on a block kernel,
+    unless a value is not finite)."""
     if any(t is None for t in tensors):
         return "a part is missing"
-    types = [t.tensor_type.name for t in tensors]
-    if form_of(types) is None:
-        other = sorted(set(types) - set(NATIVE_TYPES))
-        return f"{'+'.join(other)} has no native kernel" if other else "its parts' types share no block form"
     if sum(t.data.shape[0] for t in tensors) % 16:
         return "its rows are not a multiple of 16"  # the packed layout needs 16-row tiles
+    if any(t.data.ndim != 2 or int(t.shape[0]) % BLOCK for t in tensors):
+        return f"its inputs are not a multiple of {BLOCK}"
     return None
 
 
@@ -269,27 +339,63 @@ def float_layers(gguf_path: str | Path, native: dict[str, QuantLinear]) -> list[
         if name in native:
             continue
         present = [t for t in tensors if t is not None]
-        why = _why_float(tensors) or "a Q4_K scale overflows float16"
+        why = _why_float(tensors) or "a value is not finite"
         out.append(FloatLayer(name, tuple(t.tensor_type.name for t in present),
                               sum(int(np.prod(t.shape)) for t in present), sum(int(t.n_bytes) for t in present), why))
     return out
 
 
-def float_message(file: str, floats: list[FloatLayer], n_native: int) -> str:
-    """One line for the log: which decoder linears of ``file`` stay on their float32 copy
-    (:func:`float_layers`), why, and what that costs beside the file's blocks."""
+def _counts(items) -> str:
+    """``[(why, layer name)]`` -> "why: down_proj in 9 layers, ...; other why: ..."."""
     groups: dict[str, dict[str, int]] = {}
-    for f in floats:
-        fused = groups.setdefault(f.why, {})
-        kind = f.name.rsplit(".", 1)[1]
+    for why, name in items:
+        fused = groups.setdefault(why, {})
+        kind = name.rsplit(".", 1)[1]
         fused[kind] = fused.get(kind, 0) + 1
-    why = "; ".join(f"{w}: " + ", ".join(f"{k} in {n} layer{'s' * (n > 1)}" for k, n in fused.items())
-                    for w, fused in groups.items())
-    f32 = sum(f.weights for f in floats) * 4
-    stored = sum(f.file_bytes for f in floats)
-    return (f"{file}: {len(floats)} of {len(floats) + n_native} decoder linears run on a float32 copy, not on "
-            f"the file's blocks ({why}): {f32 / 2**20:.1f} MB as float32, {f32 / max(stored, 1):.1f}x their "
-            f"{stored / 2**20:.1f} MB in the file; the native kernels run {SUPPORTED}")
+    return "; ".join(f"{w}: " + ", ".join(f"{k} in {n} layer{'s' * (n > 1)}" for k, n in fused.items())
+                     for w, fused in groups.items())
+
+
+def _why_requantized(kinds: tuple[str, ...]) -> str:
+    if all(k not in NATIVE_TYPES for k in kinds):
+        return f"{'+'.join(kinds)} has no exact native form"
+    return f"{'+'.join(kinds)} requantized beside parts of another form"
+
+
+def float_message(file: str, floats: list[FloatLayer], native: dict[str, QuantLinear],
+                  head: QuantLinear | None = None) -> str | None:
+    """One line for the log, or None where every linear runs on the file's own blocks: which
+    decoder linears of ``file`` (and whether the output head) were requantized to the 8-bit form
+    from their float values (``native_linears``: their types, how many, the bound of the added
+    error), and which stay on their float32 copy (:func:`float_layers`: why, and what that costs
+    beside the file's blocks)."""
+    requantized = [(_why_requantized(layer.requantized), name)
+                   for name, layer in native.items() if getattr(layer, "requantized", ())]
+    head_req = head is not None and getattr(head, "requantized", ())
+    total = len(floats) + len(native)
+    said = []
+    if requantized or head_req:
+        groups = sorted({native[name].group for _, name in requantized} | ({head.group} if head_req else set()))
+        what = f"{len(requantized)} of {total} decoder linears" if requantized else ""
+        if head_req:
+            what += (" and " if what else "") + f"the output head ({'+'.join(head.requantized)})"
+        said.append(
+            f"{what} run{'s' * (not requantized)} on 8-bit blocks requantized from their float values, not on the file's own "
+            f"({_counts(requantized) or _why_requantized(head.requantized)}): per block of "
+            f"{' or '.join(map(str, groups))} weights q = round(w / d), d = amax / 127 in float16, so each "
+            f"weight moves by at most half a step, amax / 254 of its block's largest |w| (+ the float16 "
+            f"rounding of d, <= 2^-10 of it); 1.06 bytes per weight, the same bits for a row whatever rows "
+            f"share the call")
+    if floats:
+        f32 = sum(f.weights for f in floats) * 4
+        stored = sum(f.file_bytes for f in floats)
+        said.append(
+            f"{len(floats)} of {total} decoder linears run on a float32 copy, not on the file's blocks "
+            f"({_counts((f.why, f.name) for f in floats)}): {f32 / 2**20:.1f} MB as float32, "
+            f"{f32 / max(stored, 1):.1f}x their {stored / 2**20:.1f} MB in the file")
+    if not said:
+        return None
+    return f"{file}: " + "; ".join(said) + f"; the native kernels run {SUPPORTED} exactly"
 
 
 def decoder_types(gguf_path: str | Path) -> dict[str, str]:
@@ -304,16 +410,24 @@ def decoder_types(gguf_path: str | Path) -> dict[str, str]:
 
 
 def native_head(gguf_path: str | Path) -> QuantLinear | None:
-    """The output head (or the tied embedding) on a block kernel where the file stores it in a type
-    with a native form: Q4_0, Q4_1, Q4_K in the 4-bit form, Q8_0, Q5_0 in the 8-bit one (module
-    docstring); None otherwise (and where its rows are not a multiple of 16)."""
+    """The output head (or the tied embedding) on a block kernel: on the file's blocks where its type
+    has a native form (Q4_0, Q4_1, Q4_K in the 4-bit form, Q8_0, Q5_0 in the 8-bit one: module
+    docstring), else requantized to the 8-bit form from its float values (:func:`requantize_q8`,
+    ``requantized`` names its type); None where the file keeps it in F32 (its own precision), where
+    its rows are not a multiple of 16 or its values are not finite."""
     by_name = {t.name: t for t in gguf_tensors(gguf_path)}
     t = by_name.get("output.weight") or by_name.get("token_embd.weight")
-    kind = t.tensor_type.name if t is not None and t.data.shape[0] % 16 == 0 else None
-    form = form_of([kind]) if kind else None
-    if form is None:
+    if t is None or t.data.ndim != 2 or t.data.shape[0] % 16 or int(t.shape[0]) % BLOCK \
+            or t.tensor_type.name == "F32":
         return None
+    kind = t.tensor_type.name
+    form = form_of([kind])
     try:
-        return _native([t], form, kind)
-    except ValueError:  # a Q4_K scale that overflows float16
+        try:
+            return _native([t], form or "8-bit", kind, requantize=None if form else [True])
+        except ValueError:  # a Q4_K scale that overflows float16
+            if form is None:
+                raise
+            return _native([t], "8-bit", kind, requantize=[True])
+    except ValueError:  # values that are not finite
         return None
