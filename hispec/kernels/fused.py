@@ -77,6 +77,39 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
     return h_out, out
 
 
+def norm_add_rms_norm(h: torch.Tensor, delta: torch.Tensor, delta_weight: torch.Tensor, weight: torch.Tensor,
+                      eps: float, out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``add_rms_norm`` with ``delta`` normed first: ``h + rms_norm(delta) * delta_weight`` (``delta``
+    widened to float32 first; Gemma 3's norm of the attention's output) and its norm in ``out_dtype``."""
+    h, delta = _check(h, F32), _check(delta, F32, BF16)
+    delta_weight, weight = _check(delta_weight, F32), _check(weight, F32)
+    h_out = torch.empty_like(h)
+    out = torch.empty(h.shape, dtype=out_dtype)
+    library().hs_norm_add_rms_norm(h.data_ptr(), delta.data_ptr(), _bf(delta), delta_weight.data_ptr(),
+                                   weight.data_ptr(), h.shape[0], h.shape[1], eps, h_out.data_ptr(), out.data_ptr(),
+                                   int(out_dtype == BF16))
+    return h_out, out
+
+
+def norm_add(h: torch.Tensor, delta: torch.Tensor, delta_weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``h + rms_norm(delta) * delta_weight`` float32 ``[T, D]`` (Gemma 3's norm of the MLP's output
+    before its residual add), as a new tensor."""
+    h_out = _check(h, F32).clone()
+    delta, delta_weight = _check(delta, F32, BF16), _check(delta_weight, F32)
+    library().hs_norm_add_into(h_out.data_ptr(), delta.data_ptr(), _bf(delta), delta_weight.data_ptr(), h.shape[0],
+                               h.shape[1], eps)
+    return h_out
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """``gelu(gate, approximate="tanh") * up`` for ``gate_up [T, 2I] = [gate | up]`` -> ``[T, I]`` (GeGLU)."""
+    gate_up = _check(gate_up, F32, BF16)
+    t, i = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty((t, i), dtype=out_dtype)
+    library().hs_gelu_tanh_mul(gate_up.data_ptr(), _bf(gate_up), t, i, out.data_ptr(), int(out_dtype == BF16))
+    return out
+
+
 def silu_mul(gate_up: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """``silu(gate) * up`` for ``gate_up [T, 2I] = [gate | up]`` -> ``[T, I]``."""
     gate_up = _check(gate_up, F32, BF16)
@@ -87,40 +120,58 @@ def silu_mul(gate_up: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
 
 
 def rope_write(qkv: torch.Tensor, cos: torch.Tensor, ssin: torch.Tensor, slots: torch.Tensor, num_heads: int,
-               num_kv_heads: int, k_pool: torch.Tensor, v_pool: torch.Tensor, queries: bool = True) -> torch.Tensor | None:
+               num_kv_heads: int, k_pool: torch.Tensor, v_pool: torch.Tensor, queries: bool = True,
+               q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
+               eps: float = 0.0) -> torch.Tensor | None:
     """Rotate q and k of ``qkv [T, (Hq + 2 Hkv) D]`` (``cos, ssin [T, D]`` float32), write K/V at
     ``slots [T]`` of the pools ``[Hkv, S, D]`` (float32, or bfloat16: rounded as ``.to()`` rounds);
-    return the rotated queries ``[T, Hq, D]`` float32 (None when ``queries`` is False)."""
+    return the rotated queries ``[T, Hq, D]`` float32 (None when ``queries`` is False). ``q_norm``,
+    ``k_norm`` ``[D]`` float32 (QK-norm: Qwen3, Gemma 3): each query / key head RMSNormed (``eps``)
+    before it is rotated."""
     qkv, cos, ssin, slots = _check(qkv, F32, BF16), _check(cos, F32), _check(ssin, F32), _check(slots, torch.int64)
     if not (k_pool.is_contiguous() and v_pool.is_contiguous()):
         raise TypeError("fused kernel: the pools must be contiguous (they are written in place)")
     _check_pools(k_pool, v_pool)
     t, s, d = qkv.shape[0], k_pool.shape[1], k_pool.shape[-1]
     q = torch.empty((t, num_heads, d), dtype=F32) if queries else None
-    library().hs_rope_write(qkv.data_ptr(), _bf(qkv), cos.data_ptr(), ssin.data_ptr(), slots.data_ptr(), t, num_heads,
-                            num_kv_heads, d, s, k_pool.data_ptr(), v_pool.data_ptr(), _bf(k_pool),
-                            q.data_ptr() if queries else None)
+    if q_norm is None and k_norm is None:
+        library().hs_rope_write(qkv.data_ptr(), _bf(qkv), cos.data_ptr(), ssin.data_ptr(), slots.data_ptr(), t,
+                                num_heads, num_kv_heads, d, s, k_pool.data_ptr(), v_pool.data_ptr(), _bf(k_pool),
+                                q.data_ptr() if queries else None)
+        return q
+    norms = [None if w is None else _check(w, F32) for w in (q_norm, k_norm)]
+    if any(w is not None and w.numel() != d for w in norms):
+        raise TypeError(f"fused kernel: QK-norm weights of [{d}]")
+    library().hs_rope_write_qk(qkv.data_ptr(), _bf(qkv), cos.data_ptr(), ssin.data_ptr(), slots.data_ptr(), t,
+                               num_heads, num_kv_heads, d, s, k_pool.data_ptr(), v_pool.data_ptr(), _bf(k_pool),
+                               q.data_ptr() if queries else None, *(None if w is None else w.data_ptr() for w in norms),
+                               eps)
     return q
 
 
 def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, meta: "KernelBatch",
-                    out_dtype: torch.dtype) -> torch.Tensor:
+                    out_dtype: torch.dtype, window: int = 0, scale: float | None = None) -> torch.Tensor:
     """Attention of ``q [T, Hq, D]`` (float32) over the pools ``[Hkv, S, D]`` (float32 or bfloat16):
     query ``t`` attends to the first ``meta.lengths[t]`` positions of its sequence, read through
     that sequence's block table (a tree node: the prefix, then its path, ``KernelBatch``). Returns
     ``[T, Hq * D]`` in ``out_dtype``. Over a bfloat16 pool the products are bfloat16 pairs where
     ``bf16_attention_products(d)`` (queries as two bfloat16 each, softmax weights rounded:
-    ``csrc/attention.c``), else float32 products on the values it holds."""
+    ``csrc/attention.c``), else float32 products on the values it holds. ``window`` > 0: a sliding
+    window, query ``t`` sees only the keys at positions ``> p - window`` (``p = lengths[t] - 1``, its
+    own); ``scale``: the logits' (None: ``D ** -0.5``)."""
     q, (k_pool, v_pool) = _check(q, F32), _check_pools(k_pool, v_pool)
     t, hq, d = q.shape
     out = torch.empty((t, hq * d), dtype=out_dtype)
-    library().hs_paged_attention(q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), _bf(k_pool), meta.tables.data_ptr(),
-                                 meta.tables.shape[1], meta.seq.data_ptr(), meta.lengths.data_ptr(),
-                                 None if meta.tail is None else meta.tail_start.data_ptr(),
-                                 None if meta.tail is None else meta.tail.data_ptr(),
-                                 0 if meta.tail is None else meta.tail.shape[1], t, hq,
-                                 k_pool.shape[0], k_pool.shape[1], d, meta.block_size, d ** -0.5, out.data_ptr(),
-                                 int(out_dtype == BF16), int(meta.keys * hq * d >= PARALLEL_MIN_WORK))
+    args = (q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), _bf(k_pool), meta.tables.data_ptr(),
+            meta.tables.shape[1], meta.seq.data_ptr(), meta.lengths.data_ptr(),
+            None if meta.tail is None else meta.tail_start.data_ptr(), None if meta.tail is None else meta.tail.data_ptr(),
+            0 if meta.tail is None else meta.tail.shape[1], t, hq, k_pool.shape[0], k_pool.shape[1], d, meta.block_size,
+            d ** -0.5 if scale is None else scale, out.data_ptr(), int(out_dtype == BF16),
+            int(meta.keys * hq * d >= PARALLEL_MIN_WORK))
+    if window:
+        library().hs_paged_attention_window(*args, window)
+    else:
+        library().hs_paged_attention(*args)
     return out
 
 

@@ -55,6 +55,13 @@ def prebuild(say=None) -> None:
     layers_op()
 
 
+# a layer's entries in LayerPlans.norms and .flags (csrc/decode_op.cpp's Range: NORMS, FLAGS)
+NORMS = ("input", "post", "q", "k", "attn_out", "mlp_out")  # RMSNorm weights; an empty tensor where none
+FLAGS = ("window", "local_rope", "act")  # sliding window (0: none), local RoPE rows, gated activation
+ACTS = {"silu": 0, "gelu_pytorch_tanh": 1}  # the op's gated activations (Act in decode_op.cpp)
+NO_NORM = torch.empty(0)
+
+
 class LayerPlans(NamedTuple):
     """The plans of a range of layers (``plan.layer_plan``), flattened as the C++ op takes them."""
 
@@ -62,10 +69,11 @@ class LayerPlans(NamedTuple):
     weights: list
     kinds: list
     groups: list
+    flags: list
 
     @classmethod
     def of(cls, plans: list) -> "LayerPlans":
-        flat = cls([], [], [], [])
+        flat = cls([], [], [], [], [])
         for p in plans:
             for part, values in zip(flat, p):
                 part += values
@@ -91,29 +99,33 @@ class OpRanges:
             if len(held) >= self.PER_POOL:
                 held.clear()
             made = torch.classes.hispec_fused.Range(pool.k[start:end], pool.v[start:end], plans.norms, plans.weights,
-                                                    plans.kinds, plans.groups, cfg.num_heads, cfg.num_kv_heads,
-                                                    cfg.norm_eps, bf16_acts)
+                                                    plans.kinds, plans.groups, plans.flags, cfg.num_heads,
+                                                    cfg.num_kv_heads, cfg.norm_eps, cfg.attn_scale or 0.0, bf16_acts)
             hit = held[key] = (plans, made)
         return hit[1]
 
 
-def decode_layers(h: torch.Tensor, op_range, rope, batch, cfg) -> torch.Tensor:
+def decode_layers(h: torch.Tensor, op_range, rope, batch, cfg, local_rope=None) -> torch.Tensor:
     """Run the layers of ``op_range`` (``OpRanges.get``) on ``h [T, H]`` float32 in one call
     (writing their K/V into its pool); bit-identical to running them one by one on the kernels.
-    ``batch``: the call's ``AttentionBatch``."""
+    ``batch``: the call's ``AttentionBatch``; ``local_rope``: the RoPE rows of the layers that rotate
+    by the local base (None: ``rope``)."""
     meta = batch.kernel()
-    cos, ssin = (r.view(r.shape[0], r.shape[-1]) for r in rope)  # [T, D]
+    cos, ssin = (r.view(r.shape[0], r.shape[-1]).contiguous() for r in rope)  # [T, D]
+    cos_l, ssin_l = (cos, ssin) if local_rope is None or local_rope is rope else (
+        r.view(r.shape[0], r.shape[-1]).contiguous() for r in local_rope)
     parallel = meta.keys * cfg.num_heads * cfg.head_dim >= fused.PARALLEL_MIN_WORK
-    return layers_op()(h.contiguous(), cos.contiguous(), ssin.contiguous(), batch.write_slots, meta.tables, meta.seq,
+    return layers_op()(h.contiguous(), cos, ssin, cos_l, ssin_l, batch.write_slots, meta.tables, meta.seq,
                        meta.lengths, meta.tail_start, meta.tail, meta.block_size, parallel, op_range)
 
 
 def op_head(embed: torch.Tensor, norm: torch.Tensor, weight: torch.Tensor, params: torch.Tensor, kind: int,
-            group: int, eps: float):
+            group: int, eps: float, embed_scale: float = 1.0):
     """``torch.classes.hispec_fused.Head``: what ``decode_step`` runs besides the layers, the token
-    embeddings ``[V, H]`` and final RMSNorm weight ``[H]`` (float32) and the output head (a matmul
-    of ``kind`` on ``weight`` and ``params``, as in a layer plan)."""
-    return torch.classes.hispec_fused.Head(embed, norm, weight, params, kind, group, eps)
+    embeddings ``[V, H]`` (times ``embed_scale`` rounded to float32, as ``DecoderModel.embed``) and
+    final RMSNorm weight ``[H]`` (float32) and the output head (a matmul of ``kind`` on ``weight``
+    and ``params``, as in a layer plan)."""
+    return torch.classes.hispec_fused.Head(embed, norm, weight, params, kind, group, eps, float(embed_scale))
 
 
 def _direct(name: str):
@@ -137,14 +149,16 @@ def parallel_min_keys(cfg) -> int:
 
 
 def decode_step(tokens: list[int], positions: list[int], tables: list[list[int]], rope_table, op_range, head,
-                block_size: int, cfg) -> torch.Tensor:
+                block_size: int, cfg, local_table=None) -> torch.Tensor:
     """One decoding step of B sequences in one call: ``tokens[b]`` at ``positions[b]`` (sequence b's
     block table ``tables[b]``) through every layer (``op_range`` of all layers), the final norm and
     the output head (``head = op_head(...)``) -> logits ``[B, V]`` float32. ``rope_table``:
-    ``(cos, signed sin)`` ``[P, D]`` float32 with ``P > max(positions)``. The same bits as the step
-    taken call by call (embedding, ``decode_layers``, the norm and the head's kernel)."""
+    ``(cos, signed sin)`` ``[P, D]`` float32 with ``P > max(positions)``; ``local_table``: the local
+    RoPE base's (None: ``rope_table``). The same bits as the step taken call by call (embedding,
+    ``decode_layers``, the norm and the head's kernel)."""
+    local_table = local_table or rope_table
     return _direct("decode_step")(tokens, positions, _flat_tables(tables), block_size, rope_table[0], rope_table[1],
-                                  parallel_min_keys(cfg), op_range, head)
+                                  local_table[0], local_table[1], parallel_min_keys(cfg), op_range, head)
 
 
 class RowSampling(NamedTuple):
@@ -160,7 +174,8 @@ class RowSampling(NamedTuple):
 
 def decode_steps(tokens: list[int], positions: list[int], tables: list[list[int]], rope_table, op_range, head,
                  block_size: int, cfg, steps: int, eos: list[int],
-                 stops: list[tuple[list[int], int]] | None = None, sampling: RowSampling | None = None) -> torch.Tensor:
+                 stops: list[tuple[list[int], int]] | None = None, sampling: RowSampling | None = None,
+                 local_table=None) -> torch.Tensor:
     """Up to ``steps`` steps in one call: ``decode_step``, each row's token (the argmax, as
     ``torch.argmax``, or sampled where ``sampling`` says: the token ``sampler.choose`` gives), those
     tokens at the next positions, ... -> the chosen tokens ``[B, s]`` int64, ``s <= steps`` (it stops
@@ -176,12 +191,13 @@ def decode_steps(tokens: list[int], positions: list[int], tables: list[list[int]
             ends.append(len(history))
             ngram.append(n)
     temperature, top_k, top_p, uniforms = sampling if sampling is not None else ([], [], [], None)
+    local_table = local_table or rope_table
     return _direct("decode_steps")(tokens, positions, _flat_tables(tables), block_size, rope_table[0], rope_table[1],
-                                   steps, eos, history, ends, ngram, temperature, top_k, top_p, uniforms,
+                                   local_table[0], local_table[1], steps, eos, history, ends, ngram, temperature, top_k, top_p, uniforms,
                                    parallel_min_keys(cfg), op_range, head)
 
 
-PROFILE_PARTS = ("matmul", "attention", "rope_cache", "norm", "silu_mul", "residual", "setup")
+PROFILE_PARTS = ("matmul", "attention", "rope_cache", "norm", "silu_mul", "residual", "setup")  # silu_mul: GeGLU too
 
 
 def profile(on: bool) -> dict[str, tuple[float, int]]:

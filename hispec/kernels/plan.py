@@ -12,7 +12,9 @@ a model with those layers, the calls that give the same bits in fewer steps:
 
 A model's layers are read, not imported (this package sits below ``model``): a layer offers
 ``projections()``, ``input_norm``, ``post_norm``, ``act_dtype``, ``plan_epoch`` (counted up
-whenever a planned attribute is replaced), ``fusable()`` and ``runs_fused(h, rope, pool, i)``.
+whenever a planned attribute is replaced), ``fusable()``, ``runs_fused(h, rope, pool, i)`` and
+``op_norms()`` / ``op_flags()``: what its family adds, as data for the op (``layer_op.NORMS`` /
+``FLAGS``: QK-norm, sandwich norms, a sliding window, the local RoPE rows, GeGLU).
 """
 from __future__ import annotations
 
@@ -74,7 +76,7 @@ def _float_weights(layer: nn.Module) -> list[torch.Tensor]:
 
 
 def layer_plan(layer: nn.Module, prefill: bool = False, batched: bool = False) -> tuple | None:
-    """What ``layer_op.decode_layers`` needs of a decoder layer, ``(norms, weights, kinds, groups)``,
+    """What ``layer_op.decode_layers`` needs of a decoder layer, ``(norms, weights, kinds, groups, flags)``,
     or None when the layer cannot run there (not fusable; a bias; a matmul other than float32
     ``Linear`` or q4 / q8a ``QuantLinear`` on float32 activations or int4/int8 ``QuantLinear`` on
     bfloat16 ones). ``prefill``: for prompt tokens (QuantLinear's dense prefill weights where it
@@ -94,7 +96,7 @@ def layer_plan(layer: nn.Module, prefill: bool = False, batched: bool = False) -
 def _make_layer_plan(layer: nn.Module, prefill: bool, batched: bool) -> tuple | None:
     if not layer.fusable() or layer_op.layers_op() is None:
         return None
-    norms = [layer.input_norm.weight, layer.post_norm.weight]
+    norms = [w if w is not None else layer_op.NO_NORM for w in layer.op_norms()]  # layer_op.NORMS
     if any(w.dtype != torch.float32 or not w.is_contiguous() for w in norms):
         return None
     weights, kinds, groups = [], [], []
@@ -105,7 +107,7 @@ def _make_layer_plan(layer: nn.Module, prefill: bool, batched: bool) -> tuple | 
         weights += planned[:2]
         kinds.append(planned[2])
         groups.append(planned[3])
-    return norms, weights, kinds, groups
+    return norms, weights, kinds, groups, list(layer.op_flags())
 
 
 def _module_tensors(m: nn.Module) -> list[torch.Tensor]:
@@ -172,15 +174,17 @@ class FastPath:
                                   [w._version for w in weights], result)
         return result
 
-    def run_layers(self, h: torch.Tensor, start: int, end: int, rope, batch, pool) -> torch.Tensor | None:
+    def run_layers(self, h: torch.Tensor, start: int, end: int, rope, batch, pool,
+                   local_rope=None) -> torch.Tensor | None:
         """Layers ``[start, end)`` on ``h [T, H]`` in one op call (writing their K/V into ``pool``),
-        the same values as layer by layer; None where the range cannot run there (nothing written)."""
+        the same values as layer by layer; None where the range cannot run there (nothing written).
+        ``local_rope``: the rows of the layers that rotate by the local RoPE base (None: ``rope``)."""
         plans = self.layer_plans(h, start, end, rope, batch, pool)
         if plans is None:
             return None
         bf16 = self.model.layers[start].act_dtype == ACT_DTYPE
         op_range = self.ranges.get(plans, pool, start, end, self.model.cfg, bf16)
-        return layer_op.decode_layers(h, op_range, rope, batch, self.model.cfg)
+        return layer_op.decode_layers(h, op_range, rope, batch, self.model.cfg, local_rope)
 
     # ---- whole decode steps -------------------------------------------------------------------
     def decode_step(self, tokens: list[int], positions: list[int], tables: list[list[int]],
@@ -190,8 +194,9 @@ class FastPath:
         if op is None:
             return None
         op_range, head = op
-        return layer_op.decode_step(tokens, positions, tables, self.model.rope_table(max(positions)), op_range, head,
-                                    pool.block_size, self.model.cfg)
+        last = max(positions)
+        return layer_op.decode_step(tokens, positions, tables, self.model.rope_table(last), op_range, head,
+                                    pool.block_size, self.model.cfg, self._local_table(last))
 
     def decode_greedy(self, tokens: list[int], positions: list[int], tables: list[list[int]], pool, steps: int,
                       eos: list[int], stops: list[tuple[list[int], int]] | None = None,
@@ -201,9 +206,16 @@ class FastPath:
         if op is None:
             return None
         op_range, head = op
-        rope = self.model.rope_table(max(positions) + steps - 1)
-        return layer_op.decode_steps(tokens, positions, tables, rope, op_range, head, pool.block_size,
-                                     self.model.cfg, steps, eos, stops, sampling)
+        last = max(positions) + steps - 1
+        return layer_op.decode_steps(tokens, positions, tables, self.model.rope_table(last), op_range, head,
+                                     pool.block_size, self.model.cfg, steps, eos, stops, sampling,
+                                     self._local_table(last))
+
+    def _local_table(self, last: int):
+        """The local RoPE base's table (``rope_table(last, local=True)``), or None where the model has
+        no other base."""
+        model = self.model
+        return model.rope_table(last, local=True) if getattr(model, "inv_freq_local", None) is not None else None
 
     def step_op(self, batch_size: int, pool) -> tuple | None:
         """``(op range of every layer, op head)`` for a decode step of ``batch_size`` sequences in
@@ -241,7 +253,7 @@ class FastPath:
                 and model.layers[0].fusable() and layer_op.layers_op() is not None):
             planned = matmul_plan(head, None, batched=batched)
             if planned is not None:
-                made = layer_op.op_head(emb, norm.weight, *planned, norm.eps)
+                made = layer_op.op_head(emb, norm.weight, *planned, norm.eps, model.cfg.embed_scale)
         self._head_ops[batched] = (head, tensors, [t._version for t in tensors], made)
         return made
 

@@ -23,7 +23,7 @@ from torch import nn
 
 from ..cache.kv_cache import AttentionBatch, KVPool
 from ..config import ConfigError, ModelConfig
-from ..kernels import fused
+from ..kernels import fused, layer_op
 from ..kernels.layer_op import RowSampling
 from ..kernels.matmul import Linear
 from ..kernels.plan import fast_path
@@ -194,7 +194,8 @@ class DecoderLayer(nn.Module):
         self.act_dtype: torch.dtype | None = None
         self._fusable: bool | None = None  # decided on first use (see fusable)
 
-    _PLANNED = _PROJECTIONS + ("input_norm", "post_norm", "act_dtype")
+    _PLANNED = _PROJECTIONS + ("input_norm", "post_norm", "act_dtype", "q_norm", "k_norm", "attn_out_norm",
+                               "mlp_out_norm")
 
     def __setattr__(self, name: str, value) -> None:
         if name in DecoderLayer._PLANNED:  # a replaced projection (quantization) or activation dtype
@@ -215,14 +216,25 @@ class DecoderLayer(nn.Module):
         self.__dict__["plan_epoch"] = self.__dict__.get("plan_epoch", 0) + 1
 
     def fusable(self) -> bool:
-        """Whether this layer's kind runs on the fused CPU kernels (a Llama-style layer: RMSNorm,
-        RoPE, SiLU gate, no q/k norm; kernels built), decided on first use."""
+        """Whether this layer's kind runs on the fused CPU kernels (RMSNorm, RoPE, a SiLU or GeGLU gate;
+        the Llama family, Qwen2/3, Gemma 3: QK-norm, sandwich norms, sliding windows, their own
+        attention scale; kernels built), decided on first use."""
         if self._fusable is None:
             cfg = self.cfg
-            self._fusable = (cfg.family != "opt" and self.q_norm is None and cfg.hidden_act == "silu"
-                             and not cfg.sandwich_norm and not cfg.sliding_layers and cfg.attn_scale is None
+            self._fusable = (cfg.family != "opt" and cfg.hidden_act in ("silu", "gelu_pytorch_tanh")
                              and isinstance(self.input_norm, RMSNorm) and fused.available())
         return self._fusable
+
+    def op_norms(self) -> tuple:
+        """The RMSNorm weights the fused op reads, in ``layer_op.NORMS``'s order (None: none)."""
+        return tuple(None if n is None else n.weight for n in (
+            self.input_norm, self.post_norm, self.q_norm, self.k_norm, self.attn_out_norm, self.mlp_out_norm))
+
+    def op_flags(self) -> tuple[int, int, int]:
+        """``layer_op.FLAGS``: this layer's sliding window (0: none), whether it rotates by the local
+        RoPE rows (``DecoderModel.local_rope``: a sliding layer), its gated activation."""
+        return (self.cfg.sliding_window if self.sliding else 0, int(self.sliding),
+                layer_op.ACTS[self.cfg.hidden_act])
 
     def forward(self, h: torch.Tensor, layer: int, rope: tuple[torch.Tensor, torch.Tensor] | None,
                 batch: AttentionBatch, pool: KVPool) -> torch.Tensor:
@@ -249,8 +261,16 @@ class DecoderLayer(nn.Module):
         x = fused.rms_norm(h, self.input_norm.weight, self.input_norm.eps, dt)
         q = self._rope_write(qkv_mm(x), layer, rope, batch, pool)  # [T, Hq, D] float32
         out = self._attend_fused(q, layer, batch, pool, dt)  # [T, Hq * D]
-        h, x = fused.add_rms_norm(h, o_mm(out), self.post_norm.weight, self.post_norm.eps, dt)
-        return h + down_mm(fused.silu_mul(gate_up_mm(x), dt))
+        if self.attn_out_norm is None:
+            h, x = fused.add_rms_norm(h, o_mm(out), self.post_norm.weight, self.post_norm.eps, dt)
+        else:  # h + norm(o): Gemma 3's sandwich norm
+            h, x = fused.norm_add_rms_norm(h, o_mm(out), self.attn_out_norm.weight, self.post_norm.weight,
+                                           self.post_norm.eps, dt)
+        gate_up = gate_up_mm(x)
+        a = fused.silu_mul(gate_up, dt) if self.cfg.hidden_act == "silu" else fused.gelu_tanh_mul(gate_up, dt)
+        if self.mlp_out_norm is None:
+            return h + down_mm(a)
+        return fused.norm_add(h, down_mm(a), self.mlp_out_norm.weight, self.mlp_out_norm.eps)
 
     def _matmuls(self, prefill: bool = False) -> tuple:
         """The four projections as callables: a bias-free QuantLinear's kernel call directly (its
@@ -265,8 +285,12 @@ class DecoderLayer(nn.Module):
     def _rope_write(self, qkv: torch.Tensor, layer: int, rope, batch: AttentionBatch, pool: KVPool,
                     queries: bool = True) -> torch.Tensor | None:
         cos, ssin = (r.view(r.shape[0], r.shape[-1]) for r in rope)  # [T, D]
+        if self.q_norm is None:
+            return fused.rope_write(qkv, cos, ssin, batch.write_slots, self.cfg.num_heads, self.cfg.num_kv_heads,
+                                    pool.k[layer], pool.v[layer], queries)
         return fused.rope_write(qkv, cos, ssin, batch.write_slots, self.cfg.num_heads, self.cfg.num_kv_heads,
-                                pool.k[layer], pool.v[layer], queries)
+                                pool.k[layer], pool.v[layer], queries, self.q_norm.weight, self.k_norm.weight,
+                                self.q_norm.eps)
 
     def _attend_fused(self, q: torch.Tensor, layer: int, batch: AttentionBatch, pool: KVPool,
                       dt: torch.dtype) -> torch.Tensor:
@@ -276,7 +300,8 @@ class DecoderLayer(nn.Module):
         (SDPA's fused kernel, which long chunks took before, gave other bits: the same prompt
         decoded alone and after other requests gave different greedy tokens; it cost ~6% less on a
         3,000-token prompt.)"""
-        return fused.paged_attention(q, pool.k[layer], pool.v[layer], batch.kernel(), dt)
+        window = self.cfg.sliding_window if self.sliding else 0  # the same keys as a one-token step's
+        return fused.paged_attention(q, pool.k[layer], pool.v[layer], batch.kernel(), dt, window, self.cfg.attn_scale)
 
     def _window(self, mask: torch.Tensor | None, positions: torch.Tensor, context: int) -> torch.Tensor | None:
         """``mask [T, C]`` (None: all visible) narrowed, on a sliding layer, to the keys within the
@@ -396,6 +421,7 @@ class DecoderModel(nn.Module):
         local = cfg.sliding_layers and cfg.rope_local_theta not in (None, cfg.rope_theta)
         self.register_buffer("inv_freq_local", rope_inv_freq(cfg, local=True) if local else None, persistent=False)
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None  # see rope_table
+        self._rope_table_local: tuple[torch.Tensor, torch.Tensor] | None = None  # the same, local base
         self.exits: dict[int, nn.Module] = {}  # trained exits by layer; see model/exits/, exit_block.py
         self.weight_format = "none"  # or "native" / "int4" / "int8": see loader.apply_quantization
         self.kv_cache_dtype: torch.dtype | None = None  # what KV pools for this model hold; None: the model's dtype
@@ -458,26 +484,36 @@ class DecoderModel(nn.Module):
 
     def local_rope(self, positions: torch.Tensor, rope):
         """The sliding-window layers' ``(cos, signed sin)`` ``[T, 1, D]`` where they have their own
-        RoPE base (``inv_freq_local``), else ``rope`` (every layer's)."""
+        RoPE base (``inv_freq_local``), else ``rope`` (every layer's). On the CPU rows of its table
+        (``rope_table(.., local=True)``), as ``rope``: the rows the fused op reads."""
         if self.inv_freq_local is None or rope is None:
             return rope
-        freqs = positions.float()[:, None] * self.inv_freq_local.to(positions.device)[None, :]  # [T, D/2]
-        cos, sin = freqs.cos(), freqs.sin()
-        cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
-        return cos.to(self.dtype)[:, None, :], sin.to(self.dtype)[:, None, :]
+        if positions.device.type != "cpu":
+            cos, sin = self._rope_rows(positions, self.inv_freq_local.to(positions.device))
+        else:
+            table = self.rope_table(int(positions.max()), local=True)
+            cos, sin = table[0].index_select(0, positions), table[1].index_select(0, positions)
+        return cos[:, None, :], sin[:, None, :]
 
-    def rope_table(self, last: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(cos, signed sin)`` ``[P, D]`` of positions ``0 .. P - 1``, ``P > last`` (grown by doubling)."""
-        table = self._rope_table
+    def rope_table(self, last: int, local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, signed sin)`` ``[P, D]`` of positions ``0 .. P - 1``, ``P > last`` (grown by doubling);
+        ``local``: of the sliding layers' own base (``inv_freq_local``)."""
+        table = self._rope_table_local if local else self._rope_table
         if table is None or table[0].dtype != self.dtype or table[0].shape[0] <= last:
             size = max(ROPE_TABLE_MIN, 2 * (0 if table is None else table[0].shape[0]))
             while size <= last:
                 size *= 2
-            table = self._rope_table = self._rope_rows(torch.arange(size))
+            table = self._rope_rows(torch.arange(size), self.inv_freq_local if local else None)
+            if local:
+                self._rope_table_local = table
+            else:
+                self._rope_table = table
         return table
 
-    def _rope_rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
+    def _rope_rows(self, positions: torch.Tensor,
+                   inv_freq: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        inv_freq = self.inv_freq if inv_freq is None else inv_freq
+        freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, D/2]
         cos, sin = freqs.cos(), freqs.sin()
         cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)  # [T, D]: sin signed for apply_rope
         return cos.to(self.dtype), sin.to(self.dtype)
@@ -486,11 +522,11 @@ class DecoderModel(nn.Module):
         """Run decoder layers ``[start, end)`` on ``h [T, H]`` (the input to layer ``start``)."""
         assert 0 <= start <= end <= self.cfg.num_layers, (start, end)
         rope = self.rope(batch.positions)
-        out = fast_path(self).run_layers(h, start, end, rope, batch, pool)  # one C++ call where it can, same values
-        if out is not None:
-            return out
         local = self.local_rope(batch.positions, rope) if any(
             self.layers[i].sliding for i in range(start, end)) else rope
+        out = fast_path(self).run_layers(h, start, end, rope, batch, pool, local)  # one C++ call where it can
+        if out is not None:
+            return out
         for layer in range(start, end):
             h = self.layers[layer](h, layer, local if self.layers[layer].sliding else rope, batch, pool)
         return h

@@ -600,10 +600,11 @@ def test_layer_op_on_an_empty_range_returns_its_input():
     """An empty range (no layers, no cache layers) hands ``h`` back instead of reading a first layer."""
     if layer_op.layers_op() is None:
         pytest.skip("no C++ compiler or torch headers")
-    empty = torch.classes.hispec_fused.Range([], [], [], [], [], [], 2, 1, 1e-5, False)
+    empty = torch.classes.hispec_fused.Range([], [], [], [], [], [], [], 2, 1, 1e-5, 0.0, False)
     h, rows = rand(1, 8), rand(1, 4)
     one = torch.ones(1, dtype=torch.int32)
-    out = layer_op.layers_op()(h, rows, rows, torch.zeros(1, dtype=torch.long), one[None], one - 1, one, None, None, 4, False, empty)
+    out = layer_op.layers_op()(h, rows, rows, rows, rows, torch.zeros(1, dtype=torch.long), one[None], one - 1, one, None,
+                               None, 4, False, empty)
     assert torch.equal(out, h)
 
 

@@ -113,6 +113,17 @@ static inline v8 splat8(float x) {
     return v;
 }
 
+/* Sliding windows: query qi of a tile sees keys lo[qi] .. len[qi] - 1 (lo 0 without a window). The
+ * tile's loops over keys start at the first whole 16 below the smallest lo (a multiple of 16, as
+ * from key 0: the bfloat16 path's chunks of 16 keys and pairs of keys lie where they lie for the
+ * query alone); each row's softmax and values start at its own lo, so its arithmetic is that of
+ * the query alone, whatever the tile. */
+static inline int64_t first_key(const int32_t *lo, int nq) {
+    int64_t f = lo[0];
+    for (int qi = 1; qi < nq; qi++) f = lo[qi] < f ? lo[qi] : f;
+    return f / 16 * 16;
+}
+
 /* a . b: 16 lanes of fused multiply-adds (lane l: the elements i = l mod 16 below the last whole
  * 16, in order), the lanes summed by hsum16's tree, then the rest in order: each score's bits,
  * whichever path computes it (tile_scores16 for D = 64, 128 on AVX-512). */
@@ -153,17 +164,18 @@ static inline __m512 hsum16x16(__m512 a[16]) {
  * multiply-adds in d order per lane), the 16 keys' lanes summed together (hsum16x16), so every
  * score has dot_fma()'s bits. */
 static inline __attribute__((always_inline)) void tile_scores16(const float *q, int64_t Hq, kv_head kp,
-                                                               key_map m, const int32_t *len, int nq,
-                                                               int64_t lmax, int64_t G, const int64_t D,
-                                                               float scale, float *scores, float *buf) {
+                                                               key_map m, const int32_t *len, const int32_t *lo,
+                                                               int64_t jf, int nq, int64_t lmax, int64_t G,
+                                                               const int64_t D, float scale, float *scores,
+                                                               float *buf) {
     static const float zeros[128];  /* the keys past the last: D <= 128 */
     const float *keys[16];
-    for (int64_t j0 = 0; j0 < lmax; j0 += 16) {
+    for (int64_t j0 = jf; j0 < lmax; j0 += 16) {
         int64_t n = lmax - j0 < 16 ? lmax - j0 : 16, slots[16];
         chunk_slots(m, j0, n, slots);
         for (int64_t i = 0; i < 16; i++) keys[i] = i < n ? kv_row(kp, slots[i], buf + i * D) : zeros;
         for (int qi = 0; qi < nq; qi++) {
-            if (j0 >= len[qi]) continue;
+            if (j0 >= len[qi] || j0 + 16 <= lo[qi]) continue;
             for (int64_t g = 0; g < G; g++) {
                 const float *qr = q + qi * Hq * D + g * D;
                 __m512 acc[16];
@@ -180,17 +192,19 @@ static inline __attribute__((always_inline)) void tile_scores16(const float *q, 
 }
 #endif
 
-/* scores[r * lmax + j] = (q_r . k_j) * scale for every row r of the tile and key j < len[qi]. */
+/* scores[r * lmax + j] = (q_r . k_j) * scale for every row r of the tile and key lo[qi] <= j < len[qi]
+ * (a key's score is the same whichever keys beside it are scored: keys from jf on). */
 static inline __attribute__((always_inline)) void tile_scores(const float *q, int64_t Hq, kv_head kp,
-                                                             key_map m, const int32_t *len, int nq,
-                                                             int64_t lmax, int64_t G, const int64_t D,
-                                                             float scale, float *scores, float *buf) {
-    for (int64_t j0 = 0, n; j0 < lmax; j0 += n) {  /* one run of consecutive slots (a block) at a time */
+                                                             key_map m, const int32_t *len, const int32_t *lo,
+                                                             int64_t jf, int nq, int64_t lmax, int64_t G,
+                                                             const int64_t D, float scale, float *scores,
+                                                             float *buf) {
+    for (int64_t j0 = jf, n; j0 < lmax; j0 += n) {  /* one run of consecutive slots (a block) at a time */
         int64_t stride, slot = key_run(m, j0, lmax, &n);  /* stride: between consecutive slots */
         const float *k = kv_rows(kp, slot, n, buf, &stride);
         for (int64_t j = j0; j < j0 + n; j++, k += stride)
             for (int qi = 0; qi < nq; qi++) {
-                if (j >= len[qi]) continue;
+                if (j >= len[qi] || j < lo[qi]) continue;
                 const float *qr = q + qi * Hq * D;
                 for (int64_t g = 0; g < G; g++) scores[(qi * G + g) * lmax + j] = dot_fma(qr + g * D, k, D) * scale;
             }
@@ -215,10 +229,11 @@ static inline float row_sum(const float *s, int64_t n) {
 /* The rows' scores in place -> exp(score - the row's largest) over each row's own keys, and
  * their sums (sum[r]): the softmax's numerators and denominators (the values' weighted sums are
  * divided once, per output element, instead of every weight). */
-static void tile_softmax(float *scores, const int32_t *len, int nq, int64_t G, int64_t lmax, float *sum) {
-    for (int64_t r = 0; r < nq * G; r++) {
-        float *s = scores + r * lmax;
-        int64_t n = len[r / G];
+static void tile_softmax(float *scores, const int32_t *len, const int32_t *lo, int nq, int64_t G, int64_t lmax,
+                         float *sum) {
+    for (int64_t r = 0; r < nq * G; r++) {  /* a row's keys: lo .. len - 1 */
+        float *s = scores + r * lmax + lo[r / G];
+        int64_t n = len[r / G] - lo[r / G];
         exp_shifted(s, n, row_max(s, n));
         sum[r] = row_sum(s, n);
     }
@@ -227,17 +242,19 @@ static void tile_softmax(float *scores, const int32_t *len, int nq, int64_t G, i
 /* acc[r] += sum_j p_r[j] v_j, one block of the table at a time (its values stay in L1 for every
  * row); D a constant (64, 128) keeps a row's sums in registers within a block. */
 static inline __attribute__((always_inline)) void tile_values(const float *scores, kv_head vp,
-                                                             key_map m, const int32_t *len, int nq,
-                                                             int64_t lmax, int64_t G, const int64_t D,
-                                                             float *acc, float *buf) {
+                                                             key_map m, const int32_t *len, const int32_t *lo,
+                                                             int64_t jf, int nq, int64_t lmax, int64_t G,
+                                                             const int64_t D, float *acc, float *buf) {
     memset(acc, 0, (size_t)(nq * G * D) * sizeof(float));
-    for (int64_t j0 = 0, run; j0 < lmax; j0 += run) {
+    for (int64_t j0 = jf, run; j0 < lmax; j0 += run) {
         int64_t stride, slot = key_run(m, j0, lmax, &run);
         const float *vb = kv_rows(vp, slot, run, buf, &stride);
         for (int64_t r = 0; r < nq * G; r++) {
-            int64_t n = len[r / G] - j0;
-            n = n < run ? n : run;
-            const float *p = scores + r * lmax + j0, *v = vb;
+            const int64_t first = lo[r / G] > j0 ? lo[r / G] : j0;  /* the row's keys from lo on, in order */
+            int64_t n = len[r / G] - first;
+            n = n < j0 + run - first ? n : j0 + run - first;
+            if (n <= 0) continue;
+            const float *p = scores + r * lmax + first, *v = vb + (first - j0) * stride;
             float *a = acc + r * D;
 #if defined(__AVX512F__)
             if (D % 64 == 0) {  /* 64 columns at a time: 4 AVX-512 registers of sums (the same lanes' sums) */
@@ -276,21 +293,22 @@ static inline __attribute__((always_inline)) void tile_values(const float *score
  * for its weights and their sums; buf: room for max(bs, 16) rows of D floats (a bfloat16 pool's
  * rows, converted). */
 static void attend_tile(const float *q, int64_t Hq, kv_head kp, kv_head vp, key_map m, const int32_t *len,
-                        int nq, int64_t G, int64_t D, float scale, float *scores, float *acc, float *sum, float *buf) {
-    int64_t lmax = 0;
+                        const int32_t *lo, int nq, int64_t G, int64_t D, float scale, float *scores, float *acc,
+                        float *sum, float *buf) {
+    int64_t lmax = 0, jf = first_key(lo, nq);
     for (int qi = 0; qi < nq; qi++) lmax = len[qi] > lmax ? len[qi] : lmax;
 #if defined(__AVX512F__)
-    if (D == 64) tile_scores16(q, Hq, kp, m, len, nq, lmax, G, 64, scale, scores, buf);
-    else if (D == 128) tile_scores16(q, Hq, kp, m, len, nq, lmax, G, 128, scale, scores, buf);
+    if (D == 64) tile_scores16(q, Hq, kp, m, len, lo, jf, nq, lmax, G, 64, scale, scores, buf);
+    else if (D == 128) tile_scores16(q, Hq, kp, m, len, lo, jf, nq, lmax, G, 128, scale, scores, buf);
 #else
-    if (D == 64) tile_scores(q, Hq, kp, m, len, nq, lmax, G, 64, scale, scores, buf);
-    else if (D == 128) tile_scores(q, Hq, kp, m, len, nq, lmax, G, 128, scale, scores, buf);
+    if (D == 64) tile_scores(q, Hq, kp, m, len, lo, jf, nq, lmax, G, 64, scale, scores, buf);
+    else if (D == 128) tile_scores(q, Hq, kp, m, len, lo, jf, nq, lmax, G, 128, scale, scores, buf);
 #endif
-    else tile_scores(q, Hq, kp, m, len, nq, lmax, G, D, scale, scores, buf);
-    tile_softmax(scores, len, nq, G, lmax, sum);
-    if (D == 64) tile_values(scores, vp, m, len, nq, lmax, G, 64, acc, buf);
-    else if (D == 128) tile_values(scores, vp, m, len, nq, lmax, G, 128, acc, buf);
-    else tile_values(scores, vp, m, len, nq, lmax, G, D, acc, buf);
+    else tile_scores(q, Hq, kp, m, len, lo, jf, nq, lmax, G, D, scale, scores, buf);
+    tile_softmax(scores, len, lo, nq, G, lmax, sum);
+    if (D == 64) tile_values(scores, vp, m, len, lo, jf, nq, lmax, G, 64, acc, buf);
+    else if (D == 128) tile_values(scores, vp, m, len, lo, jf, nq, lmax, G, 128, acc, buf);
+    else tile_values(scores, vp, m, len, lo, jf, nq, lmax, G, D, acc, buf);
     for (int64_t r = 0; r < nq * G; r++)
         for (int64_t d = 0; d < D; d++) acc[r * D + d] /= sum[r];
 }
@@ -420,13 +438,13 @@ static inline __attribute__((always_inline)) void bf_chunk_rows(const word *q0, 
  * words transposed into kt[D / 2] once, then the rows two at a time (bf_chunk_rows); each chunk's
  * values (vp, at the same slots) are prefetched meanwhile (PREFETCH_AHEAD). */
 static inline __attribute__((always_inline)) void bf_scores(const word *qw, kv_head kp, kv_head vp, key_map m,
-                                                           const int32_t *len, int nq, int64_t G, const int64_t D,
-                                                           int64_t lmax, int64_t ls, float scale, float *scores,
-                                                           __m512i *kt) {
+                                                           const int32_t *len, const int32_t *lo, int64_t jf, int nq,
+                                                           int64_t G, const int64_t D, int64_t lmax, int64_t ls,
+                                                           float scale, float *scores, __m512i *kt) {
     const int64_t W = D / 2;
     const word *keys[16];
-    for (int64_t c = 1; c < PREFETCH_AHEAD; c++) prefetch_chunk(kp, m, 16 * c, lmax);
-    for (int64_t j0 = 0; j0 < lmax; j0 += 16) {
+    for (int64_t c = 1; c < PREFETCH_AHEAD; c++) prefetch_chunk(kp, m, jf + 16 * c, lmax);
+    for (int64_t j0 = jf; j0 < lmax; j0 += 16) {
         int64_t n = lmax - j0 < 16 ? lmax - j0 : 16;
         int64_t slots[16];
         chunk_rows(kp, m, j0, lmax, keys, slots);
@@ -439,7 +457,8 @@ static inline __attribute__((always_inline)) void bf_scores(const word *qw, kv_h
             for (int i = 0; i < 16; i++) kt[w0 + i] = r[i];
         }
         for (int64_t r = 0; r < nq * G;) {
-            const int live = j0 < len[r / G], two = r + 1 < nq * G && j0 < len[(r + 1) / G];
+            const int live = j0 < len[r / G] && j0 + 16 > lo[r / G],
+                      two = r + 1 < nq * G && j0 < len[(r + 1) / G] && j0 + 16 > lo[(r + 1) / G];
             if (live && two)
                 bf_chunk_rows(qw + r * D, qw + (r + 1) * D, kt, W, 2, scale, n, scores + r * ls + j0,
                               scores + (r + 1) * ls + j0);
@@ -452,18 +471,19 @@ static inline __attribute__((always_inline)) void bf_scores(const word *qw, kv_h
 
 /* Each row's scores -> its weights exp(score - max) rounded to bfloat16 (in place), their sum, and
  * the weights as words: pw[r * lw + u] = (p[2u], p[2u + 1]), p[n] = 0 after a row's last key. */
-static void bf_softmax(float *scores, const int32_t *len, int nq, int64_t G, int64_t ls, float *sum, word *pw,
-                       int64_t lw) {
-    for (int64_t r = 0; r < nq * G; r++) {
+static void bf_softmax(float *scores, const int32_t *len, const int32_t *lo, int nq, int64_t G, int64_t ls,
+                       float *sum, word *pw, int64_t lw) {
+    for (int64_t r = 0; r < nq * G; r++) {  /* a row's keys: lo .. n - 1; weight 0 from its chunk's start to lo */
         float *s = scores + r * ls;
-        int64_t n = len[r / G];
-        exp_shifted(s, n, row_max(s, n));
+        int64_t n = len[r / G], l = lo[r / G], j1 = l / 16 * 16;
+        exp_shifted(s + l, n - l, row_max(s + l, n - l));
         uint32_t *bits = (uint32_t *)s;  /* (the same storage: each weight's rounded bits) */
-        for (int64_t j = 0; j < n; j++) bits[j] = bf_bits(s[j]);
-        sum[r] = row_sum(s, n);
+        for (int64_t j = j1; j < l; j++) bits[j] = 0;
+        for (int64_t j = l; j < n; j++) bits[j] = bf_bits(s[j]);
+        sum[r] = row_sum(s + l, n - l);
         s[n] = 0.0f;
         word *w = pw + r * lw;
-        for (int64_t u = 0; u < (n + 1) / 2; u++) w[u] = bits[2 * u] >> 16 | (bits[2 * u + 1] & 0xFFFF0000u);
+        for (int64_t u = j1 / 2; u < (n + 1) / 2; u++) w[u] = bits[2 * u] >> 16 | (bits[2 * u + 1] & 0xFFFF0000u);
     }
 }
 
@@ -496,12 +516,13 @@ static inline __attribute__((always_inline)) void bf_rows(const word *w0, const 
  * rows interleaved into words once a chunk (unpacklo/hi_epi16, by 128-bit lanes), so a row's sums
  * lie permuted until bf_unpermute; the rows of a query two at a time. pairs: room for 8 * D words. */
 static inline __attribute__((always_inline)) void bf_values(const word *pw, int64_t lw, kv_head vp, key_map m,
-                                                           const int32_t *len, int nq, int64_t G, const int64_t D,
-                                                           int64_t lmax, float *acc, word *pairs) {
+                                                           const int32_t *len, const int32_t *lo, int64_t jf, int nq,
+                                                           int64_t G, const int64_t D, int64_t lmax, float *acc,
+                                                           word *pairs) {
     const word *vals[16];
     memset(acc, 0, (size_t)(nq * G * D) * sizeof(float));
-    for (int64_t c = 1; c < PREFETCH_AHEAD; c++) prefetch_chunk(vp, m, 16 * c, lmax);
-    for (int64_t j0 = 0; j0 < lmax; j0 += 16) {
+    for (int64_t c = 1; c < PREFETCH_AHEAD; c++) prefetch_chunk(vp, m, jf + 16 * c, lmax);
+    for (int64_t j0 = jf; j0 < lmax; j0 += 16) {
         int64_t slots[16];
         chunk_rows(vp, m, j0, lmax, vals, slots);
         prefetch_chunk(vp, m, j0 + 16 * PREFETCH_AHEAD, lmax);
@@ -513,7 +534,8 @@ static inline __attribute__((always_inline)) void bf_values(const word *pw, int6
             }
         for (int64_t r = 0; r < nq * G;) {
             int64_t n = len[r / G] - j0, np = n >= 16 ? 8 : (n + 1) / 2;
-            int two = r + 1 < nq * G && (r + 1) / G == r / G;
+            int two = r + 1 < nq * G && (r + 1) / G == r / G;  /* (a query's rows: the same keys) */
+            if (j0 + 16 <= lo[r / G]) n = 0;  /* a chunk before the row's window */
             if (n > 0 && two)
                 bf_rows(pw + r * lw + j0 / 2, pw + (r + 1) * lw + j0 / 2, np, pairs, D, 2, acc + r * D,
                         acc + (r + 1) * D);
@@ -536,9 +558,10 @@ static void bf_unpermute(float *a, int64_t D, float *tmp) {
 
 /* attend_tile over a bfloat16 pool with bfloat16 products, D = 64 or 128; scores: room for nq * G
  * rows of lmax + 1. */
-static void attend_tile_bf(const float *q, int64_t Hq, kv_head kp, kv_head vp, key_map m, const int32_t *len, int nq,
-                           int64_t G, int64_t D, float scale, float *scores, float *acc, float *sum) {
-    int64_t lmax = 0, rows = nq * G;
+static void attend_tile_bf(const float *q, int64_t Hq, kv_head kp, kv_head vp, key_map m, const int32_t *len,
+                           const int32_t *lo, int nq, int64_t G, int64_t D, float scale, float *scores, float *acc,
+                           float *sum) {
+    int64_t lmax = 0, rows = nq * G, jf = first_key(lo, nq);
     for (int qi = 0; qi < nq; qi++) lmax = len[qi] > lmax ? len[qi] : lmax;
     int64_t ls = lmax + 1, lw = lmax / 2 + 1;
     word *qw = malloc((size_t)(rows * (D + lw)) * sizeof(word)), *pw = qw + rows * D;
@@ -555,11 +578,11 @@ static void attend_tile_bf(const float *q, int64_t Hq, kv_head kp, kv_head vp, k
         }
     }
     __m512i *kt = (__m512i *)pairs;  /* (a chunk's transposed keys: D / 2 vectors, the size of pairs) */
-    if (D == 64) bf_scores(qw, kp, vp, m, len, nq, G, 64, lmax, ls, scale, scores, kt);
-    else bf_scores(qw, kp, vp, m, len, nq, G, 128, lmax, ls, scale, scores, kt);
-    bf_softmax(scores, len, nq, G, ls, sum, pw, lw);
-    if (D == 64) bf_values(pw, lw, vp, m, len, nq, G, 64, lmax, acc, pairs);
-    else bf_values(pw, lw, vp, m, len, nq, G, 128, lmax, acc, pairs);
+    if (D == 64) bf_scores(qw, kp, vp, m, len, lo, jf, nq, G, 64, lmax, ls, scale, scores, kt);
+    else bf_scores(qw, kp, vp, m, len, lo, jf, nq, G, 128, lmax, ls, scale, scores, kt);
+    bf_softmax(scores, len, lo, nq, G, ls, sum, pw, lw);
+    if (D == 64) bf_values(pw, lw, vp, m, len, lo, jf, nq, G, 64, lmax, acc, pairs);
+    else bf_values(pw, lw, vp, m, len, lo, jf, nq, G, 128, lmax, acc, pairs);
     for (int64_t r = 0; r < rows; r++) {
         bf_unpermute(acc + r * D, D, (float *)pairs);
         for (int64_t d = 0; d < D; d++) acc[r * D + d] /= sum[r];
@@ -622,8 +645,21 @@ void hs_paged_attention(const float *q, const void *kpool, const void *vpool, in
                         int64_t max_blocks, const int32_t *seq, const int32_t *len, const int32_t *tail_start,
                         const int64_t *tail, int64_t tail_width, int64_t T, int64_t Hq, int64_t Hkv, int64_t S,
                         int64_t D, int64_t bs, float scale, void *out, int out_bf, int parallel) {
+    hs_paged_attention_window(q, kpool, vpool, kv_bf, tables, max_blocks, seq, len, tail_start, tail, tail_width, T, Hq,
+                              Hkv, S, D, bs, scale, out, out_bf, parallel, 0);
+}
+
+/* Sliding windows (window > 0): token t sees the keys from lo[t] = len[t] - window on (positions
+ * > p - window for its position p = len[t] - 1), as a one-token step does (first_key). */
+void hs_paged_attention_window(const float *q, const void *kpool, const void *vpool, int kv_bf,
+                               const int32_t *tables, int64_t max_blocks, const int32_t *seq, const int32_t *len,
+                               const int32_t *tail_start, const int64_t *tail, int64_t tail_width, int64_t T,
+                               int64_t Hq, int64_t Hkv, int64_t S, int64_t D, int64_t bs, float scale, void *out,
+                               int out_bf, int parallel, int64_t window) {
     int64_t G = Hq / Hkv, ntiles = 0;
     int64_t *first = malloc((size_t)(T + 1) * sizeof(int64_t));  /* first token of each tile */
+    int32_t *lo = calloc((size_t)(T > 0 ? T : 1), sizeof(int32_t));  /* each token's first key */
+    for (int64_t t = 0; window > 0 && t < T; t++) lo[t] = len[t] > window ? (int32_t)(len[t] - window) : 0;
 #define IN_TREE(t) (tail_start != NULL && tail_start[t] >= 0)
     for (int64_t t = 0; t < T; t++)
         if (t == 0 || seq[t] != seq[t - 1] || t - first[ntiles - 1] >= QUERY_TILE || IN_TREE(t) || IN_TREE(t - 1))
@@ -656,10 +692,11 @@ void hs_paged_attention(const float *q, const void *kpool, const void *vpool, in
                      IN_TREE(t0) ? tail + t0 * tail_width : NULL};
 #if defined(__AVX512BF16__)
         if (bf_products)
-            attend_tile_bf(q + (t0 * Hq + h0) * D, Hq, kp, vp, m, len + t0, nq, hg, D, scale, scores, acc, sum);
+            attend_tile_bf(q + (t0 * Hq + h0) * D, Hq, kp, vp, m, len + t0, lo + t0, nq, hg, D, scale, scores, acc,
+                           sum);
         else
 #endif
-        attend_tile(q + (t0 * Hq + h0) * D, Hq, kp, vp, m, len + t0, nq, hg, D, scale, scores, acc, sum, buf);
+        attend_tile(q + (t0 * Hq + h0) * D, Hq, kp, vp, m, len + t0, lo + t0, nq, hg, D, scale, scores, acc, sum, buf);
         for (int qi = 0; qi < nq; qi++)
             store_row(out, out_bf, ((t0 + qi) * Hq + h0) * D, hg * D, acc + qi * hg * D);
         free(scores);
@@ -668,4 +705,5 @@ void hs_paged_attention(const float *q, const void *kpool, const void *vpool, in
     }
 #undef IN_TREE
     free(first);
+    free(lo);
 }

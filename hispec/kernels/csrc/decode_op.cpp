@@ -142,41 +142,70 @@ std::tuple<std::vector<double>, std::vector<int64_t>> profile(bool on) {
 // between calls, so that a decoding step hands over one object instead of ~360 tensors (their
 // conversion cost ~0.2-0.3 ms per call on a Zen 3). Per layer l (index i): k_pools[i], v_pools[i]: its cache
 // (float32 or bfloat16);
-// norms[2i], norms[2i+1]: input and post-attention RMSNorm weights; weights[8i + 2j], [8i + 2j + 1]:
-// matmul j's weight and its parameters (qkv, o, gate_up, down), kinds[4i + j], groups[4i + j].
+// norms[NORMS i + k]: its RMSNorm weights, k = 0 input, 1 post-attention, 2 and 3 the query and key heads'
+// (QK-norm: Qwen3, Gemma 3), 4 and 5 the attention's and the MLP's outputs' (sandwich norms: Gemma 3); an
+// empty tensor where the layer has not got one; weights[8i + 2j], [8i + 2j + 1]: matmul j's weight and
+// its parameters (qkv, o, gate_up, down), kinds[4i + j], groups[4i + j]; flags[FLAGS i + k]: k = 0 its
+// attention's sliding window (0: none), 1 whether it rotates by the local RoPE rows (cos_local, ssin_local),
+// 2 its gated activation (ACT_SILU, ACT_GELU_TANH). A model family is data here, not another loop.
+// attn_scale: the attention logits' scale (0: 1 / sqrt(head_dim)).
+constexpr size_t NORMS = 6, FLAGS = 3;
+enum Act { ACT_SILU = 0, ACT_GELU_TANH = 1 };
+
 struct Range : torch::CustomClassHolder {
     std::vector<at::Tensor> k_pools, v_pools, norms, weights;
-    std::vector<int64_t> kinds, groups;
+    std::vector<int64_t> kinds, groups, flags;
     int64_t num_heads, num_kv_heads;
-    double eps;
+    double eps, attn_scale;
     bool bf16_acts;
 
     Range(std::vector<at::Tensor> k_pools_, std::vector<at::Tensor> v_pools_, std::vector<at::Tensor> norms_,
           std::vector<at::Tensor> weights_, std::vector<int64_t> kinds_, std::vector<int64_t> groups_,
-          int64_t num_heads_, int64_t num_kv_heads_, double eps_, bool bf16_acts_)
+          std::vector<int64_t> flags_, int64_t num_heads_, int64_t num_kv_heads_, double eps_, double attn_scale_,
+          bool bf16_acts_)
         : k_pools(std::move(k_pools_)), v_pools(std::move(v_pools_)), norms(std::move(norms_)),
-          weights(std::move(weights_)), kinds(std::move(kinds_)), groups(std::move(groups_)), num_heads(num_heads_),
-          num_kv_heads(num_kv_heads_), eps(eps_), bf16_acts(bf16_acts_) {
-        const size_t n = norms.size() / 2;
-        TORCH_CHECK(k_pools.size() == n && v_pools.size() == n && norms.size() == 2 * n && weights.size() == 8 * n &&
-                    kinds.size() == 4 * n && groups.size() == 4 * n, "Range: list lengths");
-        for (size_t i = 0; i < n; i++)
+          weights(std::move(weights_)), kinds(std::move(kinds_)), groups(std::move(groups_)), flags(std::move(flags_)),
+          num_heads(num_heads_), num_kv_heads(num_kv_heads_), eps(eps_), attn_scale(attn_scale_),
+          bf16_acts(bf16_acts_) {
+        const size_t n = norms.size() / NORMS;
+        TORCH_CHECK(k_pools.size() == n && v_pools.size() == n && norms.size() == NORMS * n &&
+                    weights.size() == 8 * n && kinds.size() == 4 * n && groups.size() == 4 * n &&
+                    flags.size() == FLAGS * n, "Range: list lengths");
+        for (size_t i = 0; i < n; i++) {
             TORCH_CHECK((k_pools[i].scalar_type() == at::kFloat || k_pools[i].scalar_type() == at::kBFloat16) &&
                         v_pools[i].scalar_type() == k_pools[i].scalar_type() && k_pools[i].is_contiguous() &&
                         v_pools[i].is_contiguous(), "Range: contiguous float32 or bfloat16 cache layers");
+            const int64_t D = k_pools[i].size(-1), H[NORMS] = {-1, -1, D, D, -1, -1};
+            for (size_t k = 0; k < NORMS; k++) {
+                const at::Tensor& w = norms[NORMS * i + k];
+                TORCH_CHECK(w.numel() == 0 ? k >= 2 : w.scalar_type() == at::kFloat && w.is_contiguous() &&
+                                                          (H[k] < 0 || w.numel() == H[k]),
+                            "Range: contiguous float32 norm weights (QK-norm: [head_dim])");
+            }
+            TORCH_CHECK(flags[FLAGS * i] >= 0 && (flags[FLAGS * i + 2] == ACT_SILU || flags[FLAGS * i + 2] == ACT_GELU_TANH),
+                        "Range: a window >= 0 and a known activation");
+        }
     }
 
-    int64_t layers() const { return static_cast<int64_t>(norms.size() / 2); }
+    int64_t layers() const { return static_cast<int64_t>(norms.size() / NORMS); }
+
+    // layer i's norm k, or nullptr where it has none
+    const float* norm(int64_t i, size_t k) const {
+        const at::Tensor& w = norms[NORMS * i + k];
+        return w.numel() ? w.data_ptr<float>() : nullptr;
+    }
 };
 
 // h [T, H] float32 entering the range's first layer -> after its last.
+// cos, ssin [T, D]: the RoPE rows of the tokens' positions; cos_local, ssin_local: those of the layers
+// that rotate by the local base (flags), the same tensors where the model has no other base.
 at::Tensor decode_layers(const at::Tensor& h_in, const at::Tensor& cos, const at::Tensor& ssin,
+                         const at::Tensor& cos_local, const at::Tensor& ssin_local,
                          const at::Tensor& slots, const at::Tensor& tables, const at::Tensor& seq,
                          const at::Tensor& lengths, const std::optional<at::Tensor>& tail_start,
                          const std::optional<at::Tensor>& tail, int64_t block_size, bool parallel,
                          const c10::intrusive_ptr<Range>& range) {
     const int64_t n = range->layers();
-    const auto& norms = range->norms;
     const auto& weights = range->weights;
     const auto& kinds = range->kinds;
     const auto& groups = range->groups;
@@ -190,7 +219,12 @@ at::Tensor decode_layers(const at::Tensor& h_in, const at::Tensor& cos, const at
     const int out_bf = range->bf16_acts ? 1 : 0;
     const auto fopt = h_in.options();
     const auto aopt = fopt.dtype(act);
-    const float e = static_cast<float>(range->eps), scale = 1.0f / std::sqrt(static_cast<float>(D));
+    TORCH_CHECK(cos_local.sizes() == cos.sizes() && ssin_local.sizes() == cos.sizes() && cos_local.is_contiguous() &&
+                ssin_local.is_contiguous() && cos_local.scalar_type() == at::kFloat &&
+                ssin_local.scalar_type() == at::kFloat, "decode_layers: local RoPE rows as cos, ssin");
+    const float e = static_cast<float>(range->eps);
+    const float scale = range->attn_scale > 0 ? static_cast<float>(range->attn_scale)
+                                              : 1.0f / std::sqrt(static_cast<float>(D));
     // buffers written in full by each layer, made once per call (h ping-pongs between two: a
     // layer reads the previous h while it writes the next)
     at::Tensor x = at::empty({T, H}, aopt), x2 = at::empty({T, H}, aopt);
@@ -201,47 +235,57 @@ at::Tensor decode_layers(const at::Tensor& h_in, const at::Tensor& cos, const at
     for (int64_t i = 0; i < n; i++) {
         const at::Tensor& kp = k_pools[i];
         const at::Tensor& vp = v_pools[i];
+        const int64_t* flag = range->flags.data() + FLAGS * i;  // window, local RoPE, activation
+        const at::Tensor& c = flag[1] ? cos_local : cos;
+        const at::Tensor& sn = flag[1] ? ssin_local : ssin;
         auto mm = [&](int64_t j, const at::Tensor& in) {
             return matmul(kinds[4 * i + j], in, weights[8 * i + 2 * j], weights[8 * i + 2 * j + 1], groups[4 * i + j],
                           outs[j]);
         };
         {
             Timed t(NORM);
-            hs_rms_norm(h, norms[2 * i].data_ptr<float>(), T, H, e, x.data_ptr(), out_bf);
+            hs_rms_norm(h, range->norm(i, 0), T, H, e, x.data_ptr(), out_bf);
         }
         const at::Tensor qkv = mm(0, x).contiguous();  // [T, (Hq + 2 Hkv) D]
         {
             Timed t(ROPE_CACHE);
-            hs_rope_write(qkv.data_ptr(), is_bf(qkv), cos.data_ptr<float>(), ssin.data_ptr<float>(),
-                       slots.data_ptr<int64_t>(), T, num_heads, num_kv_heads, D, kp.size(1), kp.data_ptr(),
-                       vp.data_ptr(), is_bf(kp), q.data_ptr<float>());
+            hs_rope_write_qk(qkv.data_ptr(), is_bf(qkv), c.data_ptr<float>(), sn.data_ptr<float>(),
+                             slots.data_ptr<int64_t>(), T, num_heads, num_kv_heads, D, kp.size(1), kp.data_ptr(),
+                             vp.data_ptr(), is_bf(kp), q.data_ptr<float>(), range->norm(i, 2), range->norm(i, 3), e);
         }
         {
             Timed t(ATTENTION);
-            hs_paged_attention(q.data_ptr<float>(), kp.data_ptr(), vp.data_ptr(), is_bf(kp), tables.data_ptr<int32_t>(),
-                            tables.size(1), seq.data_ptr<int32_t>(), lengths.data_ptr<int32_t>(),
-                            tail ? tail_start->data_ptr<int32_t>() : nullptr, tail ? tail->data_ptr<int64_t>() : nullptr,
-                            tail ? tail->size(1) : 0, T, num_heads,
-                            kp.size(0), kp.size(1), D, block_size, scale, att.data_ptr(), out_bf, parallel ? 1 : 0);
+            hs_paged_attention_window(q.data_ptr<float>(), kp.data_ptr(), vp.data_ptr(), is_bf(kp),
+                                      tables.data_ptr<int32_t>(), tables.size(1), seq.data_ptr<int32_t>(),
+                                      lengths.data_ptr<int32_t>(), tail ? tail_start->data_ptr<int32_t>() : nullptr,
+                                      tail ? tail->data_ptr<int64_t>() : nullptr, tail ? tail->size(1) : 0, T,
+                                      num_heads, kp.size(0), kp.size(1), D, block_size, scale, att.data_ptr(), out_bf,
+                                      parallel ? 1 : 0, flag[0]);
         }
         const at::Tensor o = mm(1, att).contiguous();  // [T, H]
         float* h2 = hs[i % 2].data_ptr<float>();
         {
             Timed t(NORM);
-            hs_add_rms_norm(h, o.data_ptr(), is_bf(o), norms[2 * i + 1].data_ptr<float>(), T, H, e, h2, x2.data_ptr(),
-                         out_bf);
+            if (const float* on = range->norm(i, 4))  // h2 = h + norm(o)
+                hs_norm_add_rms_norm(h, o.data_ptr(), is_bf(o), on, range->norm(i, 1), T, H, e, h2, x2.data_ptr(), out_bf);
+            else
+                hs_add_rms_norm(h, o.data_ptr(), is_bf(o), range->norm(i, 1), T, H, e, h2, x2.data_ptr(), out_bf);
         }
         const at::Tensor gu = mm(2, x2).contiguous();  // [T, 2 I]
         const int64_t I = gu.size(1) / 2;
         if (!a.defined() || a.size(1) != I) a = at::empty({T, I}, aopt);
         {
             Timed t(SILU_MUL);
-            hs_silu_mul(gu.data_ptr(), is_bf(gu), T, I, a.data_ptr(), out_bf);
+            (flag[2] == ACT_GELU_TANH ? hs_gelu_tanh_mul : hs_silu_mul)(gu.data_ptr(), is_bf(gu), T, I, a.data_ptr(),
+                                                                        out_bf);
         }
         const at::Tensor down = mm(3, a).contiguous();  // [T, H]
         {
             Timed t(RESIDUAL);
-            hs_add_into(h2, down.data_ptr(), is_bf(down), T, H);  // h2 += down(a)
+            if (const float* mn = range->norm(i, 5))  // h2 += norm(down(a))
+                hs_norm_add_into(h2, down.data_ptr(), is_bf(down), mn, T, H, e);
+            else
+                hs_add_into(h2, down.data_ptr(), is_bf(down), T, H);  // h2 += down(a)
         }
         h = h2;
     }
@@ -250,15 +294,17 @@ at::Tensor decode_layers(const at::Tensor& h_in, const at::Tensor& cos, const at
 
 // What a decoding step needs besides the layers: the token embeddings, the final RMSNorm and the
 // output head (one matmul of the kinds above), held like a Range.
+// embed_scale: the embeddings' factor (Gemma: sqrt(hidden)), each element times it rounded to float32 as
+// DecoderModel.embed multiplies (1: none).
 struct Head : torch::CustomClassHolder {
     at::Tensor embed, norm, weight, params;  // [V, H] float32, [H] float32, the head's weight and parameters
     int64_t kind, group;
-    double eps;
+    double eps, embed_scale;
 
     Head(at::Tensor embed_, at::Tensor norm_, at::Tensor weight_, at::Tensor params_, int64_t kind_, int64_t group_,
-         double eps_)
+         double eps_, double embed_scale_)
         : embed(std::move(embed_)), norm(std::move(norm_)), weight(std::move(weight_)), params(std::move(params_)),
-          kind(kind_), group(group_), eps(eps_) {
+          kind(kind_), group(group_), eps(eps_), embed_scale(embed_scale_) {
         TORCH_CHECK(embed.scalar_type() == at::kFloat && embed.is_contiguous() && embed.dim() == 2 &&
                     norm.scalar_type() == at::kFloat && norm.is_contiguous() && norm.numel() == embed.size(1),
                     "Head: contiguous float32 embeddings [V, H] and norm [H]");
@@ -273,10 +319,13 @@ struct Head : torch::CustomClassHolder {
 // ``cos, ssin [P, D]``, decode_layers, rms_norm, the head's matmul), so the same bits; what it
 // saves is a dozen tensors and calls made per step in Python. Attention shares the threads from
 // ``parallel_min_keys`` keys in all (the B sequences' positions + 1), as layer_op.py decides it.
+// ``cos_local_table, ssin_local_table``: the local RoPE base's tables (the same tensors where the model
+// has no other base).
 at::Tensor decode_step(const std::vector<int64_t>& tokens, const std::vector<int64_t>& positions,
                        const std::vector<int64_t>& tables, int64_t block_size, const at::Tensor& cos_table,
-                       const at::Tensor& ssin_table, int64_t parallel_min_keys, const c10::intrusive_ptr<Range>& range,
-                       const c10::intrusive_ptr<Head>& head) {
+                       const at::Tensor& ssin_table, const at::Tensor& cos_local_table,
+                       const at::Tensor& ssin_local_table, int64_t parallel_min_keys,
+                       const c10::intrusive_ptr<Range>& range, const c10::intrusive_ptr<Head>& head) {
     const int64_t B = static_cast<int64_t>(tokens.size());
     TORCH_CHECK(B > 0 && positions.size() == tokens.size() && tables.size() % B == 0, "decode_step: B tokens, positions");
     const int64_t width = static_cast<int64_t>(tables.size()) / B, V = head->embed.size(0), H = head->embed.size(1);
@@ -285,8 +334,15 @@ at::Tensor decode_step(const std::vector<int64_t>& tokens, const std::vector<int
     TORCH_CHECK(cos_table.is_contiguous() && ssin_table.is_contiguous() && cos_table.scalar_type() == at::kFloat &&
                 ssin_table.sizes() == cos_table.sizes() && ssin_table.scalar_type() == at::kFloat,
                 "decode_step: contiguous float32 RoPE tables [P, D]");
+    const bool local = !cos_local_table.is_same(cos_table);
+    TORCH_CHECK(cos_local_table.is_contiguous() && ssin_local_table.is_contiguous() &&
+                cos_local_table.scalar_type() == at::kFloat && ssin_local_table.scalar_type() == at::kFloat &&
+                cos_local_table.size(1) == D &&
+                ssin_local_table.sizes() == cos_local_table.sizes(), "decode_step: local RoPE tables as the others");
     const auto fopt = head->embed.options();
     at::Tensor h = at::empty({B, H}, fopt), cos = at::empty({B, D}, fopt), ssin = at::empty({B, D}, fopt);
+    at::Tensor cos_l = local ? at::empty({B, D}, fopt) : cos, ssin_l = local ? at::empty({B, D}, fopt) : ssin;
+    const float embed_scale = static_cast<float>(head->embed_scale);
     at::Tensor slots = at::empty({B}, fopt.dtype(at::kLong)), seq = at::empty({B}, fopt.dtype(at::kInt));
     at::Tensor lengths = at::empty({B}, fopt.dtype(at::kInt)), tab = at::empty({B, width}, fopt.dtype(at::kInt));
     const float* emb = head->embed.data_ptr<float>();
@@ -295,9 +351,20 @@ at::Tensor decode_step(const std::vector<int64_t>& tokens, const std::vector<int
         const int64_t tok = tokens[b], pos = positions[b];
         TORCH_CHECK(tok >= 0 && tok < V && pos >= 0 && pos < P && pos / block_size < width,
                     "decode_step: token ", tok, " or position ", pos, " out of range");
-        std::memcpy(h.data_ptr<float>() + b * H, emb + tok * H, H * sizeof(float));
+        if (head->embed_scale != 1.0) {
+            float* hb = h.data_ptr<float>() + b * H;
+            const float* eb = emb + tok * H;
+            for (int64_t j = 0; j < H; j++) hb[j] = eb[j] * embed_scale;
+        } else {
+            std::memcpy(h.data_ptr<float>() + b * H, emb + tok * H, H * sizeof(float));
+        }
         std::memcpy(cos.data_ptr<float>() + b * D, cos_table.data_ptr<float>() + pos * D, D * sizeof(float));
         std::memcpy(ssin.data_ptr<float>() + b * D, ssin_table.data_ptr<float>() + pos * D, D * sizeof(float));
+        if (local) {
+            TORCH_CHECK(pos < cos_local_table.size(0), "decode_step: position ", pos, " past the local RoPE table");
+            std::memcpy(cos_l.data_ptr<float>() + b * D, cos_local_table.data_ptr<float>() + pos * D, D * sizeof(float));
+            std::memcpy(ssin_l.data_ptr<float>() + b * D, ssin_local_table.data_ptr<float>() + pos * D, D * sizeof(float));
+        }
         for (int64_t j = 0; j < width; j++) tp[b * width + j] = static_cast<int32_t>(tables[b * width + j]);
         slots.data_ptr<int64_t>()[b] = tables[b * width + pos / block_size] * block_size + pos % block_size;
         // a row that goes on the row before it (the same table, the next position: a verification
@@ -311,8 +378,8 @@ at::Tensor decode_step(const std::vector<int64_t>& tokens, const std::vector<int
     int64_t keys = B;
     for (const int64_t p : positions) keys += p;
     setup.reset();
-    const at::Tensor out = decode_layers(h, cos, ssin, slots, tab, seq, lengths, std::nullopt, std::nullopt, block_size, keys >= parallel_min_keys,
-                                         range);
+    const at::Tensor out = decode_layers(h, cos, ssin, cos_l, ssin_l, slots, tab, seq, lengths, std::nullopt, std::nullopt,
+                                         block_size, keys >= parallel_min_keys, range);
     at::Tensor x = at::empty({B, H}, fopt), logits;
     {
         Timed t(NORM);
@@ -372,6 +439,7 @@ bool ngram_recurs(const std::vector<int64_t>& text, int64_t n) {
 // DecodeContext.uniforms): the token sampler.choose gives with the same logits and number.
 at::Tensor decode_steps(std::vector<int64_t> tokens, std::vector<int64_t> positions, const std::vector<int64_t>& tables,
                         int64_t block_size, const at::Tensor& cos_table, const at::Tensor& ssin_table,
+                        const at::Tensor& cos_local_table, const at::Tensor& ssin_local_table,
                         int64_t steps, const std::vector<int64_t>& eos, const std::vector<int64_t>& history,
                         const std::vector<int64_t>& history_ends, const std::vector<int64_t>& stop_ngram,
                         const std::vector<double>& temperature, const std::vector<int64_t>& top_k,
@@ -404,7 +472,8 @@ at::Tensor decode_steps(std::vector<int64_t> tokens, std::vector<int64_t> positi
     int64_t s = 0;
     while (s < steps) {
         const at::Tensor logits = decode_step(tokens, positions, tables, block_size, cos_table, ssin_table,
-                                              parallel_min_keys, range, head);  // [B, V]
+                                              cos_local_table, ssin_local_table, parallel_min_keys, range,
+                                              head);  // [B, V]
         const int64_t V = logits.size(1);
         const float* lp = logits.data_ptr<float>();
         bool all_ended = true;
@@ -439,19 +508,20 @@ at::Tensor decode_steps(std::vector<int64_t> tokens, std::vector<int64_t> positi
 TORCH_LIBRARY(hispec_fused, m) {
     m.class_<Range>("Range").def(torch::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
                                              std::vector<at::Tensor>, std::vector<int64_t>, std::vector<int64_t>,
-                                             int64_t, int64_t, double, bool>());
-    m.class_<Head>("Head").def(torch::init<at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t, int64_t, double>());
+                                             std::vector<int64_t>, int64_t, int64_t, double, double, bool>());
+    m.class_<Head>("Head").def(
+        torch::init<at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t, int64_t, double, double>());
     m.def("profile(bool on) -> (float[], int[])", profile);
-    m.def("decode_layers(Tensor h, Tensor cos, Tensor ssin, Tensor slots, Tensor tables, Tensor seq, Tensor lengths, "
+    m.def("decode_layers(Tensor h, Tensor cos, Tensor ssin, Tensor cos_local, Tensor ssin_local, Tensor slots, Tensor tables, Tensor seq, Tensor lengths, "
           "Tensor? tail_start, Tensor? tail, int block_size, bool parallel, "
           "__torch__.torch.classes.hispec_fused.Range range) -> Tensor",
           decode_layers);
     m.def("decode_step(int[] tokens, int[] positions, int[] tables, int block_size, Tensor cos, Tensor ssin, "
-          "int parallel_min_keys, __torch__.torch.classes.hispec_fused.Range range, "
+          "Tensor cos_local, Tensor ssin_local, int parallel_min_keys, __torch__.torch.classes.hispec_fused.Range range, "
           "__torch__.torch.classes.hispec_fused.Head head) -> Tensor",
           decode_step);
     m.def("decode_steps(int[] tokens, int[] positions, int[] tables, int block_size, Tensor cos, Tensor ssin, "
-          "int steps, int[] eos, int[] history, int[] history_ends, int[] stop_ngram, float[] temperature, "
+          "Tensor cos_local, Tensor ssin_local, int steps, int[] eos, int[] history, int[] history_ends, int[] stop_ngram, float[] temperature, "
           "int[] top_k, float[] top_p, Tensor? uniforms, int parallel_min_keys, "
           "__torch__.torch.classes.hispec_fused.Range range, "
           "__torch__.torch.classes.hispec_fused.Head head) -> Tensor",

@@ -41,15 +41,27 @@ void hs_rms_norm(const float *x, const float *w, int64_t T, int64_t D, float eps
 /* h_out = h + delta (delta float32 or bfloat16); out = rms_norm(h_out) * w. All [T, D]. */
 void hs_add_rms_norm(const float *h, const void *delta, int delta_bf, const float *w, int64_t T, int64_t D,
                      float eps, float *h_out, void *out, int out_bf);
+/* hs_add_rms_norm with delta normed first: h_out = h + rms_norm(delta) * dw (Gemma 3's sandwich norms) */
+void hs_norm_add_rms_norm(const float *h, const void *delta, int delta_bf, const float *dw, const float *w, int64_t T,
+                          int64_t D, float eps, float *h_out, void *out, int out_bf);
 /* h[T, D] += delta[T, D] (delta float32 or bfloat16, widened exactly): the residual after the MLP */
 void hs_add_into(float *h, const void *delta, int delta_bf, int64_t T, int64_t D);
+/* h[T, D] += rms_norm(delta) * dw (Gemma 3's norm of the MLP's output before its residual add) */
+void hs_norm_add_into(float *h, const void *delta, int delta_bf, const float *dw, int64_t T, int64_t D, float eps);
 /* out[T, I] = silu(gate) * up for gate_up[T, 2I] = [gate | up] */
 void hs_silu_mul(const void *gu, int in_bf, int64_t T, int64_t I, void *out, int out_bf);
+/* out[T, I] = gelu_tanh(gate) * up (GeGLU; gelu with the tanh approximation) */
+void hs_gelu_tanh_mul(const void *gu, int in_bf, int64_t T, int64_t I, void *out, int out_bf);
 /* RoPE on q and k of qkv[T, (Hq + 2 Hkv) * D]; K/V written at slots[T] of the pools [Hkv, S, D];
  * rotated queries to q_out[T, Hq, D] (NULL: K/V only) */
 void hs_rope_write(const void *qkv, int in_bf, const float *cos_, const float *ssin, const int64_t *slots,
                    int64_t T, int64_t Hq, int64_t Hkv, int64_t D, int64_t S, void *kpool, void *vpool, int kv_bf,
                    float *q_out);
+/* hs_rope_write with QK-norm: each query head RMSNormed by q_norm[D], each key head by k_norm[D]
+ * (NULL: not normed) before RoPE */
+void hs_rope_write_qk(const void *qkv, int in_bf, const float *cos_, const float *ssin, const int64_t *slots,
+                      int64_t T, int64_t Hq, int64_t Hkv, int64_t D, int64_t S, void *kpool, void *vpool, int kv_bf,
+                      float *q_out, const float *q_norm, const float *k_norm, float eps);
 
 /* ---- attention.c ---- */
 /* q[T, Hq, D] over the pools [Hkv, S, D] through block tables[B, max_blocks]: token t of sequence
@@ -59,6 +71,13 @@ void hs_paged_attention(const float *q, const void *kpool, const void *vpool, in
                         int64_t max_blocks, const int32_t *seq, const int32_t *len, const int32_t *tail_start,
                         const int64_t *tail, int64_t tail_width, int64_t T, int64_t Hq, int64_t Hkv, int64_t S,
                         int64_t D, int64_t bs, float scale, void *out, int out_bf, int parallel);
+/* hs_paged_attention over a sliding window: a token at position p (len[t] = p + 1) sees only the keys
+ * at positions > p - window (window 0: all) */
+void hs_paged_attention_window(const float *q, const void *kpool, const void *vpool, int kv_bf,
+                               const int32_t *tables, int64_t max_blocks, const int32_t *seq, const int32_t *len,
+                               const int32_t *tail_start, const int64_t *tail, int64_t tail_width, int64_t T,
+                               int64_t Hq, int64_t Hkv, int64_t S, int64_t D, int64_t bs, float scale, void *out,
+                               int out_bf, int parallel, int64_t window);
 /* 1 where attention over a bfloat16 pool takes bfloat16 products (head sizes 64, 128; a build with
  * AVX512_BF16), else 0 (float32 products on the values it holds) */
 int hs_attention_bf16_products(void);

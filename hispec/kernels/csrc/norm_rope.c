@@ -42,16 +42,28 @@ static inline void add_row(float *out, const float *h, const void *delta, int de
     }
 }
 
-/* h_out = h + delta (delta float32 or bfloat16); out = rms_norm(h_out) * w. All [T, D]. */
-typedef struct { const float *h; const void *delta; int delta_bf; const float *w; int64_t D; float eps; float *h_out;
-                 void *out; int out_bf; } add_rms_args;
+/* h_out = h + delta (delta float32 or bfloat16; with dw: h + rms_norm(delta) * dw, the norm of delta
+ * widened to float32 first, as Gemma 3's norms of the attention's output); out = rms_norm(h_out) * w.
+ * All [T, D]. */
+typedef struct { const float *h; const void *delta; int delta_bf; const float *dw, *w; int64_t D; float eps;
+                 float *h_out; void *out; int out_bf; } add_rms_args;
+
+/* y = delta's row t, normed by dw (rms_row on it widened to float32), for add_row to add. */
+static inline const float *normed_delta(const void *delta, int delta_bf, const float *dw, int64_t t, int64_t D,
+                                        float eps, float *y) {
+    load_row(delta, delta_bf, t * D, D, y);
+    rms_row(y, dw, D, eps, y);
+    return y;
+}
 
 static void add_rms_rows(void *ctx, int64_t t0, int64_t t1) {
     const add_rms_args *a = ctx;
     const int64_t D = a->D;
-    float *y = malloc((size_t)D * sizeof(float));
+    float *y = malloc((size_t)(2 * D) * sizeof(float)), *nd = y + D;
     for (int64_t t = t0; t < t1; t++) {
-        add_row(a->h_out + t * D, a->h + t * D, a->delta, a->delta_bf, t * D, D);
+        if (a->dw) add_row(a->h_out + t * D, a->h + t * D, normed_delta(a->delta, a->delta_bf, a->dw, t, D, a->eps, nd),
+                           0, 0, D);
+        else add_row(a->h_out + t * D, a->h + t * D, a->delta, a->delta_bf, t * D, D);
         rms_row(a->h_out + t * D, a->w, D, a->eps, y);
         store_row(a->out, a->out_bf, t * D, D, y);
     }
@@ -60,22 +72,41 @@ static void add_rms_rows(void *ctx, int64_t t0, int64_t t1) {
 
 void hs_add_rms_norm(const float *h, const void *delta, int delta_bf, const float *w, int64_t T, int64_t D,
                      float eps, float *h_out, void *out, int out_bf) {
-    add_rms_args a = {h, delta, delta_bf, w, D, eps, h_out, out, out_bf};
+    add_rms_args a = {h, delta, delta_bf, NULL, w, D, eps, h_out, out, out_bf};
+    for_rows(T, ROWS_PARALLEL_MIN, add_rms_rows, &a);
+}
+
+void hs_norm_add_rms_norm(const float *h, const void *delta, int delta_bf, const float *dw, const float *w, int64_t T,
+                          int64_t D, float eps, float *h_out, void *out, int out_bf) {
+    add_rms_args a = {h, delta, delta_bf, dw, w, D, eps, h_out, out, out_bf};
     for_rows(T, ROWS_PARALLEL_MIN, add_rms_rows, &a);
 }
 
 /* h[T, D] += delta[T, D], float32 adds as ATen's (its multiply-add by alpha = 1 is exact); rows
  * shared by the threads from ROWS_PARALLEL_MIN (a prompt chunk's residual on one thread, in the C++
  * op unvectorized, took ~80 us a layer of a 256-row chunk). */
-typedef struct { float *h; const void *delta; int delta_bf; int64_t D; } add_args;
+typedef struct { float *h; const void *delta; int delta_bf; const float *dw; int64_t D; float eps; } add_args;
 
 static void add_rows(void *ctx, int64_t t0, int64_t t1) {
     const add_args *a = ctx;
+    if (a->dw) {  /* h += rms_norm(delta) * dw */
+        float *nd = malloc((size_t)a->D * sizeof(float));
+        for (int64_t t = t0; t < t1; t++)
+            add_row(a->h + t * a->D, a->h + t * a->D, normed_delta(a->delta, a->delta_bf, a->dw, t, a->D, a->eps, nd),
+                    0, 0, a->D);
+        free(nd);
+        return;
+    }
     for (int64_t t = t0; t < t1; t++) add_row(a->h + t * a->D, a->h + t * a->D, a->delta, a->delta_bf, t * a->D, a->D);
 }
 
 void hs_add_into(float *h, const void *delta, int delta_bf, int64_t T, int64_t D) {
-    add_args a = {h, delta, delta_bf, D};
+    add_args a = {h, delta, delta_bf, NULL, D, 0.0f};
+    for_rows(T, ROWS_PARALLEL_MIN, add_rows, &a);
+}
+
+void hs_norm_add_into(float *h, const void *delta, int delta_bf, const float *dw, int64_t T, int64_t D, float eps) {
+    add_args a = {h, delta, delta_bf, dw, D, eps};
     for_rows(T, ROWS_PARALLEL_MIN, add_rows, &a);
 }
 
@@ -83,7 +114,12 @@ void hs_add_into(float *h, const void *delta, int delta_bf, int64_t T, int64_t D
  * SILU_PARALLEL_MIN outputs: one token's (SmolLM2: 1,536) are too few to pay for the hand-over, a
  * verification pass's 3-8 took 0.14-0.33 ms of a step on one thread and 0.11-0.22 on two. */
 #define SILU_PARALLEL_MIN (1 << 12)
-typedef struct { const void *gu; int in_bf; int64_t I; void *out; int out_bf; } silu_args;
+typedef struct { const void *gu; int in_bf; int64_t I; void *out; int out_bf; int gelu; } silu_args;
+
+/* gelu with the tanh approximation, 0.5 x (1 + tanh(u)), u = sqrt(2 / pi) (x + 0.044715 x^3), as
+ * x / (1 + exp(-2u)) (0.5 (1 + tanh(u)) = sigmoid(2u)): silu's form with -2u in the exponent. */
+#define GELU_C0 1.5957691216057308f /* 2 sqrt(2 / pi) */
+#define GELU_C1 0.044715f
 
 static void silu_rows(void *ctx, int64_t t0, int64_t t1) {
     const silu_args *a = ctx;
@@ -92,6 +128,27 @@ static void silu_rows(void *ctx, int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; t++) {
         load_row(a->gu, a->in_bf, t * 2 * I, 2 * I, g);
         int64_t i = 0;
+        if (a->gelu) {  /* the same operations lane by lane, whatever the width */
+#if defined(__AVX512F__)
+            for (; i + 16 <= I; i += 16) {
+                v16 x, u;
+                memcpy(&x, g + i, sizeof x);
+                memcpy(&u, g + I + i, sizeof u);
+                x = x / (1.0f + fast_exp16(-(GELU_C0 * (x + GELU_C1 * (x * x * x))))) * u;
+                memcpy(g + i, &x, sizeof x);
+            }
+#endif
+            for (; i + 8 <= I; i += 8) {
+                v8 x = load8(g + i), y = x / (1.0f + fast_exp8(-(GELU_C0 * (x + GELU_C1 * (x * x * x))))) * load8(g + I + i);
+                memcpy(g + i, &y, sizeof y);
+            }
+            for (; i < I; i++) {
+                const float x = g[i];
+                g[i] = x / (1.0f + fast_exp(-(GELU_C0 * (x + GELU_C1 * (x * x * x))))) * g[I + i];
+            }
+            store_row(a->out, a->out_bf, t * I, I, g);
+            continue;
+        }
 #if defined(__AVX512F__)  /* the scalar line below, 16 lanes at a time (the same operations lane by lane) */
         for (; i + 16 <= I; i += 16) {
             v16 x, u;
@@ -112,8 +169,13 @@ static void silu_rows(void *ctx, int64_t t0, int64_t t1) {
 }
 
 void hs_silu_mul(const void *gu, int in_bf, int64_t T, int64_t I, void *out, int out_bf) {
-    silu_args a = {gu, in_bf, I, out, out_bf};
+    silu_args a = {gu, in_bf, I, out, out_bf, 0};
     for_rows(T, (SILU_PARALLEL_MIN + I - 1) / I, silu_rows, &a);  /* T * I >= SILU_PARALLEL_MIN */
+}
+
+void hs_gelu_tanh_mul(const void *gu, int in_bf, int64_t T, int64_t I, void *out, int out_bf) {
+    silu_args a = {gu, in_bf, I, out, out_bf, 1};
+    for_rows(T, (SILU_PARALLEL_MIN + I - 1) / I, silu_rows, &a);
 }
 
 /* A KV pool is [Hkv, S, D] per layer (S slots): each KV head's rows in slot order, so that a
@@ -127,7 +189,7 @@ static inline int64_t kv_offset(int64_t slot, int64_t h, int64_t S, int64_t D) {
  * PyTorch casts) at slots[T], and the rotated queries to q_out[T, Hq, D] (float32; q_out
  * may be NULL to write K/V only). */
 typedef struct { const void *qkv; int in_bf; const float *cos_, *ssin; const int64_t *slots; int64_t Hq, Hkv, D, S;
-                 void *kpool, *vpool; int kv_bf; float *q_out; } rope_args;
+                 void *kpool, *vpool; int kv_bf; float *q_out; const float *q_norm, *k_norm; float eps; } rope_args;
 
 static void rope_rows(void *ctx, int64_t t0, int64_t t1) {
     const rope_args *a = ctx;
@@ -137,7 +199,9 @@ static void rope_rows(void *ctx, int64_t t0, int64_t t1) {
         load_row(a->qkv, a->in_bf, t * width, width, row);
         const float *c = a->cos_ + t * D, *s = a->ssin + t * D;
         for (int64_t h = a->q_out ? 0 : Hq; h < Hq + Hkv; h++) {
-            const float *x = row + h * D;
+            float *x = row + h * D;
+            const float *norm = h < Hq ? a->q_norm : a->k_norm;
+            if (norm) rms_row(x, norm, D, a->eps, x);  /* QK-norm: the head's RMSNorm, before RoPE */
             float *dst = h < Hq ? a->q_out + (t * Hq + h) * D : key;
             for (int64_t i = 0; i < half; i++) {
                 dst[i] = x[i] * c[i] + x[i + half] * s[i];
@@ -154,6 +218,15 @@ static void rope_rows(void *ctx, int64_t t0, int64_t t1) {
 void hs_rope_write(const void *qkv, int in_bf, const float *cos_, const float *ssin, const int64_t *slots,
                    int64_t T, int64_t Hq, int64_t Hkv, int64_t D, int64_t S, void *kpool, void *vpool, int kv_bf,
                    float *q_out) {
-    rope_args a = {qkv, in_bf, cos_, ssin, slots, Hq, Hkv, D, S, kpool, vpool, kv_bf, q_out};
+    rope_args a = {qkv, in_bf, cos_, ssin, slots, Hq, Hkv, D, S, kpool, vpool, kv_bf, q_out, NULL, NULL, 0.0f};
+    for_rows(T, ROWS_PARALLEL_MIN, rope_rows, &a);
+}
+
+/* hs_rope_write with each query head normed by q_norm[D] and each key head by k_norm[D] first
+ * (RMSNorm, eps; NULL: not normed), as Qwen3 and Gemma 3 do. */
+void hs_rope_write_qk(const void *qkv, int in_bf, const float *cos_, const float *ssin, const int64_t *slots,
+                      int64_t T, int64_t Hq, int64_t Hkv, int64_t D, int64_t S, void *kpool, void *vpool, int kv_bf,
+                      float *q_out, const float *q_norm, const float *k_norm, float eps) {
+    rope_args a = {qkv, in_bf, cos_, ssin, slots, Hq, Hkv, D, S, kpool, vpool, kv_bf, q_out, q_norm, k_norm, eps};
     for_rows(T, ROWS_PARALLEL_MIN, rope_rows, &a);
 }
