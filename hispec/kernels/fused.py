@@ -177,12 +177,17 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
 
 def q8_matmul(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     """``x [T, K]`` (float32 or bfloat16) times the transpose of the GGUF Q8_0 weight
-    ``W = d * q`` (``q [N, K]`` int8, ``d [N, K / 32]`` float32) -> ``[T, N]`` float32, each
-    output computed alone (the same for any T); the threads share W's rows."""
+    ``W = d * q`` (``q [N, K]`` int8, ``d [N, K / 32]`` float32, or ``[N, K / 16]``: a scale per 16
+    values, GGUF Q6_K's) -> ``[T, N]`` float32, each output computed alone (the same for any T); the
+    threads share W's rows."""
     x, q, d = _check(x, F32, BF16), _check(q, torch.int8), _check(d, F32)
     t, k = x.shape
     out = torch.empty((t, q.shape[0]), dtype=F32)
-    library().hs_q8_matmul(q.data_ptr(), d.data_ptr(), x.data_ptr(), _bf(x), t, q.shape[0], k, out.data_ptr(), 1)
+    group = k // d.shape[1]
+    if group not in (16, 32) or d.shape[0] != q.shape[0] or q.shape[1] != k:
+        raise ValueError(f"q8_matmul: d {tuple(d.shape)} must be [N, K / 32] or [N, K / 16] for q {tuple(q.shape)}")
+    library().hs_q8_group_matmul(q.data_ptr(), d.data_ptr(), group, x.data_ptr(), _bf(x), t, q.shape[0], k,
+                                 out.data_ptr(), 1)
     return out
 
 

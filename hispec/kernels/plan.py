@@ -53,7 +53,8 @@ def matmul_plan(m: nn.Module | None, act_dtype: torch.dtype | None, prefill: boo
             panels = prefill and not quant.q8a_prefills_on_rows()  # as QuantLinear.prefill_mm
             return m.qweight, m.qparams, layer_op.MM_Q8A4_PANELS if panels else layer_op.MM_Q8A4, m.group
         if m.kernel in Q8_STORAGE and act_dtype in (None, torch.float32):
-            return m.qweight, m.qparams, layer_op.MM_Q8 if m.kernel == "q8" else layer_op.MM_Q8A8, 0
+            # group: 32, or 16 (a scale per 16 values: GGUF Q6_K)
+            return m.qweight, m.qparams, layer_op.MM_Q8 if m.kernel == "q8" else layer_op.MM_Q8A8, m.group
         return None
     if (type(m) is Linear and m.bias is None and m.weight.dtype == torch.float32 and m.weight.is_contiguous()
             and act_dtype in (None, torch.float32)):

@@ -7,6 +7,11 @@ formats' offset ``m``), then multiplied with integer dot products by weights as 
 - 4-bit (GGUF Q4_0, Q4_1, ``--quantize int4``): ``qs [N, K / 2]`` uint8 nibbles as in the file,
   ``dm [2, N, K / 32]`` (``d``, ``m``): ``W = d * q + m`` (Q4_0: ``m = -8 d``).
 - 8-bit (GGUF Q8_0): ``q [N, K]`` int8, ``d [N, K / 32]``: ``W = d * q``.
+- 8-bit, group 16 (GGUF Q6_K, ``gguf_weights``): ``q [N, K]`` int8, ``d [N, K / 16]``: a scale per 16
+  values. The activations stay in blocks of 32; each block's integer dot product is taken as two
+  halves of 16, each times its own weight scale, the low half first:
+  ``acc = fma(idot_lo, d_lo * dx, acc)``, ``acc = fma(idot_hi, d_hi * dx, acc)`` (VNNI's ``-128 * sx``
+  correction of the 8-bit codes then uses each half's code sum, taken by the kernel from the codes).
 
 The kernels read these **tiled** (:func:`tile4`, :func:`tile8`, once at load; :func:`untile4`,
 :func:`untile8` give the rows back): the same bytes and shapes, reordered so that per tile of 16
@@ -62,10 +67,10 @@ def _isa_ids() -> dict[str, int]:
 
 
 @functools.lru_cache(maxsize=1)
-def _formats() -> tuple[int, int]:
-    """The header's ``HS_Q8A_Q4``, ``HS_Q8A_Q8``."""
+def _formats() -> tuple[int, int, int]:
+    """The header's ``HS_Q8A_Q4``, ``HS_Q8A_Q8``, ``HS_Q8A_Q8G16``."""
     enum = binding.enum("hs_q8a_format")
-    return enum["HS_Q8A_Q4"], enum["HS_Q8A_Q8"]
+    return enum["HS_Q8A_Q4"], enum["HS_Q8A_Q8"], enum["HS_Q8A_Q8G16"]
 
 
 def library():
@@ -191,15 +196,24 @@ def _q4_weight(qs: torch.Tensor, dm: torch.Tensor,
     return _need(qs, "qs", torch.uint8, (n, k // 2)), _need(dm, "dm", dtype, (2, n, k // BLOCK)), n, k
 
 
+GROUPS = (32, 16)  # the 8-bit form's scale groups (16: GGUF Q6_K)
+
+
 def _q8_weight(q: torch.Tensor, d: torch.Tensor,
                dtype: torch.dtype = torch.float16) -> tuple[torch.Tensor, torch.Tensor, int, int]:
-    """(q, d, N, K) checked: ``q [N, K]`` int8, ``d [N, K / 32]`` of ``dtype``."""
+    """(q, d, N, K) checked: ``q [N, K]`` int8, ``d [N, K / group]`` of ``dtype``, group 32 or 16."""
     if not isinstance(q, torch.Tensor) or q.dim() != 2:
         raise TypeError(f"q8act: q must be a 2-D tensor [N, K], got {getattr(q, 'shape', type(q).__name__)}")
     n, k = q.shape
     if k % BLOCK:
         raise ValueError(f"q8act: K = {k} must be a multiple of {BLOCK}")
-    return _need(q, "q", torch.int8, (n, k)), _need(d, "d", dtype, (n, k // BLOCK)), n, k
+    group = 16 if isinstance(d, torch.Tensor) and d.dim() == 2 and d.shape[1] == k // 16 else BLOCK
+    return _need(q, "q", torch.int8, (n, k)), _need(d, "d", dtype, (n, k // group)), n, k
+
+
+def _q8_format(d: torch.Tensor, k: int) -> int:
+    """The 8-bit format of checked scales ``d``: ``HS_Q8A_Q8G16`` for ``[N, K / 16]``, else ``HS_Q8A_Q8``."""
+    return _formats()[2] if d.shape[1] == k // 16 else _formats()[1]
 
 
 def _tile(fmt: int, w: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, n: int, k: int,
@@ -226,17 +240,18 @@ def untile4(qs: torch.Tensor, dm: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
 
 
 def tile8(q: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A Q8_0 weight (``q [N, K]``, ``d [N, K / 32]`` float) in the kernels' tiled layout, ``d`` in
-    float16 (as :func:`tile4`)."""
+    """An 8-bit weight (``q [N, K]``, ``d [N, K / 32]`` float, or ``[N, K / 16]``: group 16) in the
+    kernels' tiled layout, ``d`` in float16 (as :func:`tile4`; a group-16 tile's scales lie as
+    ``K / 16`` blocks of scales of its 16 columns)."""
     q, d, n, k = _q8_weight(q, d.to(torch.float16))
-    w, d, _ = _tile(_formats()[1], q, d, None, n, k, False)
+    w, d, _ = _tile(_q8_format(d, k), q, d, None, n, k, False)
     return w, d
 
 
 def untile8(q: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`tile8`'s output back in row order, ``d`` widened to float32."""
     q, d, n, k = _q8_weight(q, d)
-    w, d, _ = _tile(_formats()[1], q, d, None, n, k, True)
+    w, d, _ = _tile(_q8_format(d, k), q, d, None, n, k, True)
     return w, d.float()
 
 
@@ -264,7 +279,8 @@ def q4_panel_matmul(x: torch.Tensor, qs: torch.Tensor, dm: torch.Tensor) -> torc
 
 
 def q8_matmul(x: torch.Tensor | QActs, q: torch.Tensor, d: torch.Tensor, isa: str | None = None) -> torch.Tensor:
-    """``x [T, K]`` (float32, or already :func:`quantize`-d) times the transpose of a Q8_0 weight
-    ``W = d * q`` (``q [N, K]`` int8, ``d [N, K / 32]`` float16, both tiled: :func:`tile8`) -> ``[T, N]`` float32."""
+    """``x [T, K]`` (float32, or already :func:`quantize`-d) times the transpose of an 8-bit weight
+    ``W = d * q`` (``q [N, K]`` int8, ``d [N, K / 32]`` float16, or ``[N, K / 16]``: a scale per 16
+    values, both tiled: :func:`tile8`) -> ``[T, N]`` float32."""
     q, d, n, k = _q8_weight(q, d)
-    return _matmul(_formats()[1], q, d.data_ptr(), None, x, n, k, isa)
+    return _matmul(_q8_format(d, k), q, d.data_ptr(), None, x, n, k, isa)

@@ -33,7 +33,9 @@ kernels), both on a GGUF file's blocks as stored, with float32 activations:
   ``HISPEC_Q4_KERNEL=q8a`` asks for it anywhere. With it the Q8_0 output head runs on 8-bit
   activations too (``q8a8``, tiled too). Prompt chunks run as ``q4``'s (the same panels).
 - ``q8``: a GGUF Q8_0 weight ``W[n, k] = d[n, k / 32] * q[n, k]`` as stored in the file, times
-  float32 activations. It runs the default model's output head (49,152 x 576) in ~1.7 ms per
+  float32 activations; also with a scale per 16 values, ``d[n, k / 16]`` (GGUF Q6_K, exactly:
+  ``gguf_weights``), each block's two halves summed apart and multiplied by their own scales (``q8a8``
+  likewise, ``q8act.py``). It runs the default model's output head (49,152 x 576) in ~1.7 ms per
   token instead of ~2.8 ms for the same values as two int4 halves (``int4x2``, used where no C
   compiler is found), and uses the file's exact scales and unrounded activations.
 
@@ -173,7 +175,9 @@ class QuantLinear(nn.Module):
 
     @classmethod
     def from_q8_blocks(cls, q: torch.Tensor, d: torch.Tensor, source: str = "Q8_0", kernel: str = "auto") -> "QuantLinear":
-        """GGUF Q8_0 blocks ``w = d * q`` (``q [N, K]`` int8, ``d [N, K / 32]`` float16).
+        """GGUF Q8_0 blocks ``w = d * q`` (``q [N, K]`` int8, ``d [N, K / 32]`` float16), or the
+        "8-bit form, group 16" (``d [N, K / 16]``: a scale per 16 values, GGUF Q6_K's; ``q8`` and
+        ``q8a8`` only: PyTorch's int4 kernel has no group of 16, ValueError).
 
         ``kernel="q8"``: the blocks as they are, on the ``q8`` kernel (float32 activations);
         ``"q8a8"``: the same blocks on 8-bit activations (``q8act.py``). ``"int4x2"``: two int4
@@ -184,6 +188,10 @@ class QuantLinear(nn.Module):
         group = k // d.shape[1]
         if kernel == "auto":
             kernel = eight_bit_kernel()
+        if group not in (16, 32) or d.shape[0] != n:
+            raise ValueError(f"8-bit blocks: d {tuple(d.shape)} must be [N, K / 32] or [N, K / 16] for q {tuple(q.shape)}")
+        if group == 16 and kernel not in Q8_STORAGE:
+            raise ValueError(f"8-bit blocks with a scale per 16 values run on {' or '.join(Q8_STORAGE)}, not {kernel}")
         if kernel in Q8_STORAGE:
             q8, d8 = q.to(torch.int8).contiguous(), d.float().contiguous()
             if kernel == "q8a8":  # its kernels read the blocks tiled, scales in float16

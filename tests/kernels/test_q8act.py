@@ -100,12 +100,14 @@ def activations(t: int, k: int, gen: torch.Generator) -> torch.Tensor:
 def run(kind: str, x, w, isa: str):
     """The kernel on the weights ``w`` (as :func:`weights` gives them, in row order), tiled first as
     QuantLinear stores them."""
-    if kind == "Q8_0":
+    if kind in ("Q8_0", "Q8_G16"):
         return q8act.q8_matmul(x, *q8act.tile8(w[0], w[1]), isa=isa)
     return q8act.q4_matmul(x, *q8act.tile4(w[1], w[2]), isa=isa)
 
 
 def weights(kind: str, n: int, k: int, gen: torch.Generator):
+    if kind == "Q8_G16":
+        return eight_bit_g16(n, k, gen)
     return eight_bit(n, k, gen) if kind == "Q8_0" else four_bit(n, k, kind, gen)
 
 
@@ -114,6 +116,8 @@ def reference(kind: str, x: torch.Tensor, w) -> np.ndarray:
     exactly, int4's rounded to nearest)."""
     def kept(t: torch.Tensor) -> np.ndarray:
         return t.half().float().numpy()
+    if kind == "Q8_G16":
+        return matmul_ref_g16(w[0].numpy(), kept(w[1]), x.numpy())
     if kind == "Q8_0":
         return matmul_ref(w[0].numpy(), kept(w[1]), None, x.numpy())
     return matmul_ref(w[0].numpy(), kept(w[2][0]), kept(w[2][1]), x.numpy())
@@ -411,3 +415,123 @@ def test_prompt_chunks_on_tiled_weights_take_the_q4_panels():
     got = q8act.q4_panel_matmul(x, *q8act.tile4(qs, dm))
     assert torch.equal(got, fused.q4_matmul(x, qs, dm, panels=True))
 
+
+
+# ---- the 8-bit form with a scale per 16 values (GGUF Q6_K: gguf_weights) ------------------------------
+def eight_bit_g16(n: int, k: int, gen: torch.Generator):
+    """``q [N, K]`` int8 (Q6_K's -32..31 and the full range, half the rows each) and ``d [N, K / 16]``."""
+    q = torch.randint(-128, 128, (n, k), generator=gen)
+    q[: n // 2] = q[: n // 2].remainder(64) - 32
+    d = ((torch.rand((n, k // 16), generator=gen) - 0.3) * 0.01).half().float()  # some negative: Q6_K's int8 scales
+    return q.to(torch.int8), d
+
+
+def matmul_ref_g16(q: np.ndarray, d: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """Per block of 32 activations, two exact int32 sums of 16 products, each with its own weight
+    scale, the low half first: ``acc = fma(idot_lo, d_lo * dx, acc)``, ``acc = fma(idot_hi, d_hi * dx, acc)``."""
+    codes, dx, _, _ = quantize_ref(x)
+    t, k = codes.shape
+    n, nh = q.shape[0], k // 16
+    idot = np.einsum("thj,nhj->tnh", codes.reshape(t, nh, 16).astype(np.int64), q.reshape(n, nh, 16).astype(np.int64))
+    acc = np.zeros((t, n), F32)
+    for h in range(nh):
+        c = (d[None, :, h] * dx[:, None, h // 2]).astype(F32)
+        acc = fma32(idot[:, :, h].astype(F32), c, acc)
+    return acc
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_group16_exact_against_reference(isa, n, k):
+    gen = torch.Generator().manual_seed(n * 1000 + k + 16)
+    w = weights("Q8_G16", n, k, gen)
+    x = activations(19, k, gen)
+    y = run("Q8_G16", x, w, isa)
+    assert y.shape == (19, n)
+    assert np.array_equal(y.numpy(), reference("Q8_G16", x, w))
+
+
+def test_group16_rows_independent_paths_agree_quantized_input_too():
+    """Rows 1..19 in one call equal each row alone, bit for bit, on every path; the paths agree; float
+    rows give the bits of rows quantized first."""
+    gen = torch.Generator().manual_seed(17)
+    n, k = 53, 128
+    w = weights("Q8_G16", n, k, gen)
+    x = activations(19, k, gen)
+    first = None
+    for isa in ISAS:
+        alone = torch.cat([run("Q8_G16", x[i:i + 1], w, isa) for i in range(19)])
+        for t in range(1, 20):
+            assert torch.equal(run("Q8_G16", x[:t], w, isa), alone[:t]), (isa, t)
+        assert torch.equal(run("Q8_G16", q8act.quantize(x), w, isa), alone), isa
+        if first is not None:
+            assert torch.equal(alone, first), isa
+        first = alone
+
+
+def test_group16_error_within_activation_rounding():
+    gen = torch.Generator().manual_seed(19)
+    n, k = 64, 192
+    q, d = weights("Q8_G16", n, k, gen)
+    x = activations(6, k, gen)
+    wf = q.double() * d.double().repeat_interleave(16, 1)
+    exact = x.double() @ wf.T
+    step = (x.abs().view(6, k // 32, 32).amax(-1) / 254).double().repeat_interleave(32, 1)
+    bound = step @ wf.abs().T + 1e-5 * (x.double().abs() @ wf.abs().T)
+    err = (run("Q8_G16", x, (q, d), None).double() - exact).abs()
+    assert (err <= bound).all(), (err / bound).max()
+    assert err.max() > 0
+
+
+def test_group16_differs_from_one_scale_per_block():
+    """The two halves really take their own scales: with the low half's scales zero, the outputs are
+    the high halves' alone (not the group-32 kernel reading every other scale)."""
+    gen = torch.Generator().manual_seed(23)
+    q, d = weights("Q8_G16", 32, 64, gen)
+    x = activations(3, 64, gen)
+    low_zero = d.clone()
+    low_zero[:, 0::2] = 0
+    hi_only = q.clone()
+    hi_only.view(32, 2, 2, 16)[:, :, 0] = 0
+    for isa in ISAS:
+        assert torch.equal(run("Q8_G16", x, (q, low_zero), isa), run("Q8_G16", x, (hi_only, low_zero), isa))
+        assert not torch.equal(run("Q8_G16", x, (q, d), isa), run("Q8_G16", x, (hi_only, d), isa))
+
+
+@pytest.mark.parametrize("n", [16, 40, 7])
+def test_group16_tiled_layout_round_trips(n):
+    gen = torch.Generator().manual_seed(n)
+    q, d = weights("Q8_G16", n, 96, gen)
+    tq, td = q8act.tile8(q, d)
+    assert tq.shape == q.shape and td.shape == (n, 6) and td.dtype == torch.float16
+    assert sorted(td.flatten().tolist()) == sorted(d.half().flatten().tolist())  # the same scales, reordered
+    uq, ud = q8act.untile8(tq, td)
+    assert torch.equal(uq, q) and torch.equal(ud, d)
+    if n >= 16:  # a tile's scales: per group of 16 values, the 16 columns side by side
+        assert torch.equal(td[:16].flatten().view(6, 16).T, d[:16].half())
+
+
+def test_group16_float_activation_kernel():
+    """The q8 kernel (float32 activations in 16 bits per block, gguf.c) with a scale per 16 values:
+    within half a 16-bit step per input of x @ W.T, each row alone the same bits, bfloat16 input too."""
+    from hispec.kernels import fused
+
+    gen = torch.Generator().manual_seed(29)
+    n, k = 40, 256
+    q, d = weights("Q8_G16", n, k, gen)
+    x = activations(9, k, gen)
+    wf = q.double() * d.double().repeat_interleave(16, 1)
+    y = fused.q8_matmul(x, q, d)
+    step = (x.abs().view(9, k // 32, 32).amax(-1) * (0.5 / 32767)).double().repeat_interleave(32, 1)
+    bound = step @ wf.abs().T + 1e-5 * (x.double().abs() @ wf.abs().T)
+    assert ((y.double() - x.double() @ wf.T).abs() <= bound).all()
+    for t in range(9):
+        assert torch.equal(fused.q8_matmul(x[t:t + 1], q, d), y[t:t + 1])
+    xb = x.to(torch.bfloat16)
+    assert torch.equal(fused.q8_matmul(xb, q, d), fused.q8_matmul(xb.float(), q, d))
+    # a scale per 32 given as two equal ones per 16: the same products as the group-32 kernel's within rounding
+    d32 = d[:, 0::2]
+    y16, y32 = fused.q8_matmul(x, q, d32.repeat_interleave(2, 1)), fused.q8_matmul(x, q, d32)
+    assert torch.allclose(y16, y32, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="K / 16"):
+        fused.q8_matmul(x, q, d[:, :5])

@@ -2,9 +2,10 @@
 gguf package's own dequantization:
 
 * each type's block form (4-bit ``w = d q + m``: Q4_0, Q4_1, Q4_K; 8-bit ``w = d q``: Q8_0, Q5_0,
-  and Q4_0 again) gives gguf's weights (exactly, Q4_K within its one float16 rounding) and each
-  kernel of that form multiplies by them within its documented error;
-* fused layers take one form when all their parts share it; other layers (Q6_K, Q5_1, parts of
+  and Q4_0 again; Q6_K with a scale per 16 values) gives gguf's weights (exactly, Q4_K and Q6_K
+  within their one float16 rounding) and each kernel of that form multiplies by them within its
+  documented error, each row the same bits alone as in a batch, on every path;
+* fused layers take one form when all their parts share it; other layers (Q5_1, parts of
   different forms) run in the 8-bit form, the parts without an exact one requantized from their float
   values within amax / 254 per weight (named in a warning), so that no layer stays on float32;
 * a tiny llama GGUF of Q4_K / Q5_0 / Q8_0 tensors loads with ``--quantize native`` on those kernels,
@@ -57,6 +58,17 @@ def _quantized(kind: str, n: int, k: int, seed: int = 0) -> tuple[np.ndarray, np
     else:
         raw = gguf.quants.quantize((rng.standard_normal((n, k)) * 0.1).astype(np.float32), Q[kind])
     return raw, gguf.quants.dequantize(raw, Q[kind]).astype(np.float32)
+
+
+def _q6_k_bound(raw: np.ndarray) -> np.ndarray:
+    """``[N, K]``: 2^-11 |d sc (q - 32)|, how far Q6_K's 8-bit form (``d16 = d sc`` rounded once to
+    float16) may move each weight from the exact value."""
+    n = raw.shape[0]
+    b = raw.reshape(n, -1, 210)
+    d = b[..., 208:210].copy().view(np.float16).astype(np.float64)  # [N, K/256, 1]
+    sc = b[..., 192:208].copy().view(np.int8).astype(np.float64)  # [N, K/256, 16]
+    q = torch.as_tensor(gw._q8_blocks(_Tensor("Q6_K", raw))[0]).double().numpy()
+    return 2.0 ** -11 * np.abs((d * sc).reshape(n, -1).repeat(16, 1) * q)
 
 
 def _q4_k_bound(raw: np.ndarray) -> np.ndarray:
@@ -166,21 +178,77 @@ def test_eight_bit_form_equals_gguf_dequantization(kind):
 def test_forms_of_types():
     assert gw.form_of(["Q4_0"]) == "4-bit" and gw.form_of(["Q4_K", "Q4_0", "Q4_1"]) == "4-bit"
     assert gw.form_of(["Q5_0", "Q8_0"]) == "8-bit" and gw.form_of(["Q4_0", "Q8_0"]) == "8-bit"
-    for mixed in (["Q4_1", "Q5_0"], ["Q4_K", "Q8_0"], ["Q6_K"], ["Q5_1"], ["Q5_K"], ["F16"], ["Q4_K", "Q6_K"]):
+    assert gw.form_of(["Q6_K"]) == "8-bit" and gw.form_of(["Q6_K", "Q8_0", "Q5_0"]) == "8-bit"
+    for mixed in (["Q4_1", "Q5_0"], ["Q4_K", "Q8_0"], ["Q5_1"], ["Q5_K"], ["F16"], ["Q4_K", "Q6_K"]):
         assert gw.form_of(mixed) is None, mixed
 
 
+def test_q6_k_form_equals_gguf_dequantization():
+    """Q6_K in the 8-bit form with a scale per 16 values: q = q6 - 32 in -32..31 (the bits as gguf
+    reads them), d16 = d * sc rounded once to float16 (relative error <= 2^-11, reached: 4.88e-4 max
+    on these random super-blocks; 4.8757e-4 over Gemma 3 270M's Q6_K scales)."""
+    raw, want = _quantized("Q6_K", 48, 512, seed=8)
+    q, d = gw._q8_blocks(_Tensor("Q6_K", raw))
+    assert q.dtype == torch.int8 and q.shape == (48, 512) and d.dtype == torch.float16 and d.shape == (48, 32)
+    assert int(q.min()) == -32 and int(q.max()) == 31
+    got = q.double().numpy() * d.double().numpy().repeat(16, 1)
+    err = np.abs(got - want)
+    assert (err <= _q6_k_bound(raw) * (1 + 1e-6) + 1e-12).all() and err.max() > 0
+    b = raw.reshape(48, -1, 210)
+    exact = (b[..., 208:210].copy().view(np.float16).astype(np.float64)
+             * b[..., 192:208].copy().view(np.int8).astype(np.float64)).reshape(48, -1)
+    nz = exact != 0
+    rel = np.abs(d.double().numpy() - exact)[nz] / np.abs(exact[nz])
+    assert 2 ** -12 < rel.max() <= 2 ** -11
+    # the bit layout: with every scale 1 and d 1, the codes are gguf's values themselves
+    ones = b.copy()
+    ones[..., 192:208] = 1
+    ones[..., 208:210] = np.array([1.0], np.float16).view(np.uint8)
+    ones = ones.reshape(48, -1)
+    q1, _ = gw._q8_blocks(_Tensor("Q6_K", ones))
+    assert np.array_equal(q1.numpy(), gguf.quants.dequantize(ones, Q.Q6_K).astype(np.int8))
+    big = b.copy()
+    big[0, 0, 208:210] = np.array([60000], np.float16).view(np.uint8)
+    big[0, 0, 192] = 100
+    with pytest.raises(ValueError, match="overflows float16"):
+        gw._q8_blocks(_Tensor("Q6_K", big.reshape(48, -1)))
+
+
 @pytest.mark.parametrize("kind,kernel", [(k, kn) for k in ("Q4_0", "Q4_1", "Q4_K") for kn in FOUR_BIT_KERNELS]
-                         + [(k, kn) for k in ("Q8_0", "Q5_0") for kn in EIGHT_BIT_KERNELS])
+                         + [(k, kn) for k in ("Q8_0", "Q5_0") for kn in EIGHT_BIT_KERNELS]
+                         + [("Q6_K", "q8"), ("Q6_K", "q8a8")])
 def test_kernels_multiply_by_the_files_weights(kind, kernel):
     _kernel_or_skip(kernel)
     raw, want = _quantized(kind, 32, 256, seed=1)
     t = _Tensor(kind, raw)
     layer = QuantLinear.from_blocks(*gw._blocks(t), kind, kernel=kernel) if kernel in FOUR_BIT_KERNELS \
         else QuantLinear.from_q8_blocks(*gw._q8_blocks(t), kind, kernel=kernel)
-    assert layer.kernel == kernel and layer.source == kind
+    assert layer.kernel == kernel and layer.source == kind and layer.group == (16 if kind == "Q6_K" else 32)
     x = torch.randn(5, 256, generator=torch.Generator().manual_seed(2))
     _check_output(layer, torch.from_numpy(want), x)
+
+
+def test_q6_k_rows_alone_equal_a_batch_on_every_path():
+    """Q6_K's 8-bit form (group 16): rows computed alone equal the same rows in a batch of 5, bit for
+    bit, on q8 and on q8a8 by every path this CPU has (which all give the same bits); int4x2 has no
+    group of 16 and refuses it."""
+    _kernel_or_skip("q8a8")
+    raw, want = _quantized("Q6_K", 48, 512, seed=9)
+    q, d = gw._q8_blocks(_Tensor("Q6_K", raw))
+    x = torch.randn(5, 512, generator=torch.Generator().manual_seed(3))
+    layer = QuantLinear.from_q8_blocks(q, d, "Q6_K", kernel="q8")
+    y = layer(x)
+    assert all(torch.equal(layer(x[t:t + 1]), y[t:t + 1]) for t in range(5))
+    tq, td = q8act.tile8(q, d.float())
+    first = None
+    for isa in q8act.supported_isas():
+        y8 = q8act.q8_matmul(x, tq, td, isa=isa)
+        assert all(torch.equal(q8act.q8_matmul(x[t:t + 1], tq, td, isa=isa), y8[t:t + 1]) for t in range(5)), isa
+        assert first is None or torch.equal(y8, first), isa
+        first = y8
+    assert torch.equal(QuantLinear.from_q8_blocks(q, d, "Q6_K", kernel="q8a8")(x), first)
+    with pytest.raises(ValueError, match="per 16 values"):
+        QuantLinear.from_q8_blocks(q, d, "Q6_K", kernel="int4x2")
 
 
 # ---- fused layers, the head --------------------------------------------------------------------------
@@ -225,7 +293,7 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
 def test_fused_layers_share_a_form_or_are_requantized(tmp_path, four_bit_kernel, permuted):
     four_bit_kernel("int4")  # no timed choice (and the 8-bit kernel follows from it: q8, or int4x2 without C)
     q8 = "q8" if fused.available() else "int4x2"
-    layer0 = {"attn_q": "Q5_0", "attn_k": "Q5_0", "attn_v": "Q8_0", "attn_output": "Q4_K",
+    layer0 = {"attn_q": "Q5_0", "attn_k": "Q8_0", "attn_v": "Q6_K", "attn_output": "Q4_K",
               "ffn_gate": "Q4_K", "ffn_up": "Q4_0", "ffn_down": "Q6_K"}
     layer1 = {"attn_q": "Q4_1", "attn_k": "Q5_0", "attn_v": "Q5_0", "attn_output": "Q5_1",
               "ffn_gate": "Q4_0", "ffn_up": "Q8_0", "ffn_down": "Q4_K"}
@@ -237,17 +305,23 @@ def test_fused_layers_share_a_form_or_are_requantized(tmp_path, four_bit_kernel,
     native, kinds = gw.native_linears(src, N_HEAD, N_KV, permuted=permuted)
     assert len(native) == 8 and gw.float_layers(src, native) == []  # nothing stays on float32
     assert kinds == "Q4_0+Q4_1+Q4_K+Q5_0+Q5_1+Q6_K+Q8_0"
-    forms = {"layers.0.qkv_proj": ("Q5_0+Q8_0", q8, ()), "layers.0.o_proj": ("Q4_K", "int4", ()),
+    g16 = fused.available()  # without hispec's kernels (int4x2) Q6_K is requantized
+    forms = {"layers.0.o_proj": ("Q4_K", "int4", ()),
              "layers.0.gate_up_proj": ("Q4_0+Q4_K", "int4", ()), "layers.1.down_proj": ("Q4_K", "int4", ()),
              "layers.1.gate_up_proj": ("Q4_0+Q8_0", q8, ()),  # Q4_0 beside Q8_0: in the 8-bit form
+             # Q6_K beside Q5_0 and Q8_0: all in the 8-bit form with a scale per 16 values
+             "layers.0.qkv_proj": ("Q5_0+Q6_K+Q8_0", q8, () if g16 else ("Q6_K",)),
+             "layers.0.down_proj": ("Q6_K", q8, () if g16 else ("Q6_K",)),
              # no exact form: requantized from the float values, in the 8-bit form
-             "layers.0.down_proj": ("Q6_K", q8, ("Q6_K",)), "layers.1.o_proj": ("Q5_1", q8, ("Q5_1",)),
+             "layers.1.o_proj": ("Q5_1", q8, ("Q5_1",)),
              # Q4_1 has no 8-bit form, Q5_0 no 4-bit one: the Q4_1 part requantized, the Q5_0 ones exact
              "layers.1.qkv_proj": ("Q4_1+Q5_0", q8, ("Q4_1",))}
     fused_parts = {"qkv_proj": ("attn_q", "attn_k", "attn_v"), "o_proj": ("attn_output",),
                    "gate_up_proj": ("ffn_gate", "ffn_up"), "down_proj": ("ffn_down",)}
     for name, layer in native.items():
         assert (layer.source, layer.kernel, layer.requantized) == forms[name], name
+        if "Q6_K" in layer.source and g16:
+            assert layer.group == 16, name
         i, fused_name = name.split(".")[1:]
         parts, exact = [], []
         for p in fused_parts[fused_name]:
@@ -255,21 +329,24 @@ def test_fused_layers_share_a_form_or_are_requantized(tmp_path, four_bit_kernel,
             if permuted and p in ("attn_q", "attn_k"):
                 w = _unpermute(w, N_HEAD if p == "attn_q" else N_KV)
             parts.append(w)
-            exact.append(np.full(w.shape[0], raws[f"blk.{i}.{p}.weight"][0] not in layer.requantized))
+            exact.append(np.full(w.shape[0], raws[f"blk.{i}.{p}.weight"][0] not in layer.requantized + ("Q6_K",)))
         want, exact = torch.from_numpy(np.concatenate(parts)), torch.from_numpy(np.concatenate(exact))
         got = layer.source_weight()
         if layer.requantized:
             err = (got - want).abs()
             assert (err <= _requant_bound(want)).all() and err.max() > 0, name
             assert torch.equal(got[exact], want[exact]), name  # the parts with an exact form as in the file
+        elif "Q6_K" in layer.source:  # d * sc rounded once to float16; the other parts exact
+            assert ((got - want).abs() <= 2 ** -11 * want.abs() * (1 + 1e-6)).all(), name
+            assert torch.equal(got[exact], want[exact]) and not torch.equal(got, want), name
         elif "Q4_K" in layer.source:
             assert (got - want).abs().max() <= 2 ** -11 * want.abs().max() * 4
         else:
             assert torch.equal(got, want), name
     msg = gw.float_message("mixed.gguf", [], native)
-    assert msg.startswith("mixed.gguf: 3 of 8 decoder linears run on 8-bit blocks requantized from their float "
-                          "values"), msg
-    assert "Q6_K has no exact native form: down_proj in 1 layer" in msg and "Q5_1 has no exact native form" in msg
+    assert msg.startswith(f"mixed.gguf: {2 if g16 else 4} of 8 decoder linears run on 8-bit blocks requantized "
+                          "from their float values"), msg
+    assert "Q5_1 has no exact native form: o_proj in 1 layer" in msg and ("Q6_K" not in msg.split("; the")[0]) == g16
     assert "Q4_1 requantized beside parts of another form: qkv_proj in 1 layer" in msg
     assert "amax / 254" in msg and "float32" not in msg
     exact_only = {k: v for k, v in native.items() if not v.requantized}
@@ -328,10 +405,11 @@ def test_sixteen_row_tiles_are_kept(tmp_path):
 @pytest.mark.parametrize("kind,name,kernels", [("Q5_0", "output.weight", Q8_STORAGE + ("int4x2",)),
                                                ("Q4_K", "token_embd.weight", Q4_STORAGE + ("int4",)),
                                                ("Q6_K", "output.weight", Q8_STORAGE + ("int4x2",)),
+                                               ("Q5_1", "output.weight", Q8_STORAGE + ("int4x2",)),
                                                ("F32", "output.weight", None)])
 def test_native_head(tmp_path, kind, name, kernels):
-    """The head on the file's blocks where its type maps, else requantized to the 8-bit form (a Q6_K
-    head); an F32 head is the file's own precision and stays float."""
+    """The head on the file's blocks where its type maps (a Q6_K head in the 8-bit form, group 16),
+    else requantized to the 8-bit form (Q5_1); an F32 head is the file's own precision and stays float."""
     if kind == "F32":
         raw = want = np.random.default_rng(5).standard_normal((64, 256)).astype(np.float32)
     else:
@@ -346,10 +424,13 @@ def test_native_head(tmp_path, kind, name, kernels):
     got, want = head.source_weight(), torch.from_numpy(want)
     if kind == "Q4_K":
         assert ((got.double() - want.double()).abs().numpy() <= _q4_k_bound(raw) * (1 + 1e-6) + 1e-12).all()
-    elif kind == "Q6_K":
-        assert head.requantized == ("Q6_K",) and ((got - want).abs() <= _requant_bound(want)).all()
+    elif kind == "Q6_K" and head.kernel in Q8_STORAGE:
+        assert head.requantized == () and head.group == 16 and gw.float_message("head.gguf", [], {}, head) is None
+        assert ((got.double() - want.double()).abs().numpy() <= _q6_k_bound(raw) * (1 + 1e-6) + 1e-12).all()
+    elif kind in ("Q6_K", "Q5_1"):  # Q6_K: without hispec's kernels (int4x2 has no group of 16)
+        assert head.requantized == (kind,) and ((got - want).abs() <= _requant_bound(want)).all()
         msg = gw.float_message("head.gguf", [], {}, head)
-        assert "the output head (Q6_K) runs on 8-bit blocks requantized" in msg and "float32" not in msg
+        assert f"the output head ({kind}) runs on 8-bit blocks requantized" in msg and "float32" not in msg
     else:
         assert torch.equal(got, want) and head.requantized == ()
 
@@ -420,7 +501,7 @@ def _logits(model, ids):
 def test_tiny_llama_loads_natively(tmp_path, four_bit_kernel, caplog, down, kernel):
     """Q4_K / Q5_0 / Q8_0 decoder tensors run on the block kernels with gguf's values (the float32
     copy's): the 4-bit form on ``kernel``, the 8-bit one on its partner (q8, q8a8); a Q6_K ffn_down
-    runs in the 8-bit form too, requantized from its float values, and one warning says so."""
+    runs in the 8-bit form with a scale per 16 values (d * sc rounded once to float16), no warning."""
     from hispec.model.load.checkpoint import load_model
     from hispec.model.load.gguf_convert import convert_gguf
 
@@ -440,20 +521,17 @@ def test_tiny_llama_loads_natively(tmp_path, four_bit_kernel, caplog, down, kern
         for name, (source, kernel) in want.items():
             lin, w = getattr(layer, name), getattr(float_layer, name).weight
             assert isinstance(lin, QuantLinear) and (lin.source, lin.kernel) == (source, kernel), name
-            if source == "Q6_K":  # requantized from the float32 copy's values
-                assert lin.requantized == ("Q6_K",) and ((lin.source_weight() - w).abs() <= _requant_bound(w)).all()
+            if source == "Q6_K":  # d * sc rounded once to float16
+                assert lin.requantized == () and lin.group == 16
+                assert 0 < (lin.source_weight() - w).abs().max() and ((lin.source_weight() - w).abs()
+                                                                      <= 2 ** -11 * w.abs() * (1 + 1e-6)).all()
             elif source == "Q4_K":  # d', m' rounded once to float16
                 assert 0 < (lin.source_weight() - w).abs().max() <= 2 ** -11 * 4 * w.abs().max()
             else:
                 assert torch.equal(lin.source_weight(), w), name
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING
                 and r.name == "hispec.model.load.checkpoint"]
-    if down == "Q6_K":
-        assert len(warnings) == 1
-        assert warnings[0].startswith("tiny.gguf: 2 of 8 decoder linears run on 8-bit blocks requantized")
-        assert "Q6_K has no exact native form: down_proj in 2 layers" in warnings[0] and "float32" not in warnings[0]
-    else:
-        assert warnings == []
+    assert warnings == []
     ids = torch.tensor([1, 40, 50, 60, 70, 80, 90, 100])
     a, b = _logits(ref, ids), _logits(native, ids)
     tol = 0.05 if kernel == "q8a" else 0.02  # q8a, q8a8: activations in 8 bits per block
@@ -466,8 +544,9 @@ Q4_K_M = {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "
 
 def test_q4_k_m_like_llama_has_no_float_layers(tmp_path, four_bit_kernel, caplog):
     """A Q4_K_M-like file (Q4_K, with Q6_K attn_v and ffn_down): every decoder linear runs on a block
-    kernel (q/k/v in the 8-bit form: Q4_K has none, so its parts are requantized beside the Q6_K
-    one), none on float32; the logits stay close to the float32 copy's."""
+    kernel, none on float32: ffn_down on Q6_K's own 8-bit form (group 16), q/k/v in that form too
+    with its Q4_K parts requantized (Q4_K has no 8-bit form) beside the exact Q6_K one, said in one
+    warning; the logits stay close to the float32 copy's."""
     from hispec.model.load.checkpoint import load_model
     from hispec.model.load.gguf_convert import convert_gguf
 
@@ -483,12 +562,18 @@ def test_q4_k_m_like_llama_has_no_float_layers(tmp_path, four_bit_kernel, caplog
         for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
             lin, w = getattr(layer, name), getattr(float_layer, name).weight
             assert isinstance(lin, QuantLinear), name
-            if lin.requantized:
-                assert ((lin.source_weight() - w).abs() <= _requant_bound(w, lin.group)).all(), name
-    assert native.layers[0].o_proj.kernel == "q4" and native.layers[0].qkv_proj.kernel == "q8"
+            assert ((lin.source_weight() - w).abs() <= _requant_bound(w, 16)).all(), name
+        assert (layer.qkv_proj.kernel, layer.qkv_proj.group, layer.qkv_proj.requantized) == ("q8", 16, ("Q4_K",))
+        assert (layer.down_proj.kernel, layer.down_proj.group, layer.down_proj.requantized) == ("q8", 16, ())
+        v_rows = slice(HIDDEN + 2 * SHAPES["attn_k"], None)  # the Q6_K part: within its float16 rounding
+        v_err = (layer.qkv_proj.source_weight()[v_rows] - float_layer.qkv_proj.weight[v_rows]).abs()
+        assert (v_err <= 2 ** -11 * float_layer.qkv_proj.weight[v_rows].abs() * (1 + 1e-6)).all()
+        assert layer.o_proj.kernel == "q4" and layer.gate_up_proj.kernel == "q4"
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING
                 and r.name == "hispec.model.load.checkpoint"]
     assert len(warnings) == 1 and "float32" not in warnings[0], warnings
+    assert warnings[0].startswith("q4km.gguf: 2 of 8 decoder linears run on 8-bit blocks requantized")
+    assert "Q4_K requantized beside parts of another form: qkv_proj in 2 layers" in warnings[0]
     ids = torch.tensor([1, 40, 50, 60, 70, 80, 90, 100])
     a, b = _logits(ref, ids), _logits(native, ids)
     assert torch.isfinite(a).all() and (a - b).abs().max() < 0.02 * a.abs().max()
@@ -517,8 +602,8 @@ def test_tiny_qwen2_keeps_its_biases_and_row_order(tmp_path, four_bit_kernel):
     assert (a - b).abs().max() < 0.02 * a.abs().max()
 
 
-NO_EXACT_FORM = {"q6_k": {p: "Q6_K" for p in DECODER_TYPES},
-                 "mixed": {"attn_q": "Q4_1", "attn_k": "Q5_0", "attn_v": "Q5_0", "attn_output": "Q6_K",
+NO_EXACT_FORM = {"q5_1": {p: "Q5_1" for p in DECODER_TYPES},
+                 "mixed": {"attn_q": "Q4_1", "attn_k": "Q5_0", "attn_v": "Q5_0", "attn_output": "Q5_1",
                            "ffn_gate": "Q4_K", "ffn_up": "Q8_0", "ffn_down": "Q5_1"}}
 
 
@@ -526,7 +611,7 @@ NO_EXACT_FORM = {"q6_k": {p: "Q6_K" for p in DECODER_TYPES},
 def test_layers_without_an_exact_form_run_requantized(tmp_path, four_bit_kernel, monkeypatch, case):
     """``native`` on a file of which no layer maps exactly runs every layer requantized (none on
     float32); ``auto`` still runs the float32 copy where the file has no tensor of an exact native
-    type (Q6_K alone), and natively where it has one."""
+    type (Q5_1 alone), and natively where it has one."""
     from hispec.kernels import select
     from hispec.model.load.checkpoint import apply_quantization, load_model
     from hispec.model.load.gguf_convert import convert_gguf
@@ -540,4 +625,58 @@ def test_layers_without_an_exact_form_run_requantized(tmp_path, four_bit_kernel,
     assert all(isinstance(getattr(layer, n), QuantLinear) and getattr(layer, n).requantized
                for layer in model.layers for n in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))
     monkeypatch.setattr(select, "quantized_kernels_pay", lambda *a, **k: (True, "patched"))
-    assert apply_quantization(load_model(out), "auto", src) == ("none" if case == "q6_k" else "native")
+    assert apply_quantization(load_model(out), "auto", src) == ("none" if case == "q5_1" else "native")
+
+
+@pytest.mark.parametrize("kernel", ["q4", "q8a"])
+def test_q6_k_layers_and_head_in_one_op_call(tmp_path, four_bit_kernel, kernel):
+    """The fused op (``decode_step``: every layer and the head in one C++ call) runs the Q4_K_M-like
+    model's group-16 layers (q8 / q8a8, the group passed by ``plan.matmul_plan``) and a group-16 head
+    with the logits and K/V of the general path, bit for bit, for 1 and 3 sequences."""
+    from hispec.cache.block_manager import BlockManager
+    from hispec.cache.kv_cache import KVPool
+    from hispec.decode.base import LayerRunner
+    from hispec.kernels import layer_op, plan
+    from hispec.model.load.checkpoint import load_model
+    from hispec.model.load.gguf_convert import convert_gguf
+
+    _kernel_or_skip(kernel)
+    four_bit_kernel(kernel)
+    src = tmp_path / "q4km.gguf"
+    _tiny_llama_gguf(src, Q4_K_M)
+    out = convert_gguf(src, tmp_path / "out", progress=False)
+    model = load_model(out, quantize="native", gguf=src)
+    q, d = gw.requantize_q8(model.lm_head.weight.detach(), 16)
+    model.lm_head = QuantLinear.from_q8_blocks(q, d, "Q6_K")
+    q8 = "q8a8" if kernel == "q8a" else "q8"
+    assert (model.lm_head.kernel, model.lm_head.group) == (q8, 16)
+    if layer_op.layers_op() is None:
+        pytest.skip("no C++ op here")
+    kinds = plan.fast_path(model).plans_for(0, 2, False, False)[0]
+    assert kinds is not None and (layer_op.MM_Q8A8 if q8 == "q8a8" else layer_op.MM_Q8) in kinds.kinds
+    assert 16 in kinds.groups
+    cfg = model.cfg
+    for batch_size in (1, 3):
+        starts = [0, 5, 9][:batch_size]
+        runs = []
+        for _ in range(2):
+            blocks = BlockManager(16, 4, 2)
+            pool = KVPool(2, 16, 4, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu")
+            g = torch.Generator().manual_seed(1)
+            for i in range(2):
+                pool.k[i].copy_(torch.randn(pool.k[i].shape, generator=g))
+                pool.v[i].copy_(torch.randn(pool.v[i].shape, generator=g))
+            for s, start in enumerate(starts):
+                blocks.add_sequence(s)
+                blocks.ensure_capacity(s, start + 1)
+                blocks.set_filled(s, 0, 2, start)
+            runs.append((LayerRunner(model, blocks, pool), pool))
+        tokens = [40, 77, 123][:batch_size]
+        with torch.no_grad():
+            one_call = runs[0][0].decode_logits(list(zip(range(batch_size), starts, tokens)))
+            assert one_call is not None, "decode_step was not chosen"
+            items = [(s, start, torch.tensor([t])) for s, start, t in zip(range(batch_size), starts, tokens)]
+            ref = model.exit_logits(torch.cat(runs[1][0].forward_many(items, 0, 2)), 2)
+        assert torch.equal(one_call, ref), batch_size
+        for i in range(2):
+            assert torch.equal(runs[0][1].k[i], runs[1][1].k[i]) and torch.equal(runs[0][1].v[i], runs[1][1].v[i])

@@ -82,15 +82,16 @@ at::Tensor run_matmul(int64_t kind, const at::Tensor& x, const at::Tensor& w, co
     }
     if (kind == HS_MM_Q8) {
         at::Tensor& y = output(out, x, w.size(0));
-        hs_q8_matmul(w.data_ptr<int8_t>(), p.data_ptr<float>(), x.data_ptr(), is_bf(x), x.size(0), w.size(0),
-                     x.size(1), y.data_ptr<float>(), 1);
+        hs_q8_group_matmul(w.data_ptr<int8_t>(), p.data_ptr<float>(), group == 16 ? 16 : 32, x.data_ptr(), is_bf(x),
+                           x.size(0), w.size(0), x.size(1), y.data_ptr<float>(), 1);  // group 16: a scale per 16 (Q6_K)
         return y;
     }
     if (kind == HS_MM_Q8A8) {  // p [N, K / 32] float16, tiled
         at::Tensor& y = output(out, x, w.size(0));
         TORCH_CHECK(p.scalar_type() == at::kHalf, "q8a8 scales: float16");
-        hs_q8a_q8_matmul(w.data_ptr<int8_t>(), reinterpret_cast<const uint16_t*>(p.data_ptr<at::Half>()), x.data_ptr(),
-                         is_bf(x), x.size(0), w.size(0), x.size(1), y.data_ptr<float>(), 1);
+        hs_q8a_q8_group_matmul(w.data_ptr<int8_t>(), reinterpret_cast<const uint16_t*>(p.data_ptr<at::Half>()),
+                               group == 16 ? 16 : 32, x.data_ptr(), is_bf(x), x.size(0), w.size(0), x.size(1),
+                               y.data_ptr<float>(), 1);
         return y;
     }
     const int64_t t = x.size(0);

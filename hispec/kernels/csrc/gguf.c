@@ -57,9 +57,11 @@ static inline float hsum8(v8 a) {
     return (c[0] + c[2]) + (c[1] + c[3]);
 }
 
-/* The weight formats: a block's 32 integer codes and per-block scale d (and offset m). */
-enum { Q8 = 0, Q4 = 1 };
-#define BLOCK_BYTES(kind) ((kind) == Q8 ? 32 : 16)
+/* The weight formats: a block's 32 integer codes and per-block scale d (and offset m); Q8G16: Q8's
+ * codes with a scale per 16 (d [N, K / 16]: GGUF Q6_K), each half of a block's lanes times its own. */
+enum { Q8 = 0, Q4 = 1, Q8G16 = 2 };
+#define BLOCK_BYTES(kind) ((kind) == Q4 ? 16 : 32)
+#define BLOCK_SCALES(kind) ((kind) == Q8G16 ? 2 : 1)
 
 /* sum over blocks of m[b] * (s * sum x16)[b], in block order (Q4's offsets; Q8 has none) */
 static inline float offset_sum(const float *m, const float *msum, int64_t nb) {
@@ -72,7 +74,7 @@ static inline float offset_sum(const float *m, const float *msum, int64_t nb) {
 /* A block's codes as int16: lo = codes 0 .. 15, hi = codes 16 .. 31 (Q4: the file's nibbles,
  * low ones first; Q8: the signed bytes). */
 static inline __attribute__((always_inline)) void block_codes(const void *w, const int kind, __m256i *lo, __m256i *hi) {
-    if (kind == Q8) {
+    if (kind != Q4) {
         *lo = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)w));
         *hi = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)w + 1));
         return;
@@ -90,6 +92,15 @@ static inline __attribute__((always_inline)) __m256 block_dot(__m256i lo, __m256
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), c, acc);
 }
 
+/* Q8G16: the same with each half times its own factor, the low half (lo: codes 0 .. 15) first; lane L
+ * then adds codes 2L, 2L + 1 times c_lo, then 16 + 2L, 17 + 2L times c_hi */
+static inline __attribute__((always_inline)) __m256 block_dot2(__m256i lo, __m256i hi, const int16_t *x16, __m256 c_lo,
+                                                                __m256 c_hi, __m256 acc) {
+    const __m256i s_lo = _mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)x16));
+    const __m256i s_hi = _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(x16 + 16)));
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(s_hi), c_hi, _mm256_fmadd_ps(_mm256_cvtepi32_ps(s_lo), c_lo, acc));
+}
+
 static inline float lanes_sum(__m256 acc) {
     v8 a;
     memcpy(&a, &acc, sizeof a);
@@ -105,7 +116,7 @@ static inline __attribute__((always_inline)) void rows_x1(const uint8_t *w, cons
     float macc[4] = {0};  /* offset_sum, kept beside the lanes (its chain overlaps theirs) */
     const float *xs = p.scale + t * nb, *ms = p.msum + t * nb;
     const int16_t *x16 = p.x16 + t * nb * 32;
-    const int64_t bytes = BLOCK_BYTES(kind);
+    const int64_t bytes = BLOCK_BYTES(kind), ns = nb * BLOCK_SCALES(kind);  /* d: ns scales a row */
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++)
         for (int r = 0; r < R; r++) {
@@ -114,10 +125,14 @@ static inline __attribute__((always_inline)) void rows_x1(const uint8_t *w, cons
              * order): the load stalls on memory otherwise, four short rows being too little of a
              * stream for the hardware prefetcher */
             __builtin_prefetch(w + ((r + PREFETCH_ROWS) * nb + b) * bytes, 0, 0);
-            __builtin_prefetch(d + (r + PREFETCH_ROWS) * nb + b, 0, 0);
+            __builtin_prefetch(d + (r + PREFETCH_ROWS) * ns + b * BLOCK_SCALES(kind), 0, 0);
             if (kind == Q4) __builtin_prefetch(m + (r + PREFETCH_ROWS) * nb + b, 0, 0);
             block_codes(w + (r * nb + b) * bytes, kind, &lo, &hi);
-            acc[r] = block_dot(lo, hi, x16 + b * 32, _mm256_set1_ps(d[r * nb + b] * xs[b]), acc[r]);
+            if (kind == Q8G16)
+                acc[r] = block_dot2(lo, hi, x16 + b * 32, _mm256_set1_ps(d[r * ns + 2 * b] * xs[b]),
+                                    _mm256_set1_ps(d[r * ns + 2 * b + 1] * xs[b]), acc[r]);
+            else
+                acc[r] = block_dot(lo, hi, x16 + b * 32, _mm256_set1_ps(d[r * nb + b] * xs[b]), acc[r]);
             if (kind == Q4) macc[r] = fmaf(m[r * nb + b], ms[b], macc[r]);
         }
     for (int r = 0; r < R; r++) y[r] = lanes_sum(acc[r]) + macc[r];
@@ -134,7 +149,17 @@ static inline __attribute__((always_inline)) void row_xm(const uint8_t *w, const
     for (int64_t b = 0; b < nb; b++) {
         __m256i lo, hi;
         block_codes(w + b * BLOCK_BYTES(kind), kind, &lo, &hi);
-        const __m256 c = _mm256_mul_ps(_mm256_set1_ps(d[b]), _mm256_loadu_ps(p.scale_t + b * p.tpad + t0));
+        const __m256 xs = _mm256_loadu_ps(p.scale_t + b * p.tpad + t0);
+        if (kind == Q8G16) {  /* a factor per half */
+            const __m256 c_lo = _mm256_mul_ps(_mm256_set1_ps(d[2 * b]), xs), c_hi = _mm256_mul_ps(_mm256_set1_ps(d[2 * b + 1]), xs);
+            for (int i = 0; i < M; i++) {
+                const __m256i at = _mm256_set1_epi32(i);
+                acc[i] = block_dot2(lo, hi, p.x16 + ((t0 + i) * nb + b) * 32, _mm256_permutevar8x32_ps(c_lo, at),
+                                    _mm256_permutevar8x32_ps(c_hi, at), acc[i]);
+            }
+            continue;
+        }
+        const __m256 c = _mm256_mul_ps(_mm256_set1_ps(d[b]), xs);
         if (kind == Q4) macc = _mm256_fmadd_ps(_mm256_set1_ps(m[b]), _mm256_loadu_ps(p.msum_t + b * p.tpad + t0), macc);
         for (int i = 0; i < M; i++) {
             const __m256 ci = _mm256_permutevar8x32_ps(c, _mm256_set1_epi32(i));  /* row i's factor */
@@ -149,12 +174,12 @@ static inline __attribute__((always_inline)) void row_xm(const uint8_t *w, const
 
 static void blocks_matmul(const uint8_t *w, const float *d, const float *m, xq p, int64_t T, int64_t N, int64_t nb,
                           const int kind, float *y, int parallel) {
-    const int64_t row_bytes = nb * BLOCK_BYTES(kind);
+    const int64_t row_bytes = nb * BLOCK_BYTES(kind), ns = nb * BLOCK_SCALES(kind);
     if (T == 1) {  /* four weight rows at a time: independent chains hide the FMA latency */
 #pragma omp parallel for schedule(static) if (parallel)
         for (int64_t n = 0; n < N; n += 4) {
             const uint8_t *wn = w + n * row_bytes;
-            const float *dn = d + n * nb, *mn = m ? m + n * nb : NULL;
+            const float *dn = d + n * ns, *mn = m ? m + n * nb : NULL;
             switch (N - n < 4 ? N - n : 4) {
                 case 1: rows_x1(wn, dn, mn, p, 0, nb, kind, 1, y + n); break;
                 case 2: rows_x1(wn, dn, mn, p, 0, nb, kind, 2, y + n); break;
@@ -167,7 +192,7 @@ static void blocks_matmul(const uint8_t *w, const float *d, const float *m, xq p
 #pragma omp parallel for schedule(static) if (parallel)
     for (int64_t n = 0; n < N; n++) {
         const uint8_t *wn = w + n * row_bytes;
-        const float *dn = d + n * nb, *mn = m ? m + n * nb : NULL;
+        const float *dn = d + n * ns, *mn = m ? m + n * nb : NULL;
         for (int64_t t0 = 0; t0 < T; t0 += XM) {
             float *yr = y + t0 * N + n;
             switch (T - t0 < XM ? T - t0 : XM) {  /* constant row counts keep acc in registers */
@@ -186,7 +211,7 @@ static void blocks_matmul(const uint8_t *w, const float *d, const float *m, xq p
 #else
 /* the same arithmetic one lane at a time (integer sums are exact; fmaf rounds once, as the vector FMA) */
 static inline int32_t code(const uint8_t *w, int kind, int j) {  /* code j (0 .. 31) of a block */
-    if (kind == Q8) return ((const int8_t *)w)[j];
+    if (kind != Q4) return ((const int8_t *)w)[j];
     return j < 16 ? (w[j] & 15) : (w[j - 16] >> 4);
 }
 
@@ -199,6 +224,15 @@ static void blocks_matmul(const uint8_t *w, const float *d, const float *m, xq p
             for (int64_t b = 0; b < nb; b++) {
                 const uint8_t *wb = w + (n * nb + b) * BLOCK_BYTES(kind);
                 const int16_t *x = p.x16 + (t * nb + b) * 32;
+                if (kind == Q8G16) {  /* block_dot2: each lane's low pair times c_lo, then its high pair times c_hi */
+                    const float c_lo = d[(n * nb + b) * 2] * p.scale[t * nb + b], c_hi = d[(n * nb + b) * 2 + 1] * p.scale[t * nb + b];
+                    for (int L = 0; L < 8; L++) {
+                        const int32_t s_lo = code(wb, kind, 2 * L) * x[2 * L] + code(wb, kind, 2 * L + 1) * x[2 * L + 1];
+                        const int32_t s_hi = code(wb, kind, 16 + 2 * L) * x[16 + 2 * L] + code(wb, kind, 17 + 2 * L) * x[17 + 2 * L];
+                        acc[L] = fmaf((float)s_hi, c_hi, fmaf((float)s_lo, c_lo, acc[L]));
+                    }
+                    continue;
+                }
                 float c = d[n * nb + b] * p.scale[t * nb + b];
                 for (int L = 0; L < 8; L++) {
                     int32_t s = 0;
@@ -213,11 +247,11 @@ static void blocks_matmul(const uint8_t *w, const float *d, const float *m, xq p
 }
 #endif
 
-/* y[T, N] float32 = x[T, K] (float32, or bfloat16 when x_bf) times the transpose of a GGUF
- * Q8_0 weight W[n, k] = d[n, k / 32] * q[n, k] (q int8 [N, K], d float32 [N, K / 32]; K a
- * multiple of 32). The threads share W's rows. */
-void hs_q8_matmul(const int8_t *q, const float *d, const void *x, int x_bf, int64_t T, int64_t N, int64_t K,
-                  float *y, int parallel) {
+/* y[T, N] float32 = x[T, K] (float32, or bfloat16 when x_bf) times the transpose of an 8-bit
+ * weight W[n, k] = d[n, k / group] * q[n, k] (q int8 [N, K], d float32 [N, K / group]; group 32:
+ * GGUF Q8_0, or 16: GGUF Q6_K in the 8-bit form; K a multiple of 32). The threads share W's rows. */
+void hs_q8_group_matmul(const int8_t *q, const float *d, int group, const void *x, int x_bf, int64_t T, int64_t N,
+                        int64_t K, float *y, int parallel) {
     const float *xf = (const float *)x;
     float *conv = NULL;
     if (x_bf) {
@@ -226,9 +260,15 @@ void hs_q8_matmul(const int8_t *q, const float *d, const void *x, int x_bf, int6
         xf = conv;
     }
     xq p = x16_prepare(xf, T, K);
-    blocks_matmul((const uint8_t *)q, d, NULL, p, T, N, K / 32, Q8, y, parallel);
+    blocks_matmul((const uint8_t *)q, d, NULL, p, T, N, K / 32, group == 16 ? Q8G16 : Q8, y, parallel);
     x16_release(p);
     free(conv);
+}
+
+/* The same with a scale per 32 values (d [N, K / 32]: GGUF Q8_0). */
+void hs_q8_matmul(const int8_t *q, const float *d, const void *x, int x_bf, int64_t T, int64_t N, int64_t K,
+                  float *y, int parallel) {
+    hs_q8_group_matmul(q, d, 32, x, x_bf, T, N, K, y, parallel);
 }
 
 /* y[T, N] float32 = x[T, K] float32 times the transpose of a GGUF Q4_0 / Q4_1 weight

@@ -28,10 +28,10 @@ enum hs_matmul_kind {
     HS_MM_Q4 = 5,            /* GGUF 4-bit nibbles [N, K / 2] and d, m [2, N, K / 32] on hs_q4_matmul */
     HS_MM_Q4_PANELS = 6,     /* the same weights rebuilt in float32 panels (hs_q4_panel_matmul: prompt chunks) */
     HS_MM_PANEL = 7,         /* float32 weight packed in panels (hs_panel_matmul); group = N */
-    HS_MM_Q8 = 8,            /* GGUF Q8_0 q [N, K] int8 and d [N, K / 32] float32 on hs_q8_matmul (output heads) */
+    HS_MM_Q8 = 8,            /* GGUF Q8_0 q [N, K] int8 and d [N, K / group] float32 on hs_q8_matmul (group 16: Q6_K) */
     HS_MM_DENSE_BF16 = 9,    /* x (float32) cast to bfloat16 @ W.T, W dense bfloat16 (q4 layers' prompt chunks) */
     HS_MM_Q8A4 = 10,         /* HS_MM_Q4's weights tiled (hs_q8a_tile) on hs_q8a_q4_matmul: x rounded to 8 bits per block (q8a) */
-    HS_MM_Q8A8 = 11,         /* HS_MM_Q8's weights tiled on hs_q8a_q8_matmul: x rounded to 8 bits per block (q8a8) */
+    HS_MM_Q8A8 = 11,         /* HS_MM_Q8's weights tiled on hs_q8a_q8_matmul: x rounded to 8 bits per block (q8a8; group as Q8) */
     HS_MM_Q8A4_PANELS = 12,  /* HS_MM_Q8A4's tiled weights rebuilt in float32 panels (hs_q8a_q4_panel_matmul) */
 };
 
@@ -94,6 +94,9 @@ void hs_panel_matmul(const float *x, int64_t M, int64_t K, const float *packed, 
 /* y[T, N] = x[T, K] (float32 or bfloat16) W^T, W = d * q a GGUF Q8_0 weight (q int8 [N, K], d [N, K / 32]) */
 void hs_q8_matmul(const int8_t *q, const float *d, const void *x, int x_bf, int64_t T, int64_t N, int64_t K,
                   float *y, int parallel);
+/* the same with a scale per group of 16 (d [N, K / 16]: GGUF Q6_K in the 8-bit form) or 32 values */
+void hs_q8_group_matmul(const int8_t *q, const float *d, int group, const void *x, int x_bf, int64_t T, int64_t N,
+                        int64_t K, float *y, int parallel);
 /* y[T, N] = x[T, K] W^T, W = d * q + m a GGUF Q4_0 / Q4_1 weight (nibbles qs [N, K / 2], d, m [N, K / 32]);
  * 16-bit activations (decode steps) */
 void hs_q4_matmul(const uint8_t *qs, const float *d, const float *m, const float *x, int64_t T, int64_t N,
@@ -107,6 +110,7 @@ void hs_q4_panel_matmul(const uint8_t *qs, const float *d, const float *m, const
 enum hs_q8a_format {  /* the weights TILED (hs_q8a_tile): 16 columns' blocks side by side; d, m float16 bits */
     HS_Q8A_Q4 = 0,  /* 4-bit: nibbles w = qs [N, K / 2], d, m [N, K / 32]: W = d * q + m */
     HS_Q8A_Q8 = 1,  /* 8-bit: w = q int8 [N, K], d [N, K / 32]: W = d * q (m unused) */
+    HS_Q8A_Q8G16 = 2,  /* 8-bit, a scale per 16 values (GGUF Q6_K): w = q int8 [N, K], d [N, K / 16] */
 };
 enum hs_q8a_isa {
     HS_Q8A_AUTO = 0,        /* the best this CPU has (hs_q8a_best_isa) */
@@ -139,6 +143,9 @@ void hs_q8a_q4_matmul(const uint8_t *qs, const uint16_t *d, const uint16_t *m, c
                       int64_t K, float *y, int parallel);
 void hs_q8a_q8_matmul(const int8_t *q, const uint16_t *d, const void *x, int x_bf, int64_t T, int64_t N, int64_t K,
                       float *y, int parallel);
+/* the same with a scale per group of 16 (d [N, K / 16]) or 32 values */
+void hs_q8a_q8_group_matmul(const int8_t *q, const uint16_t *d, int group, const void *x, int x_bf, int64_t T,
+                            int64_t N, int64_t K, float *y, int parallel);
 /* hs_q4_panel_matmul (prompt chunks: float32 panels, the same bits) on tiled 4-bit weights */
 void hs_q8a_q4_panel_matmul(const uint8_t *qs, const uint16_t *d, const uint16_t *m, const float *x, int64_t T,
                             int64_t N, int64_t K, float *y, int parallel);

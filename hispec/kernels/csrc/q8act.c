@@ -5,6 +5,8 @@
  *          in its high one, q in 0..15), d, m float16 [N, K / 32]:  W[n, k] = d[n, b] q[n, k] + m[n, b]
  *          (Q4_0 is m = -8 d).
  *   8-bit: q int8 [N, K], d float16 [N, K / 32]:                     W[n, k] = d[n, b] q[n, k]
+ *   8-bit, group 16 (HS_Q8A_Q8G16; GGUF Q6_K in hispec's 8-bit form): q int8 [N, K], d float16
+ *          [N, K / 16], a scale per 16 values:                       W[n, k] = d[n, k / 16] q[n, k]
  * The scales are float16 as in the GGUF blocks (their bits, uint16_t here), widened exactly to
  * float32 where used: at one row a step streams the weights from memory, and float32 scales were
  * a third of a 4-bit weight's bytes (8 of every 24 bytes a block).
@@ -17,6 +19,12 @@
  *   acc     = fma((float)idot[b], d[n, b] * dx[t, b], acc)
  *   macc    = fma(m[n, b], dxs[t, b], macc)        (4-bit only: the offset times the block's x sum)
  *   y[t, n] = acc + macc                           (8-bit: acc)
+ * Group 16: each block's sum taken as two halves of 16 codes, each times its own weight scale, the
+ * low half first (the activations keep one scale per 32):
+ *   acc = fma((float)idot_lo[b], d[n, 2b] * dx[t, b], acc); acc = fma((float)idot_hi[b], d[n, 2b + 1] * dx[t, b], acc)
+ * (VNNI's 8-bit correction below then starts each half at -128 times that half's code sum: the kernel
+ * takes the low half's from the codes while it lays them out, once per call, the high half's as
+ * sx - that; hs_q8a_quantize's outputs are the same for every format.)
  * Every path (scalar, AVX2 maddubs, 256-bit VNNI, AVX-512 VNNI) computes these same operations, so
  * they give the same bits; a row's outputs depend on that row alone (not on T, the row tiling, the
  * thread split or the vector width).
@@ -25,7 +33,7 @@
  * block, per dword i of the block's bytes (4 for 4-bit, 8 for 8-bit), the 16 columns' dword i side
  * by side (64 bytes):  tiled[t * 16 * row_bytes + ((b * D + i) * 16 + c) * 4 + j]
  *                      = w[(16 t + c) * row_bytes + b * bytes + 4 i + j],       (D = bytes / 4)
- * and the scales d, m likewise [tile][block][16]. The last N % 16 columns stay as they are (rows),
+ * and the scales d, m likewise [tile][block][16] (group 16: [tile][half-block][16], K / 16 of them). The last N % 16 columns stay as they are (rows),
  * at the same offsets. The tiled array is the same size as the file's and holds the same bytes.
  *
  * The SIMD paths put output columns in vector lanes: a tile's dword i is one 512-bit vector (two
@@ -60,7 +68,9 @@
 #define BLOCK 32
 #define TILE 16 /* output columns per tile of the stored layout (= every path's COLS) */
 
-static inline int block_bytes(int fmt) { return fmt == HS_Q8A_Q8 ? 32 : 16; }
+static inline int block_bytes(int fmt) { return fmt == HS_Q8A_Q4 ? 16 : 32; }
+/* weight scales per block of 32 codes: 2 for HS_Q8A_Q8G16 (one per 16), else 1 */
+static inline int block_scales(int fmt) { return fmt == HS_Q8A_Q8G16 ? 2 : 1; }
 
 /* Where block b of column n lies in a tiled weight of N columns and nb blocks a column: its byte j
  * is at base + (j / 4) * step + j % 4 (step 64 in a tile; 4, i.e. contiguous, in the last N % 16
@@ -77,23 +87,28 @@ static inline int64_t tiled_scale(int64_t n, int64_t b, int64_t nb, int64_t N) {
     return n / TILE * TILE * nb + b * TILE + n % TILE;
 }
 
-/* rows -> tiled (untile = 0) or back (1): w [N, row bytes], d and m (NULL for 8-bit) [N, nb]. */
+/* rows -> tiled (untile = 0) or back (1): w [N, row bytes], d and m (NULL for 8-bit) [N, ns]: ns = nb
+ * scales a column, 2 nb for HS_Q8A_Q8G16 (tiled as ns "blocks" of scales: [tile][s][16]). */
 void hs_q8a_tile(int fmt, const uint8_t *w, const uint16_t *d, const uint16_t *m, int64_t N, int64_t K,
                  uint8_t *w_out, uint16_t *d_out, uint16_t *m_out, int untile) {
-    const int64_t nb = K / BLOCK;
+    const int64_t nb = K / BLOCK, ns = nb * block_scales(fmt);
     const int bytes = block_bytes(fmt);
-    for (int64_t n = 0; n < N; n++)
+    for (int64_t n = 0; n < N; n++) {
         for (int64_t b = 0; b < nb; b++) {
-            const int64_t r = n * nb + b, t = tiled_scale(n, b, nb, N);
+            const int64_t r = n * nb + b;
             int step;
             const int64_t base = tiled_block(n, b, nb, bytes, N, &step);
             for (int j = 0; j < bytes; j++) {
                 const int64_t tb = base + (j / 4) * step + (j & 3);
                 if (untile) w_out[r * bytes + j] = w[tb]; else w_out[tb] = w[r * bytes + j];
             }
+        }
+        for (int64_t b = 0; b < ns; b++) {
+            const int64_t r = n * ns + b, t = tiled_scale(n, b, ns, N);
             if (untile) d_out[r] = d[t]; else d_out[t] = d[r];
             if (m && untile) m_out[r] = m[t]; else if (m) m_out[t] = m[r];
         }
+    }
 }
 
 /* A float16's bits -> its value as a float32 (exact: every float16 is a float32). */
@@ -210,7 +225,7 @@ __attribute__((optimize("no-tree-vectorize"))) static void scalar_matmul(const u
                           const float *dx, const int32_t *sx, const float *dxs, int64_t T, int64_t N, int64_t K,
                           float *y, int parallel) {
     (void)sx;
-    const int64_t nb = K / BLOCK;
+    const int64_t nb = K / BLOCK, ns = nb * block_scales(fmt);
     const int bytes = block_bytes(fmt);
 #pragma omp parallel for schedule(static) if (parallel)
     for (int64_t n = 0; n < N; n++)
@@ -223,6 +238,15 @@ __attribute__((optimize("no-tree-vectorize"))) static void scalar_matmul(const u
                 const int64_t base = tiled_block(n, b, nb, bytes, N, &step);
                 for (int j = 0; j < bytes; j++) wb[j] = w[base + (j / 4) * step + (j & 3)];
                 int32_t s = 0;
+                if (fmt == HS_Q8A_Q8G16) {  /* two halves, each times its own scale: the low one first */
+                    for (int h = 0; h < 2; h++) {
+                        int32_t sh = 0;
+                        for (int j = 16 * h; j < 16 * h + 16; j++) sh += (int32_t)(int8_t)wb[j] * xb[j];
+                        const float c = half_to_float(d[tiled_scale(n, 2 * b + h, ns, N)]) * dx[t * nb + b];
+                        acc = fmaf((float)sh, c, acc);
+                    }
+                    continue;
+                }
                 if (fmt == HS_Q8A_Q8)
                     for (int j = 0; j < BLOCK; j++) s += (int32_t)(int8_t)wb[j] * xb[j];
                 else
@@ -396,10 +420,11 @@ void hs_q8a_q4_matmul(const uint8_t *qs, const uint16_t *d, const uint16_t *m, c
     hs_q8a_matmul_f32(HS_Q8A_Q4, qs, d, m, x, T, N, K, y, HS_Q8A_AUTO, parallel);
 }
 
-void hs_q8a_q8_matmul(const int8_t *q, const uint16_t *d, const void *x, int x_bf, int64_t T, int64_t N, int64_t K,
-                      float *y, int parallel) {
+void hs_q8a_q8_group_matmul(const int8_t *q, const uint16_t *d, int group, const void *x, int x_bf, int64_t T,
+                            int64_t N, int64_t K, float *y, int parallel) {
+    const int fmt = group == 16 ? HS_Q8A_Q8G16 : HS_Q8A_Q8;
     if (!x_bf) {
-        hs_q8a_matmul_f32(HS_Q8A_Q8, (const uint8_t *)q, d, NULL, (const float *)x, T, N, K, y, HS_Q8A_AUTO, parallel);
+        hs_q8a_matmul_f32(fmt, (const uint8_t *)q, d, NULL, (const float *)x, T, N, K, y, HS_Q8A_AUTO, parallel);
         return;
     }
     float *xf = malloc((size_t)(T * K) * sizeof(float));
@@ -408,8 +433,13 @@ void hs_q8a_q8_matmul(const int8_t *q, const uint16_t *d, const void *x, int x_b
         const uint32_t bits = (uint32_t)((const uint16_t *)x)[i] << 16;
         memcpy(xf + i, &bits, sizeof bits);
     }
-    hs_q8a_matmul_f32(HS_Q8A_Q8, (const uint8_t *)q, d, NULL, xf, T, N, K, y, HS_Q8A_AUTO, parallel);
+    hs_q8a_matmul_f32(fmt, (const uint8_t *)q, d, NULL, xf, T, N, K, y, HS_Q8A_AUTO, parallel);
     free(xf);
+}
+
+void hs_q8a_q8_matmul(const int8_t *q, const uint16_t *d, const void *x, int x_bf, int64_t T, int64_t N, int64_t K,
+                      float *y, int parallel) {
+    hs_q8a_q8_group_matmul(q, d, 32, x, x_bf, T, N, K, y, parallel);
 }
 
 /* The q4 kernel's prompt-chunk product (gguf.c's hs_q4_panel_matmul: float32 panels, the same bits)
@@ -511,7 +541,7 @@ static inline __attribute__((always_inline)) vi FN(bcast)(const int8_t *p) {  /*
 static inline __attribute__((always_inline)) const uint8_t *FN(wptr)(const uint8_t *tw, int64_t b, int v, int tv,
                                                                       const int fmt) {
     if (fmt == HS_Q8A_Q4) return tw + b * 4 * TILE * 4 + ((v & 3) * TILE + tv * VW) * 4;
-    return tw + b * 8 * TILE * 4 + (v * TILE + tv * VW) * 4;
+    return tw + b * 8 * TILE * 4 + (v * TILE + tv * VW) * 4;  /* 8-bit, either group */
 }
 
 /* Codes 4v .. 4v+3 of each column from that vector (raw), as the kernel multiplies them (VNNI:
@@ -527,19 +557,23 @@ static inline __attribute__((always_inline)) vi FN(wcodes)(vi raw, int v, const 
 
 /* R (<= RT, a constant after inlining) rows of a row group times a tile -> y[t, n0 .. n0 + ncols).
  * The group's activations are interleaved by row (xg: block b's dword v of row r at (b * 8 + v) * R + r;
- * dxg, dxsg, sxg: block b of row r at b * R + r), so that one pointer walks them all. While the first
+ * dxg, dxsg, sxg: block b of row r at b * R + r; sxlg, HS_Q8A_Q8G16 only: the sum of the block's first
+ * 16 codes, likewise), so that one pointer walks them all. HS_Q8A_Q8G16 runs each block as two halves
+ * of 16 codes (vectors 0-3, 4-7), each with its own sum and weight scale (dbuf: [2 b + h][COLS]). While the first
  * pass runs, the same block of the next tile (next, or NULL) is prefetched into L2: the weight stream
  * runs one tile ahead of the products, spread over them. wbuf (256-bit paths with several passes):
  * the tile's expanded vectors, written by the first pass, read by the others (wbuf_read). */
 static inline __attribute__((always_inline)) void FN(rows)(const uint8_t *tw, const uint8_t *next, vi *wbuf,
                                                            int wbuf_read, const uint16_t *dbuf, const uint16_t *mbuf,
                                                            const int8_t *xg, const float *dxg, const int32_t *sxg,
-                                                           const float *dxsg, int64_t K, const int R, const int fmt,
-                                                           float *y, int64_t N, int ncols) {
+                                                           const int32_t *sxlg, const float *dxsg, int64_t K,
+                                                           const int R, const int fmt, float *y, int64_t N, int ncols) {
     (void)sxg;
+    (void)sxlg;
     (void)wbuf;
     (void)wbuf_read;
-    const int64_t nb = K / BLOCK, bbytes = (fmt == HS_Q8A_Q8 ? 8 : 4) * TILE * 4;  /* a block's bytes in a tile */
+    const int64_t nb = K / BLOCK, bbytes = (fmt == HS_Q8A_Q4 ? 4 : 8) * TILE * 4;  /* a block's bytes in a tile */
+    const int halves = fmt == HS_Q8A_Q8G16 ? 2 : 1, vh = 8 / halves;  /* sums per block, vectors per sum */
     vf acc[RT][TV], macc[RT][TV];
     for (int r = 0; r < R; r++)
         for (int tv = 0; tv < TV; tv++) acc[r][tv] = macc[r][tv] = V_ZEROF();
@@ -547,62 +581,67 @@ static inline __attribute__((always_inline)) void FN(rows)(const uint8_t *tw, co
         if (next)
             for (int i = 0; i < bbytes; i += 64) __builtin_prefetch(next + b * bbytes + i, 0, 2);
         const int8_t *xb = xg + b * BLOCK * R;
-        vi s[RT][TV];  /* the exact block sums (int32; AVX2 4-bit: 16-bit pairs until widened) */
-        for (int r = 0; r < R; r++)
-            for (int tv = 0; tv < TV; tv++)
-                s[r][tv] = DP_VNNI && fmt == HS_Q8A_Q8 ? V_SET1_32(-128 * sxg[b * R + r]) : V_ZEROI();
 #if VW == 16  /* 32 registers: the block's vectors loaded together (a burst of cache lines) */
         vi raw[8];
         for (int i = 0; i < (fmt == HS_Q8A_Q4 ? 4 : 8); i++) raw[i] = V_LOADI(FN(wptr)(tw, b, i, 0, fmt));
 #endif
-#pragma GCC unroll 8
-        for (int v = 0; v < 8; v++) {
-            vi wv[TV];
-            for (int tv = 0; tv < TV; tv++) {
-#if VW == 16
-                wv[tv] = FN(wcodes)(raw[fmt == HS_Q8A_Q4 ? v & 3 : v], v, fmt);
-#else
-                vi *kept = wbuf ? wbuf + (b * 8 + v) * TV + tv : NULL;
-                if (kept && wbuf_read) {
-                    wv[tv] = V_LOADI(kept);
-                } else {
-                    wv[tv] = FN(wcodes)(V_LOADI(FN(wptr)(tw, b, v, tv, fmt)), v, fmt);
-                    if (kept) V_STOREI(kept, wv[tv]);
-                }
-#endif
+        for (int h = 0; h < halves; h++) {  /* HS_Q8A_Q8G16: the block's two halves in turn, else once */
+            vi s[RT][TV];  /* the exact block sums (int32; AVX2 4-bit: 16-bit pairs until widened) */
+            for (int r = 0; r < R; r++) {
+                /* VNNI 8-bit: the codes are q + 128, so the sum starts at -128 times the half's x codes */
+                const int32_t sxh = fmt == HS_Q8A_Q8G16 ? (h ? sxg[b * R + r] - sxlg[b * R + r] : sxlg[b * R + r])
+                                                        : fmt == HS_Q8A_Q8 ? sxg[b * R + r] : 0;
+                for (int tv = 0; tv < TV; tv++) s[r][tv] = DP_VNNI && fmt != HS_Q8A_Q4 ? V_SET1_32(-128 * sxh) : V_ZEROI();
             }
 #pragma GCC unroll 8
-            for (int r = 0; r < R; r++) {
-                const vi xv = FN(bcast)(xb + (v * R + r) * 4);
+            for (int v = h * vh; v < h * vh + vh; v++) {
+                vi wv[TV];
                 for (int tv = 0; tv < TV; tv++) {
-#if DP_VNNI
-                    s[r][tv] = V_DPBUSD(s[r][tv], wv[tv], xv);
+#if VW == 16
+                    wv[tv] = FN(wcodes)(raw[fmt == HS_Q8A_Q4 ? v & 3 : v], v, fmt);
 #else
-                    if (fmt == HS_Q8A_Q4)
-                        s[r][tv] = V_ADD16(s[r][tv], V_MADDUBS(wv[tv], xv));
-                    else {  /* the signs from the tile again (L1; registers are short on AVX2) */
-                        const vi sx8 = V_SIGN8(xv, V_LOADI(FN(wptr)(tw, b, v, tv, fmt)));
-                        s[r][tv] = V_ADD32(s[r][tv], V_MADD16(V_MADDUBS(wv[tv], sx8), V_SET1_16(1)));
+                    vi *kept = wbuf ? wbuf + (b * 8 + v) * TV + tv : NULL;
+                    if (kept && wbuf_read) {
+                        wv[tv] = V_LOADI(kept);
+                    } else {
+                        wv[tv] = FN(wcodes)(V_LOADI(FN(wptr)(tw, b, v, tv, fmt)), v, fmt);
+                        if (kept) V_STOREI(kept, wv[tv]);
                     }
 #endif
                 }
+#pragma GCC unroll 8
+                for (int r = 0; r < R; r++) {
+                    const vi xv = FN(bcast)(xb + (v * R + r) * 4);
+                    for (int tv = 0; tv < TV; tv++) {
+#if DP_VNNI
+                        s[r][tv] = V_DPBUSD(s[r][tv], wv[tv], xv);
+#else
+                        if (fmt == HS_Q8A_Q4)
+                            s[r][tv] = V_ADD16(s[r][tv], V_MADDUBS(wv[tv], xv));
+                        else {  /* the signs from the tile again (L1; registers are short on AVX2) */
+                            const vi sx8 = V_SIGN8(xv, V_LOADI(FN(wptr)(tw, b, v, tv, fmt)));
+                            s[r][tv] = V_ADD32(s[r][tv], V_MADD16(V_MADDUBS(wv[tv], sx8), V_SET1_16(1)));
+                        }
+#endif
+                    }
+                }
             }
-        }
-        for (int tv = 0; tv < TV; tv++) {
-            const vf dv = V_LOADH(dbuf + b * COLS + tv * VW);
+            for (int tv = 0; tv < TV; tv++) {
+                const vf dv = V_LOADH(dbuf + (b * halves + h) * COLS + tv * VW);
 #if VW == 16
-            const vf mv = fmt == HS_Q8A_Q4 ? V_LOADH(mbuf + b * COLS + tv * VW) : V_ZEROF();
+                const vf mv = fmt == HS_Q8A_Q4 ? V_LOADH(mbuf + b * COLS + tv * VW) : V_ZEROF();
 #endif
 #pragma GCC unroll 8
-            for (int r = 0; r < R; r++) {
+                for (int r = 0; r < R; r++) {
 #if !DP_VNNI
-                if (fmt == HS_Q8A_Q4) s[r][tv] = V_MADD16(s[r][tv], V_SET1_16(1));
+                    if (fmt == HS_Q8A_Q4) s[r][tv] = V_MADD16(s[r][tv], V_SET1_16(1));
 #endif
-                const vf c = V_MUL(dv, V_SET1F(dxg[b * R + r]));
-                acc[r][tv] = V_FMA(V_CVT(s[r][tv]), c, acc[r][tv]);
+                    const vf c = V_MUL(dv, V_SET1F(dxg[b * R + r]));
+                    acc[r][tv] = V_FMA(V_CVT(s[r][tv]), c, acc[r][tv]);
 #if VW == 16  /* 32 registers: the offsets' sums beside the products' */
-                if (fmt == HS_Q8A_Q4) macc[r][tv] = V_FMA(mv, V_SET1F(dxsg[b * R + r]), macc[r][tv]);
+                    if (fmt == HS_Q8A_Q4) macc[r][tv] = V_FMA(mv, V_SET1F(dxsg[b * R + r]), macc[r][tv]);
 #endif
+                }
             }
         }
     }
@@ -626,14 +665,15 @@ static inline __attribute__((always_inline)) void FN(rows)(const uint8_t *tw, co
 static inline __attribute__((always_inline)) int FN(run)(const uint8_t *w, const uint16_t *d, const uint16_t *m,
                                                           const int fmt, const float *x, q8a_scratch q, int64_t T,
                                                           int64_t N, int64_t K, float *y, int parallel) {
-    const int64_t nb = K / BLOCK, row_bytes = nb * (fmt == HS_Q8A_Q8 ? 32 : 16), tiles = (N + COLS - 1) / COLS;
-    const int avx2 = x ? cpu_avx2_fma() : 0;
+    const int64_t nb = K / BLOCK, row_bytes = nb * block_bytes(fmt), tiles = (N + COLS - 1) / COLS;
+    const int64_t ns = nb * block_scales(fmt);  /* weight scales a column */
+    const int avx2 = x ? cpu_avx2_fma() : 0, g16 = fmt == HS_Q8A_Q8G16;
     /* the activations in row groups (FN(rows)); x given: quantized straight into them, else the
-     * row-major codes of q put in place */
-    int8_t *codes = malloc((size_t)(T * K) + (size_t)(T * nb) * (2 * sizeof(float) + sizeof(int32_t)));
+     * row-major codes of q put in place; HS_Q8A_Q8G16: also each block's first 16 codes' sum (sxl) */
+    int8_t *codes = malloc((size_t)(T * K) + (size_t)(T * nb) * (2 * sizeof(float) + (1 + g16) * sizeof(int32_t)));
     if (!codes) return 0;
     float *dx = (float *)(codes + T * K), *dxs = dx + T * nb;  /* (T * K: a multiple of 32) */
-    int32_t *sx = (int32_t *)(dxs + T * nb);
+    int32_t *sx = (int32_t *)(dxs + T * nb), *sxl = g16 ? sx + T * nb : NULL;
     int failed = 0;  /* a thread's scratch could not be allocated: its tiles are not computed */
 #pragma omp parallel if (parallel)
     {
@@ -648,6 +688,11 @@ static inline __attribute__((always_inline)) int FN(run)(const uint8_t *w, const
                     quantize_one(x + src_i * BLOCK, tmp, dx + i, sx + i, dxs + i, avx2);
                 else
                     dx[i] = q.dx[src_i], sx[i] = q.sx[src_i], dxs[i] = q.dxs[src_i];
+                if (g16) {
+                    int32_t lo = 0;
+                    for (int j = 0; j < 16; j++) lo += src[j];
+                    sxl[i] = lo;
+                }
                 for (int v = 0; v < 8; v++) memcpy(codes + (g * RT * K + ((b * 8 + v) * R + r) * 4), src + 4 * v, 4);
             }
         }
@@ -657,7 +702,7 @@ static inline __attribute__((always_inline)) int FN(run)(const uint8_t *w, const
         uint16_t *pad_d = NULL, *pad_m = NULL;
         if (N % COLS) {
             pad_w = calloc((size_t)(COLS * row_bytes), 1);
-            pad_d = calloc((size_t)(COLS * nb), sizeof(uint16_t));
+            pad_d = calloc((size_t)(COLS * ns), sizeof(uint16_t));
             pad_m = calloc((size_t)(COLS * nb), sizeof(uint16_t));
         }
         /* 16 registers (VW 8) and several passes of rows: the first keeps the tile's expanded vectors
@@ -674,17 +719,18 @@ static inline __attribute__((always_inline)) int FN(run)(const uint8_t *w, const
             const int64_t n0 = tile * COLS;
             const int ncols = (int)(N - n0 < COLS ? N - n0 : COLS);
             const uint8_t *tw = w + n0 * row_bytes;
-            const uint16_t *dbuf = d + n0 * nb, *mbuf = fmt == HS_Q8A_Q4 ? m + n0 * nb : NULL;
+            const uint16_t *dbuf = d + n0 * ns, *mbuf = fmt == HS_Q8A_Q4 ? m + n0 * nb : NULL;
             if (ncols < COLS) {  /* the stored rows of the last ncols columns, placed as in a full tile */
                 const int bytes = block_bytes(fmt);
-                for (int c = 0; c < ncols; c++)
+                for (int c = 0; c < ncols; c++) {
                     for (int64_t b = 0; b < nb; b++) {
                         int step;
                         const int64_t base = tiled_block(c, b, nb, bytes, TILE, &step), at = tiled_scale(c, b, nb, TILE);
                         for (int j = 0; j < bytes; j++) pad_w[base + (j / 4) * step + (j & 3)] = tw[(c * nb + b) * bytes + j];
-                        pad_d[at] = dbuf[c * nb + b];
                         if (fmt == HS_Q8A_Q4) pad_m[at] = mbuf[c * nb + b];
                     }
+                    for (int64_t b = 0; b < ns; b++) pad_d[tiled_scale(c, b, ns, TILE)] = dbuf[c * ns + b];
+                }
                 tw = pad_w, dbuf = pad_d, mbuf = fmt == HS_Q8A_Q4 ? pad_m : NULL;
             }
             const uint8_t *next = tile + 1 < N / COLS ? w + (n0 + COLS) * row_bytes : NULL;
@@ -692,15 +738,17 @@ static inline __attribute__((always_inline)) int FN(run)(const uint8_t *w, const
                 const uint8_t *ahead = t0 ? NULL : next;  /* the first pass prefetches */
                 const int8_t *xg = codes + t0 * K;
                 const float *dxg = dx + t0 * nb, *dxsg = dxs + t0 * nb;
-                const int32_t *sxg = sx + t0 * nb;
+                const int32_t *sxg = sx + t0 * nb, *sxlg = g16 ? sxl + t0 * nb : NULL;
                 float *yt = y + t0 * N + n0;
                 /* constant row counts keep the sums in registers; a constant format keeps its branches out of
                  * the loops (fmt is a variable in the outlined OpenMP body) */
-#define ROWS_CALL(R)                                                                                   \
-    if (fmt == HS_Q8A_Q4)                                                                              \
-        FN(rows)(tw, ahead, wbuf, t0 > 0, dbuf, mbuf, xg, dxg, sxg, dxsg, K, R, HS_Q8A_Q4, yt, N, ncols); \
-    else                                                                                               \
-        FN(rows)(tw, ahead, wbuf, t0 > 0, dbuf, mbuf, xg, dxg, sxg, dxsg, K, R, HS_Q8A_Q8, yt, N, ncols)
+#define ROWS_CALL(R)                                                                                          \
+    if (fmt == HS_Q8A_Q4)                                                                                     \
+        FN(rows)(tw, ahead, wbuf, t0 > 0, dbuf, mbuf, xg, dxg, sxg, sxlg, dxsg, K, R, HS_Q8A_Q4, yt, N, ncols);  \
+    else if (fmt == HS_Q8A_Q8G16)                                                                             \
+        FN(rows)(tw, ahead, wbuf, t0 > 0, dbuf, mbuf, xg, dxg, sxg, sxlg, dxsg, K, R, HS_Q8A_Q8G16, yt, N, ncols); \
+    else                                                                                                      \
+        FN(rows)(tw, ahead, wbuf, t0 > 0, dbuf, mbuf, xg, dxg, sxg, sxlg, dxsg, K, R, HS_Q8A_Q8, yt, N, ncols)
                 switch (T - t0 < RT ? T - t0 : RT) {
 #define ROWS_CASE(R) case R: ROWS_CALL(R); break;
                     ROWS_CASE(1)
@@ -731,6 +779,7 @@ static inline __attribute__((always_inline)) int FN(run)(const uint8_t *w, const
 static int FN(matmul)(const uint8_t *w, const uint16_t *d, const uint16_t *m, const int fmt, const float *x,
                       q8a_scratch q, int64_t T, int64_t N, int64_t K, float *y, int parallel) {
     if (fmt == HS_Q8A_Q4) return FN(run)(w, d, m, HS_Q8A_Q4, x, q, T, N, K, y, parallel);
+    if (fmt == HS_Q8A_Q8G16) return FN(run)(w, d, m, HS_Q8A_Q8G16, x, q, T, N, K, y, parallel);
     return FN(run)(w, d, m, HS_Q8A_Q8, x, q, T, N, K, y, parallel);
 }
 

@@ -7,7 +7,7 @@ same file's quantized tensors without dequantizing them and puts them on hispec'
 - the 4-bit form ``w = d * q + m`` (``q`` 0..15, ``d``, ``m`` float16; kernels ``q4``, ``q8a``,
   ``int4``: :meth:`QuantLinear.from_blocks`), and
 - the 8-bit form ``w = d * q`` (``q`` int8, ``d`` float16; kernels ``q8``, ``q8a8``, ``int4x2``:
-  :meth:`QuantLinear.from_q8_blocks`).
+  :meth:`QuantLinear.from_q8_blocks`), also with a scale per 16 values (Q6_K; ``q8``, ``q8a8``).
 
 GGUF block layouts (ggml's ``block_*`` structs, little-endian; ``d``, ``dmin``, ``m`` float16) and
 how each maps::
@@ -37,15 +37,27 @@ how each maps::
         2^-11 (|d' q| + |m'|) (measured max 1.43e-3 of its sub-block's largest |w|, where d' q
         and m' nearly cancel). The nibbles are unpacked to ``q [N, K]`` and repacked by
         ``from_blocks`` in the legacy order the kernels read. A tensor whose d' or m' overflow
-        float16 (not seen in real files) stays float.
+        float16 (not seen in real files) is requantized (below).
+    Q6_K (256 weights, 210 bytes): ql[128], qh[64], scales[16] int8, d
+        per half of 128 weights (ql 64 bytes, qh 32): values l, l + 32, l + 64, l + 96 (l < 32)
+        take the low nibbles of ql[l], ql[l + 32], then their high nibbles, and bits 0-1, 2-3, 4-5,
+        6-7 of qh[l] above them: q in 0..63; w = d * scales[j] * (q - 32), j = value / 16.
+        8-bit form with a scale per 16 values ("group 16", kernels q8 and q8a8): q - 32 in
+        -32..31, d16 = d * scales[j] computed exactly in float32 and rounded once to float16, the
+        only rounding: relative error <= 2^-11 where d16 is a normal float16, exact below
+        (measured max 4.8757e-4 over the 737,280 Q6_K scales of Gemma 3 270M's Q4_K_M file, 4.880e-4
+        on random super-blocks); a weight moves by at most 2^-11 |d16 q|, i.e. 4.88e-4 of its
+        16-value group's largest |w|. Without hispec's kernels (int4x2: no group of 16) it is
+        requantized (below).
 
 A fused layer (``FUSED``: q/k/v, gate/up) runs on the file's blocks when all its parts map to one
 form (types may differ: Q5_0 + Q8_0 in the 8-bit form, Q4_K + Q4_0 in the 4-bit form; the 4-bit
-form is preferred where both fit, i.e. all parts Q4_0). Otherwise (a Q5_1, Q5_K, Q6_K, F16, ...
-part, or parts in different forms) it runs in the 8-bit form with its parts that have no exact
+form is preferred where both fit, i.e. all parts Q4_0; Q6_K's group of 16 is taken by the whole
+layer, a scale per 32 being two equal ones per 16). Otherwise (a Q5_1, Q5_K, Q2_K, Q3_K, IQ*, F16,
+... part, or parts in different forms) it runs in the 8-bit form with its parts that have no exact
 8-bit form **requantized** from their float values (gguf's dequantization, what the float32 copy
 holds) as Q8_0 quantizes (:func:`requantize_q8`: per block of 32, d = amax / 127 in float16, q =
-round(w / d); each weight moves by at most amax / 254, e.g. 1/8 of a Q6_K step), ~1.06 bytes per
+round(w / d), at the layer's group; each weight moves by at most amax / 254), ~1.06 bytes per
 weight: the block kernels give a row the same bits whatever rows share the call, which float32's
 matmuls (one row: gemv; several: gemm) do not, and speculative verification must give one-token
 decoding's tokens. A layer stays on its float32 copy only where its rows are not a multiple of 16
@@ -72,9 +84,10 @@ BLOCK = 32
 FUSED = {"qkv_proj": ("attn_q", "attn_k", "attn_v"), "gate_up_proj": ("ffn_gate", "ffn_up"),
          "o_proj": ("attn_output",), "down_proj": ("ffn_down",)}
 FOUR_BIT = ("Q4_0", "Q4_1", "Q4_K")  # types with the 4-bit form w = d * q + m
-EIGHT_BIT = ("Q8_0", "Q5_0", "Q4_0")  # types with the 8-bit form w = d * q
-NATIVE_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q8_0")
-SUPPORTED = "Q4_0, Q4_1, Q4_K (4-bit blocks) and Q5_0, Q8_0 (8-bit blocks)"  # for messages
+EIGHT_BIT = ("Q8_0", "Q5_0", "Q4_0", "Q6_K")  # types with the 8-bit form w = d * q (Q6_K: group 16)
+GROUP16 = ("Q6_K",)  # types whose 8-bit form has a scale per 16 values
+NATIVE_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q8_0", "Q6_K")
+SUPPORTED = "Q4_0, Q4_1, Q4_K (4-bit blocks) and Q5_0, Q8_0, Q6_K (8-bit blocks)"  # for messages
 
 
 def _split_f16(blocks: np.ndarray, at: int) -> np.ndarray:
@@ -134,11 +147,31 @@ def _q4_k_blocks(raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     return (torch.from_numpy(q), torch.from_numpy(d32.reshape(n, -1)), torch.from_numpy(m32.reshape(n, -1)))
 
 
+def _q6_k_blocks(raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q6_K rows ``[N, K / 256 * 210]`` uint8 -> the 8-bit form, group 16 (module docstring):
+    ``q [N, K]`` int8 in -32..31, ``d [N, K / 16]`` float16; ValueError where a d * sc overflows."""
+    n = raw.shape[0]
+    blocks = raw.reshape(n, -1, 210)  # [N, K/256, 210]: ql[128], qh[64], scales[16] int8, d
+    ql, qh = blocks[..., :128].reshape(n, -1, 2, 64), blocks[..., 128:192].reshape(n, -1, 2, 1, 32)
+    lo = np.concatenate([ql[..., :32] & 15, ql[..., 32:] & 15, ql[..., :32] >> 4, ql[..., 32:] >> 4], axis=-1)
+    hi = (qh >> np.array([0, 2, 4, 6], np.uint8)[:, None]) & 3  # [N, K/256, 2, 4, 32]: 2 bits per value
+    q = (lo | (hi.reshape(n, -1, 2, 128) << 4)).astype(np.int8) - np.int8(32)  # per half of 128: 4 runs of 32
+    sc = blocks[..., 192:208].copy().view(np.int8).astype(np.float32)  # [N, K/256, 16]
+    d = _split_f16(blocks, 208).astype(np.float32)
+    with np.errstate(over="ignore"):
+        d16 = (d[..., None] * sc).astype(np.float16)  # exact in float32, rounded once
+    if not np.isfinite(d16).all():
+        raise ValueError("a Q6_K scale d * sc overflows float16")
+    return torch.from_numpy(np.ascontiguousarray(q.reshape(n, -1))), torch.from_numpy(d16.reshape(n, -1))
+
+
 def _q8_blocks(tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``q [N, K]`` int8 and ``d [N, K / 32]`` float16 (``w = d * q``) of a Q8_0, Q5_0 or Q4_0
-    tensor (see the module's docstring)."""
+    tensor, ``d [N, K / 16]`` of a Q6_K one (see the module's docstring)."""
     raw, kind = _rows(tensor)
     n = raw.shape[0]
+    if kind == "Q6_K":
+        return _q6_k_blocks(raw)
     if kind == "Q8_0":  # d, then 32 int8
         blocks = raw.reshape(n, -1, 2 + BLOCK)
         q = blocks[..., 2:].copy().view(np.int8)
@@ -205,10 +238,19 @@ def _requantized_blocks(tensor, group: int = BLOCK) -> tuple[torch.Tensor, torch
     return torch.cat(qs), torch.cat(ds)
 
 
-def _requantize_mask(types) -> list[bool]:
+def _group16_runs() -> bool:
+    """Whether the 8-bit kernel GGUF weights get (``eight_bit_kernel``) has a scale per 16 values
+    (``q8``, ``q8a8``; not ``int4x2``, where hispec's kernels are not built)."""
+    from ...kernels.quant import Q8_STORAGE, eight_bit_kernel
+
+    return eight_bit_kernel() in Q8_STORAGE
+
+
+def _requantize_mask(types, overflow: bool = False) -> list[bool]:
     """Which parts of a layer that has no common exact form go to the 8-bit form from their float
-    values (those without an exact 8-bit form)."""
-    return [k not in EIGHT_BIT for k in types]
+    values: those without an exact 8-bit form, and (``overflow``: a scale product overflowed
+    float16) those whose scales are products (Q4_K, Q6_K)."""
+    return [k not in EIGHT_BIT or overflow and k in ("Q4_K", "Q6_K") for k in types]
 
 
 def _native(tensors, form: str, source: str, undo=None, requantize=None) -> QuantLinear:
@@ -223,8 +265,15 @@ def _native(tensors, form: str, source: str, undo=None, requantize=None) -> Quan
         parts = [[undo(i, x) for x in _blocks(t)] for i, t in enumerate(tensors)]
         q, d, m = (torch.cat(xs) for xs in zip(*parts))
         return QuantLinear.from_blocks(q, d, m, source)
-    parts = [[undo(i, x) for x in (_requantized_blocks(t) if r else _q8_blocks(t))]
-             for i, (t, r) in enumerate(zip(tensors, requantize))]
+    kinds = [t.tensor_type.name for t in tensors]
+    if not _group16_runs():  # no kernel with a scale per 16 values here: Q6_K parts requantized
+        requantize = [r or k in GROUP16 for r, k in zip(requantize, kinds)]
+    # a scale per 16 values for every part where one part has it (a scale per 32 is two equal ones)
+    group = 16 if any(k in GROUP16 and not r for k, r in zip(kinds, requantize)) else BLOCK
+    parts = []
+    for i, (t, r) in enumerate(zip(tensors, requantize)):
+        q, d = _requantized_blocks(t, group) if r else _q8_blocks(t)
+        parts.append([undo(i, q), undo(i, d.repeat_interleave(q.shape[1] // group // d.shape[1], dim=1))])
     q, d = (torch.cat(xs) for xs in zip(*parts))
     layer = QuantLinear.from_q8_blocks(q, d, source)
     layer.requantized = tuple(sorted({t.tensor_type.name for t, r in zip(tensors, requantize) if r}))
@@ -274,7 +323,7 @@ def native_linears(gguf_path: str | Path, num_heads: int, num_kv_heads: int,
     """QuantLinears for the file's decoder linears, by module name (``layers.3.qkv_proj``), and
     the file's types of those tensors (e.g. ``Q4_K+Q8_0``): a layer whose GGUF parts all map to
     one block form (module docstring) runs on the file's blocks; otherwise (a type without an
-    exact form: Q5_K, Q6_K, F16, ...; parts whose forms differ) it runs in the 8-bit form, its
+    exact form: Q5_K, Q3_K, F16, ...; parts whose forms differ) it runs in the 8-bit form, its
     parts without an exact 8-bit form requantized from their float values (:func:`requantize_q8`;
     the layer's ``requantized`` names their types): the block kernels give each row the same
     bits whatever rows share the call, which float32's matmuls do not. ``permuted``: the file's Q
@@ -296,10 +345,10 @@ def native_linears(gguf_path: str | Path, num_heads: int, num_kv_heads: int,
         try:
             try:
                 layer = _native(tensors, form or "8-bit", source, undo, None if form else _requantize_mask(types))
-            except ValueError:  # a Q4_K scale that overflows float16: those parts requantized
-                if form is None or not any(_requantize_mask(types)):
+            except ValueError:  # a Q4_K / Q6_K scale that overflows float16: those parts requantized
+                if form is None:
                     raise
-                layer = _native(tensors, "8-bit", source, undo, _requantize_mask(types))
+                layer = _native(tensors, "8-bit", source, undo, _requantize_mask(types, overflow=True))
         except ValueError:  # values that are not finite: float32 copy (float_layers says so)
             continue
         out[f"layers.{i}.{fused}"] = layer
@@ -411,7 +460,7 @@ def decoder_types(gguf_path: str | Path) -> dict[str, str]:
 
 def native_head(gguf_path: str | Path) -> QuantLinear | None:
     """The output head (or the tied embedding) on a block kernel: on the file's blocks where its type
-    has a native form (Q4_0, Q4_1, Q4_K in the 4-bit form, Q8_0, Q5_0 in the 8-bit one: module
+    has a native form (Q4_0, Q4_1, Q4_K in the 4-bit form, Q8_0, Q5_0, Q6_K in the 8-bit one: module
     docstring), else requantized to the 8-bit form from its float values (:func:`requantize_q8`,
     ``requantized`` names its type); None where the file keeps it in F32 (its own precision), where
     its rows are not a multiple of 16 or its values are not finite."""
@@ -425,7 +474,7 @@ def native_head(gguf_path: str | Path) -> QuantLinear | None:
     try:
         try:
             return _native([t], form or "8-bit", kind, requantize=None if form else [True])
-        except ValueError:  # a Q4_K scale that overflows float16
+        except ValueError:  # a Q4_K / Q6_K scale that overflows float16
             if form is None:
                 raise
             return _native([t], "8-bit", kind, requantize=[True])
