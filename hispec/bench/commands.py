@@ -28,16 +28,19 @@ strategies (--strategies, comma-separated NAME[:OPTION...]):
 
 peers (--peers, comma-separated ENGINE[:OPTION]): run in their own processes on the same prompt token ids,
 interleaved with the strategies; their token ids are compared with ar's (whole output and first --agree-first).
-  llama.cpp[:W][:lookup]  llama-cpp-python on the default model's own Q4_1 GGUF (q4_1) or F16/F32 GGUFs of
-                          the same weights (f16, f32; written once under $HISPEC_HOME/peers/gguf); bare: all three;
-                          :lookup with its prompt lookup decoding (measured against the same peer without it)
+  llama.cpp[:W][:lookup]  llama-cpp-python on the GGUF file hispec loads, any architecture and type, W its type
+                          (q4_1 for the default model, q4_k_m for gemma3-270m...; gguf: the file whatever its type)
+                          or F16/F32 GGUFs of the same weights (f16, f32; written once under
+                          $HISPEC_HOME/peers/gguf); bare: all three; :lookup with its prompt lookup decoding
+                          (measured against the same peer without it)
   vllm[:DTYPE][:ngram]    vLLM (CPU) on the converted model folder; float32 (bare) or bfloat16; :ngram with its
                           n-gram speculative decoding (measured against the same peer without it)
   ar:OPT=VALUE[:...]      hispec ar with other model options in a second process, e.g. ar:dtype=bfloat16;
                           kernel=q4|int4|q8a: 4-bit weights on that kernel (ar:kernel=int4)
   hispec:OPT=VALUE[:...]  the same for hispec, selfspec or lookup (with the run's --adaptive), e.g.
                           hispec:kernel=int4 against this process's hispec on the timed kernel
-  install: scripts/install-peers.sh [llama.cpp] [vllm] (venvs under $HISPEC_PEERS, default $HISPEC_HOME/peers)
+  install: scripts/install-peers.sh [llama.cpp] [vllm] (venvs under $HISPEC_PEERS, default $HISPEC_HOME/peers);
+           llama.cpp-tools: llama.cpp's own llama-bench, llama-perplexity, llama-quantize... in llamacpp-tools/bin
 
 example:
   hispec bench --data /path/spec_bench/question.jsonl --limit 2 --per-category --max-new-tokens 64 --out bench-out
@@ -82,7 +85,7 @@ def register(subparsers) -> None:
     g.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     peers = p.add_argument_group("peer engines (each in its own process and venv; greedy; see PEERS below)")
     peers.add_argument("--peers", default=None, metavar="P,P",
-                       help="also run llama.cpp[:q4_1|f16|f32], vllm[:float32|bfloat16], ar:OPT=VALUE")
+                       help="also run llama.cpp[:TYPE|gguf|f16|f32], vllm[:float32|bfloat16], ar:OPT=VALUE")
     peers.add_argument("--peer-python", action="append", default=[], metavar="ENGINE=PYTHON",
                        help="the Python of a peer's venv (repeatable; default $HISPEC_PEERS/<llamacpp|vllm>/bin/python, "
                             "$HISPEC_PEERS defaulting to $HISPEC_HOME/peers)")
@@ -198,7 +201,7 @@ def cmd_bench(args) -> int:
     from ..distributed import generator_from_args
     from ..options import UsageError, sampling_from_args
     from ..data import load_prompts
-    from .peers import build_peers, parse_peer_python, parse_peers
+    from .peers import build_peers, model_gguf_type, parse_peer_python, parse_peers
     from .results import load_average
     from .strategies import parse_strategies
 
@@ -219,7 +222,8 @@ def cmd_bench(args) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
-    peer_specs = parse_peers(args.peers)
+    # llama.cpp runs the GGUF file hispec loads: its peers are labelled by the file's type (q4_1, q4_k_m...)
+    peer_specs = parse_peers(args.peers, model_gguf_type(args.model) if "llama.cpp" in (args.peers or "") else None)
     parse_peer_python(args.peer_python)
     if peer_specs and not params.greedy:
         raise UsageError("--peers compares token ids: use greedy decoding (--temperature 0)")

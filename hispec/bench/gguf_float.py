@@ -6,10 +6,12 @@ every quantized tensor dequantized (``gguf.quants.dequantize``, the same functio
 converter uses) and stored as F32, or rounded once to F16 for the F16 file; 1-D tensors
 (norms) stay F32, as llama.cpp expects. Metadata (architecture, tokenizer, chat template) is
 copied unchanged apart from ``general.file_type``. Files are cached under
-``$HISPEC_HOME/peers/gguf``.
+``$HISPEC_HOME/peers/gguf/<tag>``, the tag a hash of the source file's path (two sources of the same
+name are two caches; a copy older than its source is written again).
 """
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 
@@ -29,7 +31,9 @@ def float_gguf(src: Path, kind: str, out_dir: Path | None = None) -> Path:
     if kind not in FLOAT_TYPES:
         raise ValueError(f"float GGUF kind must be one of {', '.join(FLOAT_TYPES)}, got {kind!r}")
     src = Path(src)
-    out = (out_dir or cache_dir()) / f"{src.stem.rsplit('.', 1)[0]}.{kind}.gguf"
+    if out_dir is None:
+        out_dir = cache_dir() / hashlib.sha256(str(src.resolve()).encode()).hexdigest()[:10]
+    out = out_dir / f"{src.stem.rsplit('.', 1)[0]}.{kind}.gguf"
     if out.is_file() and out.stat().st_mtime >= src.stat().st_mtime:
         return out
     out.parent.mkdir(parents=True, exist_ok=True)

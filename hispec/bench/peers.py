@@ -2,10 +2,13 @@
 
 ``--peers`` names them (comma-separated ``ENGINE[:OPTION...]``):
 
-- ``llama.cpp[:q4_1|f16|f32][:lookup]``: llama-cpp-python on the default model's own Q4_1 GGUF, or
-  F16 / F32 GGUFs of the same weights (``gguf_float``); bare ``llama.cpp`` = all three. Only the
-  default model (the GGUF it was converted from) has these files. ``:lookup``: with its prompt
-  lookup decoding (``LlamaPromptLookupDecoding``).
+- ``llama.cpp[:TYPE|gguf|f16|f32][:lookup]``: llama-cpp-python on the GGUF file hispec loads (the
+  default model's, a known model's such as ``gemma3-270m``, or a ``.gguf`` path; any architecture
+  and type), labelled by its type (``llama.cpp:q4_1`` for the default model's Q4_1 file,
+  ``llama.cpp:q4_k_m`` for Gemma's; ``gguf`` is the same file whatever its type), or F16 / F32
+  GGUFs of the same weights (``gguf_float``); bare ``llama.cpp`` = the file and both float copies.
+  A model not loaded from a GGUF file has none. ``:lookup``: with its prompt lookup decoding
+  (``LlamaPromptLookupDecoding``).
 - ``vllm[:float32|bfloat16][:ngram]``: vLLM (CPU build) on the model's converted folder; bare =
   float32. ``:ngram``: with its n-gram (prompt lookup) speculative decoding.
   (transformers' prompt lookup is the in-process strategy ``hf-lookup``, against ``hf``.)
@@ -43,7 +46,9 @@ from .strategies import Runner, Sample
 
 ENGINES = ("llama.cpp", "vllm", "ar")
 OWN_STRATEGIES = ("ar", "hispec", "selfspec", "lookup")  # hispec in a second process: engine "ar"
-LLAMA_WEIGHTS = ("q4_1", "f16", "f32")
+LLAMA_FLOATS = ("f16", "f32")  # llama.cpp on float copies of the model's GGUF file
+LLAMA_FILE = "gguf"  # llama.cpp on the model's GGUF file itself (labelled by its type)
+DEFAULT_GGUF_TYPE = "q4_1"  # the default model's file
 VLLM_DTYPES = ("float32", "bfloat16")
 SPECULATIVE = {"llama.cpp": "lookup", "vllm": "ngram"}  # engine -> its speculative mode
 LOOKUP_TOKENS = 4  # drafts per round for the peers' prompt lookup (hispec's lookup default)
@@ -61,7 +66,7 @@ WORKER = Path(__file__).with_name("peer_worker.py")
 class PeerSpec:
     label: str
     engine: str
-    weights: str | None = None  # llama.cpp: q4_1/f16/f32; vllm: dtype
+    weights: str | None = None  # llama.cpp: the GGUF file's type (q4_1, q4_k_m...), f16 or f32; vllm: dtype
     options: dict = field(default_factory=dict)  # ar: model option -> value
     strategy: str = "ar"  # engine ar: the strategy hispec runs in that process (OWN_STRATEGIES)
     speculative: str | None = None  # the peer's own speculative mode (SPECULATIVE), None: plain decoding
@@ -72,14 +77,17 @@ class PeerSpec:
         return self.label.rsplit(":", 1)[0] if self.speculative else None
 
 
-def parse_peers(text: str | None) -> list[PeerSpec]:
-    """Parse ``--peers`` (see the module docstring); raises ConfigError naming the bad part."""
+def parse_peers(text: str | None, gguf_type: str | None = DEFAULT_GGUF_TYPE) -> list[PeerSpec]:
+    """Parse ``--peers`` (see the module docstring); raises ConfigError naming the bad part.
+    ``gguf_type``: the type of the model's GGUF file (``gguf_type_name``; default the default
+    model's), which labels llama.cpp on that file; None: the model has no GGUF file (llama.cpp
+    peers are then labelled ``gguf``, ``f16``, ``f32`` and refused when they start)."""
     if not text:
         return []
     specs: list[PeerSpec] = []
     for item in (s.strip() for s in text.split(",")):
         if item:
-            specs.extend(_parse_one(item))
+            specs.extend(_parse_one(item, gguf_type))
     specs = _with_plain_counterparts(specs)
     labels = [s.label for s in specs]
     dup = next((l for l in labels if labels.count(l) > 1), None)
@@ -107,17 +115,19 @@ def _split_mode(engine: str, options: list[str]) -> tuple[list[str], str | None]
     return options, None
 
 
-def _parse_one(item: str) -> list[PeerSpec]:
+def _parse_one(item: str, gguf_type: str | None) -> list[PeerSpec]:
     engine, *options = item.split(":")
     if engine in SPECULATIVE:
         options, mode = _split_mode(engine, options)
         suffix = f":{mode}" if mode else ""
     if engine == "llama.cpp":
-        weights = options or list(LLAMA_WEIGHTS)
-        bad = [w for w in weights if w not in LLAMA_WEIGHTS] or len(options) > 1
-        if bad:
-            raise ConfigError(f"peer {item!r}: llama.cpp takes one of {', '.join(LLAMA_WEIGHTS)}, then optionally "
-                              "lookup (e.g. llama.cpp:f16, llama.cpp:q4_1:lookup)")
+        own = gguf_type or LLAMA_FILE
+        choices = list(dict.fromkeys([own, LLAMA_FILE, *LLAMA_FLOATS]))
+        if len(options) > 1 or (options and options[0] not in choices):
+            raise ConfigError(f"peer {item!r}: llama.cpp takes one of {', '.join(choices)} (the model's GGUF file"
+                              f"{f' is {own.upper()}' if gguf_type else ''}; {LLAMA_FILE}: that file whatever its "
+                              f"type), then optionally lookup (e.g. llama.cpp:f16, llama.cpp:{own}:lookup)")
+        weights = [own if w == LLAMA_FILE else w for w in options] or list(dict.fromkeys([own, *LLAMA_FLOATS]))
         return [PeerSpec(f"llama.cpp:{w}{suffix}", engine, w, speculative=mode) for w in weights]
     if engine == "vllm":
         if len(options) > 1 or (options and options[0] not in VLLM_DTYPES):
@@ -187,19 +197,52 @@ def peer_weights(spec: PeerSpec, generator, model_name: str) -> Weights:
         if folder is None:
             raise ConfigError("vllm needs the model's folder; this model was not loaded from one")
         return Weights(str(folder), f"{Path(folder).name}, {spec.weights}")
-    from ..model.load.gguf_convert import default_gguf_path
-    from ..model.load.registry import DEFAULT_MODEL, KNOWN_MODELS, models_dir
-
-    default_folder = models_dir() / KNOWN_MODELS[DEFAULT_MODEL].folder
-    if folder is None or Path(folder).resolve() != default_folder.resolve():
-        raise ConfigError("llama.cpp peers run the default model's own GGUF file: use --model default")
-    gguf = default_gguf_path()
-    if spec.weights == "q4_1":
+    gguf = model_gguf(model_name)
+    if gguf is None:
+        raise ConfigError("llama.cpp peers run the GGUF file hispec loads, and this model was not loaded from one: "
+                          "use --model default, a known GGUF model (hispec models) or a .gguf file")
+    own = gguf_type_name(gguf)
+    if spec.weights in (own, LLAMA_FILE):
         return Weights(str(gguf), gguf.name)
+    if spec.weights not in LLAMA_FLOATS:
+        raise ConfigError(f"llama.cpp:{spec.weights}: the model's GGUF file {gguf.name} is {own.upper()}: use "
+                          f"llama.cpp:{own} (or llama.cpp:{LLAMA_FILE}), llama.cpp:f16 or llama.cpp:f32")
     from .gguf_float import float_gguf
 
     path = float_gguf(gguf, spec.weights.upper())
     return Weights(str(path), f"{path.name} (dequantized from {gguf.name})")
+
+
+def model_gguf(model_name: str) -> Path | None:
+    """The GGUF file hispec loads for ``--model`` (None: a Hugging Face folder, or a known model
+    that is not installed, whose loading reports it)."""
+    from ..model.load.registry import gguf_source
+
+    try:
+        return gguf_source(model_name)
+    except (FileNotFoundError, ConfigError):
+        return None
+
+
+def gguf_type_name(path: str | Path) -> str:
+    """The GGUF file's type as llama.cpp names it, lower case (``general.file_type``: ``q4_1``,
+    ``q4_k_m``, ``q8_0``, ``f16``...; ``gguf`` where the file does not say or the name is unknown)."""
+    import gguf
+
+    from ..model.load.gguf_index import read_metadata
+
+    value = read_metadata(path, ("general.file_type",)).get("general.file_type")
+    try:
+        name = gguf.LlamaFileType(int(value)).name
+    except (TypeError, ValueError):
+        return LLAMA_FILE
+    return name.removeprefix("MOSTLY_").removeprefix("ALL_").lower()
+
+
+def model_gguf_type(model_name: str) -> str | None:
+    """``gguf_type_name`` of the model's GGUF file; None where it has none (see ``model_gguf``)."""
+    gguf = model_gguf(model_name)
+    return gguf_type_name(gguf) if gguf is not None else None
 
 
 def _options_argv(options: dict) -> str:

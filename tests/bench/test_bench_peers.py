@@ -328,3 +328,65 @@ def test_real_peer_on_the_default_model(engine, peer, tmp_path, four_bit_kernel)
     e = json.loads((out / "results.json").read_text())["strategies"][peer]
     assert e["available"], e["reason"]
     assert e["agreement_with_ar"]["first_n_identical"] == 1
+
+
+def test_llama_cpp_runs_the_gguf_file_hispec_loads(tmp_path, monkeypatch):
+    """llama.cpp peers get the GGUF file the model comes from, whatever its architecture and type:
+    labelled by its type (``general.file_type``), ``gguf`` the same file, f16/f32 its float copies
+    (cached per source file); another type, or a model without a GGUF file, is refused."""
+    from types import SimpleNamespace
+
+    gguf = pytest.importorskip("gguf")
+    import numpy as np
+
+    from hispec.bench import gguf_float
+    from hispec.bench.peers import PeerRunner, model_gguf, model_gguf_type, peer_weights
+
+    def write(path, file_type):
+        w = gguf.GGUFWriter(str(path), "gemma3")
+        w.add_file_type(file_type)
+        w.add_tensor("token_embd.weight", np.ones((4, 32), dtype=np.float32))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        return path
+
+    src = write(tmp_path / "gemma-3-270m-q4_k_m.gguf", int(gguf.LlamaFileType.MOSTLY_Q4_K_M))
+    assert model_gguf(str(src)) == src and model_gguf_type(str(src)) == "q4_k_m"
+    specs = parse_peers("llama.cpp", model_gguf_type(str(src)))
+    assert [p.label for p in specs] == ["llama.cpp:q4_k_m", "llama.cpp:f16", "llama.cpp:f32"]
+    assert [p.label for p in parse_peers("llama.cpp:gguf:lookup", "q4_k_m")] == ["llama.cpp:q4_k_m",
+                                                                                  "llama.cpp:q4_k_m:lookup"]
+    with pytest.raises(ConfigError, match="Q4_K_M"):
+        parse_peers("llama.cpp:q4_1", "q4_k_m")
+
+    gen = SimpleNamespace(model=SimpleNamespace(cfg=SimpleNamespace(max_position_embeddings=512)), model_path=None)
+    runner = PeerRunner(specs[0], gen, model_name=str(src), threads=2, python_overrides={}, log_dir=tmp_path)
+    runner.weights = peer_weights(specs[0], gen, str(src))
+    argv = runner._argv()
+    assert argv[:4] == ["--engine", "llama.cpp", "--model", str(src)] and runner.weights.describe == src.name
+    assert peer_weights(parse_peers("llama.cpp:gguf", None)[0], gen, str(src)).model == str(src)
+    with pytest.raises(ConfigError, match="is Q4_K_M"):  # parsed for the default model's Q4_1 file
+        peer_weights(parse_peers("llama.cpp:q4_1")[0], gen, str(src))
+
+    monkeypatch.setattr(gguf_float, "cache_dir", lambda: tmp_path / "cache")
+    f16 = peer_weights(specs[1], gen, str(src))
+    assert Path(f16.model).parent.parent == tmp_path / "cache"
+    assert Path(f16.model).name == "gemma-3-270m-q4_k_m.F16.gguf"
+    assert f16.describe == "gemma-3-270m-q4_k_m.F16.gguf (dequantized from gemma-3-270m-q4_k_m.gguf)"
+    (tmp_path / "other").mkdir()
+    other = write(tmp_path / "other" / "gemma-3-270m-q4_k_m.gguf", int(gguf.LlamaFileType.MOSTLY_Q8_0))
+    assert model_gguf_type(str(other)) == "q8_0"
+    assert peer_weights(parse_peers("llama.cpp:f16", "q8_0")[0], gen, str(other)).model != f16.model  # its own copy
+
+    folder = tmp_path / "hf-folder"
+    folder.mkdir()
+    assert model_gguf(str(folder)) is None and model_gguf_type(str(folder)) is None
+    assert [p.label for p in parse_peers("llama.cpp", None)] == ["llama.cpp:gguf", "llama.cpp:f16", "llama.cpp:f32"]
+    with pytest.raises(ConfigError, match="not loaded from one"):
+        peer_weights(parse_peers("llama.cpp", None)[0], gen, str(folder))
+    default = model_gguf("default")
+    if default is not None:  # the default model's own Q4_1 file, as before
+        assert model_gguf_type("default") == "q4_1"
+        assert peer_weights(parse_peers("llama.cpp:q4_1")[0], gen, "default").model == str(default)

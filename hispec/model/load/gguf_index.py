@@ -77,6 +77,33 @@ class _Cursor:
             raise ValueError(f"{self.path.name}: unknown GGUF metadata value type {vtype} at byte {self.pos}")
 
 
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+
+
+def read_metadata(path: str | Path, keys) -> dict:
+    """The values of the metadata ``keys`` that the GGUF file at ``path`` has and that are numbers,
+    booleans or strings (arrays are stepped over), read from its header alone."""
+    path, keys = Path(path), {k.encode() for k in keys}
+    mm = np.memmap(path, dtype=np.uint8, mode="r")
+    cur = _Cursor(memoryview(mm), path)
+    if bytes(mm[:4]) != MAGIC:
+        raise ValueError(f"{path.name} is not a GGUF file (no GGUF magic)")
+    cur.pos = 4
+    version, _, n_kv = cur.take("<I"), cur.take("<Q"), cur.take("<Q")
+    if version < 2:
+        raise ValueError(f"{path.name}: GGUF version {version} is not supported (2 and later)")
+    out = {}
+    for _ in range(n_kv):
+        key, vtype = cur.string(), cur.take("<I")
+        if key in keys and vtype in _SCALARS:
+            out[key.decode()] = cur.take(_SCALARS[vtype])
+        elif key in keys and vtype == STRING:
+            out[key.decode()] = cur.string().decode("utf-8", "replace")
+        else:
+            cur.skip_value(vtype)
+    return out
+
+
 def read_tensors(path: str | Path) -> list[GGUFTensor]:
     """The tensors of the GGUF file at ``path`` (see the module's docstring). An unknown tensor
     type raises ``gguf_convert.GGUFTypeError`` naming the tensor; a file that is not GGUF, or is
