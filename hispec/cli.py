@@ -116,7 +116,7 @@ def _generate_many(gen, args, params, spec, prompts) -> int:
     from tqdm import tqdm
 
     from .config import DEFAULT_SUFFIX_SCOPES
-    from .decode.lookup import SuffixStore
+    from .spec.proposers.suffix import SuffixStore
     from .decode.stats import DecodeStats
 
     total, seconds, tokens = DecodeStats(args.strategy), 0.0, 0

@@ -337,7 +337,7 @@ SPEC_FIELDS = tuple(f.name for f in fields(SpecConfig) if f.name != "num_layers"
 QUANTIZE = ("auto", "none", "native", "int4", "int8")  # weight formats (model/load/checkpoint.py)
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")  # what the KV cache holds; auto = the model's dtype
 
-# The suffix cache of earlier outputs (free drafts across requests, ``decode.lookup.SuffixStore``):
+# The suffix cache of earlier outputs (free drafts across requests, ``spec.proposers.suffix.SuffixStore``):
 # n-grams kept per scope and scopes kept, each least recently used out. An n-gram holds at most
 # 4 continuations of --lookup-max-draft tokens; measured (tracemalloc, 4-token continuations of
 # 128-token outputs) 300-430 bytes an n-gram: the defaults hold ~2700 output tokens (3 n-grams a
@@ -391,7 +391,7 @@ class EngineConfig:
     (or of ``min(context, DEFAULT_SEQ_TOKENS)`` tokens when no request is known yet), each
     with the strategy's look-ahead: see ``engine.engine.kv_blocks_for``.
 
-    The suffix cache (``decode.lookup.SuffixStore``): the outputs of finished requests, for free
+    The suffix cache (``spec.proposers.suffix.SuffixStore``): the outputs of finished requests, for free
     drafts of later greedy requests in the same scope (``Engine.add_request``'s ``draft_scope``),
     at most ``suffix_cache_entries`` n-grams per scope and ``suffix_cache_scopes`` scopes.
     """

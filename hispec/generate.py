@@ -18,13 +18,13 @@ from .cache.paged import PagedCache
 from .config import ConfigError, EngineConfig, SamplingParams, SpecConfig, check_engine_options
 from .decode import make_strategy
 from .decode.base import Strategy
-from .decode.lookup import SuffixStore
-from .engine.adaptive import AdaptiveController, adaptive_modes
 from .engine.engine import Engine, PromptTooLongError  # noqa: F401 (PromptTooLongError re-exported)
 from .engine.outputs import GenerationOutput
 from .model.exits.attached import ExitSet
 from .model.decoder import DecoderModel
 from .settings import DEFAULT_STRATEGY, default_spec, resolve_spec  # noqa: F401 (default_spec re-exported)
+from .spec.policy import AdaptiveController, adaptive_modes
+from .spec.proposers.suffix import SuffixStore
 
 
 class Generator:

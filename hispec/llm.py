@@ -20,11 +20,11 @@ class LLM:
 
     Sequences run together in ragged batches of up to ``max_batch_size``; each one's greedy
     output equals its own batch-of-one ``ar`` output. With ``adaptive=True`` the engine decides
-    per step whether speculation pays at the current batch size (see ``engine/adaptive.py``).
+    per step whether speculation pays at the current batch size (see ``spec/policy.py``).
 
     The outputs of finished prompts draft for later greedy prompts of the same ``draft_scope``
     (``generate``'s; by default one scope per ``LLM``), in a cache of ``suffix_cache_entries``
-    n-grams per scope (0 = off): see ``decode.lookup.SuffixStore``.
+    n-grams per scope (0 = off): see ``spec.proposers.suffix.SuffixStore``.
     """
 
     def __init__(self, model: str | Generator = "default", strategy: str = DEFAULT_STRATEGY, *,

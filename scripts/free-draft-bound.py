@@ -35,7 +35,7 @@ from hispec.cache.paged import PagedCache
 from hispec.config import SamplingParams
 from hispec.data.sets import load_prompts
 from hispec.decode.base import LayerRunner
-from hispec.decode.lookup import NgramIndex, continuation
+from hispec.spec.proposers.ngram import NgramIndex, continuation
 from hispec.generate import Generator
 from hispec.llm import LLM
 

@@ -51,7 +51,7 @@ def pinned_row_cost(monkeypatch):
     overhead, as the default model's small batches measure, instead of timing the tiny models (whose
     passes are mostly Python: on a slow machine no draft pays, and a test that checks drafting ran
     would fail by the machine's speed). For tests whose assertions need drafts to be taken."""
-    from hispec.decode.lookup import RowCost
+    from hispec.spec.cost import RowCost
 
     monkeypatch.setattr(RowCost, "relative", lambda self, batch_size: 0.1)
     monkeypatch.setattr(RowCost, "overhead", lambda self, batch_size: 0.0)

@@ -22,7 +22,9 @@ LAYERS = [
     {"cache"},
     {"model"},
     {"sampling"},
-    {"decode"},
+    # speculation's room sits beside the strategies: the strategies verify its proposals (and price
+    # them with its cost model), its exit proposer and policy run the strategies' model passes
+    {"decode", "spec"},
     {"engine"},
     {"generate", "llm", "options"},
     {"distributed", "server", "bench", "train"},

@@ -234,12 +234,12 @@ class DecodeContext:
     eos_ids: frozenset[int]
     policy: object | None = None  # the strategy's per-sequence draft-length policy, made on first use
     processor: LogitsProcessor | None = None  # penalties and biases, applied at every level
-    lookup: object | None = None  # its free-draft source (``decode.lookup.LookupState``), made on first use
-    suffix: object | None = None  # its scope's outputs of earlier requests (``decode.lookup.SuffixCache``), or None
+    lookup: object | None = None  # its free-draft source (``spec.proposers.lookup.LookupState``), made on first use
+    suffix: object | None = None  # its scope's earlier outputs (``spec.proposers.suffix.SuffixCache``), or None
     row_cost: float | None = None  # a verification row's measured cost relative to a plain step (the engine's)
     # A plain run of several steps stops where the text ends on an n-gram seen before, n >= this
     # (0: never), so that prompt lookup's drafts from such a match are verified before the next
-    # plain step; set by the free-draft round (``decode.lookup.free_drafts``) where they would pay.
+    # plain step; set by the free-draft round (``spec.proposers.lookup.free_drafts``) where they would pay.
     lookup_stop: int = 0
     # The final layer's raw logits [n, V] of the n tokens the last step committed (row j chose
     # token j); set by every strategy where it verifies, read by the engine for logprobs.
@@ -293,7 +293,7 @@ class Strategy:
         """A round that verifies drafts which cost no model time (prompt lookup): each sequence's
         committed tokens as ``step`` returns them (those without drafts take a plain row), or None
         when no sequence has drafts worth verifying now. ``cost``: the measured cost of verification
-        rows (``decode.lookup.RowCost``) that decides how many drafts pay; None: always verify every
+        rows (``spec.cost.RowCost``) that decides how many drafts pay; None: always verify every
         draft there is."""
         return None
 

@@ -12,7 +12,7 @@ names as in docs/design.md):
 
 (selfspec has no intermediate exit: its drafts go straight to ``full_verify``, layers [L_d, L_f).)
 
-Free drafts (``lookup``, and ``hispec`` where prompt lookup finds a match; ``decode/lookup.py``)
+Free drafts (``lookup``, and ``hispec`` where prompt lookup finds a match; ``spec/proposers/lookup.py``)
 cost no model time: the pending token and its drafts x_1 .. x_k go through every layer in one
 pass (positions base .. base + k), and the same acceptance rule commits the accepted prefix
 and the bonus or recovered token.
@@ -45,19 +45,11 @@ from ..sampling.sampler import choose
 from ..sampling.speculative import accept_chosen, accept_chosen_batch
 from .autoregressive import Autoregressive, row_sampling
 from .base import DecodeContext, Strategy, process_rows, split_rows
-from .lookup import RowCost, free_drafts
-from .policies import draft_confidence, make_policy
+from ..spec.cost import RowCost
+from ..spec.proposers.exit import Proposal, draft, ensure_policies, has_runners_up, tree_min_probs
+from ..spec.proposers.lookup import free_drafts
 from .stats import phase_timer
 from .tree import DraftTree, accept_tree, exit_tree
-
-
-@dataclass
-class Proposal:
-    """Tokens proposed by a cheaper level, to be verified by a deeper one."""
-
-    tokens: torch.Tensor  # [k] proposed token ids
-    hidden: torch.Tensor  # [k + 1, H] states at the proposing exit for positions start .. start + k
-    runners_up: list[list[int]] | None = None  # beside each draft, the exit's next candidates (token trees)
 
 
 @dataclass
@@ -68,121 +60,6 @@ class Verdict:
     @property
     def num_accepted(self) -> int:
         return len(self.tokens) - 1
-
-
-def draft(batch: list[DecodeContext], starts: list[tuple[int, int]], layer: int, limits: list[int],
-          prefixes: list[list[int]], width: int = 1, min_probs: list[float] | None = None) -> list[Proposal]:
-    """Draft at exit ``layer`` for each sequence, from its ``(token, position)``: up to
-    ``min(policy, limit)`` tokens (at least one), fewer if its policy stops early.
-    ``prefixes[b]``: the speculative tokens (not yet committed) up to and including the start token.
-
-    Each sequence's last drafted token is also run through layers ``[0, layer)`` (without the
-    exit head), so the verifier can score the position after it (the bonus position). Each
-    draft position is one pass for the batch: greedy and sampled rows are chosen together and
-    the drafted tokens stay on the device (a host sync only for a confidence-based policy, once
-    per position, or for a request with a logits processor). ``width > 1``: beside each draft, the
-    exit's next ``width - 1`` candidates (by the processed logits) are kept as its runners-up, those
-    whose branch the exit gives at least ``min_probs[b]`` (``tree_min_probs``; None: every one): a
-    candidate's probability times that of the drafts before it in the round (the chance, by the
-    exit's reckoning, that the row pays).
-    """
-    runner = batch[0].runner
-    k_max = [max(1, min(c.policy.max_drafts(), lim)) for c, lim in zip(batch, limits)]
-    x = list(batch[0].token_tensor([tok for tok, _ in starts]).split(1))  # B x [1]: each one's next input
-    hidden, tokens = [[] for _ in batch], [[] for _ in batch]
-    runners_up: list[list[list[int]]] = [[] for _ in batch]
-    reach = [1.0] * len(batch)  # the exit's probability of the round's drafts so far, per sequence
-    least = min_probs or [0.0] * len(batch)
-    active, j = list(range(len(batch))), 0
-    while active:
-        hs = runner.forward_many([(batch[b].seq_id, starts[b][1] + j, x[b]) for b in active], 0, layer)
-        for b, h in zip(active, hs):
-            hidden[b].append(h)
-        rows = [(b, h) for b, h in zip(active, hs) if j < k_max[b]]
-        if not rows:
-            break
-        ctxs = [batch[b] for b, _ in rows]
-        logits = runner.exit_logits([(batch[b].seq_id, starts[b][1] + j, h) for b, h in rows], layer)  # [R, V]
-        logits = process_rows(ctxs, logits, [1] * len(rows),
-                              [prefixes[b] + (torch.cat(tokens[b]).tolist() if tokens[b] else [])
-                               if batch[b].processor is not None else () for b, _ in rows])
-        if j > 0:
-            keep = _keep_drafting(ctxs, logits)
-            if not all(keep):
-                rows, ctxs = [r for r, k in zip(rows, keep) if k], [c for c, k in zip(ctxs, keep) if k]
-                logits = logits[[r for r, k in enumerate(keep) if k]]
-                if not rows:
-                    break
-        u = torch.tensor([batch[b].uniforms(starts[b][1] + j + 1, 1)[0] for b, _ in rows], dtype=torch.float64,
-                         device=logits.device)  # [R]: the numbers of the positions drafted
-        chosen, _ = choose(logits, [c.params for c in ctxs], u)  # [R]
-        if width > 1:
-            alts, p_chosen = _runners_up(logits, chosen, width, [least[b] for b, _ in rows],
-                                         [reach[b] for b, _ in rows])
-            for (b, _), a, pc in zip(rows, alts, p_chosen):
-                runners_up[b].append(a)
-                reach[b] *= pc
-        for i, (b, _) in enumerate(rows):
-            x[b] = chosen[i:i + 1]
-            tokens[b].append(x[b])
-        active, j = [b for b, _ in rows], j + 1
-    for c, h in zip(batch, hidden):
-        c.stats.draft_forward_tokens += len(h)
-    return [Proposal(torch.cat(t), torch.cat(h), r if width > 1 else None)
-            for t, h, r in zip(tokens, hidden, runners_up)]
-
-
-def _runners_up(logits: torch.Tensor, chosen: torch.Tensor, width: int, min_probs: list[float] | None = None,
-                reach: list[float] | None = None) -> tuple[list[list[int]], list[float]]:
-    """Per row of ``logits [R, V]``, its top ``width`` tokens but the chosen one (``chosen [R]``),
-    best first, at most ``width - 1``, never a token the request's processing ruled out (-inf),
-    only those with ``reach[r] * p(token) >= min_probs[r]`` (``p``: the row's softmax; None: 0);
-    and each row's ``p(chosen)``."""
-    probs = torch.softmax(logits.float(), dim=-1)  # [R, V]
-    values, ids = probs.topk(width, dim=-1)  # [R, width]
-    p_chosen = probs.gather(1, chosen.view(-1, 1).to(probs.device)).view(-1).tolist()  # [R]
-    reach = reach or [1.0] * len(p_chosen)
-    least = min_probs or [0.0] * len(p_chosen)
-    out = []
-    for vals, toks, c, r, m in zip(values.tolist(), ids.tolist(), chosen.tolist(), reach, least):
-        out.append([t for v, t in zip(vals, toks) if t != c and v > 0 and r * v >= m][:width - 1])
-    return out, p_chosen
-
-
-def tree_min_probs(batch: list[DecodeContext], spec: SpecConfig, to_layer: int) -> list[float]:
-    """Per sequence, the least branch probability for which a runner-up joins its tree:
-    ``spec.tree_min_prob``, or where that is None, what a runner-up's row costs relative to a plain
-    step, ``c * to_layer / L`` (it runs through ``to_layer`` of the ``L`` layers before it is
-    pruned or kept; ``c``: the engine's measured cost of a full row, ``DecodeContext.row_cost``, or
-    the prior ``RowCost.prior`` before any is measured)."""
-    if spec.tree_min_prob is not None:
-        return [spec.tree_min_prob] * len(batch)
-    n = batch[0].model.num_layers
-    return [branch_threshold(c.row_cost if c.row_cost is not None else RowCost.prior, to_layer, n) for c in batch]
-
-
-def branch_threshold(row_cost: float, to_layer: int, num_layers: int) -> float:
-    """The least branch probability a runner-up needs to pay for its row: a full row's cost
-    relative to a plain step, ``row_cost``, times the share of the layers it runs through."""
-    return min(0.99, row_cost * to_layer / num_layers)
-
-
-def _branched(props: list[Proposal]) -> bool:
-    """Whether any proposal has a runner-up beside its drafts (else the round verifies chains)."""
-    return any(alts for p in props for alts in (p.runners_up or []))
-
-
-def _keep_drafting(batch: list[DecodeContext], logits: torch.Tensor) -> list[bool]:
-    """Whether each sequence's policy lets it draft from its (processed) draft logits ``[R, V]``."""
-    asks = [r for r, c in enumerate(batch) if c.policy.wants_confidence()]
-    if not asks:
-        return [True] * len(batch)
-    confidence = draft_confidence(logits[asks] if len(asks) < len(batch) else logits,
-                                  [0.0 if batch[r].params.greedy else batch[r].params.temperature for r in asks])
-    keep = [True] * len(batch)
-    for r, conf in zip(asks, confidence):
-        keep[r] = not batch[r].policy.stop_before(conf)
-    return keep
 
 
 def verify(batch: list[DecodeContext], props: list[Proposal], positions: list[int], from_layer: int,
@@ -416,12 +293,6 @@ def _check_layers(spec: SpecConfig, num_layers: int, hierarchical: bool) -> None
                           f"{spec.verify_layer}; use the selfspec strategy for a single exit")
 
 
-def _ensure_policies(batch: list[DecodeContext], spec: SpecConfig) -> None:
-    for c in batch:
-        if c.policy is None:
-            c.policy = make_policy(spec)
-
-
 class SelfSpec(Strategy):
     """Single-exit self-speculation (LayerSkip-style): draft at L_d, verify with the full model."""
 
@@ -434,14 +305,14 @@ class SelfSpec(Strategy):
     def step(self, batch: list[DecodeContext]) -> list[list[int]]:
         model, draft_layer = batch[0].model, self.spec.draft_layer
         _check_layers(self.spec, model.num_layers, hierarchical=False)
-        _ensure_policies(batch, self.spec)
+        ensure_policies(batch, self.spec)
         stats = [c.stats for c in batch]
         positions = [len(c.tokens) - 1 for c in batch]
         starts, width = [(c.tokens[-1], p) for c, p in zip(batch, positions)], self.spec.tree_width
         with phase_timer(stats, "draft", model.device):
             props = draft(batch, starts, draft_layer, [c.remaining for c in batch], [[] for _ in batch], width,
                           tree_min_probs(batch, self.spec, model.num_layers) if width > 1 else None)
-        branched = _branched(props)
+        branched = has_runners_up(props)
         with phase_timer(stats, "full_verify", model.device):
             if branched:
                 verdicts = tree_round(batch, props, starts, draft_layer, model.num_layers, "draft->final",
@@ -498,7 +369,7 @@ class HiSpec(Strategy):
     def step(self, batch: list[DecodeContext]) -> list[list[int]]:
         model = batch[0].model
         _check_layers(self.spec, model.num_layers, hierarchical=True)
-        _ensure_policies(batch, self.spec)
+        ensure_policies(batch, self.spec)
         windows = [Window(len(c.tokens) - 1) for c in batch]
         self._fill_windows(batch, windows)
         with phase_timer([c.stats for c in batch], "full_verify", model.device):
@@ -522,7 +393,7 @@ class HiSpec(Strategy):
                 props = draft(ctxs, starts, draft_layer, [self._room(c, w) for c, w in zip(ctxs, wins)],
                               [list(w.tokens) for w in wins], width,
                               tree_min_probs(ctxs, self.spec, verify_layer) if width > 1 else None)
-            branched = _branched(props)
+            branched = has_runners_up(props)
             with phase_timer([c.stats for c in ctxs], "intermediate_verify", device):
                 if branched:  # the intermediate exit prunes the tree: only its accepted path goes deeper
                     verdicts = tree_round(ctxs, props, starts, draft_layer, verify_layer, "draft->intermediate",

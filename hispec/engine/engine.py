@@ -19,13 +19,13 @@ from ..cache.paged import PagedCache
 from ..config import IDLE_PREFILL_CHUNKS, ConfigError, EngineConfig, SamplingParams, check_engine_options
 from ..decode.autoregressive import Autoregressive
 from ..decode.base import DecodeContext, LayerRunner, Strategy
-from ..decode.lookup import SuffixStore
 from ..decode.stats import DecodeStats, phase_timer
 from ..model.decoder import DecoderModel
 from ..sampling.logprobs import TokenLogprob, token_logprobs
 from ..sampling.processors import LogitsProcessor
 from ..settings import SPECULATIVE
-from .adaptive import CHAIN, PLAIN, SPECULATE, AdaptiveController, adaptive_modes
+from ..spec.policy import CHAIN, PLAIN, SPECULATE, AdaptiveController, adaptive_modes
+from ..spec.proposers.suffix import SuffixStore
 from .outputs import RequestOutput
 from .scheduler import Scheduler
 from .sequence import Sequence

@@ -144,7 +144,7 @@ class ServerState:
 
     def draft_scope(self, authorization: str | None, user: str | None) -> str | None:
         """Whose earlier outputs may draft for a request, and take its output (the engine's
-        suffix cache, ``decode.lookup.SuffixStore``): a hash of the API key the request was
+        suffix cache, ``spec.proposers.suffix.SuffixStore``): a hash of the API key the request was
         let in with and of its ``user`` (OpenAI's end-user id), so that one client's text never
         shapes another's drafts, nor through them its timing, and no key is kept in the clear.
         Without ``--api-key`` the bearer token is not checked, so it names no one: the scope is

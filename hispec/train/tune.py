@@ -37,8 +37,8 @@ from ..cache.block_manager import BlockManager
 from ..cache.kv_cache import KVPool
 from ..config import SpecConfig
 from ..decode.base import LayerRunner
-from ..decode.policies import DraftConfidence, DraftPolicy, make_policy
-from ..decode.speculative import branch_threshold
+from ..spec.proposers.exit_policies import DraftConfidence, DraftPolicy, make_policy
+from ..spec.proposers.exit import branch_threshold
 from ..engine.engine import EngineConfig
 from .collect import greedy_continuations
 from .teacher import exit_logits_along

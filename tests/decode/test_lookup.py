@@ -1,4 +1,4 @@
-"""Free drafts from prompt lookup (``decode/lookup.py``) and the strategies that verify them:
+"""Free drafts from prompt lookup (``spec/proposers/``, ``spec/cost.py``) and the strategies that verify them:
 ``lookup`` and ``hispec`` give ``ar``'s token ids exactly (greedy), follow the target
 distribution (sampling), under continuous batching and at every end condition."""
 from __future__ import annotations
@@ -9,8 +9,10 @@ import pytest
 import torch
 
 from hispec.config import ConfigError, EngineConfig, SamplingParams, SpecConfig
-from hispec.decode.lookup import (LOOKUP_PRIORS, DraftLength, LookupState, NgramIndex, RowCost, SuffixCache,
-                                  choose_drafts, continuation, lookup_prior)
+from hispec.spec.cost import LOOKUP_PRIORS, DraftLength, RowCost, choose_drafts, lookup_prior
+from hispec.spec.proposers.lookup import LookupState
+from hispec.spec.proposers.ngram import NgramIndex, continuation
+from hispec.spec.proposers.suffix import SuffixCache
 from hispec.engine.engine import Engine
 from hispec.generate import Generator, make_strategy
 from hispec.model.load.checkpoint import load_model
@@ -555,7 +557,7 @@ def test_plain_runs_stop_where_lookup_drafts_would_pay():
     same (its tokens do not depend on where its runs stop)."""
     from types import SimpleNamespace
 
-    from hispec.decode.lookup import lookup_stop
+    from hispec.spec.proposers.lookup import lookup_stop
 
     class Cost:
         def __init__(self, c: float, o: float, prior: float = 0.25) -> None:
@@ -585,7 +587,7 @@ def test_plain_runs_stop_at_lookup_matches_with_the_same_tokens(gen, monkeypatch
     """Adaptive greedy ``lookup``: the plain runs of several steps in one op call stop where the
     text comes to end on a match whose drafts would pay (``lookup_stop``), the next round verifies
     them, and the tokens are ar's, as with runs that never stop."""
-    from hispec.decode import lookup
+    from hispec.spec.proposers import lookup
     from hispec.kernels import layer_op
 
     if layer_op.layers_op() is None:

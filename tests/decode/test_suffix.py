@@ -1,4 +1,4 @@
-"""Free drafts from earlier requests' outputs (``decode/lookup.py``'s ``SuffixCache`` and
+"""Free drafts from earlier requests' outputs (``spec/proposers/suffix.py``'s ``SuffixCache`` and
 ``SuffixStore``, wired into the engine): a second identical request drafts from the first one's
 output and commits more tokens per pass; scopes never share; the memory stays bounded; greedy
 output stays ``ar``'s and seeded sampling stays reproducible; the server scopes by API key and
@@ -12,8 +12,9 @@ from types import SimpleNamespace
 import pytest
 
 from hispec.config import ConfigError, EngineConfig, SamplingParams
-from hispec.decode.lookup import (LOOKUP, SUFFIX, Branch, LookupState, RowCost, SuffixCache, SuffixStore,
-                                  free_drafts)
+from hispec.spec.cost import RowCost
+from hispec.spec.proposers.lookup import LOOKUP, SUFFIX, Branch, LookupState, free_drafts
+from hispec.spec.proposers.suffix import SuffixCache, SuffixStore
 from hispec.engine.engine import Engine
 from hispec.generate import Generator, make_strategy
 from hispec.model.load.checkpoint import load_model

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import hispec.decode.speculative as spec_mod
+import hispec.spec.proposers.exit as exit_mod
 from hispec.config import ConfigError, SamplingParams, SpecConfig
 from hispec.decode.tree import DraftTree, accept_tree, exit_tree
 from hispec.generate import Generator
@@ -136,13 +137,13 @@ def test_runners_up_kept_by_their_branch_probability():
     p = torch.tensor([[0.5, 0.3, 0.15, 0.05, 0.0], [0.9, 0.04, 0.03, 0.02, 0.01]])
     logits = torch.log(p)  # row 0's last token ruled out (-inf)
     chosen = torch.tensor([0, 0])
-    alts, p_chosen = spec_mod._runners_up(logits, chosen, 5)
+    alts, p_chosen = exit_mod._runners_up(logits, chosen, 5)
     assert alts == [[1, 2, 3], [1, 2, 3, 4]] and p_chosen == pytest.approx([0.5, 0.9])
-    alts, _ = spec_mod._runners_up(logits, chosen, 5, [0.1, 0.1])
+    alts, _ = exit_mod._runners_up(logits, chosen, 5, [0.1, 0.1])
     assert alts == [[1, 2], []]
-    alts, _ = spec_mod._runners_up(logits, chosen, 5, [0.1, 0.1], reach=[0.5, 1.0])
+    alts, _ = exit_mod._runners_up(logits, chosen, 5, [0.1, 0.1], reach=[0.5, 1.0])
     assert alts == [[1], []]  # 0.5 * 0.3 >= 0.1 > 0.5 * 0.15
-    alts, _ = spec_mod._runners_up(logits, torch.tensor([1, 0]), 3)
+    alts, _ = exit_mod._runners_up(logits, torch.tensor([1, 0]), 3)
     assert alts[0] == [0, 2]  # the chosen one is never its own runner-up; at most width - 1
 
 
@@ -150,7 +151,7 @@ def test_tree_min_probs_follow_the_measured_row_cost(agreeing):
     """``tree_min_prob=None``: a sequence, greedy or sampled, weighs a runner-up against what its row
     costs (the engine's measured share of a plain step, times the layers it runs through; the prior
     before one is measured); a number is taken as it is."""
-    from hispec.decode.lookup import RowCost
+    from hispec.spec.cost import RowCost
 
     model = agreeing.model
     n = model.num_layers
@@ -160,9 +161,9 @@ def test_tree_min_probs_follow_the_measured_row_cost(agreeing):
              SimpleNamespace(model=model, params=greedy, row_cost=None)]
     auto = SpecConfig(draft_layer=1, verify_layer=3, tree_width=3)
     assert auto.tree_min_prob is None
-    got = spec_mod.tree_min_probs(batch, auto, 3)
+    got = exit_mod.tree_min_probs(batch, auto, 3)
     assert got == pytest.approx([0.4 * 3 / n, 0.4 * 3 / n, RowCost.prior * 3 / n])
-    assert spec_mod.tree_min_probs(batch, replace(auto, tree_min_prob=0.07), 3) == [0.07] * 3
+    assert exit_mod.tree_min_probs(batch, replace(auto, tree_min_prob=0.07), 3) == [0.07] * 3
 
 
 LIKELY = 1e-2  # the tiny agreeing model's exits are sure of themselves: its runners-up are unlikely

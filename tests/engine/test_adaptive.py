@@ -1,6 +1,6 @@
 """The adaptive controller: measures both modes, follows the faster one, re-measures the other
 less and less often while it keeps losing, and switches when the rates change."""
-from hispec.engine.adaptive import PLAIN, SPECULATE, AdaptiveController
+from hispec.spec.policy import PLAIN, SPECULATE, AdaptiveController
 
 
 def drive(ctl: AdaptiveController, rates: dict[str, float], steps: int, batch_size: int = 1) -> list[str]:
@@ -60,7 +60,7 @@ def test_buckets_are_measured_separately():
 
 def test_three_modes_follow_the_fastest_and_re_measure_each_loser():
     """A tree-drafting strategy's controller weighs trees, chains and plain steps."""
-    from hispec.engine.adaptive import CHAIN
+    from hispec.spec.policy import CHAIN
 
     ctl = AdaptiveController(modes=(SPECULATE, CHAIN, PLAIN), warmup=1, explore_every=4, max_backoff=1)
     modes = drive(ctl, {SPECULATE: 10, CHAIN: 30, PLAIN: 20}, 3 + 40)
@@ -73,7 +73,7 @@ def test_three_modes_follow_the_fastest_and_re_measure_each_loser():
 def test_tree_strategies_get_a_chain_mode():
     from hispec.config import SpecConfig
     from hispec.decode.speculative import HiSpec
-    from hispec.engine.adaptive import CHAIN, adaptive_modes
+    from hispec.spec.policy import CHAIN, adaptive_modes
 
     spec = SpecConfig(draft_layer=1, verify_layer=3)
     assert adaptive_modes(HiSpec(spec)) == (SPECULATE, PLAIN)
@@ -103,7 +103,7 @@ def gate_rounds(gate, gain: float, steps: int, batch_size: int = 8, plain_second
 
 
 def test_free_rounds_that_lose_are_skipped_after_their_warm_up_and_re_measured_less_often():
-    from hispec.engine.adaptive import FreeRoundGate
+    from hispec.spec.policy import FreeRoundGate
     gate = FreeRoundGate(warmup=4, explore_every=5, max_backoff=4)
     taken = gate_rounds(gate, 0.8, 4 + 80)
     assert taken[:4] == [True] * 4 and not any(taken[4:8]) and taken[8]  # measured, skipped, tried again
@@ -113,7 +113,7 @@ def test_free_rounds_that_lose_are_skipped_after_their_warm_up_and_re_measured_l
 
 
 def test_free_rounds_that_pay_are_always_taken_and_buckets_are_apart():
-    from hispec.engine.adaptive import FreeRoundGate
+    from hispec.spec.policy import FreeRoundGate
     gate = FreeRoundGate(warmup=2)
     assert all(gate_rounds(gate, 1.6, 50, batch_size=1))
     gate_rounds(gate, 0.7, 10, batch_size=8)
@@ -123,7 +123,7 @@ def test_free_rounds_that_pay_are_always_taken_and_buckets_are_apart():
 
 def test_free_round_gain_weighs_rounds_by_their_time():
     """Many short rounds that barely lose do not outweigh a few long ones that commit much more."""
-    from hispec.engine.adaptive import FreeRoundGate
+    from hispec.spec.policy import FreeRoundGate
     gate = FreeRoundGate(warmup=1, decay=1.0)
     for _ in range(6):  # each 1 plain step long, 0.9 of its tokens
         gate.record(1, tokens=9, seconds=0.01, plain_seconds=0.001)
@@ -133,7 +133,7 @@ def test_free_round_gain_weighs_rounds_by_their_time():
 
 
 def test_a_free_round_gain_change_is_followed_and_resets_the_backoff():
-    from hispec.engine.adaptive import FreeRoundGate
+    from hispec.spec.policy import FreeRoundGate
     gate = FreeRoundGate(warmup=2, explore_every=3, max_backoff=8, decay=0.0)
     gate_rounds(gate, 0.5, 60)
     assert gate._backoff[3] == 8

@@ -691,7 +691,7 @@ def test_decode_greedy_equals_steps_of_decode_step_and_argmax(tiny_model_dir, fo
     attention threads switching on mid-run in both (as each step's key count decides); with an EOS
     list it stops after the step where every sequence has chosen one."""
     from hispec.decode.base import LayerRunner
-    from hispec.decode.lookup import NgramIndex
+    from hispec.spec.proposers.ngram import NgramIndex
     from hispec.sampling.sampler import argmax
 
     gen = tiny_on_kernels(tiny_model_dir, four_bit_kernel, small_route, quantize)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..decode.lookup import RowCost
+from .cost import RowCost
 
 SPECULATE, CHAIN, PLAIN = "speculate", "chain", "plain"
 
@@ -74,7 +74,7 @@ class FreeRoundGate:
     than ``warmup`` of them or a gain of at least 1; else skipped, but every ``explore_every`` skipped
     steps one is taken again (the interval doubling, up to ``max_backoff`` times, while they keep
     losing; back to the start when they pay again). The drafts a round takes are still chosen by
-    their measured costs (``lookup.choose_drafts``); this catches what that model leaves out (the
+    their measured costs (``cost.choose_drafts``); this catches what that model leaves out (the
     Python of a round, the plain runs it cuts short): at batch 8 on 2 Zen 4 cores, rounds where one
     sequence of eight drafted ~2 tokens cost more than they saved (0.92x a plain step's tokens/s
     greedy, 0.76-0.81x sampled), while at batch 1 they made 1.1-2.7x by category."""

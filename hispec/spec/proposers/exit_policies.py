@@ -1,4 +1,4 @@
-"""Draft-length policies: how many tokens to draft in a round.
+"""Exit draft-length policies: how many tokens an early exit drafts in a round (``proposers.exit``).
 
 - ``fixed``: always ``num_draft``.
 - ``svip`` (SVIP, arXiv 2411.18462): keep drafting while the draft distribution is confident;
@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import SpecConfig
-from ..sampling.sampler import entropy, per_row, scale
+from ...config import SpecConfig
+from ...sampling.sampler import entropy, per_row, scale
 
 
 @dataclass(frozen=True)
