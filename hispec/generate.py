@@ -155,7 +155,7 @@ class Generator:
         ``num_tokens`` positions). With ``adaptive``, one controller per strategy and settings
         learns across calls whether speculation pays. ``suffix``: earlier outputs that may draft
         (none by default: a call is not shaped by the calls before it)."""
-        key = f"{strategy.name} {getattr(strategy, 'spec', None)!r}"
+        key = f"{strategy.name} {strategy.spec!r}"
         controller = self._controllers.setdefault(key, AdaptiveController(modes=adaptive_modes(strategy))) \
             if adaptive else None
         engine = Engine(self.model, strategy, EngineConfig(block_size=self.block_size, max_batch_size=1,

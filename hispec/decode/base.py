@@ -6,6 +6,7 @@ every layer holds K/V for positions ``0 .. len(tokens) - 2``; the last committed
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -13,7 +14,7 @@ import torch
 
 from ..cache.block_manager import BlockManager
 from ..cache.kv_cache import AttentionBatch, KVPool, SeqChunk, TreeLayout
-from ..config import SamplingParams
+from ..config import SamplingParams, SpecConfig
 from ..kernels.layer_op import RowSampling
 from ..model.decoder import DecoderModel
 from ..sampling.processors import LogitsProcessor
@@ -278,11 +279,16 @@ class Strategy:
     """A decoding strategy (``ar``, ``selfspec``, ``hispec``): which layers run when.
 
     ``lookahead`` declares an upper bound on the positions past the pending token one step may
-    write per sequence; the engine's scheduler reserves that many slots before each step.
+    write per sequence; the engine's scheduler reserves that many slots before each step. What the
+    speculation policy (``spec.policy.SpecPolicy``) asks of a strategy is declared here too: its
+    settings (``spec``), whether its step is worth weighing against a plain one (``adaptive_steps``),
+    whether it has free rounds (``has_free_rounds``), its rounds as chains (``as_chain``).
     """
 
     name = "base"
     lookahead = 2
+    spec: SpecConfig | None = None  # a speculative strategy's settings
+    adaptive_steps = True  # whether the adaptive controller weighs its step against a plain one
 
     def step(self, batch: list[DecodeContext]) -> list[list[int]]:
         """One round for every sequence of the batch (each with ``remaining > 0``): the tokens
@@ -296,6 +302,16 @@ class Strategy:
         rows (``spec.cost.RowCost``) that decides how many drafts pay; None: always verify every
         draft there is."""
         return None
+
+    @property
+    def has_free_rounds(self) -> bool:
+        """Whether it has free rounds (it overrides ``free_round``)."""
+        return type(self).free_round is not Strategy.free_round
+
+    def as_chain(self) -> "Strategy":
+        """The same strategy drafting one token per position where its settings draft token trees
+        (the adaptive controller's ``chain`` mode)."""
+        return type(self)(dataclasses.replace(self.spec, tree_width=1))
 
     def steps(self, ctx: DecodeContext) -> Iterator[list[int]]:
         """Rounds of one sequence; the caller appends each chunk to ``ctx.tokens`` before the next."""

@@ -14,18 +14,15 @@ import time
 
 import torch
 
-from .. import envs
 from ..cache.paged import PagedCache
 from ..config import IDLE_PREFILL_CHUNKS, ConfigError, EngineConfig, SamplingParams, check_engine_options
-from ..decode.autoregressive import Autoregressive
 from ..decode.base import DecodeContext, LayerRunner, Strategy
 from ..decode.stats import DecodeStats, phase_timer
 from ..model.decoder import DecoderModel
 from ..sampling.logprobs import TokenLogprob, token_logprobs
 from ..sampling.processors import LogitsProcessor
 from ..settings import SPECULATIVE
-from ..spec.policy import CHAIN, PLAIN, SPECULATE, AdaptiveController, adaptive_modes
-from ..spec.proposers.suffix import SuffixStore
+from ..spec.policy import AdaptiveController, SpecPolicy, SuffixStore
 from .outputs import RequestOutput
 from .scheduler import Scheduler
 from .sequence import Sequence
@@ -83,8 +80,9 @@ class Engine:
     """Many requests, one model, one strategy (one of ``settings.STRATEGIES``), fixed for its life.
 
     ``config`` (or the same fields as keywords) sets the batch size, the pool size and adaptive
-    speculation; ``controller`` hands in an adaptive controller that outlives the engine (the
-    ``Generator`` keeps one per strategy and settings). ``cache`` reuses a pool no request holds
+    speculation; whether and what to speculate each step is the speculation policy's
+    (``spec.policy.SpecPolicy``): ``controller`` hands it an adaptive controller that outlives the
+    engine (the ``Generator`` keeps one per strategy and settings). ``cache`` reuses a pool no request holds
     when it is big enough; else the pool is sized for ``num_seqs`` sequences (default: the batch
     size) of ``seq_tokens`` tokens (default: ``min(context, DEFAULT_SEQ_TOKENS)``).
 
@@ -106,20 +104,8 @@ class Engine:
         self.config = dataclasses.replace(config or EngineConfig(), **settings)
         self.strategy = strategy
         self.eos_ids = frozenset(eos_ids)
-        self._ar = Autoregressive()
-        self.adaptive = None
-        if self.config.adaptive and strategy.name in SPECULATIVE:
-            self.adaptive = controller if controller is not None else AdaptiveController(modes=adaptive_modes(strategy))
-        # the strategy's rounds as chains, where it drafts trees and the controller weighs both
-        self._chain = type(strategy)(dataclasses.replace(strategy.spec, tree_width=1)) \
-            if self.adaptive is not None and CHAIN in self.adaptive.modes else None
-        # whether the controller chooses between the strategy's step and a plain one (free
-        # drafts are weighed against the measured cost of rows either way)
-        self._switches = self.adaptive is not None and getattr(strategy, "adaptive_steps", True)
-        self.suffix = None  # the suffix caches of earlier outputs, per scope
-        if getattr(type(strategy), "free_round", Strategy.free_round) is not Strategy.free_round:  # it has free rounds
-            self.suffix = suffix if suffix is not None else SuffixStore.for_spec(
-                getattr(strategy, "spec", None), self.config.suffix_cache_entries, self.config.suffix_cache_scopes)
+        self.speculation = SpecPolicy(strategy, self.config.adaptive, controller, suffix,
+                                      self.config.suffix_cache_entries, self.config.suffix_cache_scopes)
         _warn_if_rows_interact(model, strategy, self.config.max_batch_size)
         self._seq_ids = itertools.count()
         self._requests: dict[str, Sequence] = {}
@@ -141,13 +127,18 @@ class Engine:
 
     @property
     def lookahead(self) -> int:
-        """Positions one step may add to a sequence: the strategy's declaration (a wrapper that
-        declares none is sized by the settings it carries)."""
-        declared = getattr(self.strategy, "lookahead", None)
-        if declared is not None:
-            return declared
-        spec = getattr(self.strategy, "spec", None)
-        return spec.lookahead if spec is not None else self._ar.lookahead
+        """Positions one step may add to a sequence: the strategy's declaration."""
+        return self.strategy.lookahead
+
+    @property
+    def adaptive(self) -> AdaptiveController | None:
+        """The speculation policy's adaptive controller (None: it always speculates)."""
+        return self.speculation.controller
+
+    @property
+    def suffix(self) -> SuffixStore | None:
+        """The suffix caches of earlier outputs, per scope (None: no free drafts across requests)."""
+        return self.speculation.suffix
 
     # ---- the pool ------------------------------------------------------------------------
     def pool_blocks(self, seq_tokens: int, num_seqs: int) -> int:
@@ -201,8 +192,7 @@ class Engine:
                             frozenset() if params.ignore_eos else self.eos_ids)
         if params.modifies_logits:
             ctx.processor = LogitsProcessor(params, self.model.cfg.vocab_size, self.model.device)
-        if self.suffix is not None:
-            ctx.suffix = self.suffix.cache_for(draft_scope)
+        self.speculation.attach(ctx, draft_scope)
         seq = Sequence(request_id, ctx, self._decode, max_pos)
         seq.draft_scope = draft_scope
         self._requests[request_id] = seq
@@ -287,67 +277,8 @@ class Engine:
         return [commits.get(s) for s in running]
 
     def _decode_round(self, running: list[Sequence]) -> list[list[int]]:
-        """Free drafts where the strategy has some worth verifying (``Strategy.free_round``) and
-        measured free rounds pay at this batch size (``FreeRoundGate``); else the strategy's round
-        or, where measured speculation does not pay, a plain one."""
-        batch = [s.ctx for s in running]
-        cost = self.adaptive.row_cost if self.adaptive is not None else None
-        free_round = getattr(self.strategy, "free_round", None)  # a wrapper may have none
-        commits = self._free_round(free_round, batch, cost) if free_round is not None else None
-        return commits if commits is not None else self._step_round(batch, cost)
-
-    def _free_round(self, free_round, batch: list[DecodeContext], cost) -> list[list[int]] | None:
-        """``free_round(batch, cost)``, timed for the adaptive controller's gate, or None (without
-        calling it) where the gate finds free rounds slower than plain steps at this batch size: then
-        no plain run of several steps stops early for drafts (``DecodeContext.lookup_stop``). The
-        gate is off with ``HISPEC_FREE_ROUND_GATE=0`` (the tests: on their tiny models a round's
-        Python outweighs a plain step, and what they check is that the drafting paths run)."""
-        if self.adaptive is None or not envs.HISPEC_FREE_ROUND_GATE:
-            return free_round(batch, cost)
-        gate = self.adaptive.free
-        if not gate.allows(len(batch)):
-            for c in batch:
-                c.lookup_stop = 0
-                c.stats.free_skips += 1
-            return None
-        t0 = time.perf_counter()
-        commits = free_round(batch, cost)
-        if commits is not None:
-            if self.model.device.type == "cuda":
-                torch.cuda.synchronize(self.model.device)
-            gate.record(len(batch), sum(map(len, commits)), time.perf_counter() - t0, cost.plain.get(len(batch)))
-            gain = gate.gain_at(len(batch))
-            for c in batch:
-                c.stats.free_gain = gain
-        return commits
-
-    def _step_round(self, batch: list[DecodeContext], cost) -> list[list[int]]:
-        """The strategy's round or a plain one, as the adaptive controller chooses."""
-        # Every mode gives the same tokens (sampled ones too: each position's token is drawn with its own
-        # uniform number, ``DecodeContext.uniforms``), so the measurements decide for any batch.
-        mode = self.adaptive.choose(len(batch)) if self._switches else SPECULATE
-        strategy = {SPECULATE: self.strategy, CHAIN: self._chain, PLAIN: self._ar}[mode]
-        row_cost = cost.relative(len(batch)) if cost is not None else None
-        for c in batch:  # what a verification row costs now: token trees add the rows that pay for it
-            c.row_cost = row_cost
-        t0 = time.perf_counter()
-        commits = strategy.step(batch)
-        if strategy is self._ar:
-            for c in batch:
-                c.stats.plain_steps += 1
-        if self.model.device.type == "cuda":
-            torch.cuda.synchronize(self.model.device)
-        elapsed = time.perf_counter() - t0
-        if self._switches:
-            self.adaptive.record(len(batch), mode, sum(len(c) for c in commits), elapsed)
-            rates = self.adaptive.rates_at(len(batch))
-            for c in batch:
-                c.stats.modes[mode] = c.stats.modes.get(mode, 0) + 1
-                c.stats.mode_rates = rates
-        # a plain round: what drafts must beat
-        if cost is not None and (strategy is self._ar and self._switches or not self._switches):
-            cost.record_plain(len(batch), elapsed / max(map(len, commits)))
-        return commits
+        """The speculation policy's round for the sequences whose prompt is in the cache."""
+        return self.speculation.round([s.ctx for s in running])
 
     def _roll_back(self, seq: Sequence) -> None:
         """Back to the state before a failed round: the cache holds the committed tokens but the
@@ -421,8 +352,7 @@ class Engine:
         if seq.finished:
             self.scheduler.finish(seq)
             self._requests.pop(seq.request_id, None)
-            if self.suffix is not None:
-                self.suffix.add(seq.draft_scope, seq.prompt_ids, seq.new_tokens)
+            self.speculation.finished(seq.draft_scope, seq.prompt_ids, seq.new_tokens)
         return self._output(seq, kept, seq.text.delta(), logprobs)
 
     @staticmethod
@@ -451,6 +381,5 @@ class Engine:
             "waiting": self.num_waiting,
             "running": self.num_running,
             "preemptions": self.scheduler.num_preemptions,
-            "adaptive": self.adaptive.to_dict() if self.adaptive else None,
-            "suffix_cache": self.suffix.to_dict() if self.suffix is not None else None,
+            **self.speculation.to_dict(),  # "adaptive", "suffix_cache"
         }

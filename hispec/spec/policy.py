@@ -1,4 +1,5 @@
-"""Adaptive speculation: per step, speculate or decode plainly, from measured throughput.
+"""The speculation policy: per step, a free-draft round, the strategy's round or a plain step, from
+measured throughput (``SpecPolicy``: the one object the engine asks).
 
 Speculation trades extra (cheap) draft and verification work for fewer full-model passes.
 At batch size 1 on a memory-bound device that pays; at large, compute-bound batches the
@@ -21,18 +22,26 @@ tokens, in a pass that cost more than they saved) the engine skips them, re-meas
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
+import torch
+
+from .. import envs
+from ..decode.autoregressive import Autoregressive
+from ..decode.base import DecodeContext, Strategy
+from ..settings import SPECULATIVE
 from .cost import RowCost
+from .proposers.suffix import SuffixStore
 
 SPECULATE, CHAIN, PLAIN = "speculate", "chain", "plain"
 
 
-def adaptive_modes(strategy) -> tuple[str, ...]:
+def adaptive_modes(strategy: Strategy) -> tuple[str, ...]:
     """The modes the controller weighs for ``strategy``: its rounds and plain ones, and its rounds
     as chains where it drafts trees."""
-    spec = getattr(strategy, "spec", None)
-    return (SPECULATE, CHAIN, PLAIN) if getattr(spec, "tree_width", 1) > 1 else (SPECULATE, PLAIN)
+    spec = strategy.spec
+    return (SPECULATE, CHAIN, PLAIN) if spec is not None and spec.tree_width > 1 else (SPECULATE, PLAIN)
 
 
 @dataclass
@@ -192,3 +201,117 @@ class AdaptiveController:
                                   for (b, mode), r in sorted(self.rates.items()) if r.samples},  # measured ones
             "free_round_gain": self.free.to_dict(),  # free rounds' tokens/s over a plain step's
         }
+
+
+class SpecPolicy:
+    """The one object the engine asks about speculation, each step: a free-draft round (prompt lookup
+    and the suffix cache, as many drafts per sequence as pay at the measured row costs:
+    ``proposers.lookup.free_drafts``), the strategy's round, its rounds as chains, or a plain step. It
+    times the rounds for the measurements that decide (``AdaptiveController``, ``FreeRoundGate``,
+    ``RowCost``) and writes what the strategies read into the contexts (``row_cost``, ``lookup_stop``)
+    and the statistics; the engine schedules the sequences and commits the tokens.
+
+    ``adaptive`` (for a speculative strategy): the controller weighs the modes; ``controller``: one that
+    outlives the engine (the ``Generator`` keeps one per strategy and settings), else a new one. A
+    strategy with free rounds (``Strategy.has_free_rounds``) drafts across requests from ``suffix`` (a
+    ``SuffixStore`` that outlives the engine), else from a store of its own of ``suffix_entries``
+    n-grams in ``suffix_scopes`` scopes (none with ``suffix_entries`` 0)."""
+
+    def __init__(self, strategy: Strategy, adaptive: bool, controller: AdaptiveController | None = None,
+                 suffix: SuffixStore | None = None, suffix_entries: int = 0, suffix_scopes: int = 1) -> None:
+        self.strategy = strategy
+        self._plain = Autoregressive()
+        self.controller = None
+        if adaptive and strategy.name in SPECULATIVE:
+            self.controller = controller if controller is not None else AdaptiveController(
+                modes=adaptive_modes(strategy))
+        # the strategy's rounds as chains, where it drafts trees and the controller weighs both
+        self._chain = strategy.as_chain() if self.controller is not None and CHAIN in self.controller.modes else None
+        # whether the controller chooses between the strategy's step and a plain one (free
+        # drafts are weighed against the measured cost of rows either way)
+        self._switches = self.controller is not None and strategy.adaptive_steps
+        self.suffix = None  # the suffix caches of earlier outputs, per scope
+        if strategy.has_free_rounds:
+            self.suffix = suffix if suffix is not None else SuffixStore.for_spec(strategy.spec, suffix_entries,
+                                                                                 suffix_scopes)
+
+    def attach(self, ctx: DecodeContext, scope: str | None) -> None:
+        """A new request's context: its scope's earlier outputs draft for it (``SuffixStore``)."""
+        if self.suffix is not None:
+            ctx.suffix = self.suffix.cache_for(scope)
+
+    def finished(self, scope: str | None, prompt: list[int], output: list[int]) -> None:
+        """A request finished: its output drafts for the later requests of its scope."""
+        if self.suffix is not None:
+            self.suffix.add(scope, prompt, output)
+
+    def round(self, batch: list[DecodeContext]) -> list[list[int]]:
+        """One round for the batch (every sequence prefilled): each sequence's tokens to commit. Free
+        drafts where the strategy has some worth verifying (``Strategy.free_round``) and measured free
+        rounds pay at this batch size (``FreeRoundGate``); else the strategy's round or, where measured
+        speculation does not pay, a plain one."""
+        cost = self.controller.row_cost if self.controller is not None else None
+        commits = self._free_round(batch, cost) if self.strategy.has_free_rounds else None
+        return commits if commits is not None else self._step_round(batch, cost)
+
+    def _free_round(self, batch: list[DecodeContext], cost: RowCost | None) -> list[list[int]] | None:
+        """``free_round(batch, cost)``, timed for the adaptive controller's gate, or None (without
+        calling it) where the gate finds free rounds slower than plain steps at this batch size: then
+        no plain run of several steps stops early for drafts (``DecodeContext.lookup_stop``). The
+        gate is off with ``HISPEC_FREE_ROUND_GATE=0`` (the tests: on their tiny models a round's
+        Python outweighs a plain step, and what they check is that the drafting paths run)."""
+        if self.controller is None or not envs.HISPEC_FREE_ROUND_GATE:
+            return self.strategy.free_round(batch, cost)
+        gate = self.controller.free
+        if not gate.allows(len(batch)):
+            for c in batch:
+                c.lookup_stop = 0
+                c.stats.free_skips += 1
+            return None
+        t0 = time.perf_counter()
+        commits = self.strategy.free_round(batch, cost)
+        if commits is not None:
+            _synchronize(batch)
+            gate.record(len(batch), sum(map(len, commits)), time.perf_counter() - t0, cost.plain.get(len(batch)))
+            gain = gate.gain_at(len(batch))
+            for c in batch:
+                c.stats.free_gain = gain
+        return commits
+
+    def _step_round(self, batch: list[DecodeContext], cost: RowCost | None) -> list[list[int]]:
+        """The strategy's round or a plain one, as the adaptive controller chooses."""
+        # Every mode gives the same tokens (sampled ones too: each position's token is drawn with its own
+        # uniform number, ``DecodeContext.uniforms``), so the measurements decide for any batch.
+        mode = self.controller.choose(len(batch)) if self._switches else SPECULATE
+        strategy = {SPECULATE: self.strategy, CHAIN: self._chain, PLAIN: self._plain}[mode]
+        row_cost = cost.relative(len(batch)) if cost is not None else None
+        for c in batch:  # what a verification row costs now: token trees add the rows that pay for it
+            c.row_cost = row_cost
+        t0 = time.perf_counter()
+        commits = strategy.step(batch)
+        if strategy is self._plain:
+            for c in batch:
+                c.stats.plain_steps += 1
+        _synchronize(batch)
+        elapsed = time.perf_counter() - t0
+        if self._switches:
+            self.controller.record(len(batch), mode, sum(len(c) for c in commits), elapsed)
+            rates = self.controller.rates_at(len(batch))
+            for c in batch:
+                c.stats.modes[mode] = c.stats.modes.get(mode, 0) + 1
+                c.stats.mode_rates = rates
+        # a plain round: what drafts must beat
+        if cost is not None and (strategy is self._plain and self._switches or not self._switches):
+            cost.record_plain(len(batch), elapsed / max(map(len, commits)))
+        return commits
+
+    def to_dict(self) -> dict:
+        return {"adaptive": self.controller.to_dict() if self.controller else None,
+                "suffix_cache": self.suffix.to_dict() if self.suffix is not None else None}
+
+
+def _synchronize(batch: list[DecodeContext]) -> None:
+    """Wait for the device's work (a round's seconds on CUDA are its kernels')."""
+    device = batch[0].model.device
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -9,7 +9,7 @@ import hispec.decode.speculative as spec_mod
 from hispec.cache.block_manager import BlockManager
 from hispec.cache.kv_cache import KVPool, slots_for
 from hispec.config import ConfigError, SamplingParams, SpecConfig
-from hispec.decode.base import DecodeContext, LayerRunner
+from hispec.decode.base import DecodeContext, LayerRunner, Strategy
 from hispec.decode.speculative import HiSpec, SelfSpec
 from hispec.decode.stats import DecodeStats
 from hispec.generate import Generator, PromptTooLongError
@@ -49,11 +49,12 @@ def short_gen(tiny_model_dir) -> Generator:
     return Generator(model)
 
 
-class Recording:
+class Recording(Strategy):
     """A strategy wrapper that records the chunks the strategy committed (before any cut)."""
 
     def __init__(self, inner) -> None:
         self.inner, self.name, self.spec, self.chunks = inner, inner.name, inner.spec, []
+        self.lookahead = inner.lookahead
 
     def step(self, batch):
         commits = self.inner.step(batch)

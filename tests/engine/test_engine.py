@@ -12,6 +12,7 @@ import torch
 
 from hispec.config import SamplingParams, SpecConfig
 from hispec.decode.autoregressive import Autoregressive
+from hispec.decode.base import Strategy
 from hispec.engine import Engine
 from hispec.generate import Generator, make_strategy
 from hispec.kernels import fused
@@ -322,12 +323,12 @@ def test_extreme_sampling_values_behave_as_greedy_in_a_greedy_batch(model, workl
         assert final[r].finish_reason != "error" and final[r].token_ids == ref
 
 
-class FailsFor:
+class FailsFor(Strategy):
     """A strategy that raises, after running (and so touching the cache), whenever its batch
     holds a request with ``top_k == 7``: a stand-in for a bug that one request's input triggers."""
 
     def __init__(self, inner) -> None:
-        self.inner, self.name, self.spec = inner, inner.name, getattr(inner, "spec", None)
+        self.inner, self.name, self.spec, self.lookahead = inner, inner.name, inner.spec, inner.lookahead
 
     def step(self, batch):
         commits = self.inner.step(batch)
