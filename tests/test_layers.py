@@ -123,6 +123,19 @@ def test_no_upward_imports():
     assert KNOWN - upward == set(), "fixed: remove these from KNOWN"
 
 
+def test_the_engine_asks_the_speculation_policy_alone():
+    """The engine imports speculation's policy (``spec.policy``), never the proposers or the cost
+    model behind it; the proposers never import the engine, nor the policy that decides about them."""
+    graph = import_graph()
+    engine_spec = {(m, t) for m, targets in graph.items() if _part(m) == "engine"
+                   for t in targets if _part(t) == "spec"}
+    assert {t for _, t in engine_spec} <= {"hispec.spec.policy"}, engine_spec
+    proposers = {(m, t) for m, targets in graph.items() if m.startswith("hispec.spec.proposers")
+                 for t in targets if _part(t) == "engine" or t == "hispec.spec.policy"}
+    assert proposers == set(), "the proposers import the engine or the policy"
+    assert not any(t.startswith("hispec.spec.") and t != "hispec.spec.cost" for t in graph["hispec.spec.cost"])
+
+
 def test_environment_read_in_envs_only():
     reads = re.compile(r"""(environ(\.get)?\s*[\[(]|getenv\()\s*["']HISPEC_""")
     readers = sorted(str(p.relative_to(ROOT)) for p in ROOT.rglob("*.py") if reads.search(p.read_text()))
