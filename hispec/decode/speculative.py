@@ -12,6 +12,9 @@ names as in docs/design.md):
 
 (selfspec has no intermediate exit: its drafts go straight to ``full_verify``, layers [L_d, L_f).)
 
+The drafts come from speculation's proposers (an exit's: ``spec/proposers/exit.py``; free ones:
+``spec/proposers/lookup.py``); this module verifies them and commits what the accept rule keeps.
+
 Free drafts (``lookup``, and ``hispec`` where prompt lookup finds a match; ``spec/proposers/lookup.py``)
 cost no model time: the pending token and its drafts x_1 .. x_k go through every layer in one
 pass (positions base .. base + k), and the same acceptance rule commits the accepted prefix
@@ -43,11 +46,11 @@ import torch
 from ..config import ConfigError, SpecConfig
 from ..sampling.sampler import choose
 from ..sampling.speculative import accept_chosen, accept_chosen_batch
-from .autoregressive import Autoregressive, row_sampling
-from .base import DecodeContext, Strategy, process_rows, split_rows
 from ..spec.cost import RowCost
 from ..spec.proposers.exit import Proposal, draft, ensure_policies, has_runners_up, tree_min_probs
 from ..spec.proposers.lookup import free_drafts
+from .autoregressive import Autoregressive, row_sampling
+from .base import DecodeContext, Strategy, process_rows, split_rows
 from .stats import phase_timer
 from .tree import DraftTree, accept_tree, exit_tree
 
