@@ -43,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from ...config import ConfigError
+from .gguf_errors import GGUFArchError, GGUFFileError, GGUFTypeError
 
 __all__ = ["convert_gguf", "default_gguf_path", "is_complete_conversion", "read_gguf", "GGUFTypeError",
            "GGUFArchError", "GGUFFileError", "check_gguf_file", "DEFAULT_GGUF_NAME", "ARCHS"]
@@ -321,14 +321,6 @@ def _write_json(path: pathlib.Path, obj: Any) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n", encoding="utf-8")
 
 
-class GGUFTypeError(ConfigError):
-    """A GGUF tensor of a type hispec cannot read; the message names the tensor and its type."""
-
-
-class GGUFFileError(ConfigError):
-    """A file that is not a readable GGUF file (no GGUF magic, cut short, corrupt); the message says which."""
-
-
 def check_gguf_file(path: str | os.PathLike) -> None:
     """Read a GGUF file's header and tensor table (``gguf_index``: nothing converted) and raise
     :class:`GGUFFileError` if it is not a GGUF file, is cut short or has a tensor past its end."""
@@ -340,10 +332,6 @@ def check_gguf_file(path: str | os.PathLike) -> None:
         raise
     except (ValueError, OverflowError, struct.error, UnicodeDecodeError) as e:
         raise GGUFFileError(f"{pathlib.Path(path).name} is not a readable GGUF file: {e}") from None
-
-
-class GGUFArchError(ConfigError):
-    """A GGUF file of an architecture hispec does not run; the message names it and the supported ones."""
 
 
 def read_gguf(path: str | os.PathLike) -> Any:

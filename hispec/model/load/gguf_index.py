@@ -106,11 +106,11 @@ def read_metadata(path: str | Path, keys) -> dict:
 
 def read_tensors(path: str | Path) -> list[GGUFTensor]:
     """The tensors of the GGUF file at ``path`` (see the module's docstring). An unknown tensor
-    type raises ``gguf_convert.GGUFTypeError`` naming the tensor; a file that is not GGUF, or is
+    type raises ``gguf_errors.GGUFTypeError`` naming the tensor; a file that is not GGUF, or is
     cut short, raises ``ValueError``."""
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
-    from .gguf_convert import GGUFTypeError
+    from .gguf_errors import GGUFTypeError
 
     path = Path(path)
     mm = np.memmap(path, dtype=np.uint8, mode="r")
