@@ -23,7 +23,8 @@ from .config import TrainConfig
 
 class TeacherPass:
     """Batched teacher passes (see the module docstring): called on ``seqs``, per position the
-    states ``h.{L}`` ``[N, H]`` float16, the final top-k ``top_ids`` ``[N, K]`` int32 and
+    states ``h.{L}`` ``[N, H]`` float16 (rows scaled by a power of two where they would overflow:
+    ``float16_states``), the final top-k ``top_ids`` ``[N, K]`` int32 and
     ``top_logp`` ``[N, K]`` float16, and the input ``tokens`` ``[N]`` int32, on the CPU."""
 
     def __init__(self, model, cfg: TrainConfig) -> None:
@@ -40,11 +41,26 @@ class TeacherPass:
             top_logp, top_ids = torch.log_softmax(logits.float(), dim=-1).topk(cfg.topk, dim=-1)
             ids.append(top_ids.to(torch.int32))
             logp.append(top_logp.to(torch.float16))
-        out = {f"h.{L}": states[L].to(torch.float16) for L in cfg.layers}
+        out = {f"h.{L}": float16_states(states[L]) for L in cfg.layers}
         out.update(top_ids=torch.cat(ids), top_logp=torch.cat(logp))
         out = {k: v.cpu() for k, v in out.items()}
         out["tokens"] = torch.tensor([t for ids in seqs for t in ids], dtype=torch.int32)
         return out
+
+
+F16_ROW_MAX = 2.0 ** 15  # a stored state row's largest magnitude (float16 reaches 65,504)
+
+
+def float16_states(h: torch.Tensor) -> torch.Tensor:
+    """Hidden states ``h [N, H]`` in float16, each row scaled down by a power of two where its
+    largest value would not fit (Gemma 3's residual stream reaches ~1e5 by its middle layers:
+    float16 overflowed to inf and training gave NaN). Exact (a power of two), and no reader sees
+    it: exits read their states through an RMSNorm (the exit's own, the block's, the least-squares
+    start's normalisation), which scaling does not change beyond its eps."""
+    h = h.float()
+    peak = h.abs().amax(dim=-1, keepdim=True)  # [N, 1]
+    shift = torch.clamp(torch.ceil(torch.log2(peak / F16_ROW_MAX)), min=0)  # [N, 1]: 0 for most models
+    return torch.ldexp(h, -shift).to(torch.float16)
 
 
 def layer_pass(model, seqs: list[list[int]], layers=(), block_size: int = 16, prefill: bool = False
