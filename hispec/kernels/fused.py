@@ -4,8 +4,10 @@ Eager PyTorch spends ~10 ms per token of the default model outside its matmuls: 
 per layer at a few microseconds each (dispatch, allocation, dtype casts), and attention that
 gathers each sequence's context out of the paged pool. The kernels (``csrc/``) do each run of
 that work in one call: ``rms_norm`` / ``add_rms_norm`` (residual add + norm + cast to the matmul
-input dtype), ``rope_write`` (rotate q and k, write K/V to their slots), ``paged_attention``
-(each query over its own context read through the block table, no gather), ``silu_mul``; and
+input dtype; ``norm_add_rms_norm`` / ``norm_add``: the added output normed first, Gemma 3's
+sandwich norms), ``rope_write`` (QK-norm where the family has it, rotate q and k, write K/V to
+their slots), ``paged_attention`` (each query over its own context read through the block table,
+no gather; a sliding window where the layer has one), ``silu_mul`` / ``gelu_tanh_mul``; and
 matmuls whose every output row is computed alone: ``panel_matmul`` (float32 products on weights
 packed in panels, which ``matmul.Linear`` takes where it times faster than MKL / oneDNN), and
 ``q4_matmul`` / ``q8_matmul`` on GGUF blocks as stored (``quant.py``).

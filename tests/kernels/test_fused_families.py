@@ -354,3 +354,45 @@ def test_strategies_keep_ar_tokens(kind, quantize, kv_dtype, tmp_path_factory, f
         for strategy in ("lookup", "selfspec", "hispec"):
             out = gen.generate(prompt, params, strategy, spec=spec)
             assert out.token_ids == want, (strategy, prompt)
+
+
+@pytest.mark.parametrize("head_dim", [16, 64, 256])
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
+def test_windowed_attention_has_the_same_bits_on_avx2_and_avx512(tmp_path, head_dim, pool_dtype):
+    """Over sliding windows too, attention.c built for AVX2 + FMA only gives the AVX-512 builds' bits
+    (a bfloat16 pool on an AVX512_BF16 build, head sizes 64 / 128: bfloat16 products, its own)."""
+    import ctypes
+    import platform
+    import shutil
+    import subprocess
+
+    from hispec.kernels import binding, build
+
+    if shutil.which("cc") is None or platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("needs a C compiler on x86-64")
+    cpu = open("/proc/cpuinfo").read().split()
+    if not {"avx2", "fma", "avx512f"} <= set(cpu):
+        pytest.skip("needs a CPU with both AVX2 + FMA and AVX-512 to run both builds")
+    flags = [f for f in build.FLAGS if not f.startswith("-march")]
+    fns = []
+    for isa in ("-march=haswell", "-march=skylake-avx512", "-march=native"):
+        lib = tmp_path / f"attention{len(fns)}.so"
+        subprocess.run(["cc", *flags, isa, "-I", str(build.CSRC), str(build.CSRC / "attention.c"), "-o", str(lib),
+                        "-lm"], check=True, capture_output=True)
+        f = ctypes.CDLL(str(lib)).hs_paged_attention_window
+        f.argtypes, f.restype = binding.signatures()["hs_paged_attention_window"]
+        if pool_dtype == torch.float32 or not (ctypes.CDLL(str(lib)).hs_attention_bf16_products()
+                                                and head_dim in (64, 128)):
+            fns.append(f)
+    batch, pool, q = one_sequence(3, 40, 4, 2, head_dim)
+    k, v = pool.k[0].to(pool_dtype), pool.v[0].to(pool_dtype)
+    real = fused.library
+    for window in (5, 17):
+        results = []
+        for f in fns:
+            fused.library = lambda f=f: type("Lib", (), {"hs_paged_attention_window": staticmethod(f)})
+            try:
+                results.append(fused.paged_attention(q, k, v, batch.kernel(), torch.float32, window, 0.2))
+            finally:
+                fused.library = real
+        assert all(torch.equal(results[0], r) for r in results[1:]), window
