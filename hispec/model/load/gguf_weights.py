@@ -253,7 +253,7 @@ def _requantize_mask(types, overflow: bool = False) -> list[bool]:
     return [k not in EIGHT_BIT or overflow and k in ("Q4_K", "Q6_K") for k in types]
 
 
-def _native(tensors, form: str, source: str, undo=None, requantize=None) -> QuantLinear:
+def _native(tensors, form: str, source: str, undo=None, requantize=None, kernel4: str | None = None) -> QuantLinear:
     """One QuantLinear of ``tensors`` (their rows stacked in order) in ``form``; ``undo(i, x)``
     reorders part ``i``'s rows (any per-row array). ``requantize`` (8-bit form only): which parts
     are requantized from their float values (:func:`requantize_q8`) rather than mapped exactly; the
@@ -264,7 +264,7 @@ def _native(tensors, form: str, source: str, undo=None, requantize=None) -> Quan
         assert not any(requantize)
         parts = [[undo(i, x) for x in _blocks(t)] for i, t in enumerate(tensors)]
         q, d, m = (torch.cat(xs) for xs in zip(*parts))
-        return QuantLinear.from_blocks(q, d, m, source)
+        return QuantLinear.from_blocks(q, d, m, source, kernel=kernel4)
     kinds = [t.tensor_type.name for t in tensors]
     if not _group16_runs():  # no kernel with a scale per 16 values here: Q6_K parts requantized
         requantize = [r or k in GROUP16 for r, k in zip(requantize, kinds)]
@@ -333,6 +333,7 @@ def native_linears(gguf_path: str | Path, num_heads: int, num_kv_heads: int,
     that are not finite) and why."""
     by_name = {t.name: t for t in gguf_tensors(gguf_path)}
     out, kinds = {}, set()
+    kernel4 = _four_bit_kernel_beside_eight(by_name)
     for i, fused, tensors in _decoder_layers(by_name):
         if _why_float(tensors) is not None:
             continue
@@ -344,7 +345,8 @@ def native_linears(gguf_path: str | Path, num_heads: int, num_kv_heads: int,
         source, form = "+".join(sorted(set(types))), form_of(types)
         try:
             try:
-                layer = _native(tensors, form or "8-bit", source, undo, None if form else _requantize_mask(types))
+                layer = _native(tensors, form or "8-bit", source, undo, None if form else _requantize_mask(types),
+                                kernel4)
             except ValueError:  # a Q4_K / Q6_K scale that overflows float16: those parts requantized
                 if form is None:
                     raise
@@ -354,6 +356,18 @@ def native_linears(gguf_path: str | Path, num_heads: int, num_kv_heads: int,
         out[f"layers.{i}.{fused}"] = layer
         kinds.update(types)
     return out, "+".join(sorted(kinds))
+
+
+def _four_bit_kernel_beside_eight(by_name: dict) -> str | None:
+    """The kernel of the 4-bit layers where the file also has 8-bit ones: the timed 4-bit choice,
+    except PyTorch's ``int4`` (bfloat16 activations) beside ``q8`` layers (float32 activations),
+    where ``q4`` runs instead: one activation dtype through the model, as the fused path needs (a
+    Gemma 3 Q4_K_M file on int4 + q8 ran at ~2 tokens/s, layer by layer). None: the timed choice."""
+    from ...kernels.quant import eight_bit_kernel, four_bit_kernel
+
+    eight = any(all(t is not None for t in ts) and form_of([t.tensor_type.name for t in ts]) != "4-bit"
+                for _, _, ts in _decoder_layers(by_name))
+    return "q4" if eight and four_bit_kernel()[0] == "int4" and eight_bit_kernel() == "q8" else None
 
 
 def _decoder_layers(by_name: dict):
