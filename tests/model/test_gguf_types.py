@@ -306,8 +306,10 @@ def test_fused_layers_share_a_form_or_are_requantized(tmp_path, four_bit_kernel,
     assert len(native) == 8 and gw.float_layers(src, native) == []  # nothing stays on float32
     assert kinds == "Q4_0+Q4_1+Q4_K+Q5_0+Q5_1+Q6_K+Q8_0"
     g16 = fused.available()  # without hispec's kernels (int4x2) Q6_K is requantized
-    forms = {"layers.0.o_proj": ("Q4_K", "int4", ()),
-             "layers.0.gate_up_proj": ("Q4_0+Q4_K", "int4", ()), "layers.1.down_proj": ("Q4_K", "int4", ()),
+    # int4 (bfloat16 activations) beside q8 layers (float32 ones): the 4-bit layers take q4
+    four = "q4" if fused.available() else "int4"
+    forms = {"layers.0.o_proj": ("Q4_K", four, ()),
+             "layers.0.gate_up_proj": ("Q4_0+Q4_K", four, ()), "layers.1.down_proj": ("Q4_K", four, ()),
              "layers.1.gate_up_proj": ("Q4_0+Q8_0", q8, ()),  # Q4_0 beside Q8_0: in the 8-bit form
              # Q6_K beside Q5_0 and Q8_0: all in the 8-bit form with a scale per 16 values
              "layers.0.qkv_proj": ("Q5_0+Q6_K+Q8_0", q8, () if g16 else ("Q6_K",)),
