@@ -396,3 +396,55 @@ def test_windowed_attention_has_the_same_bits_on_avx2_and_avx512(tmp_path, head_
             finally:
                 fused.library = real
         assert all(torch.equal(results[0], r) for r in results[1:]), window
+
+
+def test_argmax_picks_as_torch_does():
+    """``hs_argmax`` (the op's greedy choice) is ``torch.argmax``: the first of equal maxima (-0 = +0),
+    the first NaN, infinities, rows of any length (vector bodies and tails)."""
+    lib = fused.library()
+    g = torch.Generator().manual_seed(2)
+    rows = []
+    for n in (1, 5, 16, 17, 33, 1000, 262144):
+        x = torch.randn(n, generator=g)
+        rows.append(x)
+        tie = x.clone()
+        tie[n // 3:] = tie.max()  # ties: the first
+        rows.append(tie)
+        if n > 2:
+            z = torch.full((n,), -1.0)
+            z[n - 2], z[1] = 0.0, -0.0  # -0 before +0: equal, the first
+            rows.append(z)
+            nan = x.clone()
+            nan[n - 1] = float("nan")
+            nan[n // 2] = float("inf")
+            rows.append(nan)
+            both = x.clone()
+            both[n // 2:] = float("nan")
+            rows.append(both)
+        rows.append(torch.full((n,), float("-inf")))
+        rows.append(torch.full((n,), float("inf")))
+    fns = [lib.hs_argmax]
+    import ctypes
+    import platform
+    import shutil
+    import subprocess
+    import tempfile
+
+    from hispec.kernels import build
+
+    if shutil.which("cc") is not None and platform.machine() in ("x86_64", "AMD64"):  # the AVX2 and plain C bodies
+        flags = [f for f in build.FLAGS if not f.startswith("-march")]
+        with tempfile.TemporaryDirectory() as tmp:
+            for isa in ("-march=haswell", "-march=x86-64"):
+                so = f"{tmp}/sample{len(fns)}.so"
+                subprocess.run(["cc", *flags, isa, "-I", str(build.CSRC), str(build.CSRC / "sample.c"), "-o", so,
+                                "-lm"], check=True, capture_output=True)
+                f = ctypes.CDLL(so).hs_argmax
+                f.argtypes, f.restype = [ctypes.c_void_p, ctypes.c_int64], ctypes.c_int64
+                fns.append(f)
+            for x in rows:
+                for f in fns:
+                    assert f(x.data_ptr(), x.numel()) == int(torch.argmax(x)), (f, x.numel(), x[:4])
+            return
+    for x in rows:
+        assert lib.hs_argmax(x.data_ptr(), x.numel()) == int(torch.argmax(x)), (x.numel(), x[:4])

@@ -391,21 +391,8 @@ at::Tensor decode_step(const std::vector<int64_t>& tokens, const std::vector<int
 }
 
 // The index of the largest of ``row[0 .. n)``, as torch.argmax picks it: the first of equal
-// maxima, the first NaN where there is one (NaN counts as the largest).
-int64_t argmax_row(const float* row, int64_t n) {
-    int64_t best = 0;
-    float top = row[0];
-    if (top != top) return 0;
-    for (int64_t j = 1; j < n; j++) {
-        const float v = row[j];
-        if (v != v) return j;
-        if (v > top) {
-            top = v;
-            best = j;
-        }
-    }
-    return best;
-}
+// maxima, the first NaN where there is one (NaN counts as the largest): hs_argmax (vector compares).
+int64_t argmax_row(const float* row, int64_t n) { return hs_argmax(row, n); }
 
 // Whether the last ``n`` tokens of ``text`` occurred earlier with a token after them (an occurrence
 // ending at ``e <= size - 2``), as ``decode.lookup.NgramIndex.match`` finds a match of ``n`` tokens.

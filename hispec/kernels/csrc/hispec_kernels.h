@@ -160,6 +160,9 @@ void hs_sampling_probs(const float *logits, float *probs, int64_t T, int64_t V, 
  * 1024 tokens have p > 0, the race argmin E_i / p[i] with E_i exponential from u[t]'s bits and i; elsewhere the
  * first token whose cumulative probability exceeds u[t] times the row's mass; 0 for a row of zeros. */
 void hs_sample_pick(const float *probs, int64_t T, int64_t V, const double *u, int64_t *out);
+/* the index of the largest of row[0 .. n) as torch.argmax picks it (the first of equal maxima; the
+ * first NaN where there is one) */
+int64_t hs_argmax(const float *row, int64_t n);
 
 #ifdef __cplusplus
 }
