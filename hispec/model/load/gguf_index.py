@@ -80,18 +80,25 @@ class _Cursor:
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 
 
-def read_metadata(path: str | Path, keys) -> dict:
-    """The values of the metadata ``keys`` that the GGUF file at ``path`` has and that are numbers,
-    booleans or strings (arrays are stepped over), read from its header alone."""
-    path, keys = Path(path), {k.encode() for k in keys}
+def _header(path: Path) -> tuple[np.ndarray, _Cursor, int, int]:
+    """``(the file memory-mapped, a cursor after the header, tensor count, metadata count)``;
+    ``ValueError`` for a file that is not GGUF (v2 or later)."""
     mm = np.memmap(path, dtype=np.uint8, mode="r")
     cur = _Cursor(memoryview(mm), path)
     if bytes(mm[:4]) != MAGIC:
         raise ValueError(f"{path.name} is not a GGUF file (no GGUF magic)")
     cur.pos = 4
-    version, _, n_kv = cur.take("<I"), cur.take("<Q"), cur.take("<Q")
+    version, n_tensors, n_kv = cur.take("<I"), cur.take("<Q"), cur.take("<Q")
     if version < 2:
         raise ValueError(f"{path.name}: GGUF version {version} is not supported (2 and later)")
+    return mm, cur, n_tensors, n_kv
+
+
+def read_metadata(path: str | Path, keys) -> dict:
+    """The values of the metadata ``keys`` that the GGUF file at ``path`` has and that are numbers,
+    booleans or strings (arrays are stepped over), read from its header alone."""
+    keys = {k.encode() for k in keys}
+    _, cur, _, n_kv = _header(Path(path))
     out = {}
     for _ in range(n_kv):
         key, vtype = cur.string(), cur.take("<I")
@@ -113,14 +120,7 @@ def read_tensors(path: str | Path) -> list[GGUFTensor]:
     from .gguf_errors import GGUFTypeError
 
     path = Path(path)
-    mm = np.memmap(path, dtype=np.uint8, mode="r")
-    cur = _Cursor(memoryview(mm), path)
-    if bytes(mm[:4]) != MAGIC:
-        raise ValueError(f"{path.name} is not a GGUF file (no GGUF magic)")
-    cur.pos = 4
-    version, n_tensors, n_kv = cur.take("<I"), cur.take("<Q"), cur.take("<Q")
-    if version < 2:
-        raise ValueError(f"{path.name}: GGUF version {version} is not supported (2 and later)")
+    mm, cur, n_tensors, n_kv = _header(path)
     alignment = 32
     for _ in range(n_kv):
         key, vtype = cur.string(), cur.take("<I")
