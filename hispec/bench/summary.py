@@ -65,12 +65,20 @@ class Comparison:
     adaptive: bool | None = None  # speculation decoded adaptively (None: not recorded)
     sampling: str | None = None  # e.g. "temperature 0.7, top-p 0.9, seed 1"; None: greedy
     link: str | None = None  # the result file relative to the markdown file (set by ``make``)
+    model: str | None = None  # the model's name as the run gave it; None, "default": the default model
     key: tuple = field(init=False)
 
     def __post_init__(self) -> None:
         self.key = (self.machine, self.batch_size, tuple(sorted(r.label for r in self.rows)), bool(self.adaptive),
                     next((r.weights for r in self.rows if r.own), None),  # e.g. runs on another kernel
-                    self.sampling)
+                    self.sampling, self.model_name)
+
+    @property
+    def model_name(self) -> str | None:
+        """The model, None for the default one (whatever name the run gave it)."""
+        if self.model in (None, "default", "smollm2", "smollm2-135m-instruct"):
+            return None
+        return Path(self.model).name or self.model  # a folder or file: its name
 
     @property
     def with_peers(self) -> bool:
@@ -80,8 +88,12 @@ class Comparison:
 
     @property
     def kind(self) -> tuple:
-        """What the summary shows one table of: (batch size, sampled, against other engines)."""
-        return (self.batch_size, self.sampling is not None, self.with_peers)
+        """What the summary shows one table of: (batch size, sampled, against other engines), and for
+        a model other than the default one, the model and whether speculation ran (its plain
+        throughput runs apart from its speculative ones)."""
+        kind = (self.batch_size, self.sampling is not None, self.with_peers)
+        speculative = any(r.own and r.label.split(":")[0] != "ar" for r in self.rows)
+        return kind + ((self.model_name, speculative) if self.model_name else ())
 
 
 # ---- reading result files ------------------------------------------------------------------
@@ -154,7 +166,7 @@ def _from_results(data: dict, source: str) -> Comparison:
     return Comparison(_machine(data.get("machine")), int(cfg.get("batch_size") or 1), rows,
                       prompts=cfg.get("num_prompts"), max_new_tokens=cfg.get("max_new_tokens"),
                       command=cfg.get("command"), adaptive=cfg.get("adaptive", False),
-                      sampling=_sampling(cfg.get("sampling")), **_provenance(data, source))
+                      sampling=_sampling(cfg.get("sampling")), model=model.get("name"), **_provenance(data, source))
 
 
 def _sampling(sp: dict | None) -> str | None:
@@ -212,7 +224,8 @@ def _from_batch(data: dict, source: str) -> list[Comparison]:
         out.append(Comparison(_machine(data.get("machine")), int(b), rows, prompts=data.get("num_prompts"),
                               max_new_tokens=data.get("max_new_tokens"), rounds=data.get("rounds"),
                               command=data.get("command"), adaptive=data.get("adaptive"),
-                              sampling=_sampling(data.get("sampling")), **_provenance(data, source)))
+                              sampling=_sampling(data.get("sampling")), model=data.get("model"),
+                              **_provenance(data, source)))
     return out
 
 
@@ -291,7 +304,8 @@ def _setup(c: Comparison) -> str:
 def _title(c: Comparison) -> str:
     date = (c.created or "date not recorded")[:10]
     sampled = ", sampled" if c.sampling else ""
-    return f"Batch {c.batch_size}{sampled}: {', '.join(r.label for r in c.rows)} ({c.machine}, {date})"
+    model = f" ({c.model_name})" if c.model_name else ""
+    return f"Batch {c.batch_size}{sampled}{model}: {', '.join(r.label for r in c.rows)} ({c.machine}, {date})"
 
 
 def _source(c: Comparison) -> str:

@@ -274,9 +274,10 @@ def test_summary_of_real_bench_runs(tiny_text_model_dir, tmp_path):
     text = md.read_text()
     assert text.endswith(summary.END + HISTORY)
     # batch 1, greedy, hispec alone: one kind, so one table (the newer run) and one line (the other)
-    assert text.count("### Batch 1: ar, ") == 1 and text.count("\n- Batch 1: ar, ") == 1
-    assert sum(text.count(f"{h}Batch 1: ar, {s} (") for h in ("### ", "\n- ") for s in ("hispec", "selfspec")) == 2
-    assert text.count("### Batch 2: ar, selfspec") == 1
+    name = f" ({tiny_text_model_dir.name})"  # a model other than the default one is named
+    assert text.count(f"### Batch 1{name}: ar, ") == 1 and text.count(f"\n- Batch 1{name}: ar, ") == 1
+    assert sum(text.count(f"{h}Batch 1{name}: ar, {s} (") for h in ("### ", "\n- ") for s in ("hispec", "selfspec")) == 2
+    assert text.count(f"### Batch 2{name}: ar, selfspec") == 1
     assert text.count("| reference |") == 2 and "load not recorded" not in text
     assert "date not recorded" not in text
 
