@@ -2,9 +2,9 @@
 """A GGUF file with random weights and the real shapes of a published model, for benchmarks at
 sizes whose real weights are not at hand (the tokens mean nothing: only the arithmetic counts).
 
-    python scripts/synthetic-gguf.py --shape llama-3.2-1b --type Q8_0 --out /tmp/l1b-q8_0.gguf
-    python scripts/synthetic-gguf.py --shape llama-3.1-8b --type Q4_K_M --out /tmp/l8b.gguf   # llama-quantize
-    python scripts/synthetic-gguf.py --shape qwen2.5-1.5b --type F16 --out /tmp/q15.gguf --layers 2 --vocab 512
+    python scripts/synthetic-gguf.py --shape llama-3.2-1b --type Q8_0 --out l1b-q8_0.gguf
+    python scripts/synthetic-gguf.py --shape llama-3.1-8b --type Q4_K_M --out l8b.gguf   # llama-quantize
+    python scripts/synthetic-gguf.py --shape qwen2.5-1.5b --type F16 --out q15.gguf --layers 2 --vocab 512
 
 Shapes (from each model's published config.json; ``SHAPES`` below):
 
