@@ -103,22 +103,23 @@ def norm_add(h: torch.Tensor, delta: torch.Tensor, delta_weight: torch.Tensor, e
     return h_out
 
 
-def gelu_tanh_mul(gate_up: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """``gelu(gate, approximate="tanh") * up`` for ``gate_up [T, 2I] = [gate | up]`` -> ``[T, I]`` (GeGLU)."""
+def _gated(kernel: str, gate_up: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """``act(gate) * up`` for ``gate_up [T, 2I] = [gate | up]`` -> ``[T, I]`` by the C kernel ``kernel``."""
     gate_up = _check(gate_up, F32, BF16)
     t, i = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty((t, i), dtype=out_dtype)
-    library().hs_gelu_tanh_mul(gate_up.data_ptr(), _bf(gate_up), t, i, out.data_ptr(), int(out_dtype == BF16))
+    getattr(library(), kernel)(gate_up.data_ptr(), _bf(gate_up), t, i, out.data_ptr(), int(out_dtype == BF16))
     return out
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """``gelu(gate, approximate="tanh") * up`` (GeGLU), see :func:`_gated`."""
+    return _gated("hs_gelu_tanh_mul", gate_up, out_dtype)
 
 
 def silu_mul(gate_up: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """``silu(gate) * up`` for ``gate_up [T, 2I] = [gate | up]`` -> ``[T, I]``."""
-    gate_up = _check(gate_up, F32, BF16)
-    t, i = gate_up.shape[0], gate_up.shape[1] // 2
-    out = torch.empty((t, i), dtype=out_dtype)
-    library().hs_silu_mul(gate_up.data_ptr(), _bf(gate_up), t, i, out.data_ptr(), int(out_dtype == BF16))
-    return out
+    """``silu(gate) * up`` (SwiGLU), see :func:`_gated`."""
+    return _gated("hs_silu_mul", gate_up, out_dtype)
 
 
 def rope_write(qkv: torch.Tensor, cos: torch.Tensor, ssin: torch.Tensor, slots: torch.Tensor, num_heads: int,

@@ -236,7 +236,7 @@ def apply_quantization(model: DecoderModel, quantize: str, gguf: str | Path | No
     format chosen (``model.weight_format``).
 
     ``native``: every decoder linear whose GGUF tensors map onto one of the block kernels' forms
-    (``gguf_weights``: Q4_0, Q4_1, Q4_K, Q5_0, Q8_0) runs on the file's blocks, and so does the
+    (``gguf_weights``: Q4_0, Q4_1, Q4_K, Q5_0, Q6_K, Q8_0) runs on the file's blocks, and so does the
     output head where its type maps; the other linears (and a head in another type than F32) are
     requantized to the 8-bit form from their float values (row-invariant kernels, error <= amax / 254
     per weight), and only those whose rows are not a multiple of 16 keep their float32 copy: one
