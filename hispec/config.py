@@ -394,6 +394,10 @@ class EngineConfig:
     The suffix cache (``spec.proposers.suffix.SuffixStore``): the outputs of finished requests, for free
     drafts of later greedy requests in the same scope (``Engine.add_request``'s ``draft_scope``),
     at most ``suffix_cache_entries`` n-grams per scope and ``suffix_cache_scopes`` scopes.
+
+    Prefix caching (``prefix_caching``, ``cache.prefix``): a request whose prompt starts with the
+    prompt of an earlier one (a system prompt, a conversation so far) takes the KV blocks that
+    prompt's prefill left in the pool, within its ``cache_scope`` (``Engine.add_request``).
     """
 
     block_size: int = 16
@@ -404,6 +408,7 @@ class EngineConfig:
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK  # prompt tokens prefilled per step, all sequences together; 0 = no limit
     suffix_cache_entries: int = DEFAULT_SUFFIX_ENTRIES  # n-grams of earlier outputs kept per scope; 0 = off
     suffix_cache_scopes: int = DEFAULT_SUFFIX_SCOPES  # scopes (clients) whose outputs are kept
+    prefix_caching: bool = True  # reuse the KV blocks of prompt prefixes earlier requests prefilled
 
     def __post_init__(self) -> None:
         check_engine_options({f.name: getattr(self, f.name) for f in fields(self) if f.name in _OPTION_RULES})

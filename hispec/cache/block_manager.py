@@ -9,10 +9,18 @@ lengths never increase with depth (a deep layer cannot hold a token a shallow on
 
 Rollback (``truncate``) only shortens lengths and returns whole tail blocks to the pool:
 nothing is copied and nothing needs clearing, since a slot past a layer's length is never read.
+
+Prefix caching (``cache.prefix``): full blocks that a prefill wrote are keyed by the tokens of
+their prefix; a new sequence whose prompt starts with the same tokens takes those blocks
+(``match_prefix``) instead of recomputing them. A block can then belong to several sequences
+(a reference count); one that nobody holds but that still has a key is *evictable*: it counts
+as free and is reused for new data only after the never-keyed free blocks.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from .prefix import PrefixIndex, block_keys
 
 
 class CacheFullError(RuntimeError):
@@ -23,6 +31,7 @@ class CacheFullError(RuntimeError):
 class _SeqBlocks:
     table: list[int] = field(default_factory=list)
     lengths: list[int] = field(default_factory=list)  # filled length per layer
+    keys: list[bytes] = field(default_factory=list)  # prefix keys of table[:len(keys)] (cache.prefix)
 
 
 class BlockManager:
@@ -37,15 +46,25 @@ class BlockManager:
         self.num_exit_layers = num_exit_layers
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
         self._seqs: dict[int, _SeqBlocks] = {}
+        self._refs: dict[int, int] = {}  # block -> sequences whose table holds it
+        self.prefix = PrefixIndex()
+        self._salt: object = None  # what the keyed blocks were computed with (``use_prefix_salt``)
 
     # ---- queries -------------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        """Blocks a sequence can take: never keyed, or keyed but held by nobody (evictable)."""
+        return len(self._free) + len(self.prefix.evictable)
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self._free)
+        """Blocks held by sequences."""
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks with a prefix key (held or evictable)."""
+        return len(self.prefix.key_of)
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -56,7 +75,7 @@ class BlockManager:
     def can_allocate(self, seq_id: int, num_tokens: int) -> bool:
         """Could the sequence (new or existing) hold ``num_tokens`` positions in total?"""
         owned = len(self._seqs[seq_id].table) if seq_id in self._seqs else 0
-        return self.blocks_needed(num_tokens) - owned <= len(self._free)
+        return self.blocks_needed(num_tokens) - owned <= self.num_free_blocks
 
     def block_table(self, seq_id: int) -> list[int]:
         return self._seqs[seq_id].table
@@ -76,11 +95,13 @@ class BlockManager:
         """Grow the block table so positions ``0..num_tokens-1`` have slots."""
         seq = self._seqs[seq_id]
         missing = self.blocks_needed(num_tokens) - len(seq.table)
-        if missing > len(self._free):
+        if missing > self.num_free_blocks:
             raise CacheFullError(f"KV cache full: need {missing} more blocks of {self.block_size} tokens, "
-                                 f"{len(self._free)} free of {self.num_blocks}")
+                                 f"{self.num_free_blocks} free of {self.num_blocks}")
         for _ in range(missing):
-            seq.table.append(self._free.pop())
+            block = self._free.pop() if self._free else self.prefix.evict()
+            self._refs[block] = 1
+            seq.table.append(block)
         self._check(seq_id)
 
     def set_filled(self, seq_id: int, start_layer: int, end_layer: int, length: int) -> None:
@@ -100,14 +121,65 @@ class BlockManager:
             self._check(seq_id)
             return
         keep = self.blocks_needed(max(seq.lengths, default=0))
+        assert keep >= len(seq.keys), "a rollback into keyed (shared) blocks"
         while len(seq.table) > keep:
-            self._free.append(seq.table.pop())
+            self._release(seq.table.pop())
         self._check(seq_id)
 
     def free(self, seq_id: int) -> None:
+        """Release a sequence's blocks (the tail first: its deepest keyed blocks are evicted first)."""
         seq = self._seqs.pop(seq_id)
-        self._free.extend(reversed(seq.table))
-        assert len(self._free) <= self.num_blocks
+        for block in reversed(seq.table):
+            self._release(block)
+
+    def _release(self, block: int) -> None:
+        self._refs[block] -= 1
+        if not self._refs[block]:
+            del self._refs[block]
+            if not self.prefix.park(block):
+                self._free.append(block)
+
+    # ---- prefix caching ------------------------------------------------------------------
+    def use_prefix_salt(self, salt: object) -> None:
+        """Keyed blocks hold K/V of one model (weights, exits, KV dtype): an engine names what it
+        computes with, and keys made with anything else are forgotten."""
+        if salt != self._salt:
+            self._free.extend(self.prefix.clear())
+            self._salt = salt
+
+    def match_prefix(self, seq_id: int, tokens: list[int], scope: str = "") -> int:
+        """Give a new sequence the keyed blocks that hold the longest block-aligned prefix of
+        ``tokens`` (the positions it would prefill) in ``scope``; every layer then holds that many
+        positions. Returns them (a multiple of the block size; 0 on a miss)."""
+        seq = self._seqs[seq_id]
+        assert not seq.table, "prefix blocks go first in a table"
+        self.prefix.queries += len(tokens)
+        for key in block_keys(tokens, self.block_size, scope):
+            block = self.prefix.find(key)
+            if block is None:
+                break
+            self.prefix.revive(block)
+            self._refs[block] = self._refs.get(block, 0) + 1
+            seq.table.append(block)
+            seq.keys.append(key)
+        hit = len(seq.keys) * self.block_size
+        self.prefix.hits += hit
+        seq.lengths = [hit] * len(seq.lengths)
+        return hit
+
+    def cache_blocks(self, seq_id: int, tokens: list[int], scope: str = "") -> None:
+        """Key the sequence's full blocks of ``tokens`` (positions a prefill wrote) that every layer
+        holds, so later sequences can find them."""
+        seq = self._seqs[seq_id]
+        upto = min(len(tokens), *seq.lengths) // self.block_size
+        if upto <= len(seq.keys):
+            return
+        start = len(seq.keys)
+        keys = block_keys(tokens[:upto * self.block_size], self.block_size, scope,
+                          seq.keys[-1] if seq.keys else None, start)
+        for block, key in zip(seq.table[start:upto], keys):
+            self.prefix.add(block, key)
+        seq.keys += keys
 
     # ---- invariants ----------------------------------------------------------------------
     def _check(self, seq_id: int) -> None:
@@ -117,10 +189,19 @@ class BlockManager:
         assert max(seq.lengths) <= len(seq.table) * self.block_size
 
     def check_invariants(self) -> None:
-        """Every block is either free or owned by exactly one sequence (for tests)."""
-        owned = [b for s in self._seqs.values() for b in s.table]
-        assert len(owned) == len(set(owned)), "a block is owned twice"
-        assert not set(owned) & set(self._free), "a block is both free and owned"
-        assert len(owned) + len(self._free) == self.num_blocks, "a block leaked"
+        """Every block is free, evictable or held, and a held block's count is the tables holding
+        it; only keyed blocks are shared (for tests)."""
+        held: dict[int, int] = {}
+        for s in self._seqs.values():
+            assert len(s.table) == len(set(s.table)), "a table holds a block twice"
+            for b in s.table:
+                held[b] = held.get(b, 0) + 1
+        assert held == self._refs, "reference counts differ from the tables"
+        assert all(n == 1 or b in self.prefix.key_of for b, n in held.items()), "an unkeyed block is shared"
+        free, evictable = set(self._free), set(self.prefix.evictable)
+        assert len(free) == len(self._free), "a block is free twice"
+        assert not (free & evictable) and not (set(held) & (free | evictable)), "a block is both free and held"
+        assert evictable <= set(self.prefix.key_of), "an evictable block has no key"
+        assert len(held) + len(free) + len(evictable) == self.num_blocks, "a block leaked"
         for seq_id in self._seqs:
             self._check(seq_id)

@@ -94,6 +94,11 @@ class Engine:
     for greedy sequences from the outputs of the engine's finished requests of the same scope
     (``add_request``'s ``draft_scope``; ``suffix``: a ``SuffixStore`` that outlives the engine,
     else one of its own sized by the config; none with ``suffix_cache_entries=0``).
+
+    Prefix caching (``config.prefix_caching``): the blocks a prefill fills are keyed by their
+    prompt prefix, and a later request of the same ``cache_scope`` whose prompt starts the same
+    way starts its prefill after them (``cache.prefix``). Requests that ask for prompt
+    log-probabilities prefill their whole prompt.
     """
 
     def __init__(self, model: DecoderModel, strategy: Strategy, config: EngineConfig | None = None, *,
@@ -161,8 +166,14 @@ class Engine:
     def _use_cache(self, cache: PagedCache) -> None:
         self.cache = cache
         self.blocks, self.pool = cache.blocks, cache.pool
+        self.blocks.use_prefix_salt(self._prefix_salt())
         self.runner = LayerRunner(self.model, self.blocks, self.pool, reserved=True)
         self.scheduler = Scheduler(self.blocks, self._max_batch_size, self.lookahead)
+
+    def _prefix_salt(self) -> tuple:
+        """What the pool's K/V is computed with: cached blocks made with anything else are not reused."""
+        m = self.model
+        return (id(m), m.weight_format, str(m.kv_dtype), tuple((L, id(e)) for L, e in m.kv_exits().items()))
 
     def set_max_batch_size(self, n: int) -> None:
         """Decode at most ``n`` sequences together from the next step on."""
@@ -171,9 +182,10 @@ class Engine:
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
-                    draft_scope: str | None = None) -> str:
+                    draft_scope: str | None = None, cache_scope: str = "") -> str:
         """Queue a request; its id. ``draft_scope``: whose earlier outputs may draft for it and
-        take its output when it finishes (None: the engine's default scope); see ``SuffixStore``."""
+        take its output when it finishes (None: the engine's default scope); see ``SuffixStore``.
+        ``cache_scope``: requests share cached prompt blocks only within one scope (e.g. an API key)."""
         max_pos = self.model.cfg.max_position_embeddings
         if not prompt_ids:
             raise ConfigError("the prompt is empty")
@@ -195,6 +207,8 @@ class Engine:
         self.speculation.attach(ctx, draft_scope)
         seq = Sequence(request_id, ctx, self._decode, max_pos)
         seq.draft_scope = draft_scope
+        if self.config.prefix_caching and params.prompt_logprobs is None:
+            seq.prefix_scope = cache_scope
         self._requests[request_id] = seq
         self.scheduler.add(seq)
         return request_id
@@ -313,6 +327,8 @@ class Engine:
             for (s, a, b), h in zip(parts, hidden):
                 s.num_cached = b
                 self._chunk_logprobs(s, a, b, h)
+                if s.prefix_scope is not None:
+                    self.blocks.cache_blocks(s.seq_id, s.ctx.tokens[:b], s.prefix_scope)
         now = time.perf_counter()
         for s in seqs:
             if s.num_cached >= len(s.ctx.tokens) - 1:
@@ -362,7 +378,8 @@ class Engine:
         ttft = None if seq.first_token_time is None else seq.first_token_time - seq.arrival_time
         return RequestOutput(seq.request_id, seq.prompt_ids, list(seq.new_tokens), new_tokens, seq.text.text,
                              text_delta, seq.finished, seq.finish_reason, seq.ctx.stats, now - seq.arrival_time,
-                             ttft, logprobs, seq.prompt_logprobs, seq.scheduled_time, error)
+                             ttft, logprobs, seq.prompt_logprobs, seq.scheduled_time, error,
+                             seq.num_cached_tokens or 0)
 
     def run_to_completion(self) -> dict[str, RequestOutput]:
         """Step until every request has finished; the final output of each."""
@@ -381,5 +398,8 @@ class Engine:
             "waiting": self.num_waiting,
             "running": self.num_running,
             "preemptions": self.scheduler.num_preemptions,
+            "prefix_cache_queries": self.blocks.prefix.queries,  # prompt tokens looked up
+            "prefix_cache_hits": self.blocks.prefix.hits,  # of them, found cached
+            "kv_blocks_cached": self.blocks.num_cached_blocks,
             **self.speculation.to_dict(),  # "adaptive", "suffix_cache"
         }

@@ -27,6 +27,7 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprob | None] | None = None  # one per prompt token (the first: None), if asked
     scheduled_at: float | None = None  # perf_counter when the request was first prefilled
     error: Exception | None = None  # what its round raised, for finish reason "error"
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (not prefilled again)
 
 
 @dataclass

@@ -6,7 +6,9 @@ by the strategy's look-ahead; when the pool is short, the most recently admitted
 preempted: its blocks are freed and it goes back to the front of the queue, to be recomputed
 from its tokens later. The scheduler is the only allocator: once the batch is settled it
 reserves each sequence's slots for the step (as vLLM's ``allocate_slots`` with its look-ahead
-tokens), and nothing during the step allocates.
+tokens), and nothing during the step allocates. A sequence admitted with a ``prefix_scope``
+first takes the cached blocks of its prompt's longest cached prefix (``BlockManager.match_prefix``);
+its prefill starts after them.
 """
 from __future__ import annotations
 
@@ -50,6 +52,10 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self.blocks.add_sequence(seq.seq_id)
+            if seq.prefix_scope is not None:
+                seq.num_cached = self.blocks.match_prefix(seq.seq_id, seq.ctx.tokens[:-1], seq.prefix_scope)
+                if seq.num_cached_tokens is None:
+                    seq.num_cached_tokens = seq.num_cached
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
         if not self.running and self.waiting:

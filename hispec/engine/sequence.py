@@ -39,6 +39,8 @@ class Sequence:
         self.prompt_logprobs: list | None = None  # set at the first prefill when the request asks
         self.scheduled_time: float | None = None  # the first prefill (perf_counter)
         self.draft_scope: str | None = None  # whose earlier outputs draft for it (the engine's SuffixStore)
+        self.prefix_scope: str | None = None  # whose cached prompt blocks it may share (None: no prefix caching)
+        self.num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache at its first admission
 
     @property
     def seq_id(self) -> int:
