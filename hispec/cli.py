@@ -143,7 +143,8 @@ def _generate_batched(gen, args, params, spec, prompts) -> int:
 
     llm = LLM(gen, args.strategy, spec=spec, max_batch_size=args.batch_size, kv_blocks=args.kv_blocks,
               kv_memory_fraction=args.kv_memory_fraction, adaptive=not args.no_adaptive,
-              prefill_chunk=args.prefill_chunk, suffix_cache_entries=args.suffix_cache_entries)
+              prefill_chunk=args.prefill_chunk, suffix_cache_entries=args.suffix_cache_entries,
+              prefix_caching=not args.no_prefix_caching)
     total = DecodeStats(args.strategy)
     with tqdm(total=len(prompts), desc=f"{args.strategy} batch {args.batch_size}", unit="prompt", file=sys.stderr,
               disable=None) as bar:

@@ -154,12 +154,14 @@ class Generator:
         """A single-request engine for ``strategy`` over the generator's KV pool (grown to hold
         ``num_tokens`` positions). With ``adaptive``, one controller per strategy and settings
         learns across calls whether speculation pays. ``suffix``: earlier outputs that may draft
-        (none by default: a call is not shaped by the calls before it)."""
+        (none by default: a call is not shaped by the calls before it; nor by their prompts' KV
+        blocks: no prefix caching)."""
         key = f"{strategy.name} {strategy.spec!r}"
         controller = self._controllers.setdefault(key, AdaptiveController(modes=adaptive_modes(strategy))) \
             if adaptive else None
         engine = Engine(self.model, strategy, EngineConfig(block_size=self.block_size, max_batch_size=1,
-                                                           adaptive=adaptive, suffix_cache_entries=0),
+                                                           adaptive=adaptive, suffix_cache_entries=0,
+                                                           prefix_caching=False),
                         tokenizer=self.tokenizer, eos_ids=self.eos_ids, controller=controller, cache=self._cache,
                         seq_tokens=num_tokens, num_seqs=1, suffix=suffix)
         self._cache = engine.cache

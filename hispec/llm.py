@@ -31,10 +31,11 @@ class LLM:
                  spec: SpecConfig | None = None, device: str = "cpu", dtype: torch.dtype | None = None,
                  max_batch_size: int = 16, kv_blocks: int | None = None, kv_memory_fraction: float | None = None,
                  block_size: int = 16, adaptive: bool = True, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
-                 kv_cache_dtype: str = "auto", suffix_cache_entries: int = DEFAULT_SUFFIX_ENTRIES) -> None:
+                 kv_cache_dtype: str = "auto", suffix_cache_entries: int = DEFAULT_SUFFIX_ENTRIES,
+                 prefix_caching: bool = True) -> None:
         config = EngineConfig(block_size=block_size, max_batch_size=max_batch_size, kv_blocks=kv_blocks,
                               kv_memory_fraction=kv_memory_fraction, adaptive=adaptive, prefill_chunk=prefill_chunk,
-                              suffix_cache_entries=suffix_cache_entries)
+                              suffix_cache_entries=suffix_cache_entries, prefix_caching=prefix_caching)
         strategy_kind(strategy)  # an unknown name fails before a model is loaded
         if isinstance(model, Generator):
             if kv_cache_dtype != "auto":

@@ -111,6 +111,9 @@ def add_prefill_option(group) -> None:
                             "running sequences decode between a long prompt's chunks (as SGLang's "
                             "--chunked-prefill-size); a step in which nothing decodes takes up to "
                             f"{IDLE_PREFILL_CHUNKS}x as many; 0 = whole prompts in one step; default: {DEFAULT_PREFILL_CHUNK})")
+    group.add_argument("--no-prefix-caching", action="store_true",
+                       help="prefill every prompt whole (default: a prompt that starts as an earlier one did -- a "
+                            "system prompt, a conversation so far -- reuses that prompt's KV blocks)")
 
 
 

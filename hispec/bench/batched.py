@@ -35,7 +35,8 @@ def run_batch_sizes(gen, strategies: dict, prompt_ids: list[list[int]], params: 
 
     base_seed = params.seed if params.seed is not None else random.randrange(2**31)
     own_params = [prompt_params(params, i, base_seed) for i in range(len(prompt_ids))]
-    llms = {label: LLM(gen, name, spec=spec, max_batch_size=max(batch_sizes), adaptive=adaptive)
+    llms = {label: LLM(gen, name, spec=spec, max_batch_size=max(batch_sizes), adaptive=adaptive,
+                 prefix_caching=False)  # rounds repeat the prompts: each prefills them
             for label, (name, spec) in strategies.items()}
     warm = prompt_ids[:min(2, len(prompt_ids))]
     for llm in llms.values():

@@ -133,7 +133,8 @@ class Hispec:
         from hispec.llm import LLM
 
         if batch_size not in self.llms:
-            self.llms[batch_size] = LLM(self.gen, self.strategy, max_batch_size=batch_size, adaptive=self.adaptive)
+            self.llms[batch_size] = LLM(self.gen, self.strategy, max_batch_size=batch_size, adaptive=self.adaptive,
+                                         prefix_caching=False)
         return [o.token_ids for o in self.llms[batch_size].generate([list(i) for i in prompts], params)]
 
 

@@ -54,13 +54,15 @@ class Delta:
     error: str | None = None
     logprobs: list[TokenLogprob] | None = None  # one per committed token, when the request asked
     prompt_logprobs: list[TokenLogprob | None] | None = None  # with the first delta, when asked
+    cached_tokens: int = 0  # on the last delta: prompt tokens found in the prefix cache
 
     def merge(self, more: "Delta") -> "Delta":
         """This delta followed by ``more``, as one."""
         logprobs = None if self.logprobs is None and more.logprobs is None else \
             (self.logprobs or []) + (more.logprobs or [])
         return Delta(self.text + more.text, self.num_tokens + more.num_tokens, more.finished, more.finish_reason,
-                     more.stats, more.error, logprobs, self.prompt_logprobs or more.prompt_logprobs)
+                     more.stats, more.error, logprobs, self.prompt_logprobs or more.prompt_logprobs,
+                     more.cached_tokens)
 
 
 class RequestStream:
@@ -72,6 +74,7 @@ class RequestStream:
         self.loop = loop
         self.queue: asyncio.Queue[Delta] = asyncio.Queue()
         self.completion_tokens = 0
+        self.cached_tokens = 0  # of prompt_tokens, found in the prefix cache (known at the end)
         self.finished = False
         self.finish_reason: str | None = None
         self.stats: dict | None = None
@@ -89,6 +92,7 @@ class RequestStream:
             self.finish_reason = delta.finish_reason
             self.stats = delta.stats
             self.error = delta.error
+            self.cached_tokens = delta.cached_tokens
         return delta
 
 
@@ -128,9 +132,10 @@ class AsyncEngine:
             self._thread = threading.Thread(target=self._run, name="hispec-engine", daemon=True)
             self._thread.start()
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams, draft_scope: str | None = None) -> RequestStream:
+    def submit(self, prompt_ids: list[int], params: SamplingParams, draft_scope: str | None = None,
+               cache_scope: str = "") -> RequestStream:
         """Queue a request (call from the event loop); raises ``QueueFullError`` or ``EngineStoppedError``.
-        ``draft_scope``: as ``Engine.add_request``'s."""
+        ``draft_scope``, ``cache_scope``: as ``Engine.add_request``'s."""
         with self._lock:
             if not self._accepting or self._thread is None or not self._thread.is_alive():
                 raise EngineStoppedError("the server is shutting down")
@@ -141,7 +146,7 @@ class AsyncEngine:
             self._pending += 1
         stream = RequestStream(f"cmpl-{next(self._ids)}", len(prompt_ids), asyncio.get_running_loop())
         self.metrics.add_prompt(len(prompt_ids))
-        self._commands.put(("add", stream, list(prompt_ids), params, draft_scope))
+        self._commands.put(("add", stream, list(prompt_ids), params, draft_scope, cache_scope))
         return stream
 
     def abort(self, request_id: str) -> None:
@@ -211,9 +216,9 @@ class AsyncEngine:
                 return added, False
 
     def _add(self, stream: RequestStream, prompt_ids: list[int], params: SamplingParams,
-             draft_scope: str | None) -> None:
+             draft_scope: str | None, cache_scope: str) -> None:
         try:
-            self.engine.add_request(prompt_ids, params, stream.request_id, draft_scope)
+            self.engine.add_request(prompt_ids, params, stream.request_id, draft_scope, cache_scope)
         except Exception as e:  # validated before, so unexpected: answer it as an error
             self._send(stream, Delta("", 0, True, "error", error=str(e)))
             self.metrics.finish("error", None, 0, time.perf_counter() - stream.arrival, None)
@@ -277,13 +282,13 @@ class AsyncEngine:
                 self._live.pop(out.request_id, None)
                 error = None if out.error is None else f"{type(out.error).__name__}: {out.error}"
                 self._end(live, openai_finish_reason(out.finish_reason), error, out.text_delta, n,
-                          out.new_logprobs, prompt_logprobs)
+                          out.new_logprobs, prompt_logprobs, out.num_cached_tokens)
             elif out.text_delta or n or prompt_logprobs:
                 self._send(live.stream, Delta(out.text_delta, n, logprobs=out.new_logprobs,
                                               prompt_logprobs=prompt_logprobs))
 
     def _end(self, live: _Live, reason: str, error: str | None, text: str = "", num_tokens: int = 0,
-             logprobs: list | None = None, prompt_logprobs: list | None = None) -> None:
+             logprobs: list | None = None, prompt_logprobs: list | None = None, cached_tokens: int = 0) -> None:
         seconds = time.perf_counter() - live.stream.arrival
         stats = live.stats.to_dict() if live.stats is not None else None
         if stats is not None:
@@ -293,7 +298,8 @@ class AsyncEngine:
         queue = None if live.scheduled is None else max(0.0, live.scheduled - live.stream.arrival)
         self.metrics.finish(reason, stats, live.num_tokens, seconds, live.first_token,
                             prompt_tokens=live.stream.prompt_tokens, queue=queue)
-        self._send(live.stream, Delta(text, num_tokens, True, reason, stats, error, logprobs, prompt_logprobs))
+        self._send(live.stream, Delta(text, num_tokens, True, reason, stats, error, logprobs, prompt_logprobs,
+                                      cached_tokens))
 
     @staticmethod
     def _send(stream: RequestStream, delta: Delta) -> None:
@@ -317,5 +323,8 @@ class AsyncEngine:
             waiting = e.num_waiting + self._pending
         self.metrics.set_engine({"kv_blocks_total": e.blocks.num_blocks, "kv_blocks_in_use": e.blocks.num_used_blocks,
                                  "kv_blocks_free": e.blocks.num_free_blocks, "waiting": waiting,
+                                 "kv_blocks_cached": e.blocks.num_cached_blocks,
+                                 "prefix_cache_queries": e.blocks.prefix.queries,
+                                 "prefix_cache_hits": e.blocks.prefix.hits,
                                  "running": e.num_running, "preemptions": e.scheduler.num_preemptions,
                                  "steps": self._steps})

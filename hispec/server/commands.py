@@ -46,6 +46,9 @@ def register(subparsers) -> None:
                    help="clients whose outputs the suffix cache keeps, least recently used out: a scope is the "
                         "API key (hashed) and the request's 'user'; without --api-key, the 'user' alone, and "
                         f"requests without one share a scope (default: {DEFAULT_SUFFIX_SCOPES})")
+    g.add_argument("--prefix-cache-per-key", action="store_true",
+                   help="share cached prompt blocks only among requests of one API key (multi-tenant servers; "
+                        "requests can also set vLLM's 'cache_salt')")
     g.add_argument("--max-queue", type=int, default=256, metavar="N",
                    help="waiting requests allowed before answering 429 (default: 256)")
     g.add_argument("--shutdown-timeout", type=float, default=10.0, metavar="S",

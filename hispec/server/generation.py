@@ -63,7 +63,8 @@ async def generate(request: Request, state: ServerState, fmt: Format) -> Respons
         grammar = await asyncio.get_running_loop().run_in_executor(None, state.grammar, req)
     jobs = [(i, ids, state.sampling_params(req, len(ids), j, grammar)) for i, ids in enumerate(prompts)
             for j in range(req.best_of)]
-    choices = submit(state.engine, jobs, state.draft_scope(request.headers.get("authorization"), req.user))
+    auth = request.headers.get("authorization")
+    choices = submit(state.engine, jobs, state.draft_scope(auth, req.user), state.cache_scope(auth, req.cache_salt))
     rid, created = fmt.id_prefix + uuid.uuid4().hex, int(time.time())
     if req.stream:
         return EngineStreamingResponse(events(state, fmt, choices, rid, created), choices, state.engine)
@@ -86,13 +87,14 @@ async def generate(request: Request, state: ServerState, fmt: Format) -> Respons
 
 
 def submit(engine: AsyncEngine, jobs: list[tuple[int, list[int], SamplingParams]],
-           draft_scope: str | None = None) -> list[Choice]:
+           draft_scope: str | None = None, cache_scope: str = "") -> list[Choice]:
     """Queue every sequence of a request, or none (a full queue aborts those already queued).
-    ``draft_scope``: the client's scope of the engine's suffix cache (``ServerState.draft_scope``)."""
+    ``draft_scope``: the client's scope of the engine's suffix cache (``ServerState.draft_scope``);
+    ``cache_scope``: of its prefix cache (``ServerState.cache_scope``)."""
     choices: list[Choice] = []
     try:
         for k, (i, ids, params) in enumerate(jobs):
-            choices.append(Choice(i, ids, engine.submit(ids, params, draft_scope), index=k))
+            choices.append(Choice(i, ids, engine.submit(ids, params, draft_scope, cache_scope), index=k))
     except (QueueFullError, EngineStoppedError) as e:
         abort_unfinished(engine, choices)
         if isinstance(e, QueueFullError):

@@ -123,7 +123,10 @@ class Metrics:
 ENGINE_SERIES = (  # (name, kind, key in the engine's snapshot, help)
     ("kv_blocks_total", "gauge", "kv_blocks_total", "KV-cache blocks in the pool."),
     ("kv_blocks_in_use", "gauge", "kv_blocks_in_use", "KV-cache blocks held by sequences."),
-    ("kv_blocks_free", "gauge", "kv_blocks_free", "KV-cache blocks free."),
+    ("kv_blocks_free", "gauge", "kv_blocks_free", "KV-cache blocks free (cached prefix blocks nobody holds included)."),
+    ("kv_blocks_cached", "gauge", "kv_blocks_cached", "KV-cache blocks that hold a cached prompt prefix."),
+    ("prefix_cache_queries_total", "counter", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
+    ("prefix_cache_hits_total", "counter", "prefix_cache_hits", "Prompt tokens found in the prefix cache."),
     ("requests_waiting", "gauge", "waiting", "Requests queued for the batch (not yet running)."),
     ("requests_running", "gauge", "running", "Requests in the running batch."),
     ("preemptions_total", "counter", "preemptions", "Sequences preempted for KV blocks (recomputed later)."),

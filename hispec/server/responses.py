@@ -51,11 +51,14 @@ def best(choices: list[Choice], n: int) -> list[Choice]:
 
 
 def usage(choices: list[Choice]) -> dict:
-    """Prompt tokens once per prompt; completion tokens of every sequence made."""
+    """Prompt tokens once per prompt (``prompt_tokens_details.cached_tokens``: of them, found in the
+    prefix cache, as OpenAI reports its prompt caching); completion tokens of every sequence made."""
     prompts = {c.prompt_index: c.stream.prompt_tokens for c in choices}
+    cached = {c.prompt_index: c.stream.cached_tokens for c in choices}
     prompt = sum(prompts.values())
     completion = sum(c.stream.completion_tokens for c in choices)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(cached.values())}}
 
 
 # ---- log-probabilities ------------------------------------------------------------------------------

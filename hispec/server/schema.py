@@ -178,6 +178,9 @@ class _Sampling(_Body):
     response_format: Optional[ResponseFormat] = Field(None, description="structured output (JSON)")
     user: Optional[Ignored] = Field(None, description="the end user: with the API key, whose earlier outputs "
                                                        "may serve as free drafts (the server's suffix cache)")
+    cache_salt: Optional[str] = Field(None, max_length=256,
+                                      description="extension (vLLM's): the request shares cached prompt blocks "
+                                                  "(prefix caching) only with requests of the same salt")
 
     @field_validator("stop")
     @classmethod
@@ -203,7 +206,7 @@ class _Sampling(_Body):
                     frequency_penalty=self.frequency_penalty,
                     logit_bias=tuple((int(k), v) for k, v in (self.logit_bias or {}).items()),
                     json_schema=self.response_format.schema_of_output() if self.response_format else None,
-                    user=_user_of(self.user))
+                    user=_user_of(self.user), cache_salt=self.cache_salt)
 
 
 def _user_of(user: Any) -> str | None:
@@ -243,6 +246,7 @@ class ParsedRequest:
     tools: list[dict] = field(default_factory=list)  # chat: function definitions {"name", "parameters", ...}
     tool_choice: str | None = None  # "none", "auto", "required" or a function name (None: no tools)
     user: str | None = None  # OpenAI's end-user id, as text (None: not sent): scopes the suffix cache
+    cache_salt: str | None = None  # vLLM's: scopes the prefix cache (with the API key under --prefix-cache-per-key)
 
 
 # ---- completions ------------------------------------------------------------------------------------------

@@ -33,6 +33,7 @@ class ServerState:
     vocab_size: int
     strategy: str
     api_key: str | None = None
+    prefix_cache_per_key: bool = False  # requests share cached prompt blocks only under the same API key
     tokenizer_lock: threading.Lock = field(default_factory=threading.Lock)
     created: int = field(default_factory=lambda: int(time.time()))
     _token_texts: dict[int, str] = field(default_factory=dict)
@@ -156,6 +157,17 @@ class ServerState:
             return None
         return hashlib.sha256(json.dumps([key, user]).encode()).hexdigest()
 
+    def cache_scope(self, authorization: str | None, salt: str | None) -> str:
+        """Which requests may share cached prompt blocks with this one (``Engine.add_request``'s
+        ``cache_scope``): all of them (""), or those of the same ``cache_salt`` and, under
+        ``--prefix-cache-per-key``, the same API key (hashed: no key is kept in the clear). A block
+        shared across tenants would let one time the other's prompts (a cache hit answers sooner)."""
+        scheme, _, token = (authorization or "").partition(" ")
+        key = token.strip() if self.prefix_cache_per_key and scheme.lower() == "bearer" else None
+        if key is None and salt is None:
+            return ""
+        return hashlib.sha256(json.dumps([key, salt]).encode()).hexdigest()
+
     def sampling_params(self, req: ParsedRequest, num_prompt: int, sample: int = 0, grammar=None) -> SamplingParams:
         """The engine's parameters for sample ``sample`` (0 .. best_of - 1) of a prompt: sample j
         uses seed + j, so every choice of a seeded request is reproducible."""
@@ -231,7 +243,8 @@ def build_server_state(args, gen) -> ServerState:
     tokenizer = copy.deepcopy(gen.tokenizer)
     config = EngineConfig(block_size=gen.block_size, max_batch_size=args.max_batch_size, kv_blocks=args.kv_blocks,
                           adaptive=not args.no_adaptive, prefill_chunk=args.prefill_chunk,
-                          suffix_cache_entries=args.suffix_cache_entries, suffix_cache_scopes=args.suffix_cache_scopes)
+                          suffix_cache_entries=args.suffix_cache_entries, suffix_cache_scopes=args.suffix_cache_scopes,
+                          prefix_caching=not args.no_prefix_caching)
     # default pool: a full batch of min(context, 1024)-token sequences
     engine = Engine(model, strategy, config, tokenizer=tokenizer, eos_ids=gen.eos_ids)
     ctx = model.cfg.max_position_embeddings
@@ -239,4 +252,5 @@ def build_server_state(args, gen) -> ServerState:
     metrics = Metrics(names[0], args.strategy, ctx)
     bridge = AsyncEngine(engine, max_queue=args.max_queue, metrics=metrics)
     return ServerState(engine=bridge, tokenizer=gen.tokenizer, model_names=names, context_length=ctx,
-                       vocab_size=model.cfg.vocab_size, strategy=args.strategy, api_key=args.api_key)
+                       vocab_size=model.cfg.vocab_size, strategy=args.strategy, api_key=args.api_key,
+                       prefix_cache_per_key=args.prefix_cache_per_key)

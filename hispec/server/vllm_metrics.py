@@ -4,7 +4,9 @@ alerts work unchanged (every series carries ``model_name``).
 - gauges: ``vllm:num_requests_running``, ``vllm:num_requests_waiting``,
   ``vllm:kv_cache_usage_perc`` (0-1; also as the older ``vllm:gpu_cache_usage_perc``);
 - counters: ``vllm:prompt_tokens_total``, ``vllm:generation_tokens_total``,
-  ``vllm:request_success_total{finished_reason}``, ``vllm:num_preemptions_total``;
+  ``vllm:request_success_total{finished_reason}``, ``vllm:num_preemptions_total``,
+  ``vllm:prefix_cache_queries_total``, ``vllm:prefix_cache_hits_total`` (tokens; the hit rate is
+  their ratio, as vLLM's dashboards compute it);
 - histograms: ``vllm:time_to_first_token_seconds``, ``vllm:time_per_output_token_seconds``
   (and ``vllm:inter_token_latency_seconds``), ``vllm:e2e_request_latency_seconds``,
   ``vllm:request_{queue,prefill,decode,inference}_time_seconds``,
@@ -107,6 +109,10 @@ class VllmMetrics:
         metric("gpu_cache_usage_perc", "gauge", "KV-cache usage (the older name). 1 means 100 percent usage.",
                [((), usage)])
         metric("num_preemptions", "counter", "Cumulative number of preemptions.", [((), engine.get("preemptions", 0))])
+        metric("prefix_cache_queries", "counter", "Prefix cache queries, in terms of number of queried tokens.",
+               [((), engine.get("prefix_cache_queries", 0))])
+        metric("prefix_cache_hits", "counter", "Prefix cache hits, in terms of number of cached tokens.",
+               [((), engine.get("prefix_cache_hits", 0))])
         metric("prompt_tokens", "counter", "Number of prefill tokens processed.", [((), prompt_tokens)])
         metric("generation_tokens", "counter", "Number of generation tokens processed.", [((), generation_tokens)])
         metric("request_success", "counter", "Count of finished requests by finish reason.",

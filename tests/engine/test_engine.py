@@ -432,7 +432,7 @@ def test_a_prompt_alone_is_prefilled_in_bigger_chunks(model):
     assert engine.sequence(first).num_cached == 16 * IDLE_PREFILL_CHUNKS
     while not engine.sequence(first).prefilled:
         engine.step()
-    second = engine.add_request(list(range(1, 120)), SamplingParams(max_new_tokens=4))
+    second = engine.add_request(list(range(2, 121)), SamplingParams(max_new_tokens=4))  # no prefix of the first
     engine.step()
     assert engine.sequence(second).num_cached == 16  # the first one decodes meanwhile
     engine.run_to_completion()

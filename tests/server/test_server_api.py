@@ -19,6 +19,7 @@ import openai  # noqa: E402
 import torch  # noqa: E402
 
 from hispec.model.load.checkpoint import load_model  # noqa: E402
+from hispec.server.metrics import parse_metrics  # noqa: E402
 
 from tests.sampling.test_logprobs_penalties import full_logits  # noqa: E402
 from tests.server.test_server import MODEL, ServerProcess, make_model_dir  # noqa: E402
@@ -273,3 +274,36 @@ def test_tool_call_round_trip_with_the_openai_client(client):
         client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=5,
                                        tools=[{"type": "function", "function": {"name": "bad name"}}])
     assert e.value.body["param"] == "tools[0].function.name"
+
+
+# ---- prefix caching ----------------------------------------------------------------------------------------
+def test_a_repeated_prompt_prefix_is_served_from_the_prefix_cache(http):
+    """The second request with the same long start takes its cached blocks (``usage.prompt_tokens_details
+    .cached_tokens``, vLLM's counters in /metrics) and answers with the same tokens; another
+    ``cache_salt`` shares nothing."""
+    def hits() -> float:
+        return parse_metrics(http.get("/metrics").text)['vllm:prefix_cache_hits_total{model_name="%s"}' % MODEL]
+
+    system = ids_of("You are a careful assistant who answers in one short line. " * 3)
+    body = {"temperature": 0, "max_tokens": 8, "ignore_eos": True}
+    before = hits()
+    first = post(http, "/v1/completions", {"prompt": system + ids_of("Q: one?"), **body})
+    second = post(http, "/v1/completions", {"prompt": system + ids_of("Q: one?"), **body})
+    other = post(http, "/v1/completions", {"prompt": system + ids_of("Q: one?"), "cache_salt": "tenant-2", **body})
+    assert first["choices"][0]["text"] == second["choices"][0]["text"] == other["choices"][0]["text"]
+    cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached >= len(system) - 16 and cached % 16 == 0
+    assert other["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert hits() - before >= cached
+
+
+def test_per_key_prefix_cache_scopes():
+    from hispec.server.state import ServerState
+
+    state = ServerState(None, None, (MODEL,), 64, 10, "ar", api_key="k", prefix_cache_per_key=True)
+    assert state.cache_scope(None, None) == ""
+    assert state.cache_scope("Bearer a", None) != state.cache_scope("Bearer b", None)
+    assert state.cache_scope("Bearer a", None) == state.cache_scope("bearer  a", None)
+    assert state.cache_scope("Bearer a", "s") != state.cache_scope("Bearer a", None)
+    shared = ServerState(None, None, (MODEL,), 64, 10, "ar", api_key="k")
+    assert shared.cache_scope("Bearer a", None) == shared.cache_scope("Bearer b", None) == ""
