@@ -159,7 +159,10 @@ def _generate_batched(gen, args, params, spec, prompts) -> int:
     if args.stats:
         tokens = sum(o.new_tokens for o in outputs)
         print_stats_table(total, tokens, llm.seconds, sys.stderr, kernels_of(gen))
-        print(f"  engine: {json.dumps(llm.engine.stats())}", file=sys.stderr)
+        engine = llm.engine.stats()
+        queried, hit = engine["prefix_cache_queries"], engine["prefix_cache_hits"]
+        print(f"  prefix cache: {hit} of {queried} prompt tokens found ({hit / max(queried, 1):.0%})", file=sys.stderr)
+        print(f"  engine: {json.dumps(engine)}", file=sys.stderr)
     return 0
 
 
