@@ -219,7 +219,7 @@ def _text_of_tokens(tokenizer, n: int, rng: random.Random, lead: str = "") -> st
         words += [rng.choice(WORDS) for _ in range(max(8, n))]
         ids = tokenizer.encode(" ".join(words), add_special_tokens=False)
         if len(ids) >= n:
-            return tokenizer.decode(ids[:n]).strip()
+            return tokenizer.decode(ids[:n])
 
 
 def synthetic_prefix(tokenizer, num_prompts: int, num_prefixes: int = 4, prefix_len: int = 512,

@@ -217,15 +217,16 @@ async def soak(server, args) -> dict:
         drain_reqs = [dict(mixed_request(rng, 40, 1, 0.0), max_tokens=rng.randint(16, max(16, args.max_tokens)))
                       for _ in range(n_drain)]
         tasks = [asyncio.create_task(_one(client, base, r, model, ignore_eos=True)) for r in drain_reqs]
-        started = time.monotonic()
-        while time.monotonic() - started < 10:
-            await asyncio.sleep(0.2)
+        started = time.monotonic()  # SIGTERM once they are all in the server (or as many as it runs at once)
+        while time.monotonic() - started < 5 and not all(t.done() for t in tasks):
+            await asyncio.sleep(0.05)
             try:
                 m = await scrape(client, base)
             except Exception:
                 break
-            if m.get(RUNNING, 0) + m.get(WAITING, 0) >= n_drain or m.get(RUNNING, 0) >= args.max_batch_size:
+            if m.get(RUNNING, 0) + m.get(WAITING, 0) >= min(n_drain, args.max_batch_size):
                 break
+        in_flight = sum(not t.done() for t in tasks)
         import signal as _signal
 
         server.signal(_signal.SIGTERM)
@@ -251,7 +252,7 @@ async def soak(server, args) -> dict:
                    "growth_first_to_last_quarter": _mb(growth)},
         "kv_blocks": {"leaked": leaked, "total": idle.get(KV_TOTAL),
                       "metrics_after_idle": {k: v for k, v in idle.items() if "kv" in k and "{" not in k}},
-        "drain": {"requests": n_drain, "completed": drain.completed, "errors": drain.errors, "lost": drain.lost,
+        "drain": {"requests": n_drain, "in_flight_at_sigterm": in_flight, "completed": drain.completed, "errors": drain.errors, "lost": drain.lost,
                   "first_errors": drain.first_errors, "server_exit_status": status},
         "samples": samples,
     }
@@ -282,7 +283,8 @@ def report_lines(r: dict) -> list[str]:
              f"growth first -> last quarter {rss['growth_first_to_last_quarter']}",
              f"  KV blocks held by requests after idle: {r['kv_blocks']['leaked']} of {r['kv_blocks']['total']}",
              f"  SIGTERM drain: {d['completed']} of {d['requests']} in-flight requests finished "
-             f"(errors {d['errors']}, lost {d['lost']}); server exit status {d['server_exit_status']}"]
+             f"({d['in_flight_at_sigterm']} in flight at SIGTERM; errors {d['errors']}, lost {d['lost']}); "
+             f"server exit status {d['server_exit_status']}"]
     lines += [f"  error: {e}" for e in q["first_errors"] + d["first_errors"]]
     lines.append("soak: " + ("FAILED: " + "; ".join(r["problems"]) if r["problems"] else "ok"))
     return lines
