@@ -314,7 +314,8 @@ def cmd_bench_serve(args) -> int:
     sampling = Sampling(args.temperature, args.top_p, args.top_k, args.ignore_eos)
     log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="hispec-bench-serve-"))
     print(f"hispec bench serve: {len(requests)} {name} requests ({backend}), rates {args.request_rate}, "
-          f"concurrency {args.max_concurrency or 'no limit'}; server logs in {log_dir}", file=sys.stderr)
+          f"concurrency {args.max_concurrency or 'no limit'}"
+          + (f"; server logs in {log_dir}" if not args.base_url or args.peers else ""), file=sys.stderr)
 
     servers.terminate_on_sigterm()
     results = {"kind": "serve", "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "backend": backend,

@@ -21,6 +21,7 @@ import asyncio
 import json
 import random
 import shlex
+import shutil
 import sys
 import tempfile
 import time
@@ -317,6 +318,8 @@ def cmd_soak(args) -> int:
     finally:
         server.stop()
     print("\n".join(report_lines(report)), flush=True)
+    if not args.log_dir and not report["problems"]:
+        shutil.rmtree(log_dir, ignore_errors=True)  # (kept when something failed: the log says why)
     if args.result_file:
         path = Path(args.result_file)
         path.parent.mkdir(parents=True, exist_ok=True)
