@@ -93,6 +93,16 @@ def test_poisson_arrivals_are_seeded_with_the_rate_as_mean():
         arrival_times(3, 0.0)
 
 
+def test_prefix_cache_hit_rate_over_a_run():
+    from hispec.bench.serving.commands import prefix_cache
+
+    before = {"vllm:prefix_cache_queries_total": 100.0, "vllm:prefix_cache_hits_total": 20.0}
+    after = {"vllm:prefix_cache_queries_total": 300.0, "vllm:prefix_cache_hits_total": 170.0}
+    assert prefix_cache(before, after) == {"prefix_cache_queries": 200.0, "prefix_cache_hits": 150.0,
+                                           "prefix_cache_hit_rate": 0.75}
+    assert prefix_cache({}, {}) == {}  # a server without the counters (llama.cpp; hispec before prefix caching)
+
+
 # ---- datasets ----------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def char_tokenizer(tiny_text_model_dir):

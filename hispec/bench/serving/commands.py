@@ -236,6 +236,8 @@ def result_lines(label: str, m: dict, percentiles: list[float], shown: list[str]
         out.append(row("Request goodput (req/s):", m["request_goodput"]))
     out += [row("Output token throughput (tok/s):", m["output_throughput"]),
             row("Total token throughput (tok/s):", m["total_token_throughput"])]
+    if m.get("prefix_cache_hit_rate") is not None:
+        out.append(row("Prefix cache hit rate (server):", m["prefix_cache_hit_rate"], "{:.3f}"))
     for metric in shown:
         out.append(f"{METRIC_NAMES[metric]:-^52}")
         up = metric.upper()
@@ -336,17 +338,23 @@ def cmd_bench_serve(args) -> int:
                 server.start(args.ready_timeout)
             base = server.base_url if server else args.base_url
             results["servers"][label] = {"describe": spec.describe if spec else "an already running server"}
+            if args.warmup:  # once per server, one request at a time, not measured
+                asyncio.run(run_benchmark(base, requests[:args.warmup], backend=backend, model=args.served_model_name,
+                                          max_concurrency=1, sampling=sampling, api_key=args.api_key, warmup=0,
+                                          timeout=args.timeout))
             for rate in rates:
                 for conc in concurrencies:
+                    before = server_counters(base)
                     bar = _progress(len(requests), f"{label} rate {rate:g} c {conc or '-'}", args.no_progress)
                     outcomes, duration, model_id = asyncio.run(run_benchmark(
                         base, requests, backend=backend, model=args.served_model_name, request_rate=rate,
                         burstiness=args.burstiness, max_concurrency=conc, seed=args.seed, sampling=sampling,
-                        tokenizer=tokenizer, api_key=args.api_key, warmup=args.warmup, timeout=args.timeout,
+                        tokenizer=tokenizer, api_key=args.api_key, warmup=0, timeout=args.timeout,
                         progress=bar.update if bar else None))
                     if bar:
                         bar.close()
                     m = compute_metrics(outcomes, duration, percentiles, slo)
+                    m.update(prefix_cache(before, server_counters(base)))
                     errors = [o.error for o in outcomes if not o.ok]
                     failed |= bool(errors)
                     run = {"server": label, "model_id": model_id, "request_rate": "inf" if math.isinf(rate) else rate,
@@ -367,6 +375,40 @@ def cmd_bench_serve(args) -> int:
     if not args.log_dir and not failed:
         shutil.rmtree(log_dir, ignore_errors=True)  # (kept when something failed: the logs say why)
     return 1 if failed else 0
+
+
+PREFIX_COUNTERS = ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total")  # tokens (hispec, vLLM)
+
+
+def server_counters(base: str) -> dict[str, float]:
+    """The server's prefix-cache counters from ``/metrics`` (summed over labels); {} where it has none."""
+    import httpx
+
+    from ...server.metrics import parse_metrics
+
+    try:
+        r = httpx.get(f"{base.rstrip('/').removesuffix('/v1')}/metrics", timeout=10.0, trust_env=False)
+        if r.status_code != 200:
+            return {}
+        values = parse_metrics(r.text)
+    except (httpx.HTTPError, ValueError):
+        return {}
+    out = {}
+    for name in PREFIX_COUNTERS:
+        found = [v for k, v in values.items() if k == name or k.startswith(name + "{")]
+        if found:
+            out[name] = sum(found)
+    return out
+
+
+def prefix_cache(before: dict, after: dict) -> dict:
+    """``prefix_cache_hit_rate`` over a run (prompt tokens found in the server's prefix cache / looked up)."""
+    q, h = PREFIX_COUNTERS
+    if q not in after or h not in after:
+        return {}
+    queries, hits = after[q] - before.get(q, 0.0), after[h] - before.get(h, 0.0)
+    return {"prefix_cache_queries": queries, "prefix_cache_hits": hits,
+            "prefix_cache_hit_rate": hits / queries if queries > 0 else None}
 
 
 def _progress(total: int, desc: str, disabled: bool):

@@ -36,6 +36,8 @@ DESCRIPTION = ("Start hispec serve on loopback, keep --concurrency clients busy 
                "and RSS growth; exit status 1 on any of them.")
 KV_IN_USE = "hispec_kv_blocks_in_use"  # blocks held by sequences (not blocks a prefix cache keeps)
 KV_TOTAL = "hispec_kv_blocks_total"
+KV_FREE = "hispec_kv_blocks_free"  # (with prefix caching: cached blocks nobody holds included)
+KV_CACHED = "hispec_kv_blocks_cached"  # blocks holding a cached prompt prefix (where the server caches them)
 RUNNING = "hispec_requests_running"
 WAITING = "hispec_requests_waiting"
 ERROR_PREFIXES = ("HTTP", "error event", "finish_reason")
@@ -242,6 +244,9 @@ async def soak(server, args) -> dict:
     quarter = max(1, len(rss) // 4)
     growth = (max(rss[-quarter:]) - max(rss[:quarter])) if rss else None
     leaked = idle.get(KV_IN_USE)
+    # blocks neither held nor free: lost by the accounting itself
+    unaccounted = (idle[KV_TOTAL] - idle[KV_IN_USE] - idle[KV_FREE]
+                   if all(k in idle for k in (KV_TOTAL, KV_IN_USE, KV_FREE)) else None)
     report = {
         "duration_s": round(load_seconds, 1), "concurrency": args.concurrency,
         "requests": {"sent": tally.sent, "completed": tally.completed, "disconnected": tally.disconnected,
@@ -251,7 +256,8 @@ async def soak(server, args) -> dict:
         "rss_mb": {"start": _mb(rss[0]) if rss else None, "peak": _mb(max(rss)) if rss else None,
                    "end": _mb(rss[-1]) if rss else None, "idle": _mb(rss_idle),
                    "growth_first_to_last_quarter": _mb(growth)},
-        "kv_blocks": {"leaked": leaked, "total": idle.get(KV_TOTAL),
+        "kv_blocks": {"leaked": leaked, "unaccounted": unaccounted, "total": idle.get(KV_TOTAL),
+                      "cached": idle.get(KV_CACHED),
                       "metrics_after_idle": {k: v for k, v in idle.items() if "kv" in k and "{" not in k}},
         "drain": {"requests": n_drain, "in_flight_at_sigterm": in_flight, "completed": drain.completed, "errors": drain.errors, "lost": drain.lost,
                   "first_errors": drain.first_errors, "server_exit_status": status},
@@ -264,6 +270,8 @@ async def soak(server, args) -> dict:
         problems.append(f"no {KV_IN_USE} in /metrics after the load")
     elif leaked:
         problems.append(f"{leaked:g} KV blocks still held by requests after {args.idle_timeout:g} s idle")
+    if unaccounted:
+        problems.append(f"{unaccounted:g} KV blocks neither held nor free after idle")
     if drain.completed != n_drain:
         problems.append(f"the drain finished {drain.completed} of {n_drain} in-flight requests")
     if status != 0:
@@ -282,7 +290,9 @@ def report_lines(r: dict) -> list[str]:
              f"lost {q['lost']}, output tokens {q['output_tokens']}",
              f"  server RSS (MB): start {rss['start']}, peak {rss['peak']}, end {rss['end']}, idle {rss['idle']}; "
              f"growth first -> last quarter {rss['growth_first_to_last_quarter']}",
-             f"  KV blocks held by requests after idle: {r['kv_blocks']['leaked']} of {r['kv_blocks']['total']}",
+             f"  KV blocks held by requests after idle: {r['kv_blocks']['leaked']} of {r['kv_blocks']['total']}"
+             + (f" ({r['kv_blocks']['cached']:g} holding cached prefixes)" if r['kv_blocks']['cached'] else "")
+             + (f"; {r['kv_blocks']['unaccounted']:g} neither held nor free" if r['kv_blocks']['unaccounted'] else ""),
              f"  SIGTERM drain: {d['completed']} of {d['requests']} in-flight requests finished "
              f"({d['in_flight_at_sigterm']} in flight at SIGTERM; errors {d['errors']}, lost {d['lost']}); "
              f"server exit status {d['server_exit_status']}"]
