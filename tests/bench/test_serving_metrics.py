@@ -203,3 +203,32 @@ def test_client_times_chunks_and_takes_usage():
 
     bad = asyncio.run(go_fail())
     assert not bad.ok and bad.error.startswith("HTTP 429")
+
+
+# ---- the peers' servers: what would run (nothing is started) --------------------------------------------------
+def test_peer_servers_argv_and_missing_peers(tmp_path, monkeypatch):
+    from hispec.bench.serving import servers
+
+    monkeypatch.setenv("HISPEC_PEERS", str(tmp_path / "none"))
+    monkeypatch.setattr(servers.shutil, "which", lambda name: None)
+    from hispec import envs
+    monkeypatch.setattr(envs, "HISPEC_PEERS", tmp_path / "none", raising=False)
+    assert servers.parse_peer_list("vllm, llama.cpp,vllm:bfloat16") == [("vllm", None), ("llama.cpp", None),
+                                                                       ("vllm", "bfloat16")]
+    for bad in ("sglang", "vllm:int8", "llama.cpp:q4_1"):
+        with pytest.raises(ValueError):
+            servers.parse_peer_list(bad)
+    missing = servers.llama_cpp_spec("default", threads=2, max_batch=16, port=1234)
+    assert missing.unavailable and "install-peers.sh llama.cpp-tools" in missing.unavailable
+    fake = tmp_path / "llama-server"
+    fake.write_text("#!/bin/sh\n")
+    spec = servers.llama_cpp_spec("default", threads=2, max_batch=16, port=1234, binary=str(fake))
+    if spec.unavailable is None:  # (the default model's GGUF file is installed)
+        a = spec.argv
+        assert a[0] == str(fake) and a[a.index("-np") + 1] == "16" and a[a.index("-t") + 1] == "2"
+        assert a[a.index("--host") + 1] == "127.0.0.1" and a[a.index("--port") + 1] == "1234"
+        assert "--cont-batching" in a and a[a.index("-c") + 1] == str(16 * servers.CONTEXT_PER_SEQUENCE)
+    vllm = servers.vllm_spec("default", threads=2, max_batch=16, port=1, python=str(tmp_path / "nope" / "python"))
+    assert vllm.unavailable and "does not exist" in vllm.unavailable
+    own = servers.hispec_spec("default", threads=1, max_batch=4, port=99, extra=["--strategy", "ar"])
+    assert own.argv[-2:] == ["--strategy", "ar"] and own.argv[own.argv.index("--host") + 1] == "127.0.0.1"

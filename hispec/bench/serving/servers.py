@@ -203,7 +203,7 @@ def llama_cpp_spec(model: str, *, threads: int, max_batch: int, port: int,
         return ServerSpec("llama.cpp", unavailable="llama-server runs a GGUF file, and this model was not loaded "
                                                    "from one: use --model default, a known GGUF model or a .gguf file")
     argv = [exe, "-m", str(gguf), "--host", HOST, "--port", str(port), "-t", str(threads), "-np", str(max_batch),
-            "-c", str(max_batch * CONTEXT_PER_SEQUENCE), "-cb"]
+            "-c", str(max_batch * CONTEXT_PER_SEQUENCE), "--cont-batching"]
     env = dict(os.environ)
     env.pop("PYTHONPATH", None)
     return ServerSpec("llama.cpp", argv, env, describe=f"llama-server on {gguf.name}, -np {max_batch}, "
