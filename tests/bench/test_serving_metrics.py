@@ -209,10 +209,8 @@ def test_client_times_chunks_and_takes_usage():
 def test_peer_servers_argv_and_missing_peers(tmp_path, monkeypatch):
     from hispec.bench.serving import servers
 
-    monkeypatch.setenv("HISPEC_PEERS", str(tmp_path / "none"))
-    monkeypatch.setattr(servers.shutil, "which", lambda name: None)
-    from hispec import envs
-    monkeypatch.setattr(envs, "HISPEC_PEERS", tmp_path / "none", raising=False)
+    monkeypatch.setenv("HISPEC_PEERS", str(tmp_path / "none"))  # no peer is installed there
+    monkeypatch.setattr(servers.shutil, "which", lambda name: None)  # nor on the PATH
     assert servers.parse_peer_list("vllm, llama.cpp,vllm:bfloat16") == [("vllm", None), ("llama.cpp", None),
                                                                        ("vllm", "bfloat16")]
     for bad in ("sglang", "vllm:int8", "llama.cpp:q4_1"):
