@@ -73,3 +73,66 @@ def test_soak_short_run_reports_no_loss(model_dir, tmp_path):
     assert report["drain"]["completed"] == report["drain"]["requests"] == 4
     assert report["drain"]["server_exit_status"] == 0
     assert report["rss_mb"]["peak"] > 0 and report["samples"]
+
+
+FAKE_SERVER = r'''#!PYTHON
+"""A stand-in for llama-server: /v1/models and streamed /v1/completions of 4 chunks, without usage."""
+import json, sys
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+argv = sys.argv[1:]
+port = int(argv[argv.index("--port") + 1])
+assert argv[argv.index("--host") + 1] == "127.0.0.1" and "-np" in argv and "--cont-batching" in argv
+
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *a):
+        pass
+
+    def send(self, body: bytes, kind: str) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", kind)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self):
+        self.send(json.dumps({"object": "list", "data": [{"id": "fake", "object": "model"}]}).encode(),
+                  "application/json")
+
+    def do_POST(self):
+        json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        words = [" one", " two", " three", " four"]
+        events = [{"choices": [{"index": 0, "text": w, "finish_reason": "length" if i == 3 else None}]}
+                  for i, w in enumerate(words)]
+        body = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
+        self.send(body.encode(), "text/event-stream")
+
+
+ThreadingHTTPServer(("127.0.0.1", port), Handler).serve_forever()
+'''
+
+
+def test_bench_serve_runs_a_peer_server_and_counts_tokens_without_usage(tmp_path):
+    from hispec.bench.peers import model_gguf
+
+    if model_gguf("default") is None:
+        pytest.skip("the default model's GGUF file is not installed")
+    fake = tmp_path / "llama-server"
+    fake.write_text(FAKE_SERVER.replace("PYTHON", sys.executable))
+    fake.chmod(0o755)
+    run = hispec(["bench", "serve", "--no-hispec", "--peers", "llama.cpp", "--llama-server", str(fake),
+                  "--threads", "1", "--dataset", "random", "--input-len", "8", "--output-len", "4",
+                  "--num-prompts", "3", "--max-concurrency", "1,3", "--result-file", "peer.json", "--no-plot",
+                  "--no-progress"], tmp_path)
+    assert run.returncode == 0, run.stdout + run.stderr
+    saved = json.loads((tmp_path / "peer.json").read_text())
+    assert [(r["server"], r["max_concurrency"]) for r in saved["runs"]] == [("llama.cpp", 1), ("llama.cpp", 3)]
+    for r in saved["runs"]:
+        assert r["completed"] == 3 and r["model_id"] == "fake"
+        assert r["total_output_tokens"] == 3 * 4  # " one two three four": 4 tokens by the model's tokenizer
+        assert r["total_input_tokens"] > 0  # the dataset's count (no usage)
+    stray = subprocess.run(["pgrep", "-f", str(fake)], capture_output=True, text=True)
+    assert stray.stdout.strip() == ""
