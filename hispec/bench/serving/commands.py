@@ -75,7 +75,8 @@ def add_server_options(g, *, peers: bool = True) -> None:
     g.add_argument("--threads", type=int, default=None, metavar="N",
                    help="threads of each started server (default: all cores)")
     g.add_argument("--server-args", default="", metavar="'ARGS'",
-                   help="more hispec serve options for the hispec server, one string (e.g. '--strategy ar')")
+                   help="more hispec serve options for the hispec server, one string; write it with '=' "
+                        "(--server-args='--strategy ar')")
     g.add_argument("--ready-timeout", type=float, default=900.0, metavar="S",
                    help="seconds a started server gets to answer /v1/models (default: 900)")
     g.add_argument("--log-dir", default=None, metavar="DIR",
