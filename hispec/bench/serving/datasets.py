@@ -9,7 +9,9 @@
 - ``synthetic-prefix``: ``--num-prefixes`` system prompts of ``--prefix-len`` tokens, each shared by
   many short questions (prefix caching's workload: agents, RAG, long system prompts);
 - ``random``: prompts of random tokens, ``--input-len`` tokens each (within ``--range-ratio``),
-  asking for exactly ``--output-len`` tokens (``ignore_eos``).
+  asking for exactly ``--output-len`` tokens (``ignore_eos``);
+- ``mixed``: the soak's mix (issue 55's 16-client load): prompts of 3-400 words (log-uniform),
+  ``max_tokens`` 1-96, each request its own temperature in 0-1 (a quarter greedy), no seeds.
 
 Every request carries both a chat form (``messages``) and a completions form (``prompt``), so any
 dataset runs against ``/v1/chat/completions`` or ``/v1/completions``.
@@ -20,10 +22,10 @@ import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
-DATASETS = ("spec-bench", "sharegpt", "synthetic-prefix", "random")
+DATASETS = ("spec-bench", "sharegpt", "synthetic-prefix", "random", "mixed")
 ALIASES = {"spec_bench": "spec-bench", "specbench": "spec-bench", "prefix_repetition": "synthetic-prefix",
            "prefix-repetition": "synthetic-prefix", "synthetic_prefix": "synthetic-prefix"}
-DEFAULT_OUTPUT_LEN = {"spec-bench": 128, "sharegpt": None, "synthetic-prefix": 64, "random": 128}
+DEFAULT_OUTPUT_LEN = {"spec-bench": 128, "sharegpt": None, "synthetic-prefix": 64, "random": 128, "mixed": 96}
 
 QUESTIONS = [
     "Explain speculative decoding in two sentences.",
@@ -72,6 +74,7 @@ class ServeRequest:
     id: str = ""
     after: int | None = None  # index of the request that must end before this one is sent (a chat's turns)
     ignore_eos: bool = False
+    temperature: float | None = None  # the request's own (else the run's --temperature)
     extra: dict = field(default_factory=dict)
 
 
@@ -269,4 +272,33 @@ def random_lengths(tokenizer, num_prompts: int, input_len: int = 256, output_len
         text = tokenizer.decode(ids)
         out.append(ServeRequest([{"role": "user", "content": text}], text, n_out,
                                 input_len=_count(tokenizer, text), id=f"random-{i}", ignore_eos=True))
+    return out
+
+
+# ---- the mixed load -------------------------------------------------------------------------------------
+def mixed_prompt(rng: random.Random, max_words: int = 400) -> str:
+    """A prompt of 3 to ``max_words`` words (log-uniform: as many short ones as long), ending in a question."""
+    n_words = int(round(3 * (max_words / 3) ** rng.random())) if max_words > 3 else 3
+    filler = " ".join(rng.choice(WORDS) for _ in range(max(0, n_words - 8)))
+    return f"{filler} {rng.choice(QUESTIONS)}".strip()
+
+
+def mixed_temperature(rng: random.Random) -> float:
+    return 0.0 if rng.random() < 0.25 else round(rng.random(), 2)
+
+
+def mixed(num_prompts: int, max_tokens: int | None = None, *, tokenizer=None, seed: int = 0,
+          max_words: int = 400) -> list[ServeRequest]:
+    """Prompts of 3-``max_words`` words, ``max_tokens`` uniform in 1..``max_tokens`` (default 96), each
+    with its own temperature in 0-1 (a quarter greedy)."""
+    if max_words < 3:
+        raise ValueError("--mixed-max-words must be >= 3")
+    rng = random.Random(seed)
+    top = max_tokens or DEFAULT_OUTPUT_LEN["mixed"]
+    out = []
+    for i in range(num_prompts):
+        text = mixed_prompt(rng, max_words)
+        r = _request([{"role": "user", "content": text}], rng.randint(1, top), tokenizer, id=f"mixed-{i}")
+        r.temperature = mixed_temperature(rng)
+        out.append(r)
     return out

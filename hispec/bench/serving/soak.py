@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .datasets import QUESTIONS, WORDS
+from .datasets import mixed_prompt, mixed_temperature
 
 DESCRIPTION = ("Start hispec serve on loopback, keep --concurrency clients busy for --duration seconds with "
                "mixed requests (client disconnects included), then check that the KV blocks come back when "
@@ -109,13 +109,12 @@ class Tally:
 
 def mixed_request(rng: random.Random, max_words: int, max_tokens: int, disconnect_fraction: float) -> dict:
     """One request of the mix: (messages/prompt, max_tokens, stream, chat, sampling, disconnect_after)."""
-    n_words = int(round(3 * (max_words / 3) ** rng.random())) if max_words > 3 else 3  # log-uniform 3..max
-    text = " ".join(rng.choice(WORDS) for _ in range(max(0, n_words - 8))) + " " + rng.choice(QUESTIONS)
+    text = mixed_prompt(rng, max_words)
     stream, chat = rng.random() < 0.5, rng.random() < 0.5
-    temperature = 0.0 if rng.random() < 0.25 else round(rng.random(), 2)
+    temperature = mixed_temperature(rng)
     seed = rng.randrange(1 << 30) if temperature > 0 and rng.random() < 0.5 else None
     disconnect = rng.randint(1, 3) if stream and rng.random() < disconnect_fraction else None
-    return {"text": text.strip(), "max_tokens": rng.randint(1, max_tokens), "stream": stream, "chat": chat,
+    return {"text": text, "max_tokens": rng.randint(1, max_tokens), "stream": stream, "chat": chat,
             "temperature": temperature, "seed": seed, "disconnect_after": disconnect}
 
 
