@@ -68,6 +68,7 @@ def test_soak_short_run_reports_no_loss(model_dir, tmp_path):
     q = report["requests"]
     assert q["sent"] > 0 and q["errors"] == 0 and q["lost"] == 0
     assert q["completed"] + q["disconnected"] == q["sent"]
+    assert report["server"]["unfinished"] == 0 and not report["server"]["finished"].get("error")
     assert report["kv_blocks"]["leaked"] == 0 and report["kv_blocks"]["unaccounted"] == 0
     assert report["kv_blocks"]["total"] > 0
     assert report["drain"]["completed"] == report["drain"]["requests"] == 4

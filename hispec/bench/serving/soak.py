@@ -11,7 +11,8 @@ of them must still finish (not ``abort``) and the server exit with status 0.
 
 Reported: requests sent, completed, disconnected on purpose, errors (an HTTP error, an error event or
 ``finish_reason: error``, a reply longer than its ``max_tokens``), lost requests (a stream that ended
-without a finish reason, a connection that broke), RSS at the start, peak and end and its growth from
+without a finish reason, a connection that broke, a request the server's
+``hispec_requests_finished_total`` never counted), RSS at the start, peak and end and its growth from
 the first quarter of the run to the last, KV blocks leaked, and the drain. The exit status is 1
 on any error, lost request, leaked block, failed drain or RSS growth over ``--max-rss-growth`` MB.
 """
@@ -20,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import re
 import shlex
 import shutil
 import sys
@@ -40,6 +42,7 @@ KV_FREE = "hispec_kv_blocks_free"  # (with prefix caching: cached blocks nobody 
 KV_CACHED = "hispec_kv_blocks_cached"  # blocks holding a cached prompt prefix (where the server caches them)
 RUNNING = "hispec_requests_running"
 WAITING = "hispec_requests_waiting"
+FINISHED = "hispec_requests_finished_total"
 ERROR_PREFIXES = ("HTTP", "error event", "finish_reason")
 
 
@@ -152,6 +155,17 @@ async def scrape(client, base: str) -> dict[str, float]:
     return parse_metrics(r.text)
 
 
+def server_finished(metrics: dict[str, float]) -> dict[str, float]:
+    """``hispec_requests_finished_total`` by reason (stop, length, abort, error)."""
+    out = {}
+    for key, value in metrics.items():
+        if key.startswith(FINISHED + "{"):
+            found = re.search(r'reason="([^"]*)"', key)
+            if found:
+                out[found.group(1)] = out.get(found.group(1), 0.0) + value
+    return out
+
+
 def _mb(b: float | None) -> float | None:
     return None if b is None else round(b / 2**20, 1)
 
@@ -166,7 +180,8 @@ async def soak(server, args) -> dict:
     samples: list[dict] = []
     async with make_client(args.concurrency + 2) as client:
         model = await first_model(client, base)
-        for i in range(min(4, args.concurrency)):  # warm-up, not counted
+        warmups = min(4, args.concurrency)
+        for i in range(warmups):  # warm-up, not counted
             await _one(client, base, mixed_request(rng, args.max_words, args.max_tokens, 0.0), model)
         t0 = time.monotonic()
         deadline = t0 + args.duration
@@ -239,6 +254,9 @@ async def soak(server, args) -> dict:
     for r, o in zip(drain_reqs, drained):
         drain.add(o, r["max_tokens"])
 
+    # the server's own count: every request sent must have ended there (abort: a client that left)
+    finished = server_finished(idle)
+    unfinished = warmups + tally.sent - sum(finished.values()) if finished else None
     rss = [s["rss"] for s in samples if s["rss"]]
     quarter = max(1, len(rss) // 4)
     growth = (max(rss[-quarter:]) - max(rss[:quarter])) if rss else None
@@ -252,6 +270,7 @@ async def soak(server, args) -> dict:
                      "streamed": tally.streamed, "errors": tally.errors, "lost": tally.lost,
                      "output_tokens": tally.output_tokens, "first_errors": tally.first_errors},
         "requests_per_second": round(tally.sent / load_seconds, 2) if load_seconds else None,
+        "server": {"finished": finished, "unfinished": unfinished},
         "rss_mb": {"start": _mb(rss[0]) if rss else None, "peak": _mb(max(rss)) if rss else None,
                    "end": _mb(rss[-1]) if rss else None, "idle": _mb(rss_idle),
                    "growth_first_to_last_quarter": _mb(growth)},
@@ -269,6 +288,10 @@ async def soak(server, args) -> dict:
         problems.append(f"no {KV_IN_USE} in /metrics after the load")
     elif leaked:
         problems.append(f"{leaked:g} KV blocks still held by requests after {args.idle_timeout:g} s idle")
+    if finished.get("error"):
+        problems.append(f"the server ended {finished['error']:g} requests with an error")
+    if unfinished:
+        problems.append(f"the server ended {sum(finished.values()):g} requests of the {warmups + tally.sent} sent")
     if unaccounted:
         problems.append(f"{unaccounted:g} KV blocks neither held nor free after idle")
     if drain.completed != n_drain:
@@ -289,6 +312,9 @@ def report_lines(r: dict) -> list[str]:
              f"lost {q['lost']}, output tokens {q['output_tokens']}",
              f"  server RSS (MB): start {rss['start']}, peak {rss['peak']}, end {rss['end']}, idle {rss['idle']}; "
              f"growth first -> last quarter {rss['growth_first_to_last_quarter']}",
+             f"  the server's count of ended requests by reason: "
+             f"{', '.join(f'{k} {v:g}' for k, v in sorted(r['server']['finished'].items())) or 'n/a'}"
+             + (f" ({r['server']['unfinished']:g} sent but not ended)" if r['server']['unfinished'] else ""),
              f"  KV blocks held by requests after idle: {r['kv_blocks']['leaked']} of {r['kv_blocks']['total']}"
              + (f" ({r['kv_blocks']['cached']:g} holding cached prefixes)" if r['kv_blocks']['cached'] else "")
              + (f"; {r['kv_blocks']['unaccounted']:g} neither held nor free" if r['kv_blocks']['unaccounted'] else ""),
