@@ -104,6 +104,13 @@ def register(subparsers) -> None:
     add_sampling_options(p)
     add_spec_options(p)
     p.set_defaults(func=cmd_bench)
+    # hispec bench serve / soak: servers measured over HTTP (their options are their own)
+    from .serving.commands import register_serve
+    from .serving.soak import register_soak
+    modes = p.add_subparsers(dest="bench_mode", metavar="{serve,soak}",
+                             title="serving (hispec bench serve --help, hispec bench soak --help)")
+    register_serve(modes)
+    register_soak(modes)
     register_perplexity(subparsers)
 
 

@@ -41,7 +41,9 @@ def register_loadtest(subparsers) -> None:
     p = subparsers.add_parser("loadtest", help="measure a running hispec server under N concurrent clients",
                               description="N concurrent clients, each sending --requests streaming requests in "
                                           "turn to a running server (hispec serve); prints requests/s, generated "
-                                          "tokens/s and p50/p95 time to first token and per-token latency.")
+                                          "tokens/s and p50/p95 time to first token and per-token latency. "
+                                          "Datasets, request rates, concurrency sweeps, goodput and other "
+                                          "servers: hispec bench serve.")
     p.add_argument("--url", default="http://127.0.0.1:8000/v1", help="the server's /v1 URL")
     p.add_argument("--clients", type=int, default=32, help="concurrent clients (default: 32)")
     p.add_argument("--requests", type=int, default=4, help="requests per client (default: 4)")
