@@ -160,7 +160,7 @@ def tree_round(batch: list[DecodeContext], props: list[Proposal], starts: list[t
     runner = batch[0].runner
     roots = [pos for _, pos in starts]
     # at most up to the last position the sequence may hold (the scheduler reserves no slot past it)
-    trees = [exit_tree(tok, p.tokens.tolist(), p.runners_up or []).first(c.max_tokens + 1 - root)
+    trees = [exit_tree(tok, p.tokens.tolist(), p.runners_up or []).first(c.token_cap + 1 - root)
              for c, (tok, root), p in zip(batch, starts, props)]
     hidden = [p.hidden for p in props]  # [k_b + 1, H]: the chain's nodes
     grow = [b for b, (t, h) in enumerate(zip(trees, hidden)) if len(t) > h.shape[0]]
@@ -269,7 +269,7 @@ def _lookup_trees(batch: list[DecodeContext], drafts: list[list[int]], branches:
     for c, d in zip(batch, drafts):
         more = [b.tokens for b in c.lookup.branches(c.tokens, c.suffix, len(d))] if d else []
         tree = DraftTree.of_branches(c.tokens[-1], [d] + [b for b in more if b != d][:branches - 1])
-        trees.append(tree.first(c.max_tokens + 1 - (len(c.tokens) - 1)))
+        trees.append(tree.first(c.token_cap + 1 - (len(c.tokens) - 1)))
     return None if all(t.is_chain for t in trees) else trees
 
 
