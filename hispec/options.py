@@ -12,7 +12,7 @@ import argparse
 
 from .config import (DRAFT_POLICIES, ENGINE_OPTIONS, KV_CACHE_DTYPES, QUANTIZE, SPEC_FIELDS, SamplingParams,
                      SpecConfig, check_engine_options)
-from .settings import DEFAULT_STRATEGY, SPECULATIVE, STRATEGIES, strategies_help
+from .settings import DEFAULT_STRATEGY, STRATEGIES, strategies_help
 
 
 class UsageError(ValueError):
@@ -127,9 +127,7 @@ def spec_overrides(args) -> dict:
 
 def spec_from_args(args, generator) -> SpecConfig | None:
     """``args.strategy``'s settings: command-line values over the exit heads' over the defaults
-    (None for a strategy that does not speculate)."""
-    if args.strategy not in SPECULATIVE:
-        return None
+    (``settings.resolve_spec``; None for a strategy that does not speculate)."""
     return generator.resolve_spec(args.strategy, **spec_overrides(args))
 
 

@@ -46,6 +46,7 @@ import torch
 from ..config import ConfigError, SpecConfig
 from ..sampling.sampler import choose
 from ..sampling.speculative import accept_chosen, accept_chosen_batch
+from ..settings import StrategyName
 from ..spec.cost import RowCost
 from ..spec.proposers.exit import Proposal, draft, ensure_policies, has_runners_up, tree_min_probs
 from ..spec.proposers.lookup import free_drafts
@@ -299,7 +300,7 @@ def _check_layers(spec: SpecConfig, num_layers: int, hierarchical: bool) -> None
 class SelfSpec(Strategy):
     """Single-exit self-speculation (LayerSkip-style): draft at L_d, verify with the full model."""
 
-    name = "selfspec"
+    name = StrategyName.SELFSPEC
 
     def __init__(self, spec: SpecConfig) -> None:
         self.spec = spec
@@ -360,7 +361,7 @@ class HiSpec(Strategy):
     """Hierarchical self-speculation: draft at L_d, filter at L_i, verify a window at L_f; where
     prompt lookup finds drafts that pay, they are verified instead (``free_round``)."""
 
-    name = "hispec"
+    name = StrategyName.HISPEC
 
     def __init__(self, spec: SpecConfig) -> None:
         self.spec = spec
@@ -449,7 +450,7 @@ class Lookup(Strategy):
     free drafts verified by the full model (``free_round``); a plain round (``ar``'s, several
     greedy tokens per op call) where there are none."""
 
-    name = "lookup"
+    name = StrategyName.LOOKUP
     adaptive_steps = False  # its step is already plain: nothing for the engine to choose between
 
     def __init__(self, spec: SpecConfig) -> None:
