@@ -98,14 +98,14 @@ def greedy_continuations(model, prompts: list[list[int]], max_new_tokens: int, e
     continuous batching of up to ``batch_size`` sequences): the same tokens ``hispec generate``
     gives. Stops at an end-of-sequence id (included) or after ``max_new_tokens``."""
     from ..config import EngineConfig, SamplingParams
-    from ..decode.autoregressive import Autoregressive
-    from ..engine.engine import Engine
+    from ..engine.build import build_engine
+    from ..settings import StrategyName
 
     if not prompts:
         return []
     longest = min(max(map(len, prompts)) + max_new_tokens, model.cfg.max_position_embeddings)
-    engine = Engine(model, Autoregressive(), EngineConfig(max_batch_size=batch_size, adaptive=False),
-                    eos_ids=frozenset(eos_ids), seq_tokens=longest, num_seqs=min(batch_size, len(prompts)))
+    engine = build_engine(model, StrategyName.AR, EngineConfig(max_batch_size=batch_size, adaptive=False),
+                          eos_ids=frozenset(eos_ids), seq_tokens=longest, num_seqs=min(batch_size, len(prompts)))
     params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)
     ids = [engine.add_request(list(p), params) for p in prompts]
     done = {}
