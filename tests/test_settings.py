@@ -79,6 +79,30 @@ def test_each_strategy_is_its_one_line_in_the_list():
     assert OWN_KINDS == STRATEGIES and set(STRATEGIES) <= set(DEFAULT_STRATEGIES.split(","))
 
 
+def test_names_written_as_text_in_the_registries_alone():
+    """Code names strategies and draft policies through ``StrategyName`` / ``DraftPolicyName``; their
+    text appears as a string literal only where it must ("hispec" is also the package's name, so
+    it is not counted)."""
+    import io
+    import re
+    import tokenize
+
+    names = {"ar", "selfspec", "lookup", "fixed", "svip", "confidence", "heuristic"}
+    allowed = {
+        "hispec/settings.py", "hispec/config.py",  # the registries
+        "hispec/bench/peer_worker.py",  # runs in a peer's own venv: the standard library only at its top
+        "hispec/bench/peers.py",  # llama.cpp's own speculative mode is called "lookup"
+        "hispec/spec/proposers/lookup.py",  # "lookup" the draft source (stats' rounds), not the strategy
+    }
+    found = set()
+    for path in (ROOT / "hispec").rglob("*.py"):
+        for tok in tokenize.generate_tokens(io.StringIO(path.read_text(encoding="utf-8")).readline):
+            m = tok.type == tokenize.STRING and re.fullmatch(r"""(["'])(\w+)\1""", tok.string)
+            if m and m.group(2) in names:
+                found.add(path.relative_to(ROOT).as_posix())
+    assert found <= allowed, sorted(found - allowed)
+
+
 def test_no_module_imports_the_cli():
     offenders = []
     for path in (ROOT / "hispec").rglob("*.py"):
