@@ -145,17 +145,17 @@ def collectives_per_token(leader, tp_gen, prompt: list[int], max_new: int, spec)
     tp_gen.generate(prompt, SamplingParams(max_new_tokens=max_new, ignore_eos=True), StrategyName.HISPEC,
                     spec=spec)
     leader.record_calls = False
-    n, ld, li = leader.num_layers, spec.draft_layer, spec.verify_layer
+    n, draft_layer, verify_layer = leader.num_layers, spec.draft_layer, spec.verify_layer
     groups = {"draft": [], "intermediate_verify": [], "full_verify": []}
     calls = leader.calls[len(prompt) and 2:]  # skip the prefill's embed + layers
     for i, (kind, start, end, tokens, count, nbytes) in enumerate(calls):
         if kind == "embed":  # accounted to the layers call that follows it
             nxt = calls[i + 1] if i + 1 < len(calls) else None
-            key = _phase(nxt[1], nxt[2], ld, li, n) if nxt else None
+            key = _phase(nxt[1], nxt[2], draft_layer, verify_layer, n) if nxt else None
         elif kind == "logits":
-            key = "draft" if start == ld else "intermediate_verify" if start == li else "full_verify"
+            key = "draft" if start == draft_layer else "intermediate_verify" if start == verify_layer else "full_verify"
         else:
-            key = _phase(start, end, ld, li, n)
+            key = _phase(start, end, draft_layer, verify_layer, n)
         if key:
             groups[key].append((tokens if kind == "layers" else 0, count, nbytes))
     out = {}
@@ -168,10 +168,10 @@ def collectives_per_token(leader, tp_gen, prompt: list[int], max_new: int, spec)
     return out
 
 
-def _phase(start: int, end: int, ld: int, li: int, n: int) -> str | None:
-    if start == 0 and end == ld:
+def _phase(start: int, end: int, draft_layer: int, verify_layer: int, n: int) -> str | None:
+    if start == 0 and end == draft_layer:
         return "draft"
-    if end == li and li < n:
+    if end == verify_layer and verify_layer < n:
         return "intermediate_verify"
     if end == n and start > 0:
         return "full_verify"
