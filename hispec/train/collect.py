@@ -68,9 +68,9 @@ def encode_records(gen, records: list[TextRecord], cfg: TrainConfig, start: int 
     """Teacher-forced sequences: ``(record index, prompt + reply ids, first reply row)`` in the
     model's chat format, for the records from ``start`` that have a reply and a short enough prompt."""
     for i in range(start, len(records)):
-        prompt, reply = encode_record(gen, records[i], cfg.max_prompt_tokens, cfg.max_tokens)
+        prompt, reply = encode_record(gen, records[i], cfg.max_prompt_tokens, cfg.token_cap)
         if prompt is not None and reply:
-            yield i, (prompt + reply)[:cfg.max_tokens], len(prompt) - 1
+            yield i, (prompt + reply)[:cfg.token_cap], len(prompt) - 1
 
 
 def continuations(gen, records: list[TextRecord], cfg: TrainConfig, start: int = 0) -> Iterator[Seq]:
@@ -87,7 +87,7 @@ def continuations(gen, records: list[TextRecord], cfg: TrainConfig, start: int =
             new = greedy_continuations(gen.model, [p for _, p in todo], cfg.max_new_tokens, gen.eos_ids,
                                        cfg.generate_batch)
             for (rec, prompt), y in zip(todo, new):
-                yield rec, (prompt + y[:-1])[:cfg.max_tokens], len(prompt) - 1
+                yield rec, (prompt + y[:-1])[:cfg.token_cap], len(prompt) - 1
             todo = []
 
 
@@ -222,8 +222,8 @@ def collect(model, seqs: Iterable[Seq], folder: Path, cfg: TrainConfig, meta: di
     writer = ShardWriter(folder, {"format": FORMAT, **meta, "config": cfg.collection()})
     done = writer.meta["records_done"]
     teacher = TeacherPass(model, cfg)
-    todo = ((r, ids[:cfg.max_tokens], f) for r, ids, f in seqs
-            if r >= done and MIN_TOKENS <= min(len(ids), cfg.max_tokens) and f < min(len(ids), cfg.max_tokens))
+    todo = ((r, ids[:cfg.token_cap], f) for r, ids, f in seqs
+            if r >= done and MIN_TOKENS <= min(len(ids), cfg.token_cap) and f < min(len(ids), cfg.token_cap))
     t0 = start = time.perf_counter()
     last = done
     for batch in batches(todo, cfg.teacher_batch_tokens):

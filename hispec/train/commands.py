@@ -289,7 +289,7 @@ def cmd_collect_exits(args) -> int:
         raise UsageError(f"--layers must be between 0 (the embeddings) and {n} (the final state) for this "
                          f"{n}-layer model, got {args.layers}")
     records, summary = load_sources(args.data, args.holdout, shuffle_seed=args.seed)
-    cfg = TrainConfig(tuple(layers), topk=args.topk, max_tokens=args.max_tokens, teacher_batch_tokens=args.batch_tokens,
+    cfg = TrainConfig(tuple(layers), topk=args.topk, token_cap=args.max_tokens, teacher_batch_tokens=args.batch_tokens,
                       teacher_precision=args.teacher_precision, max_new_tokens=args.max_new_tokens,
                       generate_batch=args.batch_size)
     meta = _collect(gen, records, Path(args.out), cfg, args.mode, summary, command, args.max_positions, "positions",
@@ -422,7 +422,7 @@ def cmd_train_exits(args) -> int:
     cfg = TrainConfig(
         layers=tuple(sorted(set(layers) | ({n} if linear or args.design == "block-final" else set()))),
         max_prompt_tokens=args.max_prompt_tokens,
-        max_tokens=args.max_prompt_tokens + max(args.max_response_tokens, args.max_new_tokens),
+        token_cap=args.max_prompt_tokens + max(args.max_response_tokens, args.max_new_tokens),
         max_new_tokens=args.max_new_tokens, generate_batch=args.batch_size,
         teacher_batch_tokens=args.teacher_batch_tokens, teacher_precision=args.teacher_precision,
         steps=args.steps or None, epochs=args.epochs, batches="tokens" if linear else "sequences",
@@ -442,7 +442,7 @@ def cmd_train_exits(args) -> int:
     if args.eval_data:
         eval_records, eval_summary = load_sources([args.eval_data])
         ecfg = dataclasses.replace(cfg, max_prompt_tokens=max(args.max_prompt_tokens, 2048),
-                                   max_tokens=max(args.max_prompt_tokens, 2048) + args.eval_max_new_tokens,
+                                   token_cap=max(args.max_prompt_tokens, 2048) + args.eval_max_new_tokens,
                                    max_new_tokens=args.eval_max_new_tokens)
         _collect(gen, eval_records[:args.eval_limit], work / "eval", ecfg, "self", eval_summary, command, None,
                  "positions")
