@@ -5,6 +5,7 @@ is given (CLI, API, server) with a message that names the field.
 """
 from __future__ import annotations
 
+import enum
 import math
 import numbers
 from dataclasses import dataclass, field, fields
@@ -251,7 +252,16 @@ class SamplingParams:
         return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias or self.grammar is not None)
 
 
-DRAFT_POLICIES = ("fixed", "svip", "confidence", "heuristic")
+class DraftPolicyName(enum.StrEnum):
+    """An exit draft-length policy (``--draft-policy``; ``spec.proposers.exit_policies``)."""
+
+    FIXED = "fixed"
+    SVIP = "svip"
+    CONFIDENCE = "confidence"
+    HEURISTIC = "heuristic"
+
+
+DRAFT_POLICIES = tuple(DraftPolicyName)
 MAX_LOOKUP_DRAFT, MAX_LOOKUP_NGRAM, MAX_LOOKUP_BRANCHES, MAX_TREE_WIDTH = 32, 8, 4, 8
 
 
@@ -268,7 +278,7 @@ class SpecConfig:
     verify_layer: int
     num_draft: int = 4  # N_d: tokens per draft round (the maximum, with adaptive policies)
     window: int = 4  # N_i: tentatively accepted tokens before full verification
-    draft_policy: str = "fixed"
+    draft_policy: str = DraftPolicyName.FIXED  # a DraftPolicyName (or its text)
     svip_threshold: float = 2.0  # nats: stop drafting when the draft entropy exceeds it
     confidence_threshold: float = 0.4  # stop drafting when the draft's top-1 probability falls below it
     max_draft: int = 16  # upper bound for the heuristic policy
@@ -299,6 +309,7 @@ class SpecConfig:
             raise ConfigError(f"window must be >= 1, got {self.window}")
         if self.draft_policy not in DRAFT_POLICIES:
             raise ConfigError(f"unknown draft policy {self.draft_policy!r}; choose from {', '.join(DRAFT_POLICIES)}")
+        self.draft_policy = DraftPolicyName(self.draft_policy)
         if self.svip_threshold <= 0:
             raise ConfigError(f"svip threshold must be > 0, got {self.svip_threshold}")
         if not 0 < self.confidence_threshold < 1:
@@ -323,7 +334,7 @@ class SpecConfig:
     def lookahead(self) -> int:
         """An upper bound on the positions one round writes past the pending token: the window,
         the longest draft the policy may ask for, the bonus position and spare."""
-        longest = max(self.num_draft, self.max_draft if self.draft_policy == "heuristic" else 0)
+        longest = max(self.num_draft, self.max_draft if self.draft_policy == DraftPolicyName.HEURISTIC else 0)
         return max(self.window + longest * self.tree_width + 3, self.lookup_max_draft * self.lookup_branches + 2)
 
 

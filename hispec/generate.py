@@ -16,13 +16,15 @@ import torch
 
 from .cache.paged import PagedCache
 from .config import ConfigError, EngineConfig, SamplingParams, SpecConfig, check_engine_options
-from .decode import make_strategy
+from .decode import make_strategy  # noqa: F401 (re-exported)
 from .decode.base import Strategy
+from .engine.build import build_engine, build_strategy
 from .engine.engine import Engine, PromptTooLongError  # noqa: F401 (PromptTooLongError re-exported)
 from .engine.outputs import GenerationOutput
 from .model.exits.attached import ExitSet
 from .model.decoder import DecoderModel
-from .settings import DEFAULT_STRATEGY, default_spec, resolve_spec  # noqa: F401 (default_spec re-exported)
+from .settings import (DEFAULT_STRATEGY, StrategyName, default_spec,  # noqa: F401 (default_spec re-exported)
+                       recommended_for, resolve_spec)
 from .spec.policy import AdaptiveController, adaptive_modes
 from .spec.proposers.suffix import SuffixStore
 
@@ -94,11 +96,12 @@ class Generator:
 
     def spec_for(self, strategy: str) -> SpecConfig | None:
         """The exit heads' recommended settings for ``strategy`` (None: no recommendation)."""
-        return self.exits.spec_for(strategy) if self.exits is not None else None
+        return recommended_for(strategy, self.recommended_specs)
 
-    def resolve_spec(self, strategy: str, **overrides) -> SpecConfig:
-        """The validated settings ``strategy`` runs with on this model: ``overrides`` (SpecConfig
-        fields; None = not given) over the exit heads' recommendation over depth-based defaults."""
+    def resolve_spec(self, strategy: str, **overrides) -> SpecConfig | None:
+        """The validated settings ``strategy`` runs with on this model (``settings.resolve_spec``:
+        ``overrides``, SpecConfig fields with None = not given, over the exit heads' recommendation
+        over depth-based defaults; None for ``ar``)."""
         return resolve_spec(strategy, self.model.num_layers, self.recommended_specs, **overrides)
 
     @property
@@ -159,15 +162,15 @@ class Generator:
         key = f"{strategy.name} {strategy.spec!r}"
         controller = self._controllers.setdefault(key, AdaptiveController(modes=adaptive_modes(strategy))) \
             if adaptive else None
-        engine = Engine(self.model, strategy, EngineConfig(block_size=self.block_size, max_batch_size=1,
-                                                           adaptive=adaptive, suffix_cache_entries=0,
-                                                           prefix_caching=False),
-                        tokenizer=self.tokenizer, eos_ids=self.eos_ids, controller=controller, cache=self._cache,
-                        seq_tokens=num_tokens, num_seqs=1, suffix=suffix)
+        engine = build_engine(self.model, strategy, EngineConfig(block_size=self.block_size, max_batch_size=1,
+                                                                 adaptive=adaptive, suffix_cache_entries=0,
+                                                                 prefix_caching=False),
+                              tokenizer=self.tokenizer, eos_ids=self.eos_ids, controller=controller,
+                              cache=self._cache, seq_tokens=num_tokens, num_seqs=1, suffix=suffix)
         self._cache = engine.cache
         return engine
 
-    def generate(self, prompt: str | list[int], params: SamplingParams | None = None, strategy: str | Strategy = "ar",
+    def generate(self, prompt: str | list[int], params: SamplingParams | None = None, strategy: str | Strategy = StrategyName.AR,
                  *, chat: bool | None = None, spec: SpecConfig | None = None,
                  on_text: Callable[[str], None] | None = None, adaptive: bool = False,
                  suffix: SuffixStore | None = None, draft_scope: str | None = None) -> GenerationOutput:
@@ -178,8 +181,7 @@ class Generator:
         only; the output goes into ``draft_scope``'s cache); None: this call alone."""
         params = params or SamplingParams()
         prompt_ids = list(prompt) if isinstance(prompt, list) else self.encode_prompt(prompt, chat)
-        if isinstance(strategy, str):
-            strategy = make_strategy(strategy, spec or self.spec_for(strategy), self.model.num_layers)
+        strategy = build_strategy(strategy, self.model.num_layers, spec=spec, recommended=self.recommended_specs)
         engine = self._engine_for(strategy, min(len(prompt_ids) + params.max_new_tokens,
                                                 self.model.cfg.max_position_embeddings), adaptive, suffix)
         request_id = engine.add_request(prompt_ids, params, draft_scope=draft_scope)

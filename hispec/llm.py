@@ -7,8 +7,7 @@ from typing import Callable
 import torch
 
 from .config import DEFAULT_PREFILL_CHUNK, DEFAULT_SUFFIX_ENTRIES, ConfigError, EngineConfig, SamplingParams, SpecConfig
-from .decode import make_strategy
-from .engine.engine import Engine
+from .engine.build import build_engine
 from .engine.outputs import GenerationOutput
 from .generate import Generator
 from .settings import DEFAULT_STRATEGY, strategy_kind
@@ -43,12 +42,11 @@ class LLM:
             self.generator = model
         else:
             self.generator = Generator.from_pretrained(model, device=device, dtype=dtype, kv_cache_dtype=kv_cache_dtype)
-        m = self.generator.model
-        spec = spec or self.generator.spec_for(strategy)
-        self.strategy = make_strategy(strategy, spec, m.num_layers)
         # the pool is sized by each generate() call for its requests
-        self.engine = Engine(m, self.strategy, config, tokenizer=self.generator.tokenizer,
-                             eos_ids=self.generator.eos_ids, seq_tokens=1, num_seqs=1)
+        self.engine = build_engine(self.generator.model, strategy, config, spec=spec,
+                                   recommended=self.generator.recommended_specs, tokenizer=self.generator.tokenizer,
+                                   eos_ids=self.generator.eos_ids, seq_tokens=1, num_seqs=1)
+        self.strategy = self.engine.strategy
 
     def _size_pool(self, prompts: list[list[int]], params: list[SamplingParams]) -> None:
         """Blocks from the options, or by default enough for a full batch of the longest request."""

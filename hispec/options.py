@@ -12,7 +12,7 @@ import argparse
 
 from .config import (DRAFT_POLICIES, ENGINE_OPTIONS, KV_CACHE_DTYPES, QUANTIZE, SPEC_FIELDS, SamplingParams,
                      SpecConfig, check_engine_options)
-from .settings import DEFAULT_STRATEGY, SPECULATIVE, STRATEGIES, strategies_help
+from .settings import DEFAULT_STRATEGY, STRATEGIES, strategies_help
 
 
 class UsageError(ValueError):
@@ -65,7 +65,8 @@ def add_sampling_options(p: argparse.ArgumentParser) -> None:
 
 
 def add_strategy_option(group) -> None:
-    group.add_argument("--strategy", default=DEFAULT_STRATEGY, choices=STRATEGIES,
+    # choices as plain text: argparse's error message shows them with repr()
+    group.add_argument("--strategy", default=DEFAULT_STRATEGY.value, choices=[s.value for s in STRATEGIES],
                        help=f"decoding strategy (default: {DEFAULT_STRATEGY}); {strategies_help()}")
 
 
@@ -75,7 +76,7 @@ def add_spec_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--verify-layer", type=int, default=None, help="L_i: the intermediate exit (default: exit heads' or depth/4)")
     g.add_argument("--num-draft", type=int, default=None, help="N_d: tokens per draft round")
     g.add_argument("--window", type=int, default=None, help="N_i: tentatively accepted tokens per full verification")
-    g.add_argument("--draft-policy", default=None, choices=DRAFT_POLICIES)
+    g.add_argument("--draft-policy", default=None, choices=[p.value for p in DRAFT_POLICIES])
     g.add_argument("--svip-threshold", type=float, default=None, help="entropy (nats) above which svip stops drafting")
     g.add_argument("--confidence-threshold", type=float, default=None,
                    help="top-1 probability below which the confidence policy stops drafting")
@@ -130,9 +131,7 @@ def spec_overrides(args) -> dict:
 
 def spec_from_args(args, generator) -> SpecConfig | None:
     """``args.strategy``'s settings: command-line values over the exit heads' over the defaults
-    (None for a strategy that does not speculate)."""
-    if args.strategy not in SPECULATIVE:
-        return None
+    (``settings.resolve_spec``; None for a strategy that does not speculate)."""
     return generator.resolve_spec(args.strategy, **spec_overrides(args))
 
 

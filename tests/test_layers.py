@@ -1,5 +1,6 @@
-"""The package's shape: no import cycles, no import from a lower layer to a higher one, and every
-``HISPEC_*`` environment variable read in ``hispec/envs.py`` alone.
+"""The package's shape: no import cycles, no import from a lower layer to a higher one, one
+module that constructs engines, and every ``HISPEC_*`` environment variable read in
+``hispec/envs.py`` alone.
 
 Imports are read from the source (every ``import`` statement, inside functions too), so a lazy
 import that hides a cycle from Python still counts here.
@@ -134,6 +135,14 @@ def test_the_engine_asks_the_speculation_policy_alone():
                  for t in targets if _part(t) == "engine" or t == "hispec.spec.policy"}
     assert proposers == set(), "the proposers import the engine or the policy"
     assert not any(t.startswith("hispec.spec.") and t != "hispec.spec.cost" for t in graph["hispec.spec.cost"])
+
+
+def test_one_front_door_builds_engines():
+    """``Engine(...)`` is called in ``engine/build.py`` alone: the generator, ``LLM``, the server,
+    the collector and the tensor-parallel check all build their engines through ``build_engine``."""
+    builders = {name for name, path in _modules().items() for node in ast.walk(ast.parse(path.read_text()))
+                if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", "")) == "Engine"}
+    assert builders == {"hispec.engine.build"}
 
 
 def test_environment_read_in_envs_only():

@@ -7,7 +7,8 @@ import pytest
 
 from hispec.config import ConfigError, SpecConfig
 from hispec.decode import make_strategy
-from hispec.settings import SPECULATIVE, STRATEGIES, STRATEGY_KINDS, default_spec, resolve_spec
+from hispec.config import DraftPolicyName
+from hispec.settings import SPECULATIVE, STRATEGIES, STRATEGY_KINDS, StrategyName, default_spec, resolve_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -26,6 +27,27 @@ def test_selfspec_verifies_with_the_full_model_unless_told():
     assert resolve_spec("selfspec", 30, rec, verify_layer=20).verify_layer == 20
     own = {**rec, "selfspec": SpecConfig(4, 30, num_draft=2, num_layers=30)}
     assert resolve_spec("selfspec", 30, own) == own["selfspec"]
+
+
+def test_names_are_enumerations_equal_to_their_text():
+    """A name a user or a JSON body gives finds the enumeration's member, and a member prints, hashes
+    and serializes as its text."""
+    assert StrategyName("lookup") is StrategyName.LOOKUP and "ar" == StrategyName.AR
+    assert {"hispec": 1}[StrategyName.HISPEC] == 1 and f"{StrategyName.SELFSPEC}-tree" == "selfspec-tree"
+    assert STRATEGIES == ("ar", "selfspec", "hispec", "lookup")
+    spec = resolve_spec("hispec", 30, draft_policy="svip")
+    assert spec.draft_policy is DraftPolicyName.SVIP and SpecConfig(2, 4).draft_policy == "fixed"
+
+
+def test_settings_per_method():
+    """ar has no speculation settings; lookup drafts without exits, so exit layers are not its
+    settings: any given are left aside (not validated), the depth-based ones stand."""
+    assert resolve_spec("ar", 30, draft_layer=99) is None
+    got = resolve_spec("lookup", 30, {"hispec": SpecConfig(2, 24, num_layers=30)}, draft_layer=99, verify_layer=0,
+                       lookup_max_draft=6)
+    assert (got.draft_layer, got.verify_layer, got.lookup_max_draft) == (default_spec(30).draft_layer, 30, 6)
+    with pytest.raises(ConfigError, match="draft layer 99"):
+        resolve_spec("selfspec", 30, draft_layer=99)
 
 
 def test_invalid_values_fail_with_the_field_named():
@@ -55,6 +77,30 @@ def test_each_strategy_is_its_one_line_in_the_list():
         choices = next(a.choices for a in sub[command]._actions if a.dest == "strategy")
         assert tuple(choices) == STRATEGIES, command
     assert OWN_KINDS == STRATEGIES and set(STRATEGIES) <= set(DEFAULT_STRATEGIES.split(","))
+
+
+def test_names_written_as_text_in_the_registries_alone():
+    """Code names strategies and draft policies through ``StrategyName`` / ``DraftPolicyName``; their
+    text appears as a string literal only where it must ("hispec" is also the package's name, so
+    it is not counted)."""
+    import io
+    import re
+    import tokenize
+
+    names = {"ar", "selfspec", "lookup", "fixed", "svip", "confidence", "heuristic"}
+    allowed = {
+        "hispec/settings.py", "hispec/config.py",  # the registries
+        "hispec/bench/peer_worker.py",  # runs in a peer's own venv: the standard library only at its top
+        "hispec/bench/peers.py",  # llama.cpp's own speculative mode is called "lookup"
+        "hispec/spec/proposers/lookup.py",  # "lookup" the draft source (stats' rounds), not the strategy
+    }
+    found = set()
+    for path in (ROOT / "hispec").rglob("*.py"):
+        for tok in tokenize.generate_tokens(io.StringIO(path.read_text(encoding="utf-8")).readline):
+            m = tok.type == tokenize.STRING and re.fullmatch(r"""(["'])(\w+)\1""", tok.string)
+            if m and m.group(2) in names:
+                found.add(path.relative_to(ROOT).as_posix())
+    assert found <= allowed, sorted(found - allowed)
 
 
 def test_no_module_imports_the_cli():

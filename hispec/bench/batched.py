@@ -21,6 +21,9 @@ import time
 from pathlib import Path
 
 from ..config import SamplingParams
+from ..settings import StrategyName
+
+AR = StrategyName.AR  # the reference: plain decoding, hispec's own
 
 _RUNS = itertools.count()
 
@@ -61,22 +64,22 @@ def run_batch_sizes(gen, strategies: dict, prompt_ids: list[list[int]], params: 
         row = {label: _median_run(timed[label]) | {
                    "adaptive": llms[label].engine.adaptive.to_dict()
                    if label in llms and llms[label].engine.adaptive else None} for label in runs}
-        if reference is None and "ar" in row:
-            reference = row["ar"]["token_ids"][0]  # its first round
-        ar_rate = row.get("ar", {}).get("tokens_per_second")
-        ar_rounds = row.get("ar", {}).get("round_seconds")
+        if reference is None and AR in row:
+            reference = row[AR]["token_ids"][0]  # its first round
+        ar_rate = row.get(AR, {}).get("tokens_per_second")
+        ar_rounds = row.get(AR, {}).get("round_seconds")
         for label, r in row.items():
             r["speedup_vs_ar"] = round(r["tokens_per_second"] / ar_rate, 3) if ar_rate else None
-            r["paired_speedup_vs_ar"] = _paired(ar_rounds, r["round_seconds"], r["tokens"], row["ar"]["tokens"]) \
-                if ar_rounds and label != "ar" else None
+            r["paired_speedup_vs_ar"] = _paired(ar_rounds, r["round_seconds"], r["tokens"], row[AR]["tokens"]) \
+                if ar_rounds and label != AR else None
             every = r.pop("token_ids")  # one list per round
             r["identical_to_ar"] = all(ids == reference for ids in every) if reference else None
             r["agreement_with_ar"] = _agreement(every[-1], reference, agree_first) if reference else None
         results[str(b)] = {label: row[label] for label in runs}  # rows in a fixed order
-    if "ar" in strategies and str(batch_sizes[0]) in results and len(batch_sizes) > 1:
-        base = results[str(batch_sizes[0])]["ar"]["tokens_per_second"]
+    if AR in strategies and str(batch_sizes[0]) in results and len(batch_sizes) > 1:
+        base = results[str(batch_sizes[0])][AR]["tokens_per_second"]
         for b in batch_sizes:
-            results[str(b)]["ar"]["ar_scaling_vs_first"] = round(results[str(b)]["ar"]["tokens_per_second"] / base, 3)
+            results[str(b)][AR]["ar_scaling_vs_first"] = round(results[str(b)][AR]["tokens_per_second"] / base, 3)
     return results
 
 
@@ -126,7 +129,7 @@ def _agreement(ids: list[list[int]], reference: list[list[int]], n: int) -> dict
 def batch_table(results: dict) -> list[str]:
     labels = list(dict.fromkeys(l for row in results.values() for l in row))
     lines = ["| batch size | " + " | ".join(f"{l} tokens/s (vs ar; paired: median of per-round ratios)"
-                                         if l != "ar" else f"{l} tokens/s" for l in labels) + " | identical |",
+                                         if l != AR else f"{l} tokens/s" for l in labels) + " | identical |",
              "|---|" + "---|" * len(labels) + "---|"]
     for b, row in results.items():
         cells = [f"{row[l]['tokens_per_second']:.1f} ({_ratio(row[l]['speedup_vs_ar'])}"

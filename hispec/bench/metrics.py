@@ -36,7 +36,10 @@ from __future__ import annotations
 import statistics
 
 from ..decode.stats import DecodeStats
+from ..settings import StrategyName
 from .runner import BenchRun, Record
+
+AR = StrategyName.AR  # the reference: plain decoding, hispec's own
 
 FIELDS = ("tokens_per_second", "tokens_per_second_median", "speedup_vs_ar", "decode_tokens_per_second",
           "decode_speedup_vs_ar", "identical_to_ar", "agreement_with_ar",
@@ -44,7 +47,7 @@ FIELDS = ("tokens_per_second", "tokens_per_second_median", "speedup_vs_ar", "dec
           "kv_cache_bytes")
 
 
-def summarize(run: BenchRun, reference: str = "ar") -> dict:
+def summarize(run: BenchRun, reference: str = AR) -> dict:
     """``strategies`` of results.json: label -> fields (+ ``per_category``)."""
     categories = list(dict.fromkeys(p.category or "default" for p in run.prompts))
     ref = run.records.get(reference)
@@ -68,7 +71,8 @@ def summarize(run: BenchRun, reference: str = "ar") -> dict:
     return out
 
 
-PLAIN_OF = {"selfspec": "ar", "hispec": "ar", "lookup": "ar", "hf-early-exit": "hf"}  # kind -> its plain label
+# kind -> its plain label
+PLAIN_OF = {StrategyName.SELFSPEC: AR, StrategyName.HISPEC: AR, StrategyName.LOOKUP: AR, "hf-early-exit": "hf"}
 
 
 def _against_plain(out: dict) -> None:
@@ -168,7 +172,7 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-def mismatches(run: BenchRun, label: str, reference: str = "ar") -> list[dict]:
+def mismatches(run: BenchRun, label: str, reference: str = AR) -> list[dict]:
     """Prompts whose token ids differ from the reference: id and first differing position."""
     ref = {x.prompt_index: x.sample.token_ids for x in run.records.get(reference, [])}
     out = []

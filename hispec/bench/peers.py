@@ -42,10 +42,13 @@ from pathlib import Path
 from .. import envs
 from ..config import ConfigError, SamplingParams
 from ..kernels.quant import FORCED_FOUR_BIT
+from ..settings import STRATEGIES, StrategyName
 from .strategies import Runner, Sample
 
-ENGINES = ("llama.cpp", "vllm", "ar")
-OWN_STRATEGIES = ("ar", "hispec", "selfspec", "lookup")  # hispec in a second process: engine "ar"
+AR = StrategyName.AR  # the reference: plain decoding, hispec's own
+
+ENGINES = ("llama.cpp", "vllm", AR)
+OWN_STRATEGIES = STRATEGIES  # hispec in a second process: engine "ar"
 LLAMA_FLOATS = ("f16", "f32")  # llama.cpp on float copies of the model's GGUF file
 LLAMA_FILE = "gguf"  # llama.cpp on the model's GGUF file itself (labelled by its type)
 DEFAULT_GGUF_TYPE = "q4_1"  # the default model's file
@@ -68,7 +71,7 @@ class PeerSpec:
     engine: str
     weights: str | None = None  # llama.cpp: the GGUF file's type (q4_1, q4_k_m...), f16 or f32; vllm: dtype
     options: dict = field(default_factory=dict)  # ar: model option -> value
-    strategy: str = "ar"  # engine ar: the strategy hispec runs in that process (OWN_STRATEGIES)
+    strategy: str = AR  # engine ar: the strategy hispec runs in that process (OWN_STRATEGIES)
     speculative: str | None = None  # the peer's own speculative mode (SPECULATIVE), None: plain decoding
 
     @property
@@ -142,7 +145,7 @@ def _parse_one(item: str, gguf_type: str | None) -> list[PeerSpec]:
         options = {k: v for k, v in pairs}
         if "kernel" in options and options["kernel"] not in FORCED_FOUR_BIT:
             raise ConfigError(f"peer {item!r}: kernel= takes one of {', '.join(FORCED_FOUR_BIT)}")
-        return [PeerSpec(item, "ar", options=options, strategy=engine)]
+        return [PeerSpec(item, AR, options=options, strategy=engine)]
     raise ConfigError(f"unknown peer {engine!r} in --peers; choose from {', '.join(ENGINES)} "
                       "(e.g. llama.cpp, llama.cpp:f16, llama.cpp:q4_1:lookup, vllm, vllm:float32:ngram, "
                       "ar:dtype=bfloat16, hispec:kernel=int4)")
@@ -165,7 +168,7 @@ def peers_home() -> Path:
 
 def find_python(engine: str, overrides: dict[str, str]) -> tuple[str | None, str | None]:
     """(python, None) or (None, why it is missing and how to install it)."""
-    if engine == "ar":
+    if engine == AR:
         return sys.executable, None
     if engine in overrides:  # (the reason is recorded in results.json: no machine paths in it)
         path = Path(overrides[engine]).expanduser()
@@ -189,7 +192,7 @@ class Weights:
 
 def peer_weights(spec: PeerSpec, generator, model_name: str) -> Weights:
     """The file or folder holding the same weights as hispec's model, for this peer."""
-    if spec.engine == "ar":
+    if spec.engine == AR:
         kernel = f" (4-bit kernel {spec.options['kernel']})" if "kernel" in spec.options else ""
         return Weights(model_name, f"hispec {_options_argv(spec.options)}".rstrip() + kernel)
     folder = generator.model_path
@@ -351,7 +354,7 @@ class PeerRunner(Runner):
         if self.spec.speculative:
             argv += ["--speculative", self.spec.speculative, "--num-draft", str(LOOKUP_TOKENS),
                      "--ngram", str(LOOKUP_NGRAM)]
-        if self.spec.engine == "ar":
+        if self.spec.engine == AR:
             argv += ["--strategy", self.spec.strategy] + (["--adaptive"] if self.adaptive else [])
             argv += ["--"] + _options_argv(self.spec.options).split()
         return argv
@@ -363,7 +366,7 @@ class PeerRunner(Runner):
             env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{self.threads - 1}")
             env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
             env.setdefault("VLLM_TARGET_DEVICE", "cpu")
-        if self.spec.engine != "ar":
+        if self.spec.engine != AR:
             env.pop("PYTHONPATH", None)  # the peer's venv, not this checkout
         elif "kernel" in self.spec.options:
             env["HISPEC_Q4_KERNEL"] = self.spec.options["kernel"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..settings import StrategyName
 from .report import PHASE_ORDER
 
 PLOTS = ("speedup.png", "acceptance.png", "phases.png")
@@ -38,7 +39,7 @@ def write_plots(results: dict, out: Path) -> list[str]:
 
 
 def _speedup(plt, strategies: dict):
-    shown = {k: e for k, e in strategies.items() if e["available"] and e["kind"] != "ar"}
+    shown = {k: e for k, e in strategies.items() if e["available"] and e["kind"] != StrategyName.AR}
     cats = list(next(iter(strategies.values()))["per_category"]) if strategies else []
     groups = cats + ["overall"]
     fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(groups) * max(1, len(shown)) ** 0.5 + 2), 4.2))

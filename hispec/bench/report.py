@@ -1,7 +1,9 @@
 """report.md: the tables a person reads, made from results.json alone."""
 from __future__ import annotations
 
-from ..settings import STRATEGIES
+from ..settings import STRATEGIES, StrategyName
+
+AR = StrategyName.AR  # the reference: plain decoding, hispec's own
 
 PHASE_ORDER = ("prefill", "draft", "intermediate_verify", "full_verify", "other")
 
@@ -70,7 +72,7 @@ def category_table(strategies: dict) -> list[str]:
             f = e if c == "overall" else e["per_category"].get(c, {})
             sp, dsp = f.get("speedup_vs_ar"), f.get("decode_speedup_vs_ar")
             cell = _num(f.get("tokens_per_second"), "{:.1f}")
-            if sp is not None and e["kind"] != "ar":
+            if sp is not None and e["kind"] != AR:
                 cell += f" ({sp:.2f}x" + (f"; decode {dsp:.2f}x)" if dsp is not None else ")")
             if f.get("identical_to_ar") is False:
                 cell += " ≠ar"
@@ -156,9 +158,9 @@ def peer_summary_table(results: dict, batch: dict | None = None, batch_size: str
     """BENCHMARKS.md's peer table: batch-1 tokens/s against ``ar`` (from results.json) and, with a
     ``--batch-sizes`` run's batch_results.json, throughput at ``batch_size``."""
     strategies, n = results["strategies"], results["config"].get("agree_first", 32)
-    ar = strategies.get("ar", {})
+    ar = strategies.get(AR, {})
     row_b = (batch or {}).get("batch_sizes", {}).get(batch_size, {})
-    ar_b = row_b.get("ar", {})
+    ar_b = row_b.get(AR, {})
     header = ["engine / weights", "batch 1 tokens/s", "vs hispec `ar`", f"same ids as `ar` (whole / first {n})"]
     if batch:
         header += [f"batch {batch_size} tokens/s", f"vs `ar` at batch {batch_size}"]
@@ -168,7 +170,7 @@ def peer_summary_table(results: dict, batch: dict | None = None, batch_size: str
             continue
         name = _peer_name(label, e) if e["kind"] == "peer" else f"hispec `{label}`"
         a = e.get("agreement_with_ar")
-        same = "reference" if label == "ar" else \
+        same = "reference" if label == AR else \
             (f"{_agreement_cell(a)} / {_agreement_cell(a, first=True)}" if a else "–")
         row = [name, _num(e["tokens_per_second"], "{:.1f}") if e["available"] else "did not run",
                _num(e["speedup_vs_ar"], "{:.2f}x") if e["available"] else "–", same]
@@ -339,12 +341,12 @@ def _ms_per_token(e: dict, phase: str | None = None) -> float | None:
 def limit_lines(strategies: dict) -> list[str]:
     """Where each strategy's time per committed token goes, against ``ar``'s: the facts that
     limit each ratio."""
-    ar = strategies.get("ar")
+    ar = strategies.get(AR)
     ar_note = (f"; `ar`: {_ms_per_token(ar):.1f} ms per new token, {_ms_per_token(ar, 'full_verify'):.1f} ms "
                "of it in full-model passes") if ar and ar.get("available") and ar.get("phase_seconds") else ""
     lines = []
     for label, e in strategies.items():
-        if not e["available"] or label == "ar":
+        if not e["available"] or label == AR:
             continue
         total = _ms_per_token(e)
         head = f"- `{label}` ({_num(e['speedup_vs_ar'], '{:.2f}x')} `ar`): {total:.1f} ms per new token"

@@ -11,9 +11,12 @@ from pathlib import Path
 import torch
 
 from ..paths import portable
+from ..settings import StrategyName
 from .memory import method as memory_method
 from .metrics import mismatches, summarize
 from .runner import BenchRun
+
+AR = StrategyName.AR  # the reference: plain decoding, hispec's own
 
 SCHEMA_VERSION = 1
 
@@ -121,7 +124,7 @@ def targets(strategies: dict) -> dict:
                 if e["kind"] == kind and e["available"] and e["tokens_per_second"]]
         return max(rows, key=lambda r: r[1]) if rows else (None, None)
 
-    ar, hf, ss, hs, ee = (best(k) for k in ("ar", "hf", "selfspec", "hispec", "hf-early-exit"))
+    ar, hf, ss, hs, ee = (best(k) for k in (AR, "hf", StrategyName.SELFSPEC, StrategyName.HISPEC, "hf-early-exit"))
 
     def ratio(a, b, goal: float, strict: bool = False) -> dict:
         value = round(a[1] / b[1], 3) if a[1] and b[1] else None
@@ -129,7 +132,7 @@ def targets(strategies: dict) -> dict:
         return {"value": value, "goal": goal, "met": met, "of": a[0], "against": b[0]}
 
     identical = [e["identical_to_ar"] for e in strategies.values()
-                 if e["available"] and e["kind"] not in ("ar", "peer")]  # peers' kernels differ: reported apart
+                 if e["available"] and e["kind"] not in (AR, "peer")]  # peers' kernels differ: reported apart
     return {
         "ar_vs_hf": ratio(ar, hf, 1.5),
         "hispec_vs_ar": ratio(hs, ar, 2.0),
@@ -150,7 +153,7 @@ def build_results(run: BenchRun, generator, *, model_name: str, config: dict, st
         machine["load_average_at_start"] = load_at_start
     if hasattr(os, "getloadavg"):
         machine["load_average_at_end"] = load_average()
-    ar = strategies.get("ar")
+    ar = strategies.get(AR)
     if ar and ar.get("available") and ar.get("tokens_per_second") and generator.model.device.type == "cpu":
         from .memory import copy_bandwidth, roofline
         machine["memory_roofline_ar"] = roofline(generator.model, 1.0 / ar["tokens_per_second"], copy_bandwidth())

@@ -29,7 +29,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..options import UsageError
-from ..settings import STRATEGIES
+from ..settings import STRATEGIES, StrategyName
+
+AR = StrategyName.AR  # the reference: plain decoding, hispec's own
 
 START, END = "<!-- summary:start -->", "<!-- summary:end -->"
 RESULT_NAMES = ("results.json", "batch_results.json")
@@ -92,7 +94,7 @@ class Comparison:
         a model other than the default one, the model and whether speculation ran (its plain
         throughput runs apart from its speculative ones)."""
         kind = (self.batch_size, self.sampling is not None, self.with_peers)
-        speculative = any(r.own and r.label.split(":")[0] != "ar" for r in self.rows)
+        speculative = any(r.own and r.label.split(":")[0] != AR for r in self.rows)
         return kind + ((self.model_name, speculative) if self.model_name else ())
 
 
@@ -145,7 +147,7 @@ def _load(m: dict | None) -> list | None:
 
 def _same(e: dict, label: str, own: bool) -> str:
     """Agreement with the run's ``ar``: expected of hispec's strategies (yes/NO), counted for peers."""
-    if label == "ar":
+    if label == AR:
         return "reference"
     a = e.get("agreement_with_ar")
     if not own and a:
@@ -265,7 +267,7 @@ def _name(r: Row) -> str:
 
 
 def table(c: Comparison) -> list[str]:
-    ar = next((r for r in c.rows if r.label == "ar"), None)
+    ar = next((r for r in c.rows if r.label == AR), None)
     batch1 = c.batch_size == 1
     decode = batch1 and ar is not None and ar.decode is not None and any(r.decode for r in c.rows if r is not ar)
     header = (["engine / weights", "tokens/s"] + (["per-prompt median"] if batch1 else []) + ["vs `ar`"]
@@ -289,7 +291,7 @@ def _setup(c: Comparison) -> str:
         parts.append(f"{c.max_new_tokens} new tokens")
     if c.rounds is not None:
         parts.append(f"median of {c.rounds} interleaved rounds")
-    if c.adaptive is not None and any(r.own and r.label != "ar" for r in c.rows):
+    if c.adaptive is not None and any(r.own and r.label != AR for r in c.rows):
         parts.append("adaptive" if c.adaptive else "always speculating")
     if c.sampling:
         parts.append("sampled: " + c.sampling)
@@ -314,7 +316,7 @@ def _source(c: Comparison) -> str:
 
 def line(c: Comparison) -> str:
     """An older comparison in one line: ``ar``'s tokens/s, the other engines' over it, its file."""
-    ar = next((r for r in c.rows if r.label == "ar"), None)
+    ar = next((r for r in c.rows if r.label == AR), None)
     figures = []
     for r in c.rows:
         if r is ar:

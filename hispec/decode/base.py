@@ -231,7 +231,7 @@ class DecodeContext:
     params: SamplingParams
     seed: int | None  # a sampled request's (its own, or drawn at random), None for a greedy one
     stats: DecodeStats
-    max_tokens: int  # len(tokens) may not exceed this (new-token limit and context limit)
+    token_cap: int  # len(tokens) may not exceed this: prompt + max_new_tokens, capped by the context
     eos_ids: frozenset[int]
     policy: object | None = None  # the strategy's per-sequence draft-length policy, made on first use
     processor: LogitsProcessor | None = None  # penalties and biases, applied at every level
@@ -258,7 +258,7 @@ class DecodeContext:
 
     @property
     def remaining(self) -> int:
-        return self.max_tokens - len(self.tokens)
+        return self.token_cap - len(self.tokens)
 
     def token_tensor(self, ids: list[int]) -> torch.Tensor:
         return torch.tensor(ids, dtype=torch.long, device=self.model.device)

@@ -46,6 +46,7 @@ import torch
 from ..config import ConfigError, SpecConfig
 from ..sampling.sampler import choose
 from ..sampling.speculative import accept_chosen, accept_chosen_batch
+from ..settings import StrategyName
 from ..spec.cost import RowCost
 from ..spec.proposers.exit import Proposal, draft, ensure_policies, has_runners_up, tree_min_probs
 from ..spec.proposers.lookup import free_drafts
@@ -160,7 +161,7 @@ def tree_round(batch: list[DecodeContext], props: list[Proposal], starts: list[t
     runner = batch[0].runner
     roots = [pos for _, pos in starts]
     # at most up to the last position the sequence may hold (the scheduler reserves no slot past it)
-    trees = [exit_tree(tok, p.tokens.tolist(), p.runners_up or []).first(c.max_tokens + 1 - root)
+    trees = [exit_tree(tok, p.tokens.tolist(), p.runners_up or []).first(c.token_cap + 1 - root)
              for c, (tok, root), p in zip(batch, starts, props)]
     hidden = [p.hidden for p in props]  # [k_b + 1, H]: the chain's nodes
     grow = [b for b, (t, h) in enumerate(zip(trees, hidden)) if len(t) > h.shape[0]]
@@ -269,7 +270,7 @@ def _lookup_trees(batch: list[DecodeContext], drafts: list[list[int]], branches:
     for c, d in zip(batch, drafts):
         more = [b.tokens for b in c.lookup.branches(c.tokens, c.suffix, len(d))] if d else []
         tree = DraftTree.of_branches(c.tokens[-1], [d] + [b for b in more if b != d][:branches - 1])
-        trees.append(tree.first(c.max_tokens + 1 - (len(c.tokens) - 1)))
+        trees.append(tree.first(c.token_cap + 1 - (len(c.tokens) - 1)))
     return None if all(t.is_chain for t in trees) else trees
 
 
@@ -299,7 +300,7 @@ def _check_layers(spec: SpecConfig, num_layers: int, hierarchical: bool) -> None
 class SelfSpec(Strategy):
     """Single-exit self-speculation (LayerSkip-style): draft at L_d, verify with the full model."""
 
-    name = "selfspec"
+    name = StrategyName.SELFSPEC
 
     def __init__(self, spec: SpecConfig) -> None:
         self.spec = spec
@@ -360,7 +361,7 @@ class HiSpec(Strategy):
     """Hierarchical self-speculation: draft at L_d, filter at L_i, verify a window at L_f; where
     prompt lookup finds drafts that pay, they are verified instead (``free_round``)."""
 
-    name = "hispec"
+    name = StrategyName.HISPEC
 
     def __init__(self, spec: SpecConfig) -> None:
         self.spec = spec
@@ -449,7 +450,7 @@ class Lookup(Strategy):
     free drafts verified by the full model (``free_round``); a plain round (``ar``'s, several
     greedy tokens per op call) where there are none."""
 
-    name = "lookup"
+    name = StrategyName.LOOKUP
     adaptive_steps = False  # its step is already plain: nothing for the engine to choose between
 
     def __init__(self, spec: SpecConfig) -> None:

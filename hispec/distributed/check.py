@@ -21,6 +21,8 @@ import time
 
 import torch
 
+from ..settings import StrategyName
+
 
 def _runner(model, tokens: int):
     from ..cache.block_manager import BlockManager
@@ -76,26 +78,28 @@ def greedy_equal(ref_gen, tp_gen, prompts: list[list[int]], max_new: int, spec) 
     also needs the all-reduce's summation order not to flip an argmax (float32: it does not on
     the test models; bfloat16 on a real model may, legitimately)."""
     from ..config import SamplingParams
+    from ..spec.proposers.lookup import LOOKUP as LOOKUP_SOURCE
 
+    S = StrategyName
     params = SamplingParams(max_new_tokens=max_new, ignore_eos=True)
     n = tp_gen.model.num_layers
     selfspec = dataclasses.replace(spec, verify_layer=n)
     trees = {"tree_width": 3, "tree_min_prob": 0.0, "lookup_branches": 3}  # token trees: K/V moved on every rank
-    specs = {"ar": None, "selfspec": selfspec, "hispec": spec,
-             "selfspec-tree": dataclasses.replace(selfspec, **trees), "hispec-tree": dataclasses.replace(spec, **trees)}
-    single = [ref_gen.generate(p, params, "ar").token_ids for p in prompts]
-    tp_ar = [tp_gen.generate(p, params, "ar").token_ids for p in prompts]
-    specs["lookup"] = spec
-    specs["lookup-tree"] = dataclasses.replace(spec, lookup_branches=3)
+    specs = {S.AR: None, S.SELFSPEC: selfspec, S.HISPEC: spec, f"{S.SELFSPEC}-tree": dataclasses.replace(selfspec, **trees),
+             f"{S.HISPEC}-tree": dataclasses.replace(spec, **trees)}
+    single = [ref_gen.generate(p, params, S.AR).token_ids for p in prompts]
+    tp_ar = [tp_gen.generate(p, params, S.AR).token_ids for p in prompts]
+    specs[S.LOOKUP] = spec
+    specs[f"{S.LOOKUP}-tree"] = dataclasses.replace(spec, lookup_branches=3)
     vs_single, vs_tp_ar, lookup_rounds = {}, {}, 0
     for name, s in specs.items():
-        strategy = name.split("-")[0]
-        outs = [tp_gen.generate(p, params, strategy, spec=s) for p in prompts] if strategy != "ar" else []
-        got = tp_ar if strategy == "ar" else [o.token_ids for o in outs]
+        strategy = StrategyName(name.split("-")[0])
+        outs = [tp_gen.generate(p, params, strategy, spec=s) for p in prompts] if strategy != S.AR else []
+        got = tp_ar if strategy == S.AR else [o.token_ids for o in outs]
         vs_single[name] = got == single
         vs_tp_ar[name] = got == tp_ar
-        if name == "lookup":
-            lookup_rounds = sum(o.stats.rounds.get("lookup", 0) for o in outs)
+        if name == S.LOOKUP:
+            lookup_rounds = sum(o.stats.rounds.get(LOOKUP_SOURCE, 0) for o in outs)
     return vs_single, vs_tp_ar, lookup_rounds
 
 
@@ -103,10 +107,10 @@ def kv_consistent(ref, leader, prompt: list[int], spec, steps: int) -> dict:
     """Run hispec rounds on the TP engine (rejections included), then compare every layer's K/V
     of the committed positions, gathered from all ranks, with a single-process prefill."""
     from ..config import SamplingParams
-    from ..decode.speculative import HiSpec
-    from ..engine.engine import Engine
+    from ..engine.build import build_engine
 
-    engine = Engine(leader, HiSpec(spec), kv_blocks=-(-(len(prompt) + steps * 16 + 64) // 16), adaptive=False)
+    engine = build_engine(leader, StrategyName.HISPEC, spec=spec, kv_blocks=-(-(len(prompt) + steps * 16 + 64) // 16),
+                          adaptive=False)
     rid = engine.add_request(prompt, SamplingParams(max_new_tokens=10_000, ignore_eos=True))
     for _ in range(steps):
         engine.step()
@@ -138,19 +142,20 @@ def collectives_per_token(leader, tp_gen, prompt: list[int], max_new: int, spec)
 
     leader.calls.clear()
     leader.record_calls = True
-    tp_gen.generate(prompt, SamplingParams(max_new_tokens=max_new, ignore_eos=True), "hispec", spec=spec)
+    tp_gen.generate(prompt, SamplingParams(max_new_tokens=max_new, ignore_eos=True), StrategyName.HISPEC,
+                    spec=spec)
     leader.record_calls = False
-    n, ld, li = leader.num_layers, spec.draft_layer, spec.verify_layer
+    n, draft_layer, verify_layer = leader.num_layers, spec.draft_layer, spec.verify_layer
     groups = {"draft": [], "intermediate_verify": [], "full_verify": []}
     calls = leader.calls[len(prompt) and 2:]  # skip the prefill's embed + layers
     for i, (kind, start, end, tokens, count, nbytes) in enumerate(calls):
         if kind == "embed":  # accounted to the layers call that follows it
             nxt = calls[i + 1] if i + 1 < len(calls) else None
-            key = _phase(nxt[1], nxt[2], ld, li, n) if nxt else None
+            key = _phase(nxt[1], nxt[2], draft_layer, verify_layer, n) if nxt else None
         elif kind == "logits":
-            key = "draft" if start == ld else "intermediate_verify" if start == li else "full_verify"
+            key = "draft" if start == draft_layer else "intermediate_verify" if start == verify_layer else "full_verify"
         else:
-            key = _phase(start, end, ld, li, n)
+            key = _phase(start, end, draft_layer, verify_layer, n)
         if key:
             groups[key].append((tokens if kind == "layers" else 0, count, nbytes))
     out = {}
@@ -163,10 +168,10 @@ def collectives_per_token(leader, tp_gen, prompt: list[int], max_new: int, spec)
     return out
 
 
-def _phase(start: int, end: int, ld: int, li: int, n: int) -> str | None:
-    if start == 0 and end == ld:
+def _phase(start: int, end: int, draft_layer: int, verify_layer: int, n: int) -> str | None:
+    if start == 0 and end == draft_layer:
         return "draft"
-    if end == li and li < n:
+    if end == verify_layer and verify_layer < n:
         return "intermediate_verify"
     if end == n and start > 0:
         return "full_verify"
@@ -191,8 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=60.0, help="collective timeout, seconds")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    from ..config import SpecConfig
-    from ..generate import Generator, default_spec
+    from ..generate import Generator
     from ..model.load.checkpoint import load_model
     from .runtime import rank_device, start_group
 
@@ -208,9 +212,6 @@ def main(argv: list[str] | None = None) -> int:
     try:
         ref = load_model(args.model, device=rank_device(args.device, 0), dtype=dtype)
         n = ref.num_layers
-        base = default_spec(n)
-        spec = SpecConfig(draft_layer=args.draft_layer or base.draft_layer,
-                          verify_layer=args.verify_layer or base.verify_layer, num_layers=n)
         ref_gen, tp_gen = Generator(ref), Generator(leader)
         if args.exit_heads:
             _random_heads(ref, leader, [int(x) for x in args.exit_heads.split(",")], seed=0)
@@ -222,8 +223,9 @@ def main(argv: list[str] | None = None) -> int:
             attach_exits(ref_gen)
             attach_exits_tp(tp_gen, args.model, None, dtype)
             assert sorted(ref.exits) == sorted(leader.exits) and ref.exits, "no exit heads found for this model"
-            if args.draft_layer is None:
-                spec = ref_gen.spec_for("hispec") or spec
+        # the exit layers: the command line's over the shipped heads' recommendation over the defaults
+        spec = ref_gen.resolve_spec(StrategyName.HISPEC, draft_layer=args.draft_layer or None,
+                                    verify_layer=args.verify_layer or None)
         g = torch.Generator().manual_seed(0)
         vocab = ref.cfg.vocab_size
         prompts = [torch.randint(3, vocab, (k,), generator=g).tolist() for k in (5, 17)]

@@ -32,7 +32,7 @@ class Scheduler:
 
     def _need(self, seq: Sequence) -> int:
         """Positions the sequence may hold after one more step."""
-        return min(len(seq.ctx.tokens) + self.lookahead, seq.ctx.max_tokens + 1)
+        return min(len(seq.ctx.tokens) + self.lookahead, seq.ctx.token_cap + 1)
 
     def _shortfall(self) -> int:
         """Blocks the running sequences still lack for their next step."""

@@ -231,13 +231,10 @@ def served_names(args, gen) -> tuple[str, ...]:
 def build_server_state(args, gen) -> ServerState:
     """Engine, bridge and app state for a loaded ``Generator``."""
     from ..config import EngineConfig
-    from ..engine.engine import Engine
-    from ..generate import make_strategy
-    from ..options import spec_from_args
+    from ..engine.build import build_engine
+    from ..options import spec_overrides
 
     model = gen.model
-    spec = spec_from_args(args, gen)
-    strategy = make_strategy(args.strategy, spec, model.num_layers)
     # The engine thread detokenizes with its own copy: a Hugging Face fast tokenizer is not safe to
     # use from two threads at once, and a shared lock would stall every stream behind a huge prompt.
     tokenizer = copy.deepcopy(gen.tokenizer)
@@ -246,7 +243,8 @@ def build_server_state(args, gen) -> ServerState:
                           suffix_cache_entries=args.suffix_cache_entries, suffix_cache_scopes=args.suffix_cache_scopes,
                           prefix_caching=not args.no_prefix_caching)
     # default pool: a full batch of min(context, 1024)-token sequences
-    engine = Engine(model, strategy, config, tokenizer=tokenizer, eos_ids=gen.eos_ids)
+    engine = build_engine(model, args.strategy, config, recommended=gen.recommended_specs,
+                          overrides=spec_overrides(args), tokenizer=tokenizer, eos_ids=gen.eos_ids)
     ctx = model.cfg.max_position_embeddings
     names = served_names(args, gen)
     metrics = Metrics(names[0], args.strategy, ctx)

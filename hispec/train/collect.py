@@ -68,9 +68,9 @@ def encode_records(gen, records: list[TextRecord], cfg: TrainConfig, start: int 
     """Teacher-forced sequences: ``(record index, prompt + reply ids, first reply row)`` in the
     model's chat format, for the records from ``start`` that have a reply and a short enough prompt."""
     for i in range(start, len(records)):
-        prompt, reply = encode_record(gen, records[i], cfg.max_prompt_tokens, cfg.max_tokens)
+        prompt, reply = encode_record(gen, records[i], cfg.max_prompt_tokens, cfg.token_cap)
         if prompt is not None and reply:
-            yield i, (prompt + reply)[:cfg.max_tokens], len(prompt) - 1
+            yield i, (prompt + reply)[:cfg.token_cap], len(prompt) - 1
 
 
 def continuations(gen, records: list[TextRecord], cfg: TrainConfig, start: int = 0) -> Iterator[Seq]:
@@ -87,7 +87,7 @@ def continuations(gen, records: list[TextRecord], cfg: TrainConfig, start: int =
             new = greedy_continuations(gen.model, [p for _, p in todo], cfg.max_new_tokens, gen.eos_ids,
                                        cfg.generate_batch)
             for (rec, prompt), y in zip(todo, new):
-                yield rec, (prompt + y[:-1])[:cfg.max_tokens], len(prompt) - 1
+                yield rec, (prompt + y[:-1])[:cfg.token_cap], len(prompt) - 1
             todo = []
 
 
@@ -98,14 +98,14 @@ def greedy_continuations(model, prompts: list[list[int]], max_new_tokens: int, e
     continuous batching of up to ``batch_size`` sequences): the same tokens ``hispec generate``
     gives. Stops at an end-of-sequence id (included) or after ``max_new_tokens``."""
     from ..config import EngineConfig, SamplingParams
-    from ..decode.autoregressive import Autoregressive
-    from ..engine.engine import Engine
+    from ..engine.build import build_engine
+    from ..settings import StrategyName
 
     if not prompts:
         return []
     longest = min(max(map(len, prompts)) + max_new_tokens, model.cfg.max_position_embeddings)
-    engine = Engine(model, Autoregressive(), EngineConfig(max_batch_size=batch_size, adaptive=False),
-                    eos_ids=frozenset(eos_ids), seq_tokens=longest, num_seqs=min(batch_size, len(prompts)))
+    engine = build_engine(model, StrategyName.AR, EngineConfig(max_batch_size=batch_size, adaptive=False),
+                          eos_ids=frozenset(eos_ids), seq_tokens=longest, num_seqs=min(batch_size, len(prompts)))
     params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)
     ids = [engine.add_request(list(p), params) for p in prompts]
     done = {}
@@ -222,8 +222,8 @@ def collect(model, seqs: Iterable[Seq], folder: Path, cfg: TrainConfig, meta: di
     writer = ShardWriter(folder, {"format": FORMAT, **meta, "config": cfg.collection()})
     done = writer.meta["records_done"]
     teacher = TeacherPass(model, cfg)
-    todo = ((r, ids[:cfg.max_tokens], f) for r, ids, f in seqs
-            if r >= done and MIN_TOKENS <= min(len(ids), cfg.max_tokens) and f < min(len(ids), cfg.max_tokens))
+    todo = ((r, ids[:cfg.token_cap], f) for r, ids, f in seqs
+            if r >= done and MIN_TOKENS <= min(len(ids), cfg.token_cap) and f < min(len(ids), cfg.token_cap))
     t0 = start = time.perf_counter()
     last = done
     for batch in batches(todo, cfg.teacher_batch_tokens):

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from ..paths import portable
+from ..settings import StrategyName
 from .config import PRECISIONS, TEACHER_PRECISIONS
 
 
@@ -288,7 +289,7 @@ def cmd_collect_exits(args) -> int:
         raise UsageError(f"--layers must be between 0 (the embeddings) and {n} (the final state) for this "
                          f"{n}-layer model, got {args.layers}")
     records, summary = load_sources(args.data, args.holdout, shuffle_seed=args.seed)
-    cfg = TrainConfig(tuple(layers), topk=args.topk, max_tokens=args.max_tokens, teacher_batch_tokens=args.batch_tokens,
+    cfg = TrainConfig(tuple(layers), topk=args.topk, token_cap=args.max_tokens, teacher_batch_tokens=args.batch_tokens,
                       teacher_precision=args.teacher_precision, max_new_tokens=args.max_new_tokens,
                       generate_batch=args.batch_size)
     meta = _collect(gen, records, Path(args.out), cfg, args.mode, summary, command, args.max_positions, "positions",
@@ -421,7 +422,7 @@ def cmd_train_exits(args) -> int:
     cfg = TrainConfig(
         layers=tuple(sorted(set(layers) | ({n} if linear or args.design == "block-final" else set()))),
         max_prompt_tokens=args.max_prompt_tokens,
-        max_tokens=args.max_prompt_tokens + max(args.max_response_tokens, args.max_new_tokens),
+        token_cap=args.max_prompt_tokens + max(args.max_response_tokens, args.max_new_tokens),
         max_new_tokens=args.max_new_tokens, generate_batch=args.batch_size,
         teacher_batch_tokens=args.teacher_batch_tokens, teacher_precision=args.teacher_precision,
         steps=args.steps or None, epochs=args.epochs, batches="tokens" if linear else "sequences",
@@ -441,7 +442,7 @@ def cmd_train_exits(args) -> int:
     if args.eval_data:
         eval_records, eval_summary = load_sources([args.eval_data])
         ecfg = dataclasses.replace(cfg, max_prompt_tokens=max(args.max_prompt_tokens, 2048),
-                                   max_tokens=max(args.max_prompt_tokens, 2048) + args.eval_max_new_tokens,
+                                   token_cap=max(args.max_prompt_tokens, 2048) + args.eval_max_new_tokens,
                                    max_new_tokens=args.eval_max_new_tokens)
         _collect(gen, eval_records[:args.eval_limit], work / "eval", ecfg, "self", eval_summary, command, None,
                  "positions")
@@ -493,8 +494,8 @@ def cmd_tune(args) -> int:
     if not cands:
         raise UsageError("no configuration to tune: give at least one exit layer below the last")
     ar_tps = ar.tokens_per_second
-    best_hi = [c for c in cands if c.strategy == "hispec"][:args.validate]
-    best_self = [c for c in cands if c.strategy == "selfspec"][:args.validate]
+    best_hi = [c for c in cands if c.strategy == StrategyName.HISPEC][:args.validate]
+    best_self = [c for c in cands if c.strategy == StrategyName.SELFSPEC][:args.validate]
     chosen = {}
     if args.validate:
         _say(f"checking the best {len(best_hi)} hispec and {len(best_self)} selfspec settings end to end ...")
@@ -505,7 +506,7 @@ def cmd_tune(args) -> int:
         key = lambda c: c.measured_speedup  # noqa: E731
     else:
         key = lambda c: c.predicted.tokens_per_second  # noqa: E731
-    for name, group in (("hispec", best_hi), ("selfspec", best_self)):
+    for name, group in ((StrategyName.HISPEC, best_hi), (StrategyName.SELFSPEC, best_self)):
         if group:
             chosen[name] = max(group, key=key)
     rows = [c.row(ar_tps) for c in cands]
@@ -517,8 +518,8 @@ def cmd_tune(args) -> int:
             seen.add(k)
             table.append(r)
     from ..config import SPEC_FIELDS
-    rec = {k: getattr(chosen["hispec"].spec, k) for k in SPEC_FIELDS} if "hispec" in chosen else {}
-    rec_self = {k: getattr(chosen["selfspec"].spec, k) for k in SPEC_FIELDS} if "selfspec" in chosen else {}
+    rec, rec_self = ({k: getattr(chosen[name].spec, k) for k in SPEC_FIELDS} if name in chosen else {}
+                     for name in (StrategyName.HISPEC, StrategyName.SELFSPEC))
     if args.json:
         print(json.dumps({"costs": costs.to_dict(), "agreement": agree, "ar_predicted_tokens_per_s": ar_tps,
                           "table": table, "recommended": rec, "recommended_selfspec": rec_self}, indent=1))
@@ -529,7 +530,7 @@ def cmd_tune(args) -> int:
         print(f"predicted ar: {ar_tps:.2f} tokens/s; candidates (best predicted first; 'meas x' = measured "
               "speedup over ar, interleaved):")
         print(format_table(table, limit=40))
-        for name, r in (("hispec", rec), ("selfspec", rec_self)):
+        for name, r in ((StrategyName.HISPEC, rec), (StrategyName.SELFSPEC, rec_self)):
             if r:
                 print(f"chosen {name}: " + " ".join(f"{k}={v}" for k, v in r.items()))
     if args.no_write:

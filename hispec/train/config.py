@@ -18,7 +18,7 @@ class TrainConfig:
     # ---- collection (collect.py, teacher.py) ----
     layers: tuple[int, ...] = ()  # states kept: entering these layers (0: embeddings; the layer count: final)
     topk: int = 32  # the final layer's log-probs kept per position
-    max_tokens: int = 512  # per sequence (prompt + reply), longer ones are cut
+    token_cap: int = 512  # positions per sequence (prompt + reply; --max-tokens), longer ones are cut
     max_prompt_tokens: int = 384  # longer prompts are skipped
     max_new_tokens: int = 128  # per on-policy continuation
     generate_batch: int = 16  # prompts the engine continues together
@@ -53,7 +53,7 @@ class TrainConfig:
 
     def collection(self) -> dict:
         """The settings a data folder records (and must match to be resumed)."""
-        return {"layers": list(self.layers), "topk": self.topk, "max_tokens": self.max_tokens,
+        return {"layers": list(self.layers), "topk": self.topk, "max_tokens": self.token_cap,
                 "batch_tokens": self.teacher_batch_tokens, "shard_positions": self.shard_positions,
                 "logits_chunk": self.logits_chunk, "precision": self.teacher_precision}
 

@@ -35,9 +35,10 @@ import torch
 
 from ..cache.block_manager import BlockManager
 from ..cache.kv_cache import KVPool
-from ..config import SpecConfig
+from ..config import DraftPolicyName, SpecConfig
 from ..decode.base import LayerRunner
 from ..spec.proposers.exit_policies import DraftConfidence, DraftPolicy, make_policy
+from ..settings import StrategyName
 from ..spec.proposers.exit import branch_threshold
 from ..engine.engine import EngineConfig
 from .collect import greedy_continuations
@@ -375,14 +376,19 @@ class Candidate:
                 "measured_speedup": None if self.measured_speedup is None else round(self.measured_speedup, 3)}
 
 
+# the draft policies that take a threshold, and the SpecConfig field that holds it
+THRESHOLD_OF = {DraftPolicyName.SVIP: "svip_threshold", DraftPolicyName.CONFIDENCE: "confidence_threshold"}
+
+
 @dataclass
 class SearchSpace:
     num_draft: tuple[int, ...] = (1, 2, 3, 4, 6)
     window: tuple[int, ...] = (2, 3, 4, 6, 8)
     # (policy, threshold): nats for svip, a top-1 probability for confidence
-    policies: tuple[tuple[str, float], ...] = (("fixed", 0.0), ("heuristic", 0.0), ("svip", 1.0), ("svip", 2.0),
-                                               ("svip", 3.0), ("confidence", 0.3), ("confidence", 0.5),
-                                               ("confidence", 0.7))
+    policies: tuple[tuple[str, float], ...] = (
+        (DraftPolicyName.FIXED, 0.0), (DraftPolicyName.HEURISTIC, 0.0), (DraftPolicyName.SVIP, 1.0),
+        (DraftPolicyName.SVIP, 2.0), (DraftPolicyName.SVIP, 3.0), (DraftPolicyName.CONFIDENCE, 0.3),
+        (DraftPolicyName.CONFIDENCE, 0.5), (DraftPolicyName.CONFIDENCE, 0.7))
     draft_layers: tuple[int, ...] | None = None
     verify_layers: tuple[int, ...] | None = None
     # token trees, tried on the best chains of each strategy: widths and runner-up probabilities
@@ -393,7 +399,7 @@ class SearchSpace:
 
 def _policy_fields(policy: str, threshold: float) -> dict:
     """SpecConfig fields of a ``(policy, threshold)`` pair of the search space."""
-    name = {"svip": "svip_threshold", "confidence": "confidence_threshold"}.get(policy)
+    name = THRESHOLD_OF.get(policy)
     return {"draft_policy": policy, **({name: threshold} if name else {})}
 
 
@@ -407,15 +413,15 @@ def search(traces: list[Trace], costs: CostModel, layers: list[int], space: Sear
     out = []
     for d, (pol, thr), k in itertools.product(d_layers, space.policies, space.num_draft):
         spec = SpecConfig(d, n, num_draft=k, window=1, **_policy_fields(pol, thr), num_layers=n)
-        out.append(Candidate("selfspec", spec, simulate_selfspec(traces, spec, costs)))
+        out.append(Candidate(StrategyName.SELFSPEC, spec, simulate_selfspec(traces, spec, costs)))
         for i in i_layers:
             if i <= d:
                 continue
             for w in space.window:
                 spec = SpecConfig(d, i, num_draft=k, window=w, **_policy_fields(pol, thr), num_layers=n)
-                out.append(Candidate("hispec", spec, simulate_hispec(traces, spec, costs)))
+                out.append(Candidate(StrategyName.HISPEC, spec, simulate_hispec(traces, spec, costs)))
     out.sort(key=lambda c: -c.predicted.tokens_per_second)
-    sims = {"selfspec": simulate_selfspec, "hispec": simulate_hispec}
+    sims = {StrategyName.SELFSPEC: simulate_selfspec, StrategyName.HISPEC: simulate_hispec}
     for name, simulate in sims.items():
         for c in [c for c in out if c.strategy == name][:space.trees_on_best]:
             for m, p in itertools.product(space.tree_widths, space.tree_min_probs):
@@ -437,7 +443,7 @@ def measure_end_to_end(gen, prompts: list[list[int]], candidates: list[Candidate
     tot = [[0.0, 0] for _ in candidates]
     for _ in range(rounds):
         for p in prompts:
-            ref = gen.generate(p, params, "ar")
+            ref = gen.generate(p, params, StrategyName.AR)
             ar_t, ar_n = ar_t + ref.seconds, ar_n + ref.new_tokens
             for c, acc in zip(candidates, tot):
                 out = gen.generate(p, params, c.strategy, spec=c.spec)
@@ -463,13 +469,12 @@ def format_table(rows: list[dict], limit: int = 25) -> str:
         cells = []
         for c in cols:
             v = r.get(c)
-            if r["strategy"] == "selfspec" and c in ("verify_layer", "window"):
+            if r["strategy"] == StrategyName.SELFSPEC and c in ("verify_layer", "window"):
                 v = "-"
             if c == "tree_min_prob" and v is None:
                 v = "auto"  # the measured cost of a row
             if c == "svip_threshold":
-                v = {"svip": r.get("svip_threshold"), "confidence": r.get("confidence_threshold")}.get(
-                    r["draft_policy"], "-")
+                v = r.get(THRESHOLD_OF[r["draft_policy"]]) if r["draft_policy"] in THRESHOLD_OF else "-"
             cells.append(f"{'-' if v is None else v:>8}")
         lines.append("  ".join(cells))
     return "\n".join(lines)

@@ -19,7 +19,7 @@ from tests.model.test_exit_blocks import encoded, tiny, train_and_measure  # noq
 def shards(tiny, tmp_path_factory):
     folder = tmp_path_factory.mktemp("teacher-final")
     n = tiny.num_layers
-    cfg = TrainConfig((0, 2, n), topk=8, max_tokens=48, teacher_batch_tokens=256, shard_positions=300)
+    cfg = TrainConfig((0, 2, n), topk=8, token_cap=48, teacher_batch_tokens=256, shard_positions=300)
     C.collect(tiny, encoded(40), folder, cfg, {"model": "tiny"})
     return folder
 

@@ -35,7 +35,7 @@ def tiny(tiny_model_dir):
 @pytest.fixture(scope="module")
 def shards(tiny, tmp_path_factory):
     folder = tmp_path_factory.mktemp("teacher")
-    cfg = TrainConfig((2, 3), topk=8, max_tokens=48, teacher_batch_tokens=256, shard_positions=300)
+    cfg = TrainConfig((2, 3), topk=8, token_cap=48, teacher_batch_tokens=256, shard_positions=300)
     meta = C.collect(tiny, encoded(40), folder, cfg, {"model": "tiny"})
     return folder, meta
 
@@ -47,12 +47,12 @@ def test_teacher_shards_match_a_plain_forward_and_resume(tiny, shards, tmp_path)
     assert data.num_sequences == 40 and data.num_positions == meta["positions"]
     # the first sequence's targets equal a fresh single-sequence teacher pass
     _, ids, _ = encoded(40)[0]
-    one = T.TeacherPass(tiny, TrainConfig((2,), topk=8, max_tokens=48, teacher_batch_tokens=64))([ids[:48]])
+    one = T.TeacherPass(tiny, TrainConfig((2,), topk=8, token_cap=48, teacher_batch_tokens=64))([ids[:48]])
     n = len(ids[:48])
     assert torch.allclose(one["h.2"].float(), data.hidden[:n].float(), atol=2e-3)
     assert torch.equal(one["top_ids"][:, 0].long(), data.top_ids[:n, 0])
     # stopping early and continuing gives the same folder contents
-    cfg = TrainConfig((2, 3), topk=8, max_tokens=48, teacher_batch_tokens=256, shard_positions=300)
+    cfg = TrainConfig((2, 3), topk=8, token_cap=48, teacher_batch_tokens=256, shard_positions=300)
     part = C.collect(tiny, encoded(40), tmp_path / "t", cfg, {"model": "tiny"}, budget=400)
     assert part["records_done"] < 40
     full = C.collect(tiny, encoded(40), tmp_path / "t", cfg, {"model": "tiny"})
@@ -122,7 +122,7 @@ def test_collected_meta_has_no_machine_paths(tiny, tmp_path):
     data.write_text("{}\n")
     meta = {"model": "tiny", "data": {"sources": {str(data): 3, "sharegpt": 2}, "held_out": [str(data)]},
             "command": f"hispec collect-exits --data {data} sharegpt --out {tmp_path / 'out'}"}
-    cfg = TrainConfig((2,), topk=8, max_tokens=48, teacher_batch_tokens=256)
+    cfg = TrainConfig((2,), topk=8, token_cap=48, teacher_batch_tokens=256)
     C.collect(tiny, encoded(4), tmp_path / "out", cfg, meta)
     text = (tmp_path / "out" / "meta.json").read_text()
     assert str(tmp_path) not in text and "train.jsonl#sha256:" in text and "--out out" in text

@@ -38,7 +38,7 @@ def write_id_data(path: Path, n: int, seed: int = 0) -> Path:
 def collected(model, tmp_path, layers: tuple[int, ...], records, mode: str, precision: str = "bfloat16") -> Path:
     """A data folder of ``records``: teacher-forced replies or the engine's own continuations."""
     gen = Generator(model)
-    cfg = TrainConfig(tuple(layers), topk=8, max_tokens=64, max_new_tokens=24, generate_batch=8,
+    cfg = TrainConfig(tuple(layers), topk=8, token_cap=64, max_new_tokens=24, generate_batch=8,
                       teacher_batch_tokens=256, shard_positions=400, teacher_precision=precision)
     seqs = (C.continuations if mode == "self" else C.encode_records)(gen, records, cfg)
     C.collect(model, seqs, tmp_path / mode, cfg, {"model": "tiny"})

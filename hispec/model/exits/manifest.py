@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from ...config import SPEC_FIELDS, ConfigError, SpecConfig
+from ...settings import StrategyName
 from .errors import ExitHeadError
 
 FORMAT = "hispec-exit-heads"
@@ -62,8 +63,10 @@ class Manifest:
         v = (self.design.get("vocab") or {}).get(str(layer))
         return int(v) if v else None
 
-    def spec(self, num_layers: int, which: str = "hispec") -> SpecConfig | None:
-        rec = self.recommended if which == "hispec" else self.recommended_selfspec
+    def spec(self, num_layers: int, which: str = StrategyName.HISPEC) -> SpecConfig | None:
+        """The recommended settings for ``which`` (hispec: ``recommended``; selfspec:
+        ``recommended_selfspec``), validated against the depth; None: none recommended."""
+        rec = self.recommended if which == StrategyName.HISPEC else self.recommended_selfspec
         if not rec:
             return None
         try:

@@ -31,13 +31,13 @@ class Proposal:
 
 
 
-def draft(batch: list[DecodeContext], starts: list[tuple[int, int]], layer: int, limits: list[int],
+def draft(batch: list[DecodeContext], starts: list[tuple[int, int]], draft_layer: int, limits: list[int],
           prefixes: list[list[int]], width: int = 1, min_probs: list[float] | None = None) -> list[Proposal]:
-    """Draft at exit ``layer`` for each sequence, from its ``(token, position)``: up to
+    """Draft at exit ``draft_layer`` for each sequence, from its ``(token, position)``: up to
     ``min(policy, limit)`` tokens (at least one), fewer if its policy stops early.
     ``prefixes[b]``: the speculative tokens (not yet committed) up to and including the start token.
 
-    Each sequence's last drafted token is also run through layers ``[0, layer)`` (without the
+    Each sequence's last drafted token is also run through layers ``[0, draft_layer)`` (without the
     exit head), so the verifier can score the position after it (the bonus position). Each
     draft position is one pass for the batch: greedy and sampled rows are chosen together and
     the drafted tokens stay on the device (a host sync only for a confidence-based policy, once
@@ -56,14 +56,14 @@ def draft(batch: list[DecodeContext], starts: list[tuple[int, int]], layer: int,
     least = min_probs or [0.0] * len(batch)
     active, j = list(range(len(batch))), 0
     while active:
-        hs = runner.forward_many([(batch[b].seq_id, starts[b][1] + j, x[b]) for b in active], 0, layer)
+        hs = runner.forward_many([(batch[b].seq_id, starts[b][1] + j, x[b]) for b in active], 0, draft_layer)
         for b, h in zip(active, hs):
             hidden[b].append(h)
         rows = [(b, h) for b, h in zip(active, hs) if j < k_max[b]]
         if not rows:
             break
         ctxs = [batch[b] for b, _ in rows]
-        logits = runner.exit_logits([(batch[b].seq_id, starts[b][1] + j, h) for b, h in rows], layer)  # [R, V]
+        logits = runner.exit_logits([(batch[b].seq_id, starts[b][1] + j, h) for b, h in rows], draft_layer)  # [R, V]
         logits = process_rows(ctxs, logits, [1] * len(rows),
                               [prefixes[b] + (torch.cat(tokens[b]).tolist() if tokens[b] else [])
                                if batch[b].processor is not None else () for b, _ in rows])

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...config import SpecConfig
+from ...config import DraftPolicyName, SpecConfig
 from ...sampling.sampler import entropy, per_row, scale
 
 
@@ -29,7 +29,7 @@ class DraftConfidence:
 
 
 class DraftPolicy:
-    name = "fixed"
+    name = DraftPolicyName.FIXED
 
     def __init__(self, spec: SpecConfig) -> None:
         self.num_draft = spec.num_draft
@@ -49,7 +49,7 @@ class DraftPolicy:
 
 
 class SvipPolicy(DraftPolicy):
-    name = "svip"
+    name = DraftPolicyName.SVIP
 
     def __init__(self, spec: SpecConfig) -> None:
         super().__init__(spec)
@@ -63,7 +63,7 @@ class SvipPolicy(DraftPolicy):
 
 
 class ConfidencePolicy(DraftPolicy):
-    name = "confidence"
+    name = DraftPolicyName.CONFIDENCE
 
     def __init__(self, spec: SpecConfig) -> None:
         super().__init__(spec)
@@ -77,7 +77,7 @@ class ConfidencePolicy(DraftPolicy):
 
 
 class HeuristicPolicy(DraftPolicy):
-    name = "heuristic"
+    name = DraftPolicyName.HEURISTIC
 
     def __init__(self, spec: SpecConfig) -> None:
         super().__init__(spec)
