@@ -21,7 +21,8 @@ import torch
 
 from hispec.config import EngineConfig, SamplingParams
 from hispec.engine import Engine
-from hispec.generate import Generator, make_strategy
+from hispec.engine.build import build_engine
+from hispec.generate import Generator
 
 
 def text_of(rows: list[dict], tokenizer, tokens: int) -> str:
@@ -43,9 +44,9 @@ def chat_ids(gen: Generator, messages: list[dict]) -> list[int]:
 
 
 def engine(gen: Generator, prefix_caching: bool, batch: int, seq_tokens: int) -> Engine:
-    strategy = make_strategy("hispec", gen.spec_for("hispec"), gen.model.num_layers)
-    return Engine(gen.model, strategy, EngineConfig(max_batch_size=batch, prefix_caching=prefix_caching),
-                  tokenizer=gen.tokenizer, eos_ids=gen.eos_ids, seq_tokens=seq_tokens, num_seqs=batch + 1)
+    return build_engine(gen.model, "hispec", EngineConfig(max_batch_size=batch, prefix_caching=prefix_caching),
+                        recommended=gen.recommended_specs, tokenizer=gen.tokenizer, eos_ids=gen.eos_ids,
+                        seq_tokens=seq_tokens, num_seqs=batch + 1)
 
 
 def chat_turn(gen: Generator, history: str, question: str, prefix_caching: bool) -> tuple[float, list[int], int]:
