@@ -136,6 +136,25 @@ def kv_consistent(ref, leader, prompt: list[int], spec, steps: int) -> dict:
     return {"positions": n, "layer_lengths": sorted(lengths), "max_abs_diff": worst, "rejected": rejected}
 
 
+def prefix_cache_equal(ref, leader, prefix: list[int], tails: list[list[int]], spec, max_new: int) -> dict:
+    """Requests that share ``prefix``, one after another on the TP engine with prefix caching (the later
+    ones take the first one's cached blocks, on every rank) and without it, and on one process: the
+    same greedy ids everywhere, and how many prompt tokens came from the cache."""
+    from ..config import SamplingParams
+    from ..engine.build import build_engine
+
+    params = SamplingParams(max_new_tokens=max_new, ignore_eos=True)
+    runs, hits = {}, 0
+    for name, model, caching in (("tp_cached", leader, True), ("tp", leader, False), ("single", ref, False)):
+        engine = build_engine(model, StrategyName.HISPEC, spec=spec, max_batch_size=1, adaptive=False,
+                              prefix_caching=caching, kv_blocks=64)
+        ids = [engine.add_request(prefix + t, params) for t in tails]
+        final = engine.run_to_completion()
+        runs[name] = [final[i].token_ids for i in ids]
+        hits = max(hits, sum(final[i].num_cached_tokens for i in ids))
+    return {"equal": runs["tp_cached"] == runs["tp"] == runs["single"], "cached_tokens": hits}
+
+
 def collectives_per_token(leader, tp_gen, prompt: list[int], max_new: int, spec) -> dict:
     """All-reduce/all-gather calls and bytes per token of each kind of call during a hispec run."""
     from ..config import SamplingParams
@@ -234,6 +253,8 @@ def main(argv: list[str] | None = None) -> int:
         (report["greedy_equal_to_single_process_ar"], report["greedy_equal_to_tp_ar"],
          report["lookup_rounds"]) = greedy_equal(ref_gen, tp_gen, prompts + [repeating], args.max_new_tokens, spec)
         report["kv_after_rejections"] = kv_consistent(ref, leader, prompts[0], spec, steps=6)
+        report["prefix_cache"] = prefix_cache_equal(ref, leader, prompts[1] * 2, [prompts[0], prompts[0][::-1]], spec,
+                                                    args.max_new_tokens)
         report["comm_per_token"] = collectives_per_token(leader, tp_gen, prompts[0], args.max_new_tokens, spec)
         report["spec"] = {"draft_layer": spec.draft_layer, "verify_layer": spec.verify_layer, "num_layers": n}
         report["ok"] = True

@@ -45,6 +45,7 @@ def assert_lossless(report: dict) -> None:
     kv = report["kv_after_rejections"]
     assert kv["rejected"] > 0 and kv["max_abs_diff"] < 1e-5 and kv["layer_lengths"] == [kv["positions"]]
     assert report["follower_exit_codes"] == [0], report["follower_exit_codes"]  # not aborted at exit (-6)
+    assert report["prefix_cache"] == {"equal": True, "cached_tokens": 32}  # the second request hit 2 blocks
 
 
 def test_layout_splits_whole_kv_groups_unevenly():
