@@ -54,6 +54,9 @@ VARIABLES: dict[str, Var] = {
     "HISPEC_FREE_ROUND_GATE": Var("1", _on, "`0`: adaptive decoding takes free-draft rounds wherever the cost "
                                             "model picks drafts, also at a batch size where they measured "
                                             "slower than plain steps (the tests' setting)"),
+    "HISPEC_POLICY_MEMORY": Var("1", _on, "`0`: adaptive decoding measures its modes afresh in every process "
+                                          "instead of starting from what it measured before on this machine "
+                                          "(`$HISPEC_HOME/policy`; the tests' setting)"),
     "HISPEC_BATCH_MATMUL": Var(None, _choice, "`panel` or `onednn`: force the float32 matmul of batched rows "
                                               "instead of timing"),
     "HISPEC_SMALL_MATMUL": Var(None, _choice, "`wxt`, `linear` or `panel`: force the float32 matmul of one or "

@@ -51,6 +51,7 @@ def _free_rounds_ungated(monkeypatch):
     tests that check the drafting paths ran would depend on the machine's speed. The gate's own
     tests turn it on."""
     monkeypatch.setenv("HISPEC_FREE_ROUND_GATE", "0")
+    monkeypatch.setenv("HISPEC_POLICY_MEMORY", "0")  # each test's controllers measure afresh (test_memory turns it on)
 
 
 @pytest.fixture

@@ -22,7 +22,7 @@ from ..model.decoder import DecoderModel
 from ..sampling.logprobs import TokenLogprob, token_logprobs
 from ..sampling.processors import LogitsProcessor
 from ..settings import SPECULATIVE
-from ..spec.policy import AdaptiveController, SpecPolicy, SuffixStore
+from ..spec.policy import AdaptiveController, SpecPolicy, SuffixStore, policy_key
 from .outputs import RequestOutput
 from .scheduler import Scheduler
 from .sequence import Sequence
@@ -110,7 +110,8 @@ class Engine:
         self.strategy = strategy
         self.eos_ids = frozenset(eos_ids)
         self.speculation = SpecPolicy(strategy, self.config.adaptive, controller, suffix,
-                                      self.config.suffix_cache_entries, self.config.suffix_cache_scopes)
+                                      self.config.suffix_cache_entries, self.config.suffix_cache_scopes,
+                                      policy_key(model, strategy) if self.config.adaptive else None)
         _warn_if_rows_interact(model, strategy, self.config.max_batch_size)
         self._seq_ids = itertools.count()
         self._requests: dict[str, Sequence] = {}

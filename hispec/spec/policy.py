@@ -32,6 +32,7 @@ from ..decode.autoregressive import Autoregressive
 from ..decode.base import DecodeContext, Strategy
 from ..settings import SPECULATIVE
 from .cost import RowCost
+from .memory import Memory, policy_key  # noqa: F401 (policy_key: the engine names its policy's memory)
 from .proposers.suffix import SuffixStore
 
 SPECULATE, CHAIN, PLAIN = "speculate", "chain", "plain"
@@ -129,6 +130,17 @@ class FreeRoundGate:
     def to_dict(self) -> dict:
         return {f"batch<={2 ** b}": round(g.ratio, 3) for b, g in sorted(self.gain.items()) if g.rounds}
 
+    def state(self) -> dict:
+        return {str(b): [g.tokens, g.plain_tokens, g.rounds] for b, g in self.gain.items() if g.rounds}
+
+    def seed(self, state: dict, clear_loss: float) -> None:
+        """Start from a saved ``state``: its gains count as warmed up; where free rounds clearly lost
+        (below ``clear_loss`` of plain steps' tokens) they are re-tried at the longest interval."""
+        for b, (tokens, plain_tokens, rounds) in state.items():
+            g = self.gain[int(b)] = _Gain(tokens, plain_tokens, max(int(rounds), self.warmup))
+            if g.ratio < clear_loss:
+                self._backoff[int(b)] = self.max_backoff
+
 
 @dataclass
 class AdaptiveController:
@@ -194,6 +206,27 @@ class AdaptiveController:
     def _rate(self, bucket: int, mode: str) -> _Rate:
         return self.rates.setdefault((bucket, mode), _Rate())
 
+    def state(self) -> dict:
+        """What it measured, to start a later process's controller from (``spec.memory``)."""
+        return {"rates": {f"{b}:{m}": [r.tokens_per_second, r.samples] for (b, m), r in self.rates.items() if r.samples},
+                "free": self.free.state(), "plain_seconds": {str(k): v for k, v in self.row_cost.plain.items()}}
+
+    def seed(self, state: dict) -> None:
+        """Start from ``state`` (a fresh controller; ``spec.memory``): the saved rates count as warmed
+        up, so the better mode runs at once; a mode that clearly lost (below ``clear_loss`` of the
+        best) is re-measured at the longest interval; the plain steps' seconds price the first drafts."""
+        for key, (tps, samples) in state.get("rates", {}).items():
+            b, mode = key.split(":", 1)
+            if mode in self.modes:
+                self.rates[(int(b), mode)] = _Rate(float(tps), max(int(samples), self.warmup))
+        for b in {b for b, _ in self.rates}:
+            rates = [self.rates[(b, m)].tokens_per_second for m in self.modes if (b, m) in self.rates]
+            if len(rates) == len(self.modes) and min(rates) < self.clear_loss * max(rates):
+                self._backoff[b] = self.max_backoff
+        self.free.seed(state.get("free", {}), self.clear_loss)
+        for k, v in state.get("plain_seconds", {}).items():
+            self.row_cost.plain.setdefault(int(k), float(v))
+
     def to_dict(self) -> dict:
         return {
             "steps": dict(self.steps),
@@ -215,16 +248,24 @@ class SpecPolicy:
     outlives the engine (the ``Generator`` keeps one per strategy and settings), else a new one. A
     strategy with free rounds (``Strategy.has_free_rounds``) drafts across requests from ``suffix`` (a
     ``SuffixStore`` that outlives the engine), else from a store of its own of ``suffix_entries``
-    n-grams in ``suffix_scopes`` scopes (none with ``suffix_entries`` 0)."""
+    n-grams in ``suffix_scopes`` scopes (none with ``suffix_entries`` 0). ``memory_key``: a fresh
+    controller starts from what the policy of that key measured in earlier processes, and keeps its
+    own measurements there (``spec.memory``; ``policy_key``)."""
 
     def __init__(self, strategy: Strategy, adaptive: bool, controller: AdaptiveController | None = None,
-                 suffix: SuffixStore | None = None, suffix_entries: int = 0, suffix_scopes: int = 1) -> None:
+                 suffix: SuffixStore | None = None, suffix_entries: int = 0, suffix_scopes: int = 1,
+                 memory_key: str | None = None) -> None:
         self.strategy = strategy
         self._plain = Autoregressive()
         self.controller = None
+        self.memory = None  # where its measurements are kept between processes (``spec.memory``)
         if adaptive and strategy.name in SPECULATIVE:
             self.controller = controller if controller is not None else AdaptiveController(
                 modes=adaptive_modes(strategy))
+            self.memory = Memory(memory_key) if memory_key is not None else None
+            saved = self.memory.load() if self.memory is not None and not any(self.controller.steps.values()) else None
+            if saved:
+                self.controller.seed(saved)
         # the strategy's rounds as chains, where it drafts trees and the controller weighs both
         self._chain = strategy.as_chain() if self.controller is not None and CHAIN in self.controller.modes else None
         # whether the controller chooses between the strategy's step and a plain one (free
@@ -241,9 +282,12 @@ class SpecPolicy:
             ctx.suffix = self.suffix.cache_for(scope)
 
     def finished(self, scope: str | None, prompt: list[int], output: list[int]) -> None:
-        """A request finished: its output drafts for the later requests of its scope."""
+        """A request finished: its output drafts for the later requests of its scope (and what the
+        controller measured is kept for later processes, now and then)."""
         if self.suffix is not None:
             self.suffix.add(scope, prompt, output)
+        if self.memory is not None and any(self.controller.steps.values()):
+            self.memory.maybe_save(self.controller.state())
 
     def round(self, batch: list[DecodeContext]) -> list[list[int]]:
         """One round for the batch (every sequence prefilled): each sequence's tokens to commit. Free
