@@ -11,23 +11,11 @@ import pytest
 from hispec.config import SamplingParams, SpecConfig
 from hispec.engine import Engine
 from hispec.generate import make_strategy
-from hispec.model.load.checkpoint import load_model
 
-STRATEGIES = {
-    "ar": None,
-    "selfspec": SpecConfig(2, 6, num_draft=3),
-    "hispec": SpecConfig(1, 3, num_draft=3, window=4),
-    "lookup": SpecConfig(1, 3),
-}
+from tests.engine.test_engine import STRATEGIES as ALL_STRATEGIES
+from tests.engine.test_engine import model  # noqa: F401 (the fixture: a tiny llama whose exits agree often)
 
-
-@pytest.fixture(scope="module")
-def model(tiny_model_dir):
-    m = load_model(tiny_model_dir("llama"))
-    for layer in m.layers[2:]:  # upper layers barely change the residual: early exits agree often
-        layer.o_proj.weight.mul_(0.1)
-        layer.down_proj.weight.mul_(0.1)
-    return m
+STRATEGIES = {name: ALL_STRATEGIES[name] for name in ("ar", "selfspec", "hispec", "lookup")}
 
 
 @pytest.fixture(scope="module")

@@ -22,29 +22,14 @@ import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ...server.loadtest import PROMPTS
+
 DATASETS = ("spec-bench", "sharegpt", "synthetic-prefix", "random", "mixed")
 ALIASES = {"spec_bench": "spec-bench", "specbench": "spec-bench", "prefix_repetition": "synthetic-prefix",
            "prefix-repetition": "synthetic-prefix", "synthetic_prefix": "synthetic-prefix"}
 DEFAULT_OUTPUT_LEN = {"spec-bench": 128, "sharegpt": None, "synthetic-prefix": 64, "random": 128, "mixed": 96}
 
-QUESTIONS = [
-    "Explain speculative decoding in two sentences.",
-    "Write a haiku about the sea.",
-    "What is the capital of France, and why is it famous?",
-    "List three uses of a paper clip.",
-    "Summarize the plot of Romeo and Juliet.",
-    "How do I reverse a list in Python?",
-    "Why is the sky blue?",
-    "Give me a recipe for pancakes.",
-    "What does a CPU cache do?",
-    "Describe a cat to someone who has never seen one.",
-    "Translate 'good morning' into French and Spanish.",
-    "What are the benefits of regular exercise?",
-    "Write a short story opening about a lighthouse keeper.",
-    "Explain recursion to a child.",
-    "What is the difference between weather and climate?",
-    "Name five planets of the solar system.",
-]
+QUESTIONS = PROMPTS  # the load test's questions
 
 WORDS = ("the of and to in is was for that with as on by at from this it an be are or which have has had not "
          "but all were when we there can more one their if will about up out them so some her would make like "
