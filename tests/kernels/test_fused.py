@@ -456,7 +456,7 @@ def test_prefill_on_dense_weights_is_independent_of_chunking(tiny_model_dir, fou
     kernel's bfloat16 activations, or q4's float32 ones cast), and a prompt's hidden states and K/V
     are the same bits whether it is prefilled whole or in chunks (what keeps batches, whose chunked
     prefill splits prompts differently, identical to batch 1)."""
-    from hispec.decode.base import LayerRunner
+    from hispec.model.runner import LayerRunner
     from hispec.generate import Generator
 
     four_bit_kernel(kernel)
@@ -499,7 +499,7 @@ def test_q8a_prefill_on_its_own_rows_is_independent_of_chunking(tiny_model_dir, 
     """Where the CPU has integer dot products, q8a layers run prompt chunks on their own kernel
     (``quant.q8a_prefills_on_rows``; the native loader keeps no dense copy for them): a prompt's
     hidden states and K/V are the same bits whole, in chunks, and through the decode path."""
-    from hispec.decode.base import LayerRunner
+    from hispec.model.runner import LayerRunner
     from hispec.generate import Generator
 
     four_bit_kernel("q8a")
@@ -635,7 +635,7 @@ def test_decode_step_equals_the_general_path(tiny_model_dir, four_bit_kernel, sm
     lengths whose blocks interleave, on float32 (each decode-sized route; 6 rows: the batched route),
     int4 / q4 / q8a / int8 weights and a Q8_0 output head (q8, or q8a8 beside q8a layers), over a
     float32 or a bfloat16 KV cache."""
-    from hispec.decode.base import LayerRunner
+    from hispec.model.runner import LayerRunner
     from hispec.kernels.matmul import panel_rows
     from hispec.kernels.quant import QuantLinear
 
@@ -690,7 +690,7 @@ def test_decode_greedy_equals_steps_of_decode_step_and_argmax(tiny_model_dir, fo
     writes the K/V that ``decode_logits`` + ``sampler.argmax`` step by step do, bit for bit, with the
     attention threads switching on mid-run in both (as each step's key count decides); with an EOS
     list it stops after the step where every sequence has chosen one."""
-    from hispec.decode.base import LayerRunner
+    from hispec.model.runner import LayerRunner
     from hispec.spec.proposers.ngram import NgramIndex
     from hispec.sampling.sampler import argmax
 

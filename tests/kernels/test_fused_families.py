@@ -182,7 +182,7 @@ def load(kind, tmp_path_factory, quantize="none", kv_dtype=torch.float32, eager=
 
 
 def runner(model, starts, extra, kv_dtype=torch.float32, bs=4):
-    from hispec.decode.base import LayerRunner
+    from hispec.model.runner import LayerRunner
 
     cfg, n = model.cfg, model.num_layers
     blocks = BlockManager(64, bs, n)
