@@ -7,6 +7,11 @@ training and the benchmarks run the model through a :class:`LayerRunner`; its pu
 the interface they call (``forward``, ``forward_many``, ``decode_logits``, ``rows_logits``,
 ``decode_greedy``, ``greedy_rows``, ``exit_logits``, ``keep_path``, ``truncate``).
 
+The runner decides how the layers run: on the fused CPU kernels where they apply (its fast path,
+``model/fast_path.py``: a range of layers or a whole decode step in one op call, else layer by
+layer; it hands that backend to ``DecoderModel.run_layers``), else the model's reference PyTorch
+computation (``model/decoder.py``).
+
 Why here, in ``model/``, and not beside the engine as nano-vllm has it: the strategies call the
 runner, and ``tests/test_layers.py`` puts the strategies (``decode``, ``spec``) below the engine,
 so a runner in ``engine/`` would be an upward import from every strategy. The runner needs only
@@ -25,7 +30,8 @@ import torch
 from ..cache.block_manager import BlockManager
 from ..cache.kv_cache import AttentionBatch, KVPool, SeqChunk, TreeLayout
 from ..kernels.layer_op import RowSampling
-from .decoder import DecoderModel
+from . import fast_path
+from .decoder import DecoderModel, LayerBackend
 from .exits.head import SharedOutput
 
 
@@ -37,11 +43,18 @@ class LayerRunner:
     blocks (the scheduler's reservation holds for the whole step). Without it (a strategy
     driven directly, tools, tests) the runner takes blocks as it writes and a rollback returns
     the unused tail blocks.
+
+    ``fused``: run the layers on the fused CPU kernels where they apply (``model/fast_path.py``: a
+    range of layers or a whole decode step in one op call, else layer by layer); False: the model's
+    reference PyTorch computation alone (``decode_logits`` and the other one-call methods then
+    return None).
     """
 
-    def __init__(self, model: DecoderModel, blocks: BlockManager, pool: KVPool, *, reserved: bool = False) -> None:
+    def __init__(self, model: DecoderModel, blocks: BlockManager, pool: KVPool, *, reserved: bool = False,
+                 fused: bool = True) -> None:
         self.model, self.blocks, self.pool = model, blocks, pool
         self.reserved = reserved
+        self.backend: LayerBackend | None = fast_path.FUSED if fused else None
 
     def forward(self, seq_id: int, start_pos: int, x: torch.Tensor, start_layer: int, end_layer: int) -> torch.Tensor:
         """Run one sequence's positions ``start_pos ..`` through layers ``[start_layer, end_layer)``.
@@ -74,7 +87,7 @@ class LayerRunner:
         layer = start_layer
         for stop in sorted({L for L in list(capture or ()) + list(kv_exits) if start_layer < L < end_layer}
                            | {end_layer}):
-            h = self.model.run_layers(h, layer, stop, batch, self.pool)
+            h = self.model.run_layers(h, layer, stop, batch, self.pool, self.backend)
             if capture is not None and stop in capture:
                 capture[stop] = h
             if stop in kv_exits:
@@ -86,7 +99,7 @@ class LayerRunner:
 
     def decode_logits(self, items: list[tuple[int, int, int]]) -> torch.Tensor | None:
         """The model's own logits ``[B, V]`` for ``(seq_id, position, token)`` items, one new token per
-        sequence through every layer, in one call of the fused op (``DecoderModel.decode_step``);
+        sequence through every layer, in one call of the fused op (``fast_path.decode_step``);
         the same values as ``forward_many`` and ``exit_logits`` on the last layer. None where that
         call does not apply: the caller takes the general path (nothing was written)."""
         n = self.model.num_layers
@@ -129,7 +142,7 @@ class LayerRunner:
                       stops: list[tuple[list[int], int]] | None = None,
                       sampling: RowSampling | None = None) -> list[list[int]] | None:
         """Up to ``steps`` greedy tokens for each ``(seq_id, position, token)`` item, through every
-        layer in one call of the fused op (``DecoderModel.decode_greedy``): ``[B][s]`` host ints,
+        layer in one call of the fused op (``fast_path.decode_greedy``): ``[B][s]`` host ints,
         the same for every sequence ``s <= steps`` (fewer where the reserved slots end, once every
         sequence has chosen one of ``eos``, or where ``stops`` asks: ``layer_op.decode_steps``; the
         rows ``sampling`` samples, sampled). None where that call does not apply (nothing written)."""
@@ -168,14 +181,20 @@ class LayerRunner:
         return out
 
     def _decode_step(self, tokens: list[int], positions: list[int], tables: list[list[int]]) -> torch.Tensor | None:
-        """``DecoderModel.decode_step`` on this runner's pool (None where it does not apply: nothing written)."""
-        return self.model.decode_step(tokens, positions, tables, self.pool)
+        """``fast_path.decode_step`` on this runner's pool, or None (nothing written) where it does not
+        apply or the runner runs the reference alone."""
+        if self.backend is None:
+            return None
+        return fast_path.decode_step(self.model, tokens, positions, tables, self.pool)
 
     def _decode_greedy(self, tokens: list[int], positions: list[int], tables: list[list[int]], steps: int,
                        eos: list[int], stops: list[tuple[list[int], int]] | None,
                        sampling: RowSampling | None) -> torch.Tensor | None:
-        """``DecoderModel.decode_greedy`` on this runner's pool (None where it does not apply: nothing written)."""
-        return self.model.decode_greedy(tokens, positions, tables, self.pool, steps, eos, stops, sampling)
+        """``fast_path.decode_greedy`` on this runner's pool, or None (nothing written) where it does
+        not apply or the runner runs the reference alone."""
+        if self.backend is None:
+            return None
+        return fast_path.decode_greedy(self.model, tokens, positions, tables, self.pool, steps, eos, stops, sampling)
 
     def _slots_for(self, seq_id: int, start_pos: int, num_tokens: int, start_layer: int, end_layer: int) -> None:
         """Check that layers ``[start_layer, end_layer)`` hold ``start_pos`` positions of the sequence
@@ -195,7 +214,7 @@ class LayerRunner:
         for c in chunks:
             assert self.blocks.length(c.seq_id, block.kv_layer) == c.start, \
                 f"exit block K/V holds {self.blocks.length(c.seq_id, block.kv_layer)} positions, expected {c.start}"
-        block.write_kv(h, batch, self.pool, self.model.rope(batch.positions))
+        block.write_kv(h, batch, self.pool, self.model.rope(batch.positions), self.backend)
         for c in chunks:
             self.blocks.set_filled(c.seq_id, block.kv_layer, block.kv_layer + 1, c.start + c.num_tokens)
 
@@ -213,7 +232,7 @@ class LayerRunner:
             assert self.blocks.length(c.seq_id, block.kv_layer) >= c.start + c.num_tokens, \
                 "an exit block's logits need its K/V of these positions (run them through the exit layer first)"
         batch = AttentionBatch(chunks, self.blocks, self.model.device)
-        return block.forward_paged(h, batch, self.pool, self.model.rope(batch.positions))
+        return block.forward_paged(h, batch, self.pool, self.model.rope(batch.positions), self.backend)
 
     def keep_path(self, seq_id: int, tree: TreeLayout, path: list[int]) -> None:
         """Keep a token tree's ``path`` (flat node indices from the root, node 0) as the chain at
