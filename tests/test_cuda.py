@@ -30,7 +30,7 @@ def test_cuda_greedy_strategies_equal_ar(tiny_model_dir, family, dtype):
 
 
 def test_cuda_logits_match_cpu(tiny_model_dir):
-    from hispec.decode.base import LayerRunner
+    from hispec.model.runner import LayerRunner
     from hispec.cache.block_manager import BlockManager
     from hispec.cache.kv_cache import KVPool
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from hispec.config import SamplingParams, SpecConfig
-from hispec.decode.base import LayerRunner
+from hispec.model.runner import LayerRunner
 from hispec.cache.block_manager import BlockManager
 from hispec.cache.kv_cache import KVPool
 

@@ -137,6 +137,51 @@ def test_the_engine_asks_the_speculation_policy_alone():
     assert not any(t.startswith("hispec.spec.") and t != "hispec.spec.cost" for t in graph["hispec.spec.cost"])
 
 
+def test_the_model_runner_has_a_room_of_its_own():
+    """The model runner (``model/runner.py``) sits below the strategies: they import it from its
+    module (never re-exported through ``decode``), and it imports no strategy, no speculation and no
+    engine. The fast path it owns (``model/fast_path.py``) is the one module of the model that calls
+    the planner or the fused kernels: ``model/decoder.py`` is the reference computation and imports
+    neither."""
+    graph = import_graph()
+    runner = {"hispec.model.runner", "hispec.model.fast_path"}
+    assert not {(m, t) for m in runner for t in graph[m] if _part(t) in ("decode", "spec", "engine")}
+    holders = {name for name, path in _modules().items() for node in ast.walk(ast.parse(path.read_text()))
+               if isinstance(node, ast.ClassDef) and node.name == "LayerRunner"}
+    assert holders == {"hispec.model.runner"}
+    mods = _modules()
+    via = {(name, _target(name, node, path.name == "__init__.py")) for name, path in mods.items()
+           for node in ast.walk(ast.parse(path.read_text()))
+           if isinstance(node, ast.ImportFrom) and any(a.name == "LayerRunner" for a in node.names)}
+    assert {t for _, t in via} == {"hispec.model.runner"}, via
+    kernel_callers = {m for m, targets in graph.items() if _part(m) == "model"
+                      and targets & {"hispec.kernels.plan", "hispec.kernels.fused"}}
+    assert kernel_callers == {"hispec.model.fast_path"}, kernel_callers
+    fast = {"hispec.kernels.plan", "hispec.kernels.fused", "hispec.kernels.layer_op", "hispec.model.fast_path",
+            "hispec.model.runner"}
+    assert not graph["hispec.model.decoder"] & fast, "model/decoder.py is the reference computation alone"
+    fast_users = {m for m, targets in graph.items() if "hispec.model.fast_path" in targets}
+    assert fast_users <= {"hispec.model.runner", "hispec.distributed.runtime"}, fast_users
+
+
+def test_no_getattr_probing_in_the_engine_and_the_strategies():
+    """The engine, the strategies and speculation call typed interfaces (the ``Strategy`` class,
+    ``DecodeContext``, the runner's methods): no ``getattr`` / ``hasattr`` on them. The one lookup by
+    name left is the strategy registry's (a class from ``importlib.import_module``)."""
+    found = []
+    for name, path in _modules().items():
+        if _part(name) not in ("engine", "spec", "decode"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                    and node.func.id in ("getattr", "hasattr")):
+                continue
+            registry = isinstance(node.args[0], ast.Call) and getattr(node.args[0].func, "attr", "") == "import_module"
+            if not registry:
+                found.append((name, node.lineno))
+    assert found == []
+
+
 def test_one_front_door_builds_engines():
     """``Engine(...)`` is called in ``engine/build.py`` alone: the generator, ``LLM``, the server,
     the collector and the tensor-parallel check all build their engines through ``build_engine``."""

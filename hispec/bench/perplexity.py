@@ -39,7 +39,7 @@ import torch
 from ..cache.paged import PagedCache
 from ..config import ConfigError
 from ..data import DataError
-from ..decode.base import LayerRunner
+from ..model.runner import LayerRunner
 
 DEFAULT_CONTEXT = 512
 MIN_CONTEXT = 4  # the default method scores context - 1 - context // 2 tokens a window: at least one

@@ -27,7 +27,7 @@ from ..settings import StrategyName
 def _runner(model, tokens: int):
     from ..cache.block_manager import BlockManager
     from ..cache.kv_cache import KVPool
-    from ..decode.base import LayerRunner
+    from ..model.runner import LayerRunner
 
     cfg = model.cfg
     blocks = BlockManager(-(-tokens // 16) + 1, 16, cfg.num_layers)

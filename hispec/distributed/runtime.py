@@ -169,7 +169,7 @@ class LeaderMixin:
             self._tp_record("embed", 0, 0, token_ids.shape[0], before)
             return out
 
-    def run_layers(self, h, start, end, batch, pool):
+    def run_layers(self, h, start, end, batch, pool, backend=None):
         with self._tp_lock:
             before = self.tp.counter.snapshot()
             key = self._tp_pool(pool)
@@ -177,7 +177,7 @@ class LeaderMixin:
             self._tp_send(LAYERS, a=start, b=end, c=key, d=h.shape[0], payload=encode_batch(batch, pool.block_size),
                           mode=mode)
             self._tp_send_hidden(h, mode)
-            out = self._tp_hold(super().run_layers(h, start, end, batch, pool))
+            out = self._tp_hold(super().run_layers(h, start, end, batch, pool, backend))
             self._tp_record("layers", start, end, h.shape[0], before)
             return out
 
@@ -303,6 +303,7 @@ def follow(model: nn.Module, *, fail_after: int | None = None, fail_mode: str = 
     """Serve rank 0's commands on this rank's shard until it sends STOP."""
     from ..cache.kv_cache import KVPool
     from ..model.exits import ExitHead
+    from ..model.fast_path import FUSED
 
     comm: Comm = model.tp
     cfg = model.cfg
@@ -347,7 +348,7 @@ def follow(model: nn.Module, *, fail_after: int | None = None, fail_mode: str = 
             if op == LAYERS:
                 pool = pools[c]
                 batch = decode_batch(payload, pool.block_size, model.device)
-                held = model.run_layers(h, a, b, batch, pool)
+                held = model.run_layers(h, a, b, batch, pool, FUSED)  # the fused CPU path, as rank 0's runner
             elif op == FINAL:
                 model.final_logits(h)
             elif op == EXIT:

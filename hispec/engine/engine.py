@@ -16,9 +16,10 @@ import torch
 
 from ..cache.paged import PagedCache
 from ..config import IDLE_PREFILL_CHUNKS, ConfigError, EngineConfig, SamplingParams, check_engine_options
-from ..decode.base import DecodeContext, LayerRunner, Strategy
+from ..decode.base import DecodeContext, Strategy
 from ..decode.stats import DecodeStats, phase_timer
 from ..model.decoder import DecoderModel
+from ..model.runner import LayerRunner
 from ..sampling.logprobs import TokenLogprob, token_logprobs
 from ..sampling.processors import LogitsProcessor
 from ..settings import SPECULATIVE

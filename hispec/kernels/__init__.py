@@ -16,10 +16,12 @@ Layout (this package sits just above ``envs``/``config``: it imports nothing fro
 - ``binding.py``: the ctypes table, generated from the header's prototypes and enums.
 - ``fused.py``: the kernels called one at a time from Python (checked tensors in, tensors out).
 - ``layer_op.py``: the torch op's Python side (plans flattened, op ranges, decode steps, profile).
-- ``plan.py``: the CPU fast path of a model: which layers and heads the op runs, and how.
-- ``matmul.py``, ``quant.py``: the linear layers over these kernels (float32 routes; quantized
-  weights and the 4-bit kernel choice). ``select.py``: the weight-format choice per CPU and the
-  ``--stats`` description. ``timing.py``: interleaved medians.
+- ``plan.py``: the CPU fast path of a model: which layers and heads the op runs, and how (its
+  calls are the model runner's: ``model/fast_path.py``).
+- ``matmul.py``, ``quant.py``, ``norm.py``: the layers over these kernels (float32 routes;
+  quantized weights and the 4-bit kernel choice; RMSNorm), which the model is built from.
+  ``select.py``: the weight-format choice per CPU and the ``--stats`` description. ``timing.py``:
+  interleaved medians.
 
 To add a kernel: declare it in ``csrc/hispec_kernels.h``, implement it in a ``csrc/*.c`` file (a
 new file is compiled and hashed automatically), and call it from Python through

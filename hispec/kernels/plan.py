@@ -10,11 +10,15 @@ a model with those layers, the calls that give the same bits in fewer steps:
   (``decode_greedy``), with the plans kept while the layers and weights they read stay the same,
   and the op's handles on each KV pool (``OpRanges``).
 
+- :func:`fusable`, :func:`runs_fused`: whether a layer, and a call of it, runs on the fused
+  kernels at all (the per-layer fused route is the model runner's: ``model/fast_path.py``).
+
 A model's layers are read, not imported (this package sits below ``model``): a layer offers
-``projections()``, ``input_norm``, ``post_norm``, ``act_dtype``, ``plan_epoch`` (counted up
-whenever a planned attribute is replaced), ``fusable()``, ``runs_fused(h, rope, pool, i)`` and
-``op_norms()`` / ``op_flags()``: what its family adds, as data for the op (``layer_op.NORMS`` /
-``FLAGS``: QK-norm, sandwich norms, a sliding window, the local RoPE rows, GeGLU).
+``projections()``, its norms (``input_norm``, ``post_norm``, ``q_norm``, ``k_norm``,
+``attn_out_norm``, ``mlp_out_norm``: what its family adds, handed to the op as data,
+``layer_op.NORMS``), ``act_dtype``, ``cfg`` and ``sliding`` (``layer_op.FLAGS``: a sliding window,
+the local RoPE rows, GeGLU). A planned layer is watched (:func:`_watch`): replacing one of those
+attributes, or ``.to()`` / ``.float()``, counts up its ``plan_epoch``, and its plans are made anew.
 """
 from __future__ import annotations
 
@@ -27,7 +31,76 @@ from torch import nn
 from . import fused, layer_op, quant
 from .layer_op import LayerPlans, OpRanges
 from .matmul import SMALL_ROWS, Linear, panel_rows, small_route
+from .norm import RMSNorm
 from .quant import ACT_DTYPE, Q4_STORAGE, Q8_STORAGE, QuantLinear
+
+_NORMS = ("input_norm", "post_norm", "q_norm", "k_norm", "attn_out_norm", "mlp_out_norm")  # layer_op.NORMS' order
+_PLANNED = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "act_dtype") + _NORMS
+
+
+def fusable(layer: nn.Module) -> bool:
+    """Whether this layer's kind runs on the fused CPU kernels (RMSNorm, RoPE, a SiLU or GeGLU gate;
+    the Llama family, Qwen2/3, Gemma 3: QK-norm, sandwich norms, sliding windows, their own
+    attention scale; kernels built)."""
+    cfg = layer.cfg
+    return (cfg.family != "opt" and cfg.hidden_act in ("silu", "gelu_pytorch_tanh")
+            and isinstance(layer.input_norm, RMSNorm) and fused.available())
+
+
+def runs_fused(layer: nn.Module, h: torch.Tensor, rope, pool, index: int) -> bool:
+    """Whether this call of the layer (``h [T, H]``, its K/V in layer ``index`` of ``pool``) runs on
+    the fused CPU kernels: float32 residual stream and pool on the CPU, a fusable layer."""
+    return (fusable(layer) and rope is not None and h.dtype == torch.float32 and h.device.type == "cpu"
+            and pool.k[index].dtype in fused.KV_DTYPES and layer.input_norm.weight.dtype == torch.float32
+            and not (torch.is_grad_enabled() and (h.requires_grad or layer.input_norm.weight.requires_grad)))
+
+
+def op_norms(layer: nn.Module) -> tuple:
+    """The RMSNorm weights the fused op reads, in ``layer_op.NORMS``'s order (None: none)."""
+    return tuple(None if n is None else n.weight for n in (getattr(layer, name) for name in _NORMS))
+
+
+def op_flags(layer: nn.Module) -> tuple[int, int, int]:
+    """``layer_op.FLAGS``: the layer's sliding window (0: none), whether it rotates by the local
+    RoPE rows (``DecoderModel.local_rope``: a sliding layer), its gated activation."""
+    cfg = layer.cfg
+    return (cfg.sliding_window if layer.sliding else 0, int(layer.sliding), layer_op.ACTS[cfg.hidden_act])
+
+
+class _Watched:
+    """Mixed into a planned layer's class (:func:`_watch`): counts up ``plan_epoch`` whenever what its
+    plans read may have changed: a planned attribute replaced (quantization, another activation
+    dtype), or ``.to()`` / ``.float()`` (which may replace the tensors the plans hold)."""
+
+    plan_epoch = 0
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in _PLANNED:
+            self._replanned()
+        super().__setattr__(name, value)
+
+    def _apply(self, fn, *args, **kwargs):
+        self._replanned()
+        return super()._apply(fn, *args, **kwargs)
+
+    def _replanned(self) -> None:
+        """What the fast path planned for this layer no longer holds (``hugepages.gather`` calls it too)."""
+        self.__dict__["plan_epoch"] = self.__dict__.get("plan_epoch", 0) + 1
+
+
+_WATCHED: dict[type, type] = {}
+
+
+def _watch(layer: nn.Module) -> None:
+    """Have ``layer`` count its changes from now on (its class becomes a subclass with
+    :class:`_Watched` mixed in; changes before its first plan do not matter)."""
+    base = type(layer)
+    if issubclass(base, _Watched):
+        return
+    if base not in _WATCHED:
+        _WATCHED[base] = type(base.__name__, (_Watched, base), {"__module__": base.__module__,
+                                                                  "__qualname__": base.__qualname__})
+    layer.__class__ = _WATCHED[base]
 
 
 def matmul_plan(m: nn.Module | None, act_dtype: torch.dtype | None, prefill: bool = False,
@@ -85,6 +158,7 @@ def layer_plan(layer: nn.Module, prefill: bool = False, batched: bool = False) -
     ``Linear.forward`` takes it up to ``panel_rows()`` rows; None where it takes oneDNN). Kept
     until the layer's ``plan_epoch`` moves or a float32 weight changes in place (its panel copy is
     remade)."""
+    _watch(layer)
     state = (layer.plan_epoch, tuple(w._version for w in _float_weights(layer)))
     held = _layer_plans.setdefault(layer, {})
     key = (prefill, batched)
@@ -95,9 +169,9 @@ def layer_plan(layer: nn.Module, prefill: bool = False, batched: bool = False) -
 
 
 def _make_layer_plan(layer: nn.Module, prefill: bool, batched: bool) -> tuple | None:
-    if not layer.fusable() or layer_op.layers_op() is None:
+    if not fusable(layer) or layer_op.layers_op() is None:
         return None
-    norms = [w if w is not None else layer_op.NO_NORM for w in layer.op_norms()]  # layer_op.NORMS
+    norms = [w if w is not None else layer_op.NO_NORM for w in op_norms(layer)]  # layer_op.NORMS
     if any(w.dtype != torch.float32 or not w.is_contiguous() for w in norms):
         return None
     weights, kinds, groups = [], [], []
@@ -108,7 +182,7 @@ def _make_layer_plan(layer: nn.Module, prefill: bool, batched: bool) -> tuple | 
         weights += planned[:2]
         kinds.append(planned[2])
         groups.append(planned[3])
-    return norms, weights, kinds, groups, list(layer.op_flags())
+    return norms, weights, kinds, groups, list(op_flags(layer))
 
 
 def _module_tensors(m: nn.Module) -> list[torch.Tensor]:
@@ -140,7 +214,7 @@ class FastPath:
         (``panel_rows()``; more take oneDNN, in Python), and the per-layer fused path's own
         conditions (float32 residual stream and pool on the CPU)."""
         layers = self.model.layers
-        if start == end or not layers[start].runs_fused(h, rope, pool, start) or not layer_op.layers_op():
+        if start == end or not runs_fused(layers[start], h, rope, pool, start) or not layer_op.layers_op():
             return None
         plans, has_float = self.plans_for(start, end, batch.prefill, h.shape[0] > SMALL_ROWS)
         if plans is None or (has_float and h.shape[0] > max(panel_rows(), SMALL_ROWS)):
@@ -190,7 +264,7 @@ class FastPath:
     # ---- whole decode steps -------------------------------------------------------------------
     def decode_step(self, tokens: list[int], positions: list[int], tables: list[list[int]],
                     pool) -> torch.Tensor | None:
-        """``DecoderModel.decode_step`` in one op call, or None where it does not apply."""
+        """``model.fast_path.decode_step`` in one op call, or None where it does not apply."""
         op = self.step_op(len(tokens), pool)
         if op is None:
             return None
@@ -202,7 +276,7 @@ class FastPath:
     def decode_greedy(self, tokens: list[int], positions: list[int], tables: list[list[int]], pool, steps: int,
                       eos: list[int], stops: list[tuple[list[int], int]] | None = None,
                       sampling: layer_op.RowSampling | None = None) -> torch.Tensor | None:
-        """``DecoderModel.decode_greedy`` in one op call, or None where it does not apply."""
+        """``model.fast_path.decode_greedy`` in one op call, or None where it does not apply."""
         op = self.step_op(len(tokens), pool)
         if op is None:
             return None
@@ -251,7 +325,7 @@ class FastPath:
                 and emb.device.type == "cpu" and emb.dtype == torch.float32 and emb.is_contiguous()
                 and not isinstance(norm, nn.LayerNorm)  # an RMSNorm: the model's other norm kind
                 and norm.weight.dtype == torch.float32 and norm.weight.is_contiguous()
-                and model.layers[0].fusable() and layer_op.layers_op() is not None):
+                and fusable(model.layers[0]) and layer_op.layers_op() is not None):
             planned = matmul_plan(head, None, batched=batched)
             if planned is not None:
                 made = layer_op.op_head(emb, norm.weight, *planned, norm.eps, model.cfg.embed_scale)

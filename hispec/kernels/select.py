@@ -83,7 +83,7 @@ def describe(model) -> str:
                else "eager PyTorch (fused kernels unavailable: no C compiler, or HISPEC_FUSED=0)")
     if fused.available():
         planned = all(plan.layer_plan(layer) is not None for layer in model.layers)
-        whole = planned and plan.fast_path(model).step_head(False) is not None  # DecoderModel.decode_step applies
+        whole = planned and plan.fast_path(model).step_head(False) is not None  # fast_path.decode_step applies
         between += ("; plain decode steps run the embedding, all layers, the final norm and the head in one C++ call"
                     " (several steps per call, each token chosen in C++: the argmax, or sampled)"
                     if whole else "; decode steps run all layers in one C++ call" if planned else

@@ -5,17 +5,25 @@ bias), Qwen3 (per-head q/k RMSNorm), Gemma 3 (q/k RMSNorm, GeGLU, norms on the a
 MLP's outputs, scaled embeddings, sliding-window layers with their own RoPE base) and OPT
 (learned positions, LayerNorm, ReLU). The families differ only by ``ModelConfig`` fields.
 
-The model only computes; it never decides what to generate. Decoding strategies call:
+The model only computes; it never decides what to generate. The model runner
+(``model/runner.py``) calls:
 
 - ``embed(token_ids, positions)``                      -> hidden ``[T, H]``
-- ``run_layers(h, start, end, batch, pool)``           -> hidden after layers ``[start, end)``,
+- ``run_layers(h, start, end, batch, pool, backend)``  -> hidden after layers ``[start, end)``,
   writing those layers' K/V for the new tokens into the pool
 - ``exit_logits(h, layer)``                             -> logits ``[T, V]`` from the exit after
   ``layer`` decoder layers (``layer == num_layers`` is the model's own output)
+
+This file is the reference PyTorch computation. Its layers are built from kernel-backed modules
+(``kernels.matmul.Linear``, ``kernels.quant.QuantLinear``, ``kernels.norm.RMSNorm``), as vLLM's
+model files are; running whole layers, ranges of layers or decode steps on the fused CPU kernels
+is the runner's (``model/fast_path.py``, planned by ``kernels/plan.py``): this file imports neither
+(``tests/test_layers.py``).
 """
 from __future__ import annotations
 
 import math
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -23,40 +31,8 @@ from torch import nn
 
 from ..cache.kv_cache import AttentionBatch, KVPool
 from ..config import ConfigError, ModelConfig
-from ..kernels import fused, layer_op
-from ..kernels.layer_op import RowSampling
 from ..kernels.matmul import Linear
-from ..kernels.plan import fast_path
-from ..kernels.quant import QuantLinear
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        """``x [..., D]`` normalised in float32, scaled; returned in ``out_dtype`` (default: x's)."""
-        if (x.dim() == 2 and x.device.type == "cpu" and x.dtype == torch.float32 and self.weight.dtype == torch.float32
-                and (out_dtype in (None, torch.float32, torch.bfloat16)) and fused.available()
-                and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))):
-            return fused.rms_norm(x, self.weight, self.eps, out_dtype or x.dtype)  # the layers' own kernel
-        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
-            y = torch.rms_norm(x, (x.shape[-1],), self.weight, self.eps)  # one fused op, same values
-        else:
-            x32 = x.float()
-            x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-            y = self.weight * x32.to(x.dtype)
-        return y if out_dtype is None or out_dtype == y.dtype else y.to(out_dtype)
-
-
-class LayerNorm(nn.LayerNorm):
-    """``nn.LayerNorm`` (OPT) with RMSNorm's ``out_dtype`` argument."""
-
-    def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        y = super().forward(x)
-        return y if out_dtype is None or out_dtype == y.dtype else y.to(out_dtype)
+from ..kernels.norm import LayerNorm, RMSNorm
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -192,116 +168,21 @@ class DecoderLayer(nn.Module):
         # run on the quantized kernels (set by loader.apply_quantization), so the norms hand
         # them bfloat16 directly and their outputs stay bfloat16 into the next kernel
         self.act_dtype: torch.dtype | None = None
-        self._fusable: bool | None = None  # decided on first use (see fusable)
-
-    _PLANNED = _PROJECTIONS + ("input_norm", "post_norm", "act_dtype", "q_norm", "k_norm", "attn_out_norm",
-                               "mlp_out_norm")
-
-    def __setattr__(self, name: str, value) -> None:
-        if name in DecoderLayer._PLANNED:  # a replaced projection (quantization) or activation dtype
-            self._replanned()
-        super().__setattr__(name, value)
-
-    def _apply(self, fn, *args, **kwargs):  # .to() / .float() may replace buffers the plan holds
-        self._replanned()
-        return super()._apply(fn, *args, **kwargs)
 
     def projections(self) -> tuple:
         """The four matmul modules a plan covers (None where this family has not got one: OPT's MLP)."""
         return tuple(getattr(self, name, None) for name in _PROJECTIONS)
 
-    def _replanned(self) -> None:
-        """Count up ``plan_epoch``: what the CPU fast path planned for this layer (``kernels.plan``)
-        no longer holds."""
-        self.__dict__["plan_epoch"] = self.__dict__.get("plan_epoch", 0) + 1
-
-    def fusable(self) -> bool:
-        """Whether this layer's kind runs on the fused CPU kernels (RMSNorm, RoPE, a SiLU or GeGLU gate;
-        the Llama family, Qwen2/3, Gemma 3: QK-norm, sandwich norms, sliding windows, their own
-        attention scale; kernels built), decided on first use."""
-        if self._fusable is None:
-            cfg = self.cfg
-            self._fusable = (cfg.family != "opt" and cfg.hidden_act in ("silu", "gelu_pytorch_tanh")
-                             and isinstance(self.input_norm, RMSNorm) and fused.available())
-        return self._fusable
-
-    def op_norms(self) -> tuple:
-        """The RMSNorm weights the fused op reads, in ``layer_op.NORMS``'s order (None: none)."""
-        return tuple(None if n is None else n.weight for n in (
-            self.input_norm, self.post_norm, self.q_norm, self.k_norm, self.attn_out_norm, self.mlp_out_norm))
-
-    def op_flags(self) -> tuple[int, int, int]:
-        """``layer_op.FLAGS``: this layer's sliding window (0: none), whether it rotates by the local
-        RoPE rows (``DecoderModel.local_rope``: a sliding layer), its gated activation."""
-        return (self.cfg.sliding_window if self.sliding else 0, int(self.sliding),
-                layer_op.ACTS[self.cfg.hidden_act])
-
     def forward(self, h: torch.Tensor, layer: int, rope: tuple[torch.Tensor, torch.Tensor] | None,
                 batch: AttentionBatch, pool: KVPool) -> torch.Tensor:
-        # h: [T, H] (the residual stream stays in the model's dtype)
-        if self.runs_fused(h, rope, pool, layer):
-            return self._forward_fused(h, layer, rope, batch, pool)
+        """The reference computation of this layer on ``h [T, H]`` (the residual stream stays in the
+        model's dtype), writing its K/V for the new positions into layer ``layer`` of ``pool``. (The
+        model runner's fused CPU path, ``model/fast_path.py``, computes it on its kernels: the same values
+        up to float rounding.)"""
         a = self._attention(self.input_norm(h, self.act_dtype), layer, rope, batch, pool)
         h = h + (a if self.attn_out_norm is None else self.attn_out_norm(a.to(h.dtype)))
         m = self.mlp(self.post_norm(h, self.act_dtype))
         return h + (m if self.mlp_out_norm is None else self.mlp_out_norm(m.to(h.dtype)))
-
-    # ---- the fused CPU path (kernels/fused.py) ----------------------------------------------
-    def runs_fused(self, h: torch.Tensor, rope, pool: KVPool, layer: int) -> bool:
-        """Whether this call runs on the fused CPU kernels: float32 residual stream and pool on the
-        CPU, a fusable layer (see ``fusable``)."""
-        return (self.fusable() and rope is not None and h.dtype == torch.float32 and h.device.type == "cpu"
-                and pool.k[layer].dtype in fused.KV_DTYPES and self.input_norm.weight.dtype == torch.float32
-                and not (torch.is_grad_enabled() and (h.requires_grad or self.input_norm.weight.requires_grad)))
-
-    def _forward_fused(self, h: torch.Tensor, layer: int, rope, batch: AttentionBatch, pool: KVPool) -> torch.Tensor:
-        # h: [T, H] float32; the matmul inputs are act_dtype (bfloat16 on the quantized kernels)
-        dt = self.act_dtype or h.dtype
-        qkv_mm, o_mm, gate_up_mm, down_mm = self._matmuls(batch.prefill)
-        x = fused.rms_norm(h, self.input_norm.weight, self.input_norm.eps, dt)
-        q = self._rope_write(qkv_mm(x), layer, rope, batch, pool)  # [T, Hq, D] float32
-        out = self._attend_fused(q, layer, batch, pool, dt)  # [T, Hq * D]
-        if self.attn_out_norm is None:
-            h, x = fused.add_rms_norm(h, o_mm(out), self.post_norm.weight, self.post_norm.eps, dt)
-        else:  # h + norm(o): Gemma 3's sandwich norm
-            h, x = fused.norm_add_rms_norm(h, o_mm(out), self.attn_out_norm.weight, self.post_norm.weight,
-                                           self.post_norm.eps, dt)
-        gate_up = gate_up_mm(x)
-        a = fused.silu_mul(gate_up, dt) if self.cfg.hidden_act == "silu" else fused.gelu_tanh_mul(gate_up, dt)
-        if self.mlp_out_norm is None:
-            return h + down_mm(a)
-        return fused.norm_add(h, down_mm(a), self.mlp_out_norm.weight, self.mlp_out_norm.eps)
-
-    def _matmuls(self, prefill: bool = False) -> tuple:
-        """The four projections as callables: a bias-free QuantLinear's kernel call directly (its
-        input is already the 2-D tensor in the dtype it reads, so ``forward``'s reshaping and casts are no-ops;
-        for prompt tokens its dense prefill weights where it has them), else the module. Looked up
-        on each call (cheap), so replaced modules are always seen."""
-        act = self.act_dtype or torch.float32
-        return tuple((m.prefill_mm if prefill else m.mm)
-                     if type(m) is QuantLinear and m.bias is None and m.input_dtype == act else m
-                     for m in self.projections())
-
-    def _rope_write(self, qkv: torch.Tensor, layer: int, rope, batch: AttentionBatch, pool: KVPool,
-                    queries: bool = True) -> torch.Tensor | None:
-        cos, ssin = (r.view(r.shape[0], r.shape[-1]) for r in rope)  # [T, D]
-        if self.q_norm is None:
-            return fused.rope_write(qkv, cos, ssin, batch.write_slots, self.cfg.num_heads, self.cfg.num_kv_heads,
-                                    pool.k[layer], pool.v[layer], queries)
-        return fused.rope_write(qkv, cos, ssin, batch.write_slots, self.cfg.num_heads, self.cfg.num_kv_heads,
-                                pool.k[layer], pool.v[layer], queries, self.q_norm.weight, self.k_norm.weight,
-                                self.q_norm.eps)
-
-    def _attend_fused(self, q: torch.Tensor, layer: int, batch: AttentionBatch, pool: KVPool,
-                      dt: torch.dtype) -> torch.Tensor:
-        """Each query over exactly its own context (the paged kernel: no gather), prompt chunks of any
-        length included: a prompt's K/V then do not depend on how it was cut into chunks (by the
-        chunk budget, the batch beside it, a prefix-cache hit), so neither do the tokens after it.
-        (SDPA's fused kernel, which long chunks took before, gave other bits: the same prompt
-        decoded alone and after other requests gave different greedy tokens; it cost ~6% less on a
-        3,000-token prompt.)"""
-        window = self.cfg.sliding_window if self.sliding else 0  # the same keys as a one-token step's
-        return fused.paged_attention(q, pool.k[layer], pool.v[layer], batch.kernel(), dt, window, self.cfg.attn_scale)
 
     def _window(self, mask: torch.Tensor | None, positions: torch.Tensor, context: int) -> torch.Tensor | None:
         """``mask [T, C]`` (None: all visible) narrowed, on a sliding layer, to the keys within the
@@ -350,10 +231,6 @@ class DecoderLayer(nn.Module):
 
     def write_kv(self, h: torch.Tensor, layer: int, rope, batch: AttentionBatch, pool: KVPool) -> None:
         """Only this layer's K/V for the input ``h [T, H]`` (e.g. positions whose output nobody reads)."""
-        if self.runs_fused(h, rope, pool, layer):
-            x = fused.rms_norm(h, self.input_norm.weight, self.input_norm.eps, self.act_dtype or h.dtype)
-            self._rope_write(self.qkv_proj(x), layer, rope, batch, pool, queries=False)
-            return
         _, k, v = self.qkv(self.input_norm(h, self.act_dtype), rope)
         pool.write(layer, batch.write_slots, k, v)
 
@@ -385,6 +262,22 @@ class DecoderLayer(nn.Module):
                                                                        ck.shape[0]), scale)
         out = out.reshape(T, self.q_size)
         return self.o_proj(out if self.act_dtype is None else out.to(self.act_dtype))
+
+
+class LayerBackend(Protocol):
+    """How a range of decoder layers runs other than by each layer's reference ``forward``: the model
+    runner's fused CPU path (``model/fast_path.py``'s ``FUSED``). ``DecoderModel.run_layers`` hands it
+    the range with the RoPE rows of its positions (``local_rope``: those of the sliding layers)."""
+
+    def run_layers(self, model: "DecoderModel", h: torch.Tensor, start: int, end: int,
+                   rope: tuple[torch.Tensor, torch.Tensor] | None, local_rope: tuple[torch.Tensor, torch.Tensor] | None,
+                   batch: AttentionBatch, pool: KVPool) -> torch.Tensor: ...
+
+    def layer(self, layer: DecoderLayer, h: torch.Tensor, index: int, rope: tuple[torch.Tensor, torch.Tensor] | None,
+              batch: AttentionBatch, pool: KVPool) -> torch.Tensor: ...
+
+    def write_kv(self, layer: DecoderLayer, h: torch.Tensor, index: int,
+                 rope: tuple[torch.Tensor, torch.Tensor] | None, batch: AttentionBatch, pool: KVPool) -> None: ...
 
 
 def _embedding(num: int, dim: int) -> nn.Embedding:
@@ -433,7 +326,7 @@ class DecoderModel(nn.Module):
     def kv_exits(self) -> dict[int, nn.Module]:
         """The attached exits that keep K/V in the pool (``has_kv``: exit blocks), by exit layer;
         each gets the pool layer ``num_layers + i`` (``kv_layer``), in layer order."""
-        out = {L: self.exits[L] for L in sorted(self.exits) if getattr(self.exits[L], "has_kv", False)}
+        out = {L: self.exits[L] for L in sorted(self.exits) if self.exits[L].has_kv}
         for i, e in enumerate(out.values()):
             e.kv_layer = self.cfg.num_layers + i
         return out
@@ -518,44 +411,26 @@ class DecoderModel(nn.Module):
         cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)  # [T, D]: sin signed for apply_rope
         return cos.to(self.dtype), sin.to(self.dtype)
 
-    def run_layers(self, h: torch.Tensor, start: int, end: int, batch: AttentionBatch, pool: KVPool) -> torch.Tensor:
-        """Run decoder layers ``[start, end)`` on ``h [T, H]`` (the input to layer ``start``)."""
+    def run_layers(self, h: torch.Tensor, start: int, end: int, batch: AttentionBatch, pool: KVPool,
+                   backend: LayerBackend | None = None) -> torch.Tensor:
+        """Run decoder layers ``[start, end)`` on ``h [T, H]`` (the input to layer ``start``), writing
+        their K/V for the new positions into ``pool``: each layer's reference ``forward``, or, with
+        ``backend``, on the kernels the model runner chose (``model/fast_path.py``). The one entry
+        for a range of layers (a tensor-parallel leader intercepts it: ``distributed/runtime.py``)."""
         assert 0 <= start <= end <= self.cfg.num_layers, (start, end)
         rope = self.rope(batch.positions)
         local = self.local_rope(batch.positions, rope) if any(
             self.layers[i].sliding for i in range(start, end)) else rope
-        out = fast_path(self).run_layers(h, start, end, rope, batch, pool, local)  # one C++ call where it can
-        if out is not None:
-            return out
+        if backend is not None:
+            return backend.run_layers(self, h, start, end, rope, local, batch, pool)
         for layer in range(start, end):
             h = self.layers[layer](h, layer, local if self.layers[layer].sliding else rope, batch, pool)
         return h
 
     def move_kv(self, pool: KVPool, layer: int, src: list[int], dst: list[int]) -> None:
         """Copy layer ``layer``'s K/V at slots ``src`` to ``dst`` (a token tree's kept path; see
-        ``LayerRunner.keep_path``); a tensor-parallel model has its followers do the same."""
+        ``model.runner.LayerRunner.keep_path``); a tensor-parallel model has its followers do the same."""
         pool.move(layer, src, dst)
-
-    def decode_step(self, tokens: list[int], positions: list[int], tables: list[list[int]],
-                    pool: KVPool) -> torch.Tensor | None:
-        """Logits ``[B, V]`` of the model's own head for one new token per sequence, ``tokens[b]`` at
-        ``positions[b]`` of the sequence with block table ``tables[b]``, through every layer (writing
-        their K/V into ``pool``) in one call of the fused op; the same values as ``embed``,
-        ``run_layers`` and ``final_logits`` one after the other. None where that call does not
-        apply (then nothing was written): not a RoPE model on the fused CPU path with float32
-        embeddings and residual stream, layers or head not planned, exit blocks with K/V."""
-        return fast_path(self).decode_step(tokens, positions, tables, pool)
-
-    def decode_greedy(self, tokens: list[int], positions: list[int], tables: list[list[int]], pool: KVPool,
-                      steps: int, eos: list[int], stops: list[tuple[list[int], int]] | None = None,
-                      sampling: RowSampling | None = None) -> torch.Tensor | None:
-        """Up to ``steps`` tokens per sequence in one call of the fused op (``decode_step``, then the
-        argmax of each row, as ``sampler.argmax`` picks it, or the rows ``sampling`` samples as
-        ``sampler.choose`` does, and again) -> ``[B, s]`` int64, ``s <= steps``: fewer once every
-        sequence has chosen one of ``eos``, or where ``stops`` asks (``layer_op.decode_steps``: a row's
-        text ends on an n-gram seen before). The K/V of positions ``positions[b] .. + s - 1`` are
-        written. None where ``decode_step`` does not apply."""
-        return fast_path(self).decode_greedy(tokens, positions, tables, pool, steps, eos, stops, sampling)
 
     def final_logits(self, h: torch.Tensor) -> torch.Tensor:
         """The model's own output head on the last hidden state ``[T, H]`` -> ``[T, V]``."""

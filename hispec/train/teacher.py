@@ -1,6 +1,6 @@
 """The teacher pass: the model's own decoder layers over a ragged batch of whole sequences.
 
-One pass is a prefill of sequences packed end to end through :class:`hispec.decode.base.LayerRunner`
+One pass is a prefill of sequences packed end to end through :class:`hispec.model.runner.LayerRunner`
 (the engine's runner: ``DecoderModel.run_layers`` over a private paged KV pool, the model itself,
 no copy of its layers), keeping the states entering the chosen layers and reducing the final
 layer's log-probabilities to their top-k on the fly. No per-token Python work.
@@ -17,7 +17,7 @@ import torch
 
 from ..cache.block_manager import BlockManager
 from ..cache.kv_cache import KVPool
-from ..decode.base import LayerRunner
+from ..model.runner import LayerRunner
 from .config import TrainConfig
 
 

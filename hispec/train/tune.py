@@ -36,7 +36,7 @@ import torch
 from ..cache.block_manager import BlockManager
 from ..cache.kv_cache import KVPool
 from ..config import DraftPolicyName, SpecConfig
-from ..decode.base import LayerRunner
+from ..model.runner import LayerRunner
 from ..spec.proposers.exit_policies import DraftConfidence, DraftPolicy, make_policy
 from ..settings import StrategyName
 from ..spec.proposers.exit import branch_threshold

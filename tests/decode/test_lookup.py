@@ -312,7 +312,7 @@ def test_rounds_in_one_op_call_match_the_general_path(gen, monkeypatch, sampled)
     (forward_many, exit_logits, ``choose``) the same prompts give the same tokens and the same
     acceptance, batched and alone (greedy, or sampled with two seeds and a greedy request beside them)."""
     from hispec.decode import speculative
-    from hispec.decode.base import LayerRunner
+    from hispec.model.runner import LayerRunner
 
     fused_calls = []
     real = LayerRunner.greedy_rows
@@ -341,7 +341,7 @@ def test_rounds_with_a_processor_take_their_logits_from_one_op_call_with_the_gen
     """Free-draft rounds with a logits processor (beside sampled requests) take every row's logits from
     one fused step (``rows_logits``: layers and head in C++); forced onto forward_many and exit_logits
     the same seeded prompts give the same tokens and acceptance, batched and alone: the same bits."""
-    from hispec.decode.base import LayerRunner
+    from hispec.model.runner import LayerRunner
 
     calls = []
     real = LayerRunner.rows_logits
@@ -520,7 +520,8 @@ def test_cache_after_lookup_rounds_equals_autoregressive(gen, temperature):
     pending one, and their K/V equal what one-token passes build (rejected drafts' K/V cut)."""
     from hispec.cache.block_manager import BlockManager
     from hispec.cache.kv_cache import KVPool
-    from hispec.decode.base import DecodeContext, LayerRunner
+    from hispec.decode.base import DecodeContext
+    from hispec.model.runner import LayerRunner
     from hispec.decode.speculative import Lookup
     from hispec.decode.stats import DecodeStats
     from tests.decode.test_speculative_edges import kv_of

@@ -9,7 +9,8 @@ import hispec.decode.speculative as spec_mod
 from hispec.cache.block_manager import BlockManager
 from hispec.cache.kv_cache import KVPool, slots_for
 from hispec.config import ConfigError, SamplingParams, SpecConfig
-from hispec.decode.base import DecodeContext, LayerRunner, Strategy
+from hispec.decode.base import DecodeContext, Strategy
+from hispec.model.runner import LayerRunner
 from hispec.decode.speculative import HiSpec, SelfSpec
 from hispec.decode.stats import DecodeStats
 from hispec.generate import Generator, PromptTooLongError

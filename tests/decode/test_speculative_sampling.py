@@ -258,7 +258,7 @@ def test_reference_target_matches_hispec_model(gen, hf_model):
     """The enumeration's logits (transformers) and hispec's full model agree."""
     from hispec.cache.block_manager import BlockManager
     from hispec.cache.kv_cache import KVPool
-    from hispec.decode.base import LayerRunner
+    from hispec.model.runner import LayerRunner
 
     model, cfg = gen.model, gen.model.cfg
     blocks = BlockManager(4, 4, model.num_layers)

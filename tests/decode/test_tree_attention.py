@@ -8,7 +8,7 @@ import torch
 
 from hispec.cache.block_manager import BlockManager
 from hispec.cache.kv_cache import KVPool, TreeLayout
-from hispec.decode.base import LayerRunner
+from hispec.model.runner import LayerRunner
 from hispec.model.load.checkpoint import apply_quantization, load_model
 
 BLOCK = 4  # small blocks: trees and paths cross block boundaries

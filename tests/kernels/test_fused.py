@@ -13,6 +13,7 @@ from hispec.cache.block_manager import BlockManager
 from hispec.cache.kv_cache import AttentionBatch, KVPool, SeqChunk
 from hispec.kernels import build, fused, layer_op, plan, quant
 from hispec.model.decoder import DecoderLayer, RMSNorm, apply_rope
+from hispec.model.fast_path import FUSED, layer_forward
 
 pytestmark = pytest.mark.skipif(not fused.available(), reason="no C compiler: the eager path runs instead")
 
@@ -251,14 +252,10 @@ def test_model_runs_on_the_fused_kernels(tiny_model_dir, monkeypatch):
     assert isinstance(gen.model.layers[0], DecoderLayer)
     monkeypatch.setenv("HISPEC_FUSED", "0")
     fused.library.cache_clear()
-    for layer in gen.model.layers:
-        layer._fusable = None
     try:
         eager = gen.generate(prompt, params, "ar")
     finally:
         fused.library.cache_clear()
-        for layer in gen.model.layers:
-            layer._fusable = None
     assert with_kernels.token_ids == eager.token_ids  # a random tiny model has no near-ties in 12 tokens
 
 
@@ -321,11 +318,11 @@ def test_layer_op_equals_the_per_layer_path(tiny_model_dir, four_bit_kernel, sma
         for i in range(n):
             per_layer.k[i].copy_(pool.k[i]), per_layer.v[i].copy_(pool.v[i])
         with torch.no_grad():
-            one_call = model.run_layers(h, 1, n, batch, pool)
+            one_call = model.run_layers(h, 1, n, batch, pool, FUSED)
             rope = model.rope(batch.positions)
             ref = h
             for i in range(1, n):
-                ref = model.layers[i](ref, i, rope, batch, per_layer)
+                ref = layer_forward(model.layers[i], ref, i, rope, batch, per_layer)
         assert torch.equal(one_call, ref)
         for i in range(n):
             assert torch.equal(pool.k[i], per_layer.k[i]) and torch.equal(pool.v[i], per_layer.v[i])
@@ -359,10 +356,10 @@ def test_layer_op_prefill_on_dense_weights_equals_the_per_layer_path(tiny_model_
     assert plan.fast_path(model).layer_plans(h, 0, n, model.rope(batch.positions), batch, pools[0]) is not None
     assert layer_op.MM_DENSE_BF16 in plan.fast_path(model).plans_for(0, n, True, True)[0].kinds or quantize == "int4"
     with torch.no_grad():
-        one_call = model.run_layers(h, 0, n, batch, pools[0])
+        one_call = model.run_layers(h, 0, n, batch, pools[0], FUSED)
         rope, ref = model.rope(batch.positions), h
         for i in range(n):
-            ref = model.layers[i](ref, i, rope, batch, pools[1])
+            ref = layer_forward(model.layers[i], ref, i, rope, batch, pools[1])
     assert torch.equal(one_call, ref)
     for i in range(n):
         assert torch.equal(pools[0].k[i], pools[1].k[i]) and torch.equal(pools[0].v[i], pools[1].v[i])
@@ -456,7 +453,7 @@ def test_prefill_on_dense_weights_is_independent_of_chunking(tiny_model_dir, fou
     kernel's bfloat16 activations, or q4's float32 ones cast), and a prompt's hidden states and K/V
     are the same bits whether it is prefilled whole or in chunks (what keeps batches, whose chunked
     prefill splits prompts differently, identical to batch 1)."""
-    from hispec.decode.base import LayerRunner
+    from hispec.model.runner import LayerRunner
     from hispec.generate import Generator
 
     four_bit_kernel(kernel)
@@ -499,7 +496,7 @@ def test_q8a_prefill_on_its_own_rows_is_independent_of_chunking(tiny_model_dir, 
     """Where the CPU has integer dot products, q8a layers run prompt chunks on their own kernel
     (``quant.q8a_prefills_on_rows``; the native loader keeps no dense copy for them): a prompt's
     hidden states and K/V are the same bits whole, in chunks, and through the decode path."""
-    from hispec.decode.base import LayerRunner
+    from hispec.model.runner import LayerRunner
     from hispec.generate import Generator
 
     four_bit_kernel("q8a")
@@ -630,12 +627,12 @@ def test_rope_table_rows_equal_the_rows_computed_alone(tiny_model_dir):
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
 def test_decode_step_equals_the_general_path(tiny_model_dir, four_bit_kernel, small_route, quantize, batch_size,
                                              kv_dtype):
-    """``DecoderModel.decode_step`` (embedding, every layer, final norm and head in one C++ call) gives
+    """``fast_path.decode_step`` (embedding, every layer, final norm and head in one C++ call) gives
     the logits and K/V of ``forward_many`` + ``exit_logits`` bit for bit, for sequences of different
     lengths whose blocks interleave, on float32 (each decode-sized route; 6 rows: the batched route),
     int4 / q4 / q8a / int8 weights and a Q8_0 output head (q8, or q8a8 beside q8a layers), over a
     float32 or a bfloat16 KV cache."""
-    from hispec.decode.base import LayerRunner
+    from hispec.model.runner import LayerRunner
     from hispec.kernels.matmul import panel_rows
     from hispec.kernels.quant import QuantLinear
 
@@ -690,7 +687,7 @@ def test_decode_greedy_equals_steps_of_decode_step_and_argmax(tiny_model_dir, fo
     writes the K/V that ``decode_logits`` + ``sampler.argmax`` step by step do, bit for bit, with the
     attention threads switching on mid-run in both (as each step's key count decides); with an EOS
     list it stops after the step where every sequence has chosen one."""
-    from hispec.decode.base import LayerRunner
+    from hispec.model.runner import LayerRunner
     from hispec.spec.proposers.ngram import NgramIndex
     from hispec.sampling.sampler import argmax
 

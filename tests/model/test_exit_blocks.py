@@ -66,7 +66,7 @@ def engine_path(model, seqs: list[list[int]], layer: int) -> tuple[torch.Tensor,
     engine's own layer runner and paged pool (what decoding computes)."""
     from hispec.cache.block_manager import BlockManager
     from hispec.cache.kv_cache import KVPool
-    from hispec.decode.base import LayerRunner
+    from hispec.model.runner import LayerRunner
 
     n = sum(map(len, seqs))
     blocks = BlockManager(n // 8 + len(seqs) + 1, 8, model.num_layers)
@@ -268,7 +268,7 @@ def test_greedy_output_with_block_exits_equals_ar(tiny_model_dir, agreeing):
 def test_block_kv_after_rejections_equals_a_fresh_prefill(tiny_model_dir):
     from hispec.cache.block_manager import BlockManager
     from hispec.cache.kv_cache import KVPool, slots_for
-    from hispec.decode.base import LayerRunner
+    from hispec.model.runner import LayerRunner
     from hispec.decode.speculative import HiSpec
     from hispec.engine.engine import Engine
 

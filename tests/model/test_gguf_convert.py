@@ -535,7 +535,7 @@ def test_native_weights_are_the_files_own(tmp_path, qtype):
             assert torch.equal(lin.source_weight(), getattr(want, name).weight)
     from hispec.cache.block_manager import BlockManager
     from hispec.cache.kv_cache import KVPool
-    from hispec.decode.base import LayerRunner
+    from hispec.model.runner import LayerRunner
 
     ids = torch.tensor([1, 40, 50, 60, 70, 80, 90, 100])
     logits = []

@@ -157,7 +157,7 @@ def test_family_matches_transformers_gguf_loading(tmp_path, arch, qtype):
     gen = Generator(ours, block_size=4)
     from hispec.cache.block_manager import BlockManager
     from hispec.cache.kv_cache import KVPool
-    from hispec.decode.base import LayerRunner
+    from hispec.model.runner import LayerRunner
 
     cfg = ours.cfg
     blocks = BlockManager(16, 4, cfg.num_layers)

@@ -491,7 +491,7 @@ def _tiny_llama_gguf(path, types: dict[str, str], arch: str = "llama") -> None:
 def _logits(model, ids):
     from hispec.cache.block_manager import BlockManager
     from hispec.cache.kv_cache import KVPool
-    from hispec.decode.base import LayerRunner
+    from hispec.model.runner import LayerRunner
 
     blocks, pool = BlockManager(4, 16, 2), KVPool(2, 4, 16, N_KV, HIDDEN // N_HEAD, torch.float32, "cpu")
     blocks.add_sequence(0)
@@ -637,7 +637,7 @@ def test_q6_k_layers_and_head_in_one_op_call(tmp_path, four_bit_kernel, kernel):
     with the logits and K/V of the general path, bit for bit, for 1 and 3 sequences."""
     from hispec.cache.block_manager import BlockManager
     from hispec.cache.kv_cache import KVPool
-    from hispec.decode.base import LayerRunner
+    from hispec.model.runner import LayerRunner
     from hispec.kernels import layer_op, plan
     from hispec.model.load.checkpoint import load_model
     from hispec.model.load.gguf_convert import convert_gguf

@@ -17,7 +17,7 @@ transformers = pytest.importorskip("transformers")
 from hispec.cache.block_manager import BlockManager  # noqa: E402
 from hispec.cache.kv_cache import KVPool  # noqa: E402
 from hispec.config import ConfigError  # noqa: E402
-from hispec.decode.base import LayerRunner  # noqa: E402
+from hispec.model.runner import LayerRunner  # noqa: E402
 from hispec.model.load.checkpoint import ModelLoadError, internal_name, load_model  # noqa: E402
 
 IDS = [5, 17, 3, 42, 8, 29, 11, 40, 7, 23, 19]

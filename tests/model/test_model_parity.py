@@ -27,7 +27,7 @@ transformers = pytest.importorskip("transformers")
 from hispec.cache.block_manager import BlockManager  # noqa: E402
 from hispec.cache.kv_cache import KVPool, slots_for  # noqa: E402
 from hispec.config import SamplingParams  # noqa: E402
-from hispec.decode.base import LayerRunner  # noqa: E402
+from hispec.model.runner import LayerRunner  # noqa: E402
 from hispec.generate import Generator  # noqa: E402
 from hispec.model.decoder import DecoderModel  # noqa: E402
 from hispec.model.load.checkpoint import load_model  # noqa: E402

@@ -15,7 +15,7 @@ import torch
 from hispec.cache.block_manager import BlockManager
 from hispec.cache.kv_cache import KVPool
 from hispec.config import SamplingParams, SpecConfig
-from hispec.decode.base import LayerRunner
+from hispec.model.runner import LayerRunner
 from hispec.engine import Engine
 from hispec.generate import make_strategy
 from hispec.model.load.checkpoint import load_model

@@ -38,7 +38,7 @@ from torch import nn
 
 from ...cache.kv_cache import AttentionBatch, KVPool
 from .head import SharedOutput
-from ..decoder import DecoderLayer, RMSNorm
+from ..decoder import DecoderLayer, LayerBackend, RMSNorm
 from ...kernels.quant import act_dtype_of, float_state_dict, quantize_linears
 
 INITS = ("copy", "zero")
@@ -103,13 +103,24 @@ class ExitBlock(SharedOutput):
         return self._decode[0] if self._decode is not None else self.layer
 
     # ---- inference: over the paged pool --------------------------------------------------------
-    def write_kv(self, h: torch.Tensor, batch: AttentionBatch, pool: KVPool, rope) -> None:
-        """Write B's K/V for the exit states ``h [T, H]`` of ``batch``'s new positions."""
-        self.decode_layer.write_kv(self.norm(h), self.kv_layer, rope, batch, pool)
+    def write_kv(self, h: torch.Tensor, batch: AttentionBatch, pool: KVPool, rope,
+                 backend: LayerBackend | None = None) -> None:
+        """Write B's K/V for the exit states ``h [T, H]`` of ``batch``'s new positions (its layer on
+        ``backend``, the model runner's, where given; else its reference ``write_kv``)."""
+        layer = self.decode_layer
+        if backend is None:
+            layer.write_kv(self.norm(h), self.kv_layer, rope, batch, pool)
+        else:
+            backend.write_kv(layer, self.norm(h), self.kv_layer, rope, batch, pool)
 
-    def forward_paged(self, h: torch.Tensor, batch: AttentionBatch, pool: KVPool, rope) -> torch.Tensor:
-        """Logits ``[T, V]`` at ``batch``'s new positions (their K/V written, the earlier ones read)."""
-        return self.logits(self.decode_layer(self.norm(h), self.kv_layer, rope, batch, pool))
+    def forward_paged(self, h: torch.Tensor, batch: AttentionBatch, pool: KVPool, rope,
+                      backend: LayerBackend | None = None) -> torch.Tensor:
+        """Logits ``[T, V]`` at ``batch``'s new positions (their K/V written, the earlier ones read;
+        its layer on ``backend``, the model runner's, where given, else its reference ``forward``)."""
+        layer, x = self.decode_layer, self.norm(h)
+        if backend is None:
+            return self.logits(layer(x, self.kv_layer, rope, batch, pool))
+        return self.logits(backend.layer(layer, x, self.kv_layer, rope, batch, pool))
 
     # ---- training: dense batches -----------------------------------------------------------------
     def forward_dense(self, h: torch.Tensor, rope, d: torch.Tensor | None = None) -> torch.Tensor:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from ...config import SpecConfig
+
 
 class SuffixCache:
     """Continuations that followed n-grams in the outputs of recent requests of one scope (a
@@ -78,10 +80,10 @@ class SuffixStore:
         self.caches: OrderedDict[str, SuffixCache] = OrderedDict()
 
     @classmethod
-    def for_spec(cls, spec, entries: int, scopes: int) -> "SuffixStore | None":
+    def for_spec(cls, spec: SpecConfig | None, entries: int, scopes: int) -> "SuffixStore | None":
         """A store for the free drafts of a strategy run with ``spec`` (its lookup length and
         draft count); None when it has none (no spec, ``lookup_max_draft`` 0) or ``entries`` is 0."""
-        if spec is None or not entries or getattr(spec, "lookup_max_draft", 0) < 1:
+        if spec is None or not entries or spec.lookup_max_draft < 1:
             return None
         return cls(entries, scopes, spec.lookup_ngram, spec.lookup_max_draft)
 
