@@ -13,6 +13,7 @@ before, and the file follows them. Every mode gives the same tokens, so a stale 
 """
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
 import os
@@ -24,7 +25,7 @@ import torch
 
 from .. import envs
 
-SAVE_EVERY_S = 30.0  # at most one write in this many seconds (and at a process's first finished request)
+SAVE_EVERY_S = 30.0  # at most one write in this many seconds, unless a batch size or mode was measured first
 
 
 def _cpu_name() -> str:
@@ -77,17 +78,30 @@ def save(key: str, state: dict) -> None:
 
 
 class Memory:
-    """One policy's link to its file: ``seed`` once, ``maybe_save`` as requests finish."""
+    """One policy's link to its file: ``load`` once, ``maybe_save`` as requests finish (at once where
+    the state has a batch size or mode the file lacks, else at most every ``SAVE_EVERY_S``); the last
+    state offered is written when the process exits."""
 
     def __init__(self, key: str) -> None:
         self.key = key
         self._saved_at: float | None = None
+        self._saved_keys: set[str] = set()
+        self._pending: dict | None = None
+        atexit.register(self._flush)
 
     def load(self) -> dict | None:
         return load(self.key)
 
     def maybe_save(self, state: dict) -> None:
         now = time.monotonic()
-        if self._saved_at is None or now - self._saved_at >= SAVE_EVERY_S:
+        keys = set(state.get("rates", {})) | {f"free:{b}" for b in state.get("free", {})}
+        if self._saved_at is None or now - self._saved_at >= SAVE_EVERY_S or not keys <= self._saved_keys:
             save(self.key, state)
-            self._saved_at = now
+            self._saved_at, self._saved_keys, self._pending = now, keys, None
+        else:
+            self._pending = state
+
+    def _flush(self) -> None:
+        if self._pending is not None:
+            save(self.key, self._pending)
+            self._pending = None

@@ -77,3 +77,17 @@ def test_the_key_names_the_model_the_strategy_and_its_settings(tiny_model_dir):
     c = memory.policy_key(model, build_strategy("lookup", model.num_layers, spec=SpecConfig(1, 3)))
     assert len({a, b, c}) == 3
     assert a == memory.policy_key(model, build_strategy("hispec", model.num_layers, spec=SpecConfig(1, 3)))
+
+
+def test_a_newly_measured_batch_size_is_written_at_once(tmp_path, monkeypatch):
+    monkeypatch.setenv("HISPEC_HOME", str(tmp_path))
+    monkeypatch.setenv("HISPEC_POLICY_MEMORY", "1")
+    m = memory.Memory("k")
+    m.maybe_save({"rates": {"0:plain": [10.0, 3]}})
+    m.maybe_save({"rates": {"0:plain": [11.0, 4]}})  # within SAVE_EVERY_S, nothing new: kept for later
+    assert memory.load("k")["rates"] == {"0:plain": [10.0, 3]}
+    m.maybe_save({"rates": {"0:plain": [12.0, 5], "4:plain": [50.0, 3]}})  # a new batch size: at once
+    assert memory.load("k")["rates"]["4:plain"] == [50.0, 3]
+    m.maybe_save({"rates": {"0:plain": [13.0, 6], "4:plain": [51.0, 4]}})
+    m._flush()  # what the process's exit writes
+    assert memory.load("k")["rates"]["0:plain"] == [13.0, 6]
