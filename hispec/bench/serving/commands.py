@@ -364,7 +364,8 @@ def cmd_bench_serve(args) -> int:
                     m.update(prefix_cache(before, server_counters(base)))
                     errors = [o.error for o in outcomes if not o.ok]
                     failed |= bool(errors)
-                    run = {"server": label, "model_id": Path(model_id).name if model_id else model_id,  # (a server may name a file) "request_rate": "inf" if math.isinf(rate) else rate,
+                    name = Path(model_id).name if model_id else model_id  # (a server may name its model by a file)
+                    run = {"server": label, "model_id": name, "request_rate": "inf" if math.isinf(rate) else rate,
                            "burstiness": args.burstiness, "max_concurrency": conc, **m,
                            "errors": errors[:5]}
                     results["runs"].append(run)
