@@ -175,8 +175,8 @@ class BlockManager:
         if upto <= len(seq.keys):
             return
         start = len(seq.keys)
-        keys = block_keys(tokens[:upto * self.block_size], self.block_size, scope,
-                          seq.keys[-1] if seq.keys else None, start)
+        keys = list(block_keys(tokens[:upto * self.block_size], self.block_size, scope,
+                               seq.keys[-1] if seq.keys else None, start))
         for block, key in zip(seq.table[start:upto], keys):
             self.prefix.add(block, key)
         seq.keys += keys

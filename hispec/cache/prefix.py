@@ -22,20 +22,20 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
+from typing import Iterator
 
 
 def block_keys(tokens: list[int], block_size: int, salt: str = "", parent: bytes | None = None,
-               start: int = 0) -> list[bytes]:
+               start: int = 0) -> Iterator[bytes]:
     """Chain keys of the full blocks of ``tokens`` from block ``start`` on (``parent``: the key of
-    block ``start - 1``; the salt roots the chain at block 0)."""
-    keys = []
+    block ``start - 1``; the salt roots the chain at block 0), one at a time: a lookup that misses
+    hashes no further."""
     prev = parent if start else hashlib.blake2b(salt.encode(), digest_size=16).digest()
     for i in range(start, len(tokens) // block_size):
         h = hashlib.blake2b(prev, digest_size=16)
         h.update(array("q", tokens[i * block_size:(i + 1) * block_size]).tobytes())
         prev = h.digest()
-        keys.append(prev)
-    return keys
+        yield prev
 
 
 class PrefixIndex:

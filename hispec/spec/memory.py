@@ -14,6 +14,7 @@ before, and the file follows them. Every mode gives the same tokens, so a stale 
 from __future__ import annotations
 
 import atexit
+import functools
 import hashlib
 import json
 import os
@@ -25,9 +26,11 @@ import torch
 
 from .. import envs
 
+_MEMORIES: dict[str, "Memory"] = {}
 SAVE_EVERY_S = 30.0  # at most one write in this many seconds, unless a batch size or mode was measured first
 
 
+@functools.cache
 def _cpu_name() -> str:
     try:
         with open("/proc/cpuinfo") as f:
@@ -75,6 +78,15 @@ def save(key: str, state: dict) -> None:
         os.replace(tmp, path)
     except OSError:
         pass
+
+
+def memory_for(key: str) -> "Memory":
+    """The process's one ``Memory`` of ``key``: the engines of a key (``Generator`` makes one a call)
+    share its write interval and its one write at exit."""
+    m = _MEMORIES.get(key)
+    if m is None:
+        m = _MEMORIES[key] = Memory(key)
+    return m
 
 
 class Memory:

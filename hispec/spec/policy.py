@@ -32,7 +32,7 @@ from ..decode.autoregressive import Autoregressive
 from ..decode.base import DecodeContext, Strategy
 from ..settings import SPECULATIVE
 from .cost import RowCost
-from .memory import Memory, policy_key  # noqa: F401 (policy_key: the engine names its policy's memory)
+from .memory import memory_for, policy_key  # noqa: F401 (policy_key: the engine names its policy's memory)
 from .proposers.suffix import SuffixStore
 
 SPECULATE, CHAIN, PLAIN = "speculate", "chain", "plain"
@@ -262,7 +262,7 @@ class SpecPolicy:
         if adaptive and strategy.name in SPECULATIVE:
             self.controller = controller if controller is not None else AdaptiveController(
                 modes=adaptive_modes(strategy))
-            self.memory = Memory(memory_key) if memory_key is not None else None
+            self.memory = memory_for(memory_key) if memory_key is not None else None
             saved = self.memory.load() if self.memory is not None and not any(self.controller.steps.values()) else None
             if saved:
                 self.controller.seed(saved)

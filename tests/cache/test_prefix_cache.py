@@ -11,13 +11,16 @@ from hispec.cache.prefix import block_keys
 
 
 def test_keys_name_the_whole_prefix_and_the_scope():
-    a = block_keys(list(range(12)), 4)
+    def keys(*args, **kw):
+        return list(block_keys(*args, **kw))
+
+    a = keys(list(range(12)), 4)
     assert len(a) == 3 and len(set(a)) == 3
-    assert block_keys(list(range(12)) + [99], 4) == a  # a partial block has no key
-    b = block_keys([7] + list(range(1, 12)), 4)
+    assert keys(list(range(12)) + [99], 4) == a  # a partial block has no key
+    b = keys([7] + list(range(1, 12)), 4)
     assert b[0] != a[0] and b[1] != a[1]  # the same tokens after another first block: other keys
-    assert block_keys(list(range(12)), 4, "tenant-b") != a
-    assert block_keys(list(range(12)), 4, parent=a[0], start=1) == a[1:]  # the chain goes on
+    assert keys(list(range(12)), 4, "tenant-b") != a
+    assert keys(list(range(12)), 4, parent=a[0], start=1) == a[1:]  # the chain goes on
 
 
 def filled(blocks: BlockManager, seq: int, tokens: list[int]) -> None:

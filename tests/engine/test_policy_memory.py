@@ -61,6 +61,7 @@ def test_an_engine_keeps_its_measurements_for_the_next(tiny_model_dir, tmp_path,
     assert saved is not None and saved["rates"]
     again, second = run()
     assert second == first  # every mode gives the same tokens
+    assert again.speculation.memory is engine.speculation.memory  # one per key for the process
     for key, (tps, _) in saved["rates"].items():  # the new controller started from the saved rates
         b, mode = key.split(":")
         assert (int(b), mode) in again.adaptive.rates
