@@ -39,6 +39,7 @@ class Generator:
         self._cache: PagedCache | None = None  # one KV pool, reused by every request's engine
         self._controllers: dict[str, AdaptiveController] = {}  # adaptive speculation, per strategy + settings
         self.model_path: Path | None = None
+        self.gguf_path: Path | None = None  # the GGUF file whose own blocks the model runs on, if it does
         self.exits: ExitSet | None = None  # trained exit heads and their recommended settings
         self.eos_ids = frozenset(self._eos_ids())
 
@@ -57,17 +58,28 @@ class Generator:
         and attention's reads; every strategy reads the same rounded values, so their outputs stay
         identical to ``ar``'s with the same cache) or ``auto`` (``auto_kv_cache_dtype``: bfloat16
         for quantized weights on CPU, else the model's dtype)."""
-        from .model.load.checkpoint import load_model
+        from .model.load.checkpoint import choose_quantize, load_model
+        from .model.load.gguf_convert import check_gguf_file
+        from .model.load.gguf_native import load_gguf_model
         from .model.load.registry import gguf_source, resolve_model
 
         check_engine_options({"quantize": quantize, "kv_cache_dtype": kv_cache_dtype})
-        folder = resolve_model(name_or_path, progress=progress)
         if quantize == "auto" and dtype is not None:
             quantize = "none"
         dtype = dtype or torch.float32
         gguf = gguf_source(name_or_path) if quantize in ("auto", "native") else None
-        model = load_model(folder, device=device, dtype=dtype, allow_pickle=allow_pickle, quantize=quantize,
-                           gguf=gguf)
+        if gguf is not None:
+            check_gguf_file(gguf)  # a truncated or foreign file: one clear line, before any tensor is read
+        model = None
+        if dtype == torch.float32 and choose_quantize(quantize, gguf, torch.device(device).type) == "native":
+            # on the file's own blocks, from the file alone: its folder holds the config and tokenizer
+            folder = resolve_model(name_or_path, progress=progress, weights=False)
+            model = load_gguf_model(folder, gguf, refuse=quantize == "native")
+            quantize = "none" if model is None else quantize  # auto, and nothing runs natively
+        if model is None:
+            folder = resolve_model(name_or_path, progress=progress)
+            model = load_model(folder, device=device, dtype=dtype, allow_pickle=allow_pickle, quantize=quantize,
+                               gguf=gguf)
         model.kv_cache_dtype = (auto_kv_cache_dtype(model) if kv_cache_dtype == "auto"
                                 else kv_cache_dtype_of(kv_cache_dtype))
         if model.device.type == "cpu":
@@ -75,7 +87,7 @@ class Generator:
 
             layer_op.prebuild(say=(lambda msg: print(msg, file=sys.stderr, flush=True)) if progress else None)
         gen = cls(model, load_tokenizer(folder))
-        gen.model_path = folder
+        gen.model_path, gen.gguf_path = folder, gguf if model.weight_format == "native" else None
         if exits is not False:
             from .model.exits import attach_exits
             attach_exits(gen, None if exits is True else exits)

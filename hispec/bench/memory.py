@@ -18,6 +18,8 @@ import sys
 
 import torch
 
+from ..kernels import hugepages
+
 _STATUS = {key: re.compile(rf"^{key}:\s+(\d+)\s+kB", re.M) for key in ("VmHWM", "VmRSS")}
 
 
@@ -32,22 +34,6 @@ def _read_status(key: str) -> int | None:
 
 def _read_hwm() -> int | None:
     return _read_status("VmHWM")
-
-
-def _trim_heap() -> None:
-    """Return freed heap pages to the system (glibc); a no-op elsewhere."""
-    global _malloc_trim
-    if _malloc_trim is None:
-        try:
-            import ctypes
-            _malloc_trim = ctypes.CDLL(None).malloc_trim
-        except (OSError, AttributeError):
-            _malloc_trim = False
-    if _malloc_trim:
-        _malloc_trim(0)
-
-
-_malloc_trim = None
 
 
 def _reset_hwm() -> bool:
@@ -95,7 +81,7 @@ class PeakMemory:
             torch.cuda.reset_peak_memory_stats(self.device)
             self.start = int(torch.cuda.memory_allocated(self.device))
         else:
-            _trim_heap()
+            hugepages.trim_heap()
             if _reset_hwm():
                 self.start = _read_status("VmRSS")
         return self

@@ -238,6 +238,10 @@ def _load_hf(gen):
         from transformers.utils import logging as hf_logging
         hf_logging.set_verbosity_error()  # its generate() warns about its own early-exit internals
         hf_logging.disable_progress_bar()  # the bench has its own
+        if gen.gguf_path is not None:  # a model run on its file's blocks: its folder lacks the float32 weights
+            from ..model.load.gguf_convert import convert_gguf
+
+            folder = convert_gguf(gen.gguf_path, folder, progress=False)
         model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=gen.model.dtype)
     except Exception as e:  # noqa: BLE001 - any failure makes the peer unavailable, with the reason
         return None, f"transformers cannot load {folder}: {type(e).__name__}: {e}"

@@ -120,12 +120,14 @@ def decode_layers(h: torch.Tensor, op_range, rope, batch, cfg, local_rope=None) 
 
 
 def op_head(embed: torch.Tensor, norm: torch.Tensor, weight: torch.Tensor, params: torch.Tensor, kind: int,
-            group: int, eps: float, embed_scale: float = 1.0):
+            group: int, eps: float, embed_scale: float = 1.0, embed_type: int = 0):
     """``torch.classes.hispec_fused.Head``: what ``decode_step`` runs besides the layers, the token
-    embeddings ``[V, H]`` (times ``embed_scale`` rounded to float32, as ``DecoderModel.embed``) and
-    final RMSNorm weight ``[H]`` (float32) and the output head (a matmul of ``kind`` on ``weight``
-    and ``params``, as in a layer plan)."""
-    return torch.classes.hispec_fused.Head(embed, norm, weight, params, kind, group, eps, float(embed_scale))
+    embeddings (a float32 table ``[V, H]``, ``embed_type`` 0; or a GGUF tensor's rows ``[V, row
+    bytes]`` uint8 of that GGML type id: ``GGUFEmbedding.rows``), times ``embed_scale`` rounded to
+    float32, as ``DecoderModel.embed``, the final RMSNorm weight ``[H]`` (float32) and the output head
+    (a matmul of ``kind`` on ``weight`` and ``params``, as in a layer plan)."""
+    return torch.classes.hispec_fused.Head(embed, int(embed_type), norm, weight, params, kind, group, eps,
+                                           float(embed_scale))
 
 
 def _direct(name: str):

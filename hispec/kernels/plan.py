@@ -301,7 +301,7 @@ class FastPath:
         head = self.step_head(batched)
         if (head is None or pool.k[0].dtype not in fused.KV_DTYPES or pool.k[0].device.type != "cpu"
                 or any(getattr(e, "has_kv", False) for e in model.exits.values()) or torch.is_grad_enabled()
-                and model.embed_tokens.weight.requires_grad):
+                and embedding_trains(model)):
             return None
         plans, has_float = self.plans_for(0, model.num_layers, False, batched)
         if plans is None or (has_float and batch_size > max(panel_rows(), SMALL_ROWS)):
@@ -314,7 +314,7 @@ class FastPath:
         for more than SMALL_ROWS rows if ``batched``), kept while they are the same tensors at the
         same versions; None where ``decode_step`` does not apply."""
         model = self.model
-        emb, norm, head = model.embed_tokens.weight, model.norm, model.lm_head
+        (emb, embed_type), norm, head = embedding_table(model.embed_tokens), model.norm, model.lm_head
         tensors = [emb, norm.weight, *_module_tensors(head)]
         hit = self._head_ops.get(batched)
         if (hit is not None and hit[0] is head and len(tensors) == len(hit[1])
@@ -322,15 +322,29 @@ class FastPath:
             return hit[3]
         made = None
         if (model.inv_freq is not None and model.project_in is None and model.project_out is None
-                and emb.device.type == "cpu" and emb.dtype == torch.float32 and emb.is_contiguous()
+                and emb.device.type == "cpu" and emb.dtype in (torch.float32, torch.uint8) and emb.is_contiguous()
                 and not isinstance(norm, nn.LayerNorm)  # an RMSNorm: the model's other norm kind
                 and norm.weight.dtype == torch.float32 and norm.weight.is_contiguous()
                 and fusable(model.layers[0]) and layer_op.layers_op() is not None):
             planned = matmul_plan(head, None, batched=batched)
             if planned is not None:
-                made = layer_op.op_head(emb, norm.weight, *planned, norm.eps, model.cfg.embed_scale)
+                made = layer_op.op_head(emb, norm.weight, *planned, norm.eps, model.cfg.embed_scale, embed_type)
         self._head_ops[batched] = (head, tensors, [t._version for t in tensors], made)
         return made
+
+
+def embedding_table(embed: nn.Module) -> tuple[torch.Tensor, int]:
+    """What a decode step reads token embeddings from, and its GGML type id: an ``nn.Embedding``'s
+    float table ``[V, H]`` (0), or a ``GGUFEmbedding``'s rows in the file's blocks ``[V, row bytes]``
+    uint8 (their type)."""
+    rows = getattr(embed, "rows", None)
+    return (embed.weight, 0) if rows is None else (rows, embed.type_id)
+
+
+def embedding_trains(model: nn.Module) -> bool:
+    """Whether the model is being trained (its embedding table, where it has a float one, needs grad)."""
+    weight = getattr(model.embed_tokens, "weight", None)
+    return weight is not None and weight.requires_grad
 
 
 _fast_paths: "weakref.WeakKeyDictionary[nn.Module, FastPath]" = weakref.WeakKeyDictionary()

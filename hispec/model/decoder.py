@@ -338,11 +338,11 @@ class DecoderModel(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.embed_tokens.weight.device
+        return self.norm.weight.device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed_tokens.weight.dtype
+        return self.norm.weight.dtype
 
     @property
     def kv_dtype(self) -> torch.dtype:

@@ -378,13 +378,27 @@ def test_second_call_is_noop(tiny_tied, tmp_path, monkeypatch):
     def must_not_run(*a, **k):
         raise AssertionError("completed conversion was rewritten")
 
-    monkeypatch.setattr(gc, "_write_conversion", must_not_run)
+    monkeypatch.setattr(gc, "_write_weights", must_not_run)
+    monkeypatch.setattr(gc, "_write_metadata", must_not_run)
     t0 = time.perf_counter()
     again = convert_gguf(src, str(tmp_path / "out"), progress=True)
     assert time.perf_counter() - t0 < 1.0
     assert again == out
     assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == before
     assert out.stat().st_mtime_ns == dir_mtime
+
+
+def test_metadata_first_then_weights(tiny_tied, tmp_path):
+    """``weights=False`` writes the config and tokenizer only (a model run on the file's blocks);
+    a later call with weights adds model.safetensors to that folder, nothing else rewritten."""
+    _, src = tiny_tied
+    out = convert_gguf(src, tmp_path / "out", progress=False, weights=False)
+    assert gc.is_complete_conversion(out, weights=False) and not gc.is_complete_conversion(out)
+    assert not (out / gc.WEIGHTS_FILE).exists()
+    before = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+    assert convert_gguf(src, out, progress=False) == out and gc.is_complete_conversion(out)
+    assert {p.name: p.stat().st_mtime_ns for p in out.iterdir() if p.name != gc.WEIGHTS_FILE} == before
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == []
 
 
 def test_existing_incomplete_dir_is_not_clobbered(tiny_tied, tmp_path):

@@ -42,7 +42,7 @@ def _random_k_blocks(kind: str, n: int, k: int, rng: np.random.Generator) -> np.
     Q6_K's d in [1e-6, 1e-5]."""
     block, size = QK_SIZES[Q[kind]]
     raw = rng.integers(0, 256, (n, k // block, size), dtype=np.uint8)
-    if kind == "Q4_K":
+    if kind in ("Q4_K", "Q5_K"):
         for at in (0, 2):  # d, dmin
             raw[..., at:at + 2] = rng.uniform(1e-5, 4e-4, raw.shape[:2]).astype(np.float16)[..., None].view(np.uint8)
     else:  # Q6_K: ql[128], qh[64], scales[16], d
@@ -442,13 +442,17 @@ DECODER_TYPES = {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q4_K", "attn_out
                  "ffn_gate": "Q8_0", "ffn_up": "Q5_0", "ffn_down": "Q4_K"}
 
 
-def _tiny_llama_gguf(path, types: dict[str, str], arch: str = "llama") -> None:
+def _tiny_llama_gguf(path, types: dict[str, str], arch: str = "llama", embed: str = "F32", tied: bool = False,
+                     vocab: int | None = None) -> None:
     """A 2-layer llama (or ``arch``: qwen2 with its q/k/v biases; hidden 256: Q4_K's super-blocks)
-    with decoder tensors of ``types``, F32 norms, biases, embedding and head, and the byte-level
-    tokenizer of ``test_gguf_convert``."""
+    with decoder tensors of ``types``, F32 norms and biases, an embedding of type ``embed`` and
+    (unless ``tied``) an F32 head, and the byte-level tokenizer of ``test_gguf_convert`` (261
+    tokens; ``vocab``: padded with unused ones to that many)."""
     from tests.model.test_gguf_convert import CHAT_TEMPLATE, _tiny_tokens
 
     tokens, token_types, merges = _tiny_tokens()
+    pad = (vocab or len(tokens)) - len(tokens)
+    tokens, token_types = tokens + [f"[PAD{i}]" for i in range(pad)], token_types + [5] * pad  # 5: unused
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(2)
     w.add_context_length(256)
@@ -472,6 +476,15 @@ def _tiny_llama_gguf(path, types: dict[str, str], arch: str = "llama") -> None:
     f32 = {"token_embd.weight": (rng.standard_normal((len(tokens), HIDDEN)) * 0.5).astype(np.float32),
            "output.weight": (rng.standard_normal((len(tokens), HIDDEN)) * 0.05).astype(np.float32),
            "output_norm.weight": np.ones(HIDDEN, np.float32)}
+    if tied:
+        del f32["output.weight"]
+    if embed in ("Q4_K", "Q5_K", "Q6_K"):
+        raw = _random_k_blocks(embed, len(tokens), HIDDEN, rng)
+        w.add_tensor("token_embd.weight", raw, raw_dtype=Q[embed])
+        del f32["token_embd.weight"]
+    elif embed != "F32":
+        raw = gguf.quants.quantize(f32.pop("token_embd.weight"), Q[embed])
+        w.add_tensor("token_embd.weight", raw, raw_dtype=Q[embed])
     for name, arr in f32.items():
         w.add_tensor(name, arr)
     for i in range(2):

@@ -176,7 +176,7 @@ def load_tokenizer(name: str):
 
     from ...model.load.registry import resolve_model
 
-    return AutoTokenizer.from_pretrained(str(resolve_model(name, progress=False)))
+    return AutoTokenizer.from_pretrained(str(resolve_model(name, progress=False, weights=False)))
 
 
 def build_requests(args, tokenizer) -> list:

@@ -295,20 +295,26 @@ at::Tensor decode_layers(const at::Tensor& h_in, const at::Tensor& cos, const at
 
 // What a decoding step needs besides the layers: the token embeddings, the final RMSNorm and the
 // output head (one matmul of the kinds above), held like a Range.
+// The embeddings: a float32 table [V, H] (embed_type HS_GGML_F32), or a GGUF tensor's rows in the
+// file's blocks, uint8 [V, row bytes] of embed_type (model/load/gguf_embedding.py), each row read
+// with hs_dequant_rows as the model's own lookup reads it.
 // embed_scale: the embeddings' factor (Gemma: sqrt(hidden)), each element times it rounded to float32 as
 // DecoderModel.embed multiplies (1: none).
 struct Head : torch::CustomClassHolder {
-    at::Tensor embed, norm, weight, params;  // [V, H] float32, [H] float32, the head's weight and parameters
-    int64_t kind, group;
+    at::Tensor embed, norm, weight, params;  // [V, H] float32 or [V, row bytes] uint8, [H] float32, the head's weight and parameters
+    int64_t embed_type, kind, group;
     double eps, embed_scale;
 
-    Head(at::Tensor embed_, at::Tensor norm_, at::Tensor weight_, at::Tensor params_, int64_t kind_, int64_t group_,
-         double eps_, double embed_scale_)
+    Head(at::Tensor embed_, int64_t embed_type_, at::Tensor norm_, at::Tensor weight_, at::Tensor params_,
+         int64_t kind_, int64_t group_, double eps_, double embed_scale_)
         : embed(std::move(embed_)), norm(std::move(norm_)), weight(std::move(weight_)), params(std::move(params_)),
-          kind(kind_), group(group_), eps(eps_), embed_scale(embed_scale_) {
-        TORCH_CHECK(embed.scalar_type() == at::kFloat && embed.is_contiguous() && embed.dim() == 2 &&
-                    norm.scalar_type() == at::kFloat && norm.is_contiguous() && norm.numel() == embed.size(1),
-                    "Head: contiguous float32 embeddings [V, H] and norm [H]");
+          embed_type(embed_type_), kind(kind_), group(group_), eps(eps_), embed_scale(embed_scale_) {
+        TORCH_CHECK(norm.scalar_type() == at::kFloat && norm.is_contiguous() && embed.is_contiguous() && embed.dim() == 2,
+                    "Head: contiguous embeddings [V, *] and float32 norm [H]");
+        const bool table = embed.scalar_type() == at::kFloat && embed_type == HS_GGML_F32 && embed.size(1) == norm.numel();
+        const bool rows = embed.scalar_type() == at::kByte &&
+                          hs_dequant_row_bytes(static_cast<int>(embed_type), norm.numel()) == embed.size(1);
+        TORCH_CHECK(table || rows, "Head: float32 embeddings [V, H], or uint8 rows [V, row bytes] of a type hs_dequant_rows reads");
     }
 };
 
@@ -329,7 +335,7 @@ at::Tensor decode_step(const std::vector<int64_t>& tokens, const std::vector<int
                        const c10::intrusive_ptr<Range>& range, const c10::intrusive_ptr<Head>& head) {
     const int64_t B = static_cast<int64_t>(tokens.size());
     TORCH_CHECK(B > 0 && positions.size() == tokens.size() && tables.size() % B == 0, "decode_step: B tokens, positions");
-    const int64_t width = static_cast<int64_t>(tables.size()) / B, V = head->embed.size(0), H = head->embed.size(1);
+    const int64_t width = static_cast<int64_t>(tables.size()) / B, V = head->embed.size(0), H = head->norm.numel();
     const int64_t P = cos_table.size(0), D = cos_table.size(1);
     std::optional<Timed> setup(std::in_place, SETUP);  // the step's inputs, until the layers start
     TORCH_CHECK(cos_table.is_contiguous() && ssin_table.is_contiguous() && cos_table.scalar_type() == at::kFloat &&
@@ -340,25 +346,20 @@ at::Tensor decode_step(const std::vector<int64_t>& tokens, const std::vector<int
                 cos_local_table.scalar_type() == at::kFloat && ssin_local_table.scalar_type() == at::kFloat &&
                 cos_local_table.size(1) == D &&
                 ssin_local_table.sizes() == cos_local_table.sizes(), "decode_step: local RoPE tables as the others");
-    const auto fopt = head->embed.options();
+    const auto fopt = head->norm.options();
     at::Tensor h = at::empty({B, H}, fopt), cos = at::empty({B, D}, fopt), ssin = at::empty({B, D}, fopt);
     at::Tensor cos_l = local ? at::empty({B, D}, fopt) : cos, ssin_l = local ? at::empty({B, D}, fopt) : ssin;
     const float embed_scale = static_cast<float>(head->embed_scale);
     at::Tensor slots = at::empty({B}, fopt.dtype(at::kLong)), seq = at::empty({B}, fopt.dtype(at::kInt));
     at::Tensor lengths = at::empty({B}, fopt.dtype(at::kInt)), tab = at::empty({B, width}, fopt.dtype(at::kInt));
-    const float* emb = head->embed.data_ptr<float>();
+    const uint8_t* emb = static_cast<const uint8_t*>(head->embed.data_ptr());
     int32_t* tp = tab.data_ptr<int32_t>();
     for (int64_t b = 0; b < B; b++) {
         const int64_t tok = tokens[b], pos = positions[b];
         TORCH_CHECK(tok >= 0 && tok < V && pos >= 0 && pos < P && pos / block_size < width,
                     "decode_step: token ", tok, " or position ", pos, " out of range");
-        if (head->embed_scale != 1.0) {
-            float* hb = h.data_ptr<float>() + b * H;
-            const float* eb = emb + tok * H;
-            for (int64_t j = 0; j < H; j++) hb[j] = eb[j] * embed_scale;
-        } else {
-            std::memcpy(h.data_ptr<float>() + b * H, emb + tok * H, H * sizeof(float));
-        }
+        hs_dequant_rows(static_cast<int>(head->embed_type), emb, head->embed.size(1) * head->embed.element_size(), &tok,
+                        1, H, embed_scale, h.data_ptr<float>() + b * H);
         std::memcpy(cos.data_ptr<float>() + b * D, cos_table.data_ptr<float>() + pos * D, D * sizeof(float));
         std::memcpy(ssin.data_ptr<float>() + b * D, ssin_table.data_ptr<float>() + pos * D, D * sizeof(float));
         if (local) {
@@ -498,7 +499,7 @@ TORCH_LIBRARY(hispec_fused, m) {
                                              std::vector<at::Tensor>, std::vector<int64_t>, std::vector<int64_t>,
                                              std::vector<int64_t>, int64_t, int64_t, double, double, bool>());
     m.class_<Head>("Head").def(
-        torch::init<at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t, int64_t, double, double>());
+        torch::init<at::Tensor, int64_t, at::Tensor, at::Tensor, at::Tensor, int64_t, int64_t, double, double>());
     m.def("profile(bool on) -> (float[], int[])", profile);
     m.def("decode_layers(Tensor h, Tensor cos, Tensor ssin, Tensor cos_local, Tensor ssin_local, Tensor slots, Tensor tables, Tensor seq, Tensor lengths, "
           "Tensor? tail_start, Tensor? tail, int block_size, bool parallel, "

@@ -150,6 +150,28 @@ void hs_q8a_q8_group_matmul(const int8_t *q, const uint16_t *d, int group, const
 void hs_q8a_q4_panel_matmul(const uint8_t *qs, const uint16_t *d, const uint16_t *m, const float *x, int64_t T,
                             int64_t N, int64_t K, float *y, int parallel);
 
+/* ---- dequant.c: rows of a GGUF tensor in its file's blocks (a token embedding kept in its file) ---- */
+/* GGML's tensor type ids (gguf's GGMLQuantizationType) of the types hs_dequant_rows reads */
+enum hs_ggml_type {
+    HS_GGML_F32 = 0,
+    HS_GGML_F16 = 1,
+    HS_GGML_Q4_0 = 2,
+    HS_GGML_Q4_1 = 3,
+    HS_GGML_Q5_0 = 6,
+    HS_GGML_Q5_1 = 7,
+    HS_GGML_Q8_0 = 8,
+    HS_GGML_Q4_K = 12,
+    HS_GGML_Q6_K = 14,
+    HS_GGML_BF16 = 30,
+};
+/* the bytes of a row of K values of type (-1: a type it does not read, or K not a multiple of its block) */
+int64_t hs_dequant_row_bytes(int type, int64_t K);
+/* out[i, :K] = row ids[i] of rows (row_bytes each) as float32, each value as the gguf package's numpy
+ * dequantization computes it, times scale where scale != 1 (rounded once more); 0, or -1 where type
+ * or row_bytes does not fit */
+int64_t hs_dequant_rows(int type, const uint8_t *rows, int64_t row_bytes, const int64_t *ids, int64_t n, int64_t K,
+                        float scale, float *out);
+
 /* ---- sample.c: sampling (hispec/sampling/sampler.py) ---- */
 /* probs[T, V] = each row of logits[T, V] as a distribution: (logits - max) / temperature[t], the tokens below the
  * top_k[t]-th largest masked (0 or >= V: off), softmax, then the smallest set of largest tokens whose mass

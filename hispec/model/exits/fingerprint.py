@@ -13,10 +13,12 @@ _SAMPLES_PER_TENSOR = 1024
 _GROUPS = 16
 
 
-def _fingerprint_tensors(model: nn.Module) -> list[torch.Tensor]:
+def _fingerprint_tensors(model: nn.Module) -> list:
+    """The tensors sampled (an embedding kept in its GGUF file: the module, which samples its rows)."""
     n = model.cfg.num_layers
     layers = model.layers
-    return [model.embed_tokens.weight, model.norm.weight, layers[0].qkv_proj.weight,
+    embed = model.embed_tokens
+    return [embed if hasattr(embed, "flat_sample") else embed.weight, model.norm.weight, layers[0].qkv_proj.weight,
             layers[n // 2].o_proj.weight, layers[n - 1].input_norm.weight, layers[n - 1].qkv_proj.weight]
 
 
@@ -24,6 +26,10 @@ def _samples(model: nn.Module) -> torch.Tensor:
     """A fixed, strided sample of the base weights ``[S]`` in float32 (cheap: ~6k values)."""
     out = []
     for t in _fingerprint_tensors(model):
+        if isinstance(t, nn.Module):  # GGUFEmbedding
+            step = max(1, t.num_embeddings * t.embedding_dim // _SAMPLES_PER_TENSOR)
+            out.append(t.flat_sample(step, _SAMPLES_PER_TENSOR))
+            continue
         flat = t.detach().reshape(-1)
         step = max(1, flat.numel() // _SAMPLES_PER_TENSOR)
         out.append(flat[::step][:_SAMPLES_PER_TENSOR].float().cpu())

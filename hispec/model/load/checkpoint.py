@@ -155,10 +155,17 @@ def _expected_part_shapes(model: DecoderModel, name: str) -> dict[str, tuple[int
 
 def load_weights(model: DecoderModel, files: list[Path], dtype: torch.dtype) -> None:
     """Fill ``model`` (on the meta device) from checkpoint files, validating every shape."""
+    fill_weights(model, _iter_tensors(files), dtype)
+
+
+def fill_weights(model: DecoderModel, tensors, dtype: torch.dtype, elsewhere: frozenset[str] = frozenset()) -> None:
+    """Fill ``model`` (on the meta device) from ``(Hugging Face name, tensor)`` pairs, validating every
+    shape; ``elsewhere``: internal names whose modules the caller puts in place itself (a GGUF file's
+    own blocks), not expected among the pairs and left on the meta device."""
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     state: dict[str, torch.Tensor] = {}
     parts: dict[str, dict[str, torch.Tensor]] = {}
-    for hf_name, tensor in _iter_tensors(files):
+    for hf_name, tensor in tensors:
         mapped = internal_name(hf_name, model.cfg.family)
         if mapped is None or mapped[0] not in expected:
             if ignored(hf_name, model.cfg):
@@ -176,14 +183,23 @@ def load_weights(model: DecoderModel, files: list[Path], dtype: torch.dtype) -> 
     state.update(fuse_parts(parts))
     if model.cfg.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
-    missing = sorted(set(expected) - set(state))
+    missing = sorted(set(expected) - set(state) - elsewhere)
     if missing:
         raise ModelLoadError(f"checkpoint lacks {len(missing)} tensor(s), e.g. {', '.join(missing[:4])}")
     if model.cfg.family == "gemma3":
         state = gemma_norms(state)
     model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False, assign=True)
-    if model.cfg.tie_word_embeddings:
+    if model.cfg.tie_word_embeddings and "embed_tokens.weight" not in elsewhere:
         model.lm_head.weight = model.embed_tokens.weight
+
+
+def rope_buffers(model: DecoderModel) -> None:
+    """The RoPE buffers of a model built on the meta device, made for real."""
+    if model.cfg.family != "opt":
+        from ..decoder import rope_inv_freq
+        model.inv_freq = rope_inv_freq(model.cfg)
+        if model.inv_freq_local is not None:
+            model.inv_freq_local = rope_inv_freq(model.cfg, local=True)
 
 
 def gemma_norms(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -211,11 +227,7 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
     with torch.device("meta"):
         model = DecoderModel(cfg)
     load_weights(model, _weight_files(path, allow_pickle), dtype)
-    if cfg.family != "opt":  # the RoPE buffer was built on the meta device
-        from ..decoder import rope_inv_freq
-        model.inv_freq = rope_inv_freq(cfg)
-        if model.inv_freq_local is not None:
-            model.inv_freq_local = rope_inv_freq(cfg, local=True)
+    rope_buffers(model)
     model = model.to(device).eval().requires_grad_(False)
     apply_quantization(model, quantize, gguf)
     if model.device.type == "cpu":
@@ -243,63 +255,94 @@ def apply_quantization(model: DecoderModel, quantize: str, gguf: str | Path | No
     warning says which (their types, how many, the error bound, the float32 size). A file with
     nothing that runs natively is refused, naming what does. ``auto``: ``native`` where the file has a tensor of such a type and the kernels pay on
     this CPU (else, or where none of its layers maps after all, ``none``)."""
-    import logging
+    from ...kernels.quant import quantize_linears
 
-    from ...kernels.quant import ACT_DTYPE, Q4_STORAGE, act_dtype_of, q8a_prefills_on_rows, quantize_linears
-    from ...kernels.select import cpu_has_bf16, quantized_kernels_pay
-
-    check_engine_options({"quantize": quantize})
-    asked = quantize
-    on_cpu = model.device.type == "cpu"
-    if quantize == "auto":
-        pays = on_cpu and gguf is not None and quantized_kernels_pay()[0]
-        quantize = "native" if pays and _has_native_tensor(gguf) else "none"
-    if quantize != "none" and not on_cpu:
-        raise ConfigError(f"--quantize {quantize}: the int4/int8 kernels are CPU kernels; use --quantize none on "
-                          f"{model.device.type}")
-    if quantize == "native":
-        if gguf is None:
-            raise ConfigError("--quantize native needs a GGUF model (the default model or a .gguf file)")
-        from .gguf_weights import SUPPORTED, decoder_types, float_layers, float_message, native_head, native_linears
-
-        # only llama.cpp's ``llama`` architecture stores Q and K rows permuted (qwen2, qwen3, gemma3 do not)
-        linears, kind = native_linears(gguf, model.cfg.num_heads, model.cfg.num_kv_heads,
-                                       permuted=model.cfg.family == "llama")
-        head = native_head(gguf)
-        floats = float_layers(gguf, linears)
-        if not linears and head is None:
-            if asked == "auto":
-                quantize = "none"
-            else:
-                found = ", ".join(f"{name} is {k}" for k, name in decoder_types(gguf).items()) or "no decoder linears"
-                why = "; ".join(sorted({f.why for f in floats}))
-                raise ConfigError(f"{Path(gguf).name} has no tensors that run natively ({found}{': ' if why else ''}"
-                                  f"{why}); the native kernels run {SUPPORTED}; --quantize none runs its float32 "
-                                  "copy")
-        elif (said := float_message(Path(gguf).name, floats, linears, head)) is not None:
-            logging.getLogger(__name__).warning(said)
-    if quantize == "native":
-        for name, layer in linears.items():
-            parent, child = name.rsplit(".", 1)
-            old = getattr(model.get_submodule(parent), child)  # the file's values, dequantized to float32
-            own_rows = layer.kernel == "q8a" and q8a_prefills_on_rows()
-            if envs.HISPEC_PREFILL_DENSE and not own_rows \
-                    and (layer.input_dtype == ACT_DTYPE or layer.kernel in Q4_STORAGE and cpu_has_bf16()) \
-                    and getattr(old, "weight", None) is not None \
-                    and old.weight.shape == (layer.out_features, layer.in_features):
-                layer.dense = old.weight.detach().to(torch.bfloat16).contiguous()
-            if getattr(old, "bias", None) is not None:  # e.g. qwen2's q/k/v biases: added after the kernel
-                layer.bias = old.bias.detach()
-            setattr(model.get_submodule(parent), child, layer)
-        if head is not None:  # the embedding keeps its float32 copy of the same values for lookups
-            model.lm_head = head
+    asked, quantize = quantize, choose_quantize(quantize, gguf, model.device.type)
+    parts = native_parts(gguf, model.cfg, refuse=asked == "native") if quantize == "native" else None
+    if parts is not None:  # the embedding keeps its float32 copy of the head's values for lookups
+        put_native(model, *parts, lambda name, old: getattr(old, "weight", None))
     elif quantize in ("int4", "int8"):
         quantize_linears(model.layers, quantize)
-    for layer in model.layers:  # layers on the int4/int8 kernels take (and give) bfloat16 between them
-        if (act := act_dtype_of(layer)) is not None:
-            layer.act_dtype = act
+    quantize = "none" if quantize == "native" and parts is None else quantize
+    set_act_dtypes(model)
     model.weight_format = quantize
     return quantize
+
+
+def choose_quantize(quantize: str, gguf: str | Path | None, device_type: str = "cpu") -> str:
+    """What ``quantize`` comes to for a model from ``gguf`` (None: not a GGUF file) on ``device_type``:
+    ``auto`` is ``native`` where the file has a tensor of a type with a block form and the kernels pay
+    on this CPU, else ``none``; ConfigError where the kernels cannot run as asked."""
+    from ...kernels.select import quantized_kernels_pay
+
+    check_engine_options({"quantize": quantize})
+    on_cpu = device_type == "cpu"
+    if quantize == "auto":
+        pays = on_cpu and gguf is not None and quantized_kernels_pay()[0]
+        return "native" if pays and _has_native_tensor(gguf) else "none"
+    if quantize != "none" and not on_cpu:
+        raise ConfigError(f"--quantize {quantize}: the int4/int8 kernels are CPU kernels; use --quantize none on "
+                          f"{device_type}")
+    if quantize == "native" and gguf is None:
+        raise ConfigError("--quantize native needs a GGUF model (the default model or a .gguf file)")
+    return quantize
+
+
+def native_parts(gguf: str | Path, cfg: ModelConfig, refuse: bool) -> tuple[dict, object] | None:
+    """The block-kernel layers of ``gguf``'s decoder linears by module name and its output head (or
+    None), ``gguf_weights``' (one warning line names what was requantized or stays float32); None
+    where nothing runs natively and not ``refuse``, else a ConfigError naming what does."""
+    import logging
+
+    from .gguf_weights import SUPPORTED, decoder_types, float_layers, float_message, native_head, native_linears
+
+    # only llama.cpp's ``llama`` architecture stores Q and K rows permuted (qwen2, qwen3, gemma3 do not)
+    head = native_head(gguf)  # first: its transients (the largest tensor's) come before the layers
+    linears, _ = native_linears(gguf, cfg.num_heads, cfg.num_kv_heads, permuted=cfg.family == "llama")
+    floats = float_layers(gguf, linears)
+    if not linears and head is None:
+        if not refuse:
+            return None
+        found = ", ".join(f"{name} is {k}" for k, name in decoder_types(gguf).items()) or "no decoder linears"
+        why = "; ".join(sorted({f.why for f in floats}))
+        raise ConfigError(f"{Path(gguf).name} has no tensors that run natively ({found}{': ' if why else ''}"
+                          f"{why}); the native kernels run {SUPPORTED}; --quantize none runs its float32 copy")
+    if (said := float_message(Path(gguf).name, floats, linears, head)) is not None:
+        logging.getLogger(__name__).warning(said)
+    return linears, head
+
+
+def set_act_dtypes(model: DecoderModel) -> None:
+    """Layers on the int4/int8 kernels take (and give) bfloat16 between them."""
+    from ...kernels.quant import act_dtype_of
+
+    for layer in model.layers:
+        if (act := act_dtype_of(layer)) is not None:
+            layer.act_dtype = act
+
+
+def put_native(model: DecoderModel, linears: dict, head, float_weight) -> None:
+    """Put the block-kernel layers ``linears`` (by module name, ``gguf_weights.native_linears``) and
+    the output ``head`` (or None) in the model's place. A layer keeps the bias of the module it
+    replaces (e.g. qwen2's q/k/v biases: added after the kernel) and, where its kernel prefills on
+    a dense copy, ``float_weight(name, replaced module)``'s values ``[N, K]`` in bfloat16 (see below)."""
+    from ...kernels.quant import ACT_DTYPE, Q4_STORAGE, q8a_prefills_on_rows
+    from ...kernels.select import cpu_has_bf16
+
+    for name, layer in linears.items():
+        parent, child = name.rsplit(".", 1)
+        old = getattr(model.get_submodule(parent), child)
+        own_rows = layer.kernel == "q8a" and q8a_prefills_on_rows()
+        if envs.HISPEC_PREFILL_DENSE and not own_rows \
+                and (layer.input_dtype == ACT_DTYPE or layer.kernel in Q4_STORAGE and cpu_has_bf16()):
+            weight = float_weight(name, old)
+            if weight is not None and weight.shape == (layer.out_features, layer.in_features):
+                layer.dense = weight.detach().to(torch.bfloat16).contiguous()
+        if getattr(old, "bias", None) is not None:
+            layer.bias = old.bias.detach()
+        setattr(model.get_submodule(parent), child, layer)
+    if head is not None:
+        model.lm_head = head
 
 
 def _has_native_tensor(gguf: str | Path) -> bool:

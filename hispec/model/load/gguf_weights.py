@@ -77,6 +77,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from ...kernels import hugepages
 from ...kernels.quant import QuantLinear
 
 BLOCK = 32
@@ -253,6 +254,44 @@ def _requantize_mask(types, overflow: bool = False) -> list[bool]:
     return [k not in EIGHT_BIT or overflow and k in ("Q4_K", "Q6_K") for k in types]
 
 
+CHUNK_ROWS = 16384  # a tensor of more rows (an output head) is mapped this many rows at a time
+
+
+def _native_chunked(t, form: str, requantize: bool, kernel4: str | None = None) -> QuantLinear:
+    """:func:`_native` of one tensor (no rows reordered), built ``CHUNK_ROWS`` rows at a time into
+    its final tensors (in huge pages where there are), so that mapping a 262k-row head holds one
+    chunk's scratch, not several copies of the whole. The kernels' tiled layouts are by rows (16 a
+    tile), so the chunks' layouts side by side are the whole's; PyTorch's int4 packing is not, and
+    is built whole."""
+    from ...kernels.quant import Q4_STORAGE, Q8_STORAGE
+
+    n = t.data.shape[0]
+    layer, at = None, 0
+    for r0 in range(0, n, CHUNK_ROWS):
+        part = _native([t._replace(data=t.data[r0:r0 + CHUNK_ROWS])], form, t.tensor_type.name,
+                       requantize=[requantize], kernel4=kernel4)
+        rows = part.out_features
+        if rows == n or part.kernel not in Q4_STORAGE + Q8_STORAGE:  # one chunk, or int4's packing
+            return part if rows == n else _native([t], form, t.tensor_type.name, requantize=[requantize],
+                                                  kernel4=kernel4)
+        if layer is None:  # the whole layer's tensors, the first chunk's kind and group
+            def whole(x, dim):
+                shape = list(x.shape)
+                shape[dim] = shape[dim] // rows * n
+                return hugepages.zeros([tuple(shape)], x.dtype)[0]
+            pdim = 1 if part.kernel in Q4_STORAGE else 0  # q4 storage: dm [2, N, K / 32]
+            layer = QuantLinear(part.kernel, part.in_features, n, whole(part.qweight, 0), whole(part.qparams, pdim),
+                                part.group, source=part.source,
+                                exact={k: whole(v, 0) for k, v in part._exact.items()})
+            layer.requantized = part.requantized
+        layer.qweight.narrow(0, at, rows).copy_(part.qweight)
+        layer.qparams.narrow(pdim, at, rows).copy_(part.qparams)
+        for k, v in part._exact.items():
+            layer._exact[k].narrow(0, at, rows).copy_(v)
+        at += rows
+    return layer
+
+
 def _native(tensors, form: str, source: str, undo=None, requantize=None, kernel4: str | None = None) -> QuantLinear:
     """One QuantLinear of ``tensors`` (their rows stacked in order) in ``form``; ``undo(i, x)``
     reorders part ``i``'s rows (any per-row array). ``requantize`` (8-bit form only): which parts
@@ -332,7 +371,7 @@ def native_linears(gguf_path: str | Path, num_heads: int, num_kv_heads: int,
     tells which layers are left on float32 (rows not a multiple of 16, a part missing, values
     that are not finite) and why."""
     by_name = {t.name: t for t in gguf_tensors(gguf_path)}
-    out, kinds = {}, set()
+    out, kinds, pending = {}, set(), []
     kernel4 = _four_bit_kernel_beside_eight(by_name)
     for i, fused, tensors in _decoder_layers(by_name):
         if _why_float(tensors) is not None:
@@ -355,7 +394,21 @@ def native_linears(gguf_path: str | Path, num_heads: int, num_kv_heads: int,
             continue
         out[f"layers.{i}.{fused}"] = layer
         kinds.update(types)
+        pending.append(layer)
+        if sum(_nbytes(p) for p in pending) >= GATHER_BYTES:
+            hugepages.gather(*pending)
+            pending.clear()
+    hugepages.gather(*pending)
     return out, "+".join(sorted(kinds))
+
+
+# built layers are moved into huge pages (kernels/hugepages.py) this many bytes at a time: a model's
+# weights are never held twice, and each arena is large enough for its huge pages
+GATHER_BYTES = 64 << 20
+
+
+def _nbytes(module) -> int:
+    return sum(t.numel() * t.element_size() for t in module.buffers())
 
 
 def _four_bit_kernel_beside_eight(by_name: dict) -> str | None:
@@ -487,10 +540,19 @@ def native_head(gguf_path: str | Path) -> QuantLinear | None:
     form = form_of([kind])
     try:
         try:
-            return _native([t], form or "8-bit", kind, requantize=None if form else [True])
+            head = _native_chunked(t, form or "8-bit", requantize=form is None)
         except ValueError:  # a Q4_K / Q6_K scale that overflows float16
             if form is None:
                 raise
-            return _native([t], "8-bit", kind, requantize=[True])
+            head = _native_chunked(t, "8-bit", requantize=True)
     except ValueError:  # values that are not finite
         return None
+    hugepages.gather(head)
+    return head
+
+
+def release() -> None:
+    """Forget the files' tensor tables (``gguf_tensors``), and with them their mappings: a loaded
+    model reads nothing more from them (an embedding kept in its file maps its rows itself), and
+    the pages the load read stop counting as the process's."""
+    _tensors.cache_clear()

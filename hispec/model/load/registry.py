@@ -94,20 +94,23 @@ def models_dir() -> Path:
     return hispec_home() / "models"
 
 
-def is_converted(folder: Path) -> bool:
-    return (folder / "config.json").is_file() and any(folder.glob("*.safetensors"))
+def is_converted(folder: Path, weights: bool = True) -> bool:
+    """Whether ``folder`` holds a model's config (and, ``weights``, its float weights)."""
+    return (folder / "config.json").is_file() and (not weights or any(folder.glob("*.safetensors")))
 
 
-def resolve_model(name_or_path: str, *, progress: bool = True) -> Path:
-    """A Hugging Face folder for ``name_or_path``, converting a GGUF file once if needed."""
+def resolve_model(name_or_path: str, *, progress: bool = True, weights: bool = True) -> Path:
+    """A Hugging Face folder for ``name_or_path``, converting a GGUF file once if needed; ``weights``
+    False: a GGUF file's config and tokenizer only, for a model that runs on the file's own blocks
+    (``gguf_native``; its float32 weights are written only when a load asks for them)."""
     key = ALIASES.get(name_or_path.lower(), name_or_path.lower())
     if key in KNOWN_MODELS:
-        return _known_model_folder(KNOWN_MODELS[key], progress)
+        return _known_model_folder(KNOWN_MODELS[key], progress, weights)
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         return path
     if path.is_file() and path.suffix == ".gguf":
-        return _gguf_folder(path, progress)
+        return _gguf_folder(path, progress, weights)
     known = ", ".join(["default"] + sorted(KNOWN_MODELS))
     if path.suffix == ".gguf" and not path.exists():
         raise ModelNotFoundError(f"GGUF file {path} does not exist")
@@ -127,21 +130,21 @@ def gguf_source(name_or_path: str) -> Path | None:
     return path if path.is_file() and path.suffix == ".gguf" else None
 
 
-def _known_model_folder(model: KnownModel, progress: bool) -> Path:
-    from .gguf_convert import convert_gguf
+def _known_model_folder(model: KnownModel, progress: bool, weights: bool = True) -> Path:
+    from .gguf_convert import convert_gguf, is_complete_conversion
 
     folder = models_dir() / model.folder
-    if is_converted(folder):
+    if is_complete_conversion(folder, weights):
         return folder
-    return convert_gguf(model.gguf(), folder, progress=progress)
+    return convert_gguf(model.gguf(), folder, progress=progress, weights=weights)
 
 
-def _gguf_folder(path: Path, progress: bool) -> Path:
+def _gguf_folder(path: Path, progress: bool, weights: bool = True) -> Path:
     from .gguf_convert import convert_gguf
 
     stat = path.stat()
     tag = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:10]
-    return convert_gguf(path, models_dir() / f"{path.stem}-{tag}", progress=progress)
+    return convert_gguf(path, models_dir() / f"{path.stem}-{tag}", progress=progress, weights=weights)
 
 
 def list_models() -> list[dict]:
@@ -149,12 +152,12 @@ def list_models() -> list[dict]:
     rows, seen = [], set()
     for m in KNOWN_MODELS.values():
         folder = models_dir() / m.folder
-        rows.append({"name": m.name, "installed": m.installed(), "cached": is_converted(folder), "path": str(folder),
+        rows.append({"name": m.name, "installed": m.installed(), "cached": is_converted(folder, weights=False), "path": str(folder),
                      "description": m.description, "source": m.source})
         seen.add(folder)
     if models_dir().is_dir():
         for folder in sorted(models_dir().iterdir()):
-            if folder not in seen and not folder.name.startswith(".") and is_converted(folder):
+            if folder not in seen and not folder.name.startswith(".") and is_converted(folder, weights=False):
                 rows.append({"name": folder.name, "cached": True, "path": str(folder),
                              "description": "converted GGUF", "source": "local"})
     return rows
