@@ -7,7 +7,7 @@ peak (VmHWM) from the load on, against the file's size.
     python scripts/resident-memory.py --model gemma3-270m
     python scripts/resident-memory.py --model l8b-q4km.gguf --tokens 16 --quantize native
 
-The model's own share is what loading the weights added (blocks repacked for the kernels, the
+The tokenizer is priced in a process of its own; the weights are what loading added beside it (blocks repacked for the kernels, the
 embedding rows read in place, norms); the tokenizer (Hugging Face's, in Rust: ~280 MB for a
 262k-token BPE) and the runtime (Python, PyTorch) are shown apart. Linux only.
 """
@@ -24,6 +24,18 @@ def status() -> dict[str, int]:
     text = open("/proc/self/status").read()
     return {k: int(re.search(rf"^{k}:\s+(\d+)", text, re.M).group(1)) // 1024
             for k in ("VmRSS", "VmHWM", "RssAnon", "RssFile")}
+
+
+def tokenizer_cost(folder) -> int:
+    """MiB a tokenizer of ``folder`` adds to a fresh process that has imported transformers."""
+    import subprocess
+    import sys
+
+    code = ("import re, transformers\n"
+            "from hispec.generate import load_tokenizer\n"
+            "rss = lambda: int(re.search(r'VmRSS:\\s+(\\d+)', open('/proc/self/status').read()).group(1))\n"
+            f"a = rss(); t = load_tokenizer(__import__('pathlib').Path({str(folder)!r})); print((rss() - a) // 1024)\n")
+    return int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()[-1])
 
 
 def main() -> None:
@@ -47,16 +59,9 @@ def main() -> None:
 
     gguf = gguf_source(args.model)
     folder = resolve_model(args.model, progress=False, weights=False)  # config and tokenizer only
+    tok = tokenizer_cost(folder)
     trim_heap()
     rows = {"imports": status()}
-    tokenizer = load_tokenizer(folder)  # priced alone, then dropped
-    trim_heap()
-    rows["a tokenizer alone"] = status()
-    del tokenizer
-    trim_heap()
-    with open("/proc/self/clear_refs", "w") as f:  # the peak from here
-        f.write("5")
-    rows["tokenizer dropped"] = base = status()
     t0 = time.perf_counter()
     gen = Generator.from_pretrained(args.model, progress=False, quantize=args.quantize, exits=False)
     load_s = time.perf_counter() - t0
@@ -66,9 +71,8 @@ def main() -> None:
     trim_heap()
     rows[f"after {args.tokens} tokens"] = status()
     file_mib = gguf.stat().st_size / 2**20 if gguf is not None else None
-    tok = rows["a tokenizer alone"]["VmRSS"] - rows["imports"]["VmRSS"]
-    model = rows["loaded (weights + tokenizer)"]["VmRSS"] - base["VmRSS"] - tok
-    peak = rows[f"after {args.tokens} tokens"]["VmHWM"] - base["VmRSS"]
+    model = rows["loaded (weights + tokenizer)"]["VmRSS"] - rows["imports"]["VmRSS"] - tok
+    peak = rows[f"after {args.tokens} tokens"]["VmHWM"] - rows["imports"]["VmRSS"]
     out = {"model": args.model, "file_mib": file_mib, "weight_format": gen.model.weight_format,
            "load_seconds": round(load_s, 1), "rows": rows, "tokenizer_mib": tok, "model_mib": model,
            "peak_over_runtime_mib": peak}

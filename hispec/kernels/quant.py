@@ -136,7 +136,9 @@ class QuantLinear(nn.Module):
         self.register_buffer("qparams", qparams)  # int4: [K/group, N, 2] bf16; int8: [N] bf16; int4x2: 2 x int4;
         #                                           q8: [N, K/group] float32 block scales
         self.register_buffer("bias", bias)
-        self._exact = exact or {}  # GGUF blocks: {"d", "m": [N, K / group] float16} with w = d * q + m
+        # GGUF blocks on PyTorch's int4 kernels (scales rounded to bfloat16 there): the file's {"d", "m":
+        # [N, K / group] float16} with w = d * q + m; the other kernels keep the file's scales themselves
+        self._exact = exact or {}
         # GGUF types whose float values were requantized to this form (gguf_weights.requantize_q8),
         # not mapped from the file's blocks; empty for exact forms
         self.requantized: tuple[str, ...] = ()
@@ -170,7 +172,8 @@ class QuantLinear(nn.Module):
         Q4_0 is ``m = -8 d``) on ``kernel`` (see :meth:`from_int4`); ``d, m`` are kept as given."""
         group = q.shape[1] // d.shape[1]
         layer = cls.from_int4(q, d.float(), m.float(), group, source=source, kernel=kernel)
-        layer._exact = {"d": d.half(), "m": m.half()}
+        if layer.kernel not in FLOAT_INPUT:  # int4 rounds the scales to bfloat16: keep the file's
+            layer._exact = {"d": d.half(), "m": m.half()}
         return layer
 
     @classmethod
@@ -196,9 +199,7 @@ class QuantLinear(nn.Module):
             q8, d8 = q.to(torch.int8).contiguous(), d.float().contiguous()
             if kernel == "q8a8":  # its kernels read the blocks tiled, scales in float16
                 q8, d8 = q8act.tile8(q8, d8)
-            layer = cls(kernel, k, n, q8, d8, group, source=source)
-            layer._exact = {"d": d.half(), "m": torch.zeros_like(d, dtype=torch.float16)}
-            return layer
+            return cls(kernel, k, n, q8, d8, group, source=source)  # d kept as given (float16 or float32)
         q = q.to(torch.int32)
         hi, lo = torch.div(q, 16, rounding_mode="floor"), q.remainder(16)
         d32 = d.float()

@@ -146,19 +146,30 @@ def test_q4_k_m_like_file_from_the_file(tmp_path, four_bit_kernel):
     assert torch.equal(_logits(native, ids), _logits(ref, ids))
 
 
-def test_a_head_mapped_in_chunks_is_the_whole(tmp_path, four_bit_kernel, monkeypatch):
-    """A head of more than CHUNK_ROWS rows, built a chunk at a time into its final tensors, holds
-    the bits of the head built whole (the kernels' tiles are by rows)."""
-    four_bit_kernel("q8a" if binding.available() else "int4")
+@pytest.mark.parametrize("kernel", ["q8a", "int4"])
+def test_layers_mapped_in_pieces_are_the_whole(tmp_path, four_bit_kernel, monkeypatch, kernel):
+    """Layers and head built a piece of CHUNK_ROWS rows at a time into their final tensors hold the
+    bits of the ones built whole (the kernels' tiles go by rows); int4's packing is built whole."""
+    if kernel == "q8a" and not binding.available():
+        pytest.skip("no C library here")
+    four_bit_kernel(kernel)
     src = tmp_path / "tiny.gguf"
-    _tiny_llama_gguf(src, DECODER_TYPES, embed="Q6_K", tied=True, vocab=272)
-    whole = gguf_weights.native_head(src)
+    _tiny_llama_gguf(src, Q4_K_M, embed="Q6_K", tied=True, vocab=272)
+
+    def built():
+        layers, _ = gguf_weights.native_linears(src, 4, 2, permuted=False)
+        return {**layers, "head": gguf_weights.native_head(src)}
+
+    whole = built()
     monkeypatch.setattr(gguf_weights, "CHUNK_ROWS", 48)
-    chunked = gguf_weights.native_head(src)
-    assert chunked.out_features == whole.out_features == 272
-    for a, b in ((chunked.qweight, whole.qweight), (chunked.qparams, whole.qparams),
-                 *((chunked._exact[k], whole._exact[k]) for k in whole._exact)):
-        assert torch.equal(a, b)
+    pieces = built()
+    assert pieces["head"].out_features == 272
+    for name, layer in whole.items():
+        other = pieces[name]
+        assert (other.kernel, other.group, other.requantized) == (layer.kernel, layer.group, layer.requantized)
+        for a, b in ((other.qweight, layer.qweight), (other.qparams, layer.qparams),
+                     *((other._exact[k], layer._exact[k]) for k in layer._exact)):
+            assert torch.equal(a, b), name
 
 
 def test_generator_from_a_gguf_file_writes_no_float_copy(tmp_path, monkeypatch, four_bit_kernel):

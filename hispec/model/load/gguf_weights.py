@@ -254,69 +254,87 @@ def _requantize_mask(types, overflow: bool = False) -> list[bool]:
     return [k not in EIGHT_BIT or overflow and k in ("Q4_K", "Q6_K") for k in types]
 
 
-CHUNK_ROWS = 16384  # a tensor of more rows (an output head) is mapped this many rows at a time
-
-
-def _native_chunked(t, form: str, requantize: bool, kernel4: str | None = None) -> QuantLinear:
-    """:func:`_native` of one tensor (no rows reordered), built ``CHUNK_ROWS`` rows at a time into
-    its final tensors (in huge pages where there are), so that mapping a 262k-row head holds one
-    chunk's scratch, not several copies of the whole. The kernels' tiled layouts are by rows (16 a
-    tile), so the chunks' layouts side by side are the whole's; PyTorch's int4 packing is not, and
-    is built whole."""
-    from ...kernels.quant import Q4_STORAGE, Q8_STORAGE
-
-    n = t.data.shape[0]
-    layer, at = None, 0
-    for r0 in range(0, n, CHUNK_ROWS):
-        part = _native([t._replace(data=t.data[r0:r0 + CHUNK_ROWS])], form, t.tensor_type.name,
-                       requantize=[requantize], kernel4=kernel4)
-        rows = part.out_features
-        if rows == n or part.kernel not in Q4_STORAGE + Q8_STORAGE:  # one chunk, or int4's packing
-            return part if rows == n else _native([t], form, t.tensor_type.name, requantize=[requantize],
-                                                  kernel4=kernel4)
-        if layer is None:  # the whole layer's tensors, the first chunk's kind and group
-            def whole(x, dim):
-                shape = list(x.shape)
-                shape[dim] = shape[dim] // rows * n
-                return hugepages.zeros([tuple(shape)], x.dtype)[0]
-            pdim = 1 if part.kernel in Q4_STORAGE else 0  # q4 storage: dm [2, N, K / 32]
-            layer = QuantLinear(part.kernel, part.in_features, n, whole(part.qweight, 0), whole(part.qparams, pdim),
-                                part.group, source=part.source,
-                                exact={k: whole(v, 0) for k, v in part._exact.items()})
-            layer.requantized = part.requantized
-        layer.qweight.narrow(0, at, rows).copy_(part.qweight)
-        layer.qparams.narrow(pdim, at, rows).copy_(part.qparams)
-        for k, v in part._exact.items():
-            layer._exact[k].narrow(0, at, rows).copy_(v)
-        at += rows
-    return layer
+CHUNK_ROWS = 4096  # a layer is mapped this many rows of a part at a time (module docstring)
 
 
 def _native(tensors, form: str, source: str, undo=None, requantize=None, kernel4: str | None = None) -> QuantLinear:
     """One QuantLinear of ``tensors`` (their rows stacked in order) in ``form``; ``undo(i, x)``
-    reorders part ``i``'s rows (any per-row array). ``requantize`` (8-bit form only): which parts
-    are requantized from their float values (:func:`requantize_q8`) rather than mapped exactly; the
-    layer's ``requantized`` names their types."""
-    undo = undo or (lambda i, x: x)
-    requantize = requantize or [False] * len(tensors)
-    if form == "4-bit":
-        assert not any(requantize)
-        parts = [[undo(i, x) for x in _blocks(t)] for i, t in enumerate(tensors)]
-        q, d, m = (torch.cat(xs) for xs in zip(*parts))
-        return QuantLinear.from_blocks(q, d, m, source, kernel=kernel4)
+    reorders part ``i``'s rows (any per-row array; a part so reordered is mapped whole).
+    ``requantize`` (8-bit form only): which parts are requantized from their float values
+    (:func:`requantize_q8`) rather than mapped exactly; the layer's ``requantized`` names their
+    types.
+
+    Built a piece at a time (``CHUNK_ROWS`` rows of a part) into the layer's final tensors (in huge
+    pages where there are), so that loading holds one piece's scratch (unpacked codes, scales), not
+    several copies of a whole layer or a 128k-row head (an 8B-shaped file's load peaked 1.3 GB
+    above its weights). The kernels' tiled layouts go by rows, 16 a tile, so pieces of whole tiles
+    side by side are the whole's layout; PyTorch's int4 packing is not, and is built whole."""
+    requantize = list(requantize or [False] * len(tensors))
     kinds = [t.tensor_type.name for t in tensors]
-    if not _group16_runs():  # no kernel with a scale per 16 values here: Q6_K parts requantized
-        requantize = [r or k in GROUP16 for r, k in zip(requantize, kinds)]
-    # a scale per 16 values for every part where one part has it (a scale per 32 is two equal ones)
-    group = 16 if any(k in GROUP16 and not r for k, r in zip(kinds, requantize)) else BLOCK
-    parts = []
-    for i, (t, r) in enumerate(zip(tensors, requantize)):
-        q, d = _requantized_blocks(t, group) if r else _q8_blocks(t)
-        parts.append([undo(i, q), undo(i, d.repeat_interleave(q.shape[1] // group // d.shape[1], dim=1))])
-    q, d = (torch.cat(xs) for xs in zip(*parts))
-    layer = QuantLinear.from_q8_blocks(q, d, source)
-    layer.requantized = tuple(sorted({t.tensor_type.name for t, r in zip(tensors, requantize) if r}))
+    group = BLOCK
+    if form == "8-bit":
+        if not _group16_runs():  # no kernel with a scale per 16 values here: Q6_K parts requantized
+            requantize = [r or k in GROUP16 for r, k in zip(requantize, kinds)]
+        # a scale per 16 values for every part where one part has it (a scale per 32 is two equal ones)
+        group = 16 if any(k in GROUP16 and not r for k, r in zip(kinds, requantize)) else BLOCK
+    else:
+        assert not any(requantize)
+
+    def blocks(i, t):  # part i's rows of ``t`` in the form: (q, d, m) or (q, d), rows as the model's
+        fix = (lambda x: undo(i, x)) if undo is not None else (lambda x: x)
+        if form == "4-bit":
+            return [fix(x) for x in _blocks(t)]
+        q, d = _requantized_blocks(t, group) if requantize[i] else _q8_blocks(t)
+        return [fix(q), fix(d.repeat_interleave(q.shape[1] // group // d.shape[1], dim=1))]
+
+    def make(xs):  # a QuantLinear of these blocks
+        if form == "4-bit":
+            return QuantLinear.from_blocks(*xs, source, kernel=kernel4)
+        return QuantLinear.from_q8_blocks(*xs, source)
+
+    layer = _assembled(tensors, blocks, make, whole=undo is not None)
+    layer.requantized = tuple(sorted({k for k, r in zip(kinds, requantize) if r}))
     return layer
+
+
+def _assembled(tensors, blocks, make, whole: bool) -> QuantLinear:
+    """The layer ``make`` builds of ``blocks(i, rows of part i)`` for every part, made a piece at a
+    time (``CHUNK_ROWS`` rows; each part whole where ``whole``) into the final tensors, or all at
+    once where the pieces' layouts do not line up (a part not of whole 16-row tiles, int4's packing,
+    data that is not a file's rows)."""
+    from ...kernels.quant import Q4_STORAGE, Q8_STORAGE
+
+    n = sum(t.data.shape[0] for t in tensors)
+    step = n if whole or not all(hasattr(t, "_replace") for t in tensors) else CHUNK_ROWS  # (test doubles: whole)
+    layer, at, pdim = None, 0, 0
+    for i, t in enumerate(tensors):
+        for r0 in range(0, t.data.shape[0], step):
+            rows_of_t = t if step >= t.data.shape[0] else t._replace(data=t.data[r0:r0 + step])
+            piece = make(blocks(i, rows_of_t))
+            rows = piece.out_features
+            if rows == n:
+                return piece
+            if layer is None:
+                if any(u.data.shape[0] % 16 for u in tensors) or piece.kernel not in Q4_STORAGE + Q8_STORAGE:
+                    return make([torch.cat(xs) for xs in zip(*(blocks(j, u) for j, u in enumerate(tensors)))])
+                pdim = 1 if piece.kernel in Q4_STORAGE else 0  # q4 storage: dm [2, N, K / 32]
+                layer = QuantLinear(piece.kernel, piece.in_features, n, _rows_like(piece.qweight, 0, rows, n),
+                                    _rows_like(piece.qparams, pdim, rows, n), piece.group, source=piece.source,
+                                    exact={k: _rows_like(v, 0, rows, n) for k, v in piece._exact.items()})
+            forget_pages(t, r0, r0 + rows)
+            layer.qweight.narrow(0, at, rows).copy_(piece.qweight)
+            layer.qparams.narrow(pdim, at, rows).copy_(piece.qparams)
+            for k, v in piece._exact.items():
+                layer._exact[k].narrow(0, at, rows).copy_(v)
+            at += rows
+    return layer
+
+
+def _rows_like(x: torch.Tensor, dim: int, rows: int, n: int) -> torch.Tensor:
+    """A zeroed tensor like ``x`` (which holds ``rows`` rows along ``dim``) for ``n`` rows, in huge pages."""
+    shape = list(x.shape)
+    shape[dim] = shape[dim] // rows * n
+    return hugepages.zeros([tuple(shape)], x.dtype)[0]
 
 
 def gguf_tensors(gguf_path: str | Path) -> list:
@@ -380,7 +398,8 @@ def native_linears(gguf_path: str | Path, num_heads: int, num_kv_heads: int,
         heads = [num_heads if p == "attn_q" else num_kv_heads if p == "attn_k" else 0 for p in FUSED[fused]]
 
         def undo(j, x, heads=heads):
-            return _unpermute_rows(x, heads[j]) if permuted and heads[j] else x
+            return _unpermute_rows(x, heads[j]) if heads[j] else x
+        undo = undo if permuted and any(heads) else None  # None: no rows reordered (pieces of CHUNK_ROWS)
         source, form = "+".join(sorted(set(types))), form_of(types)
         try:
             try:
@@ -394,6 +413,8 @@ def native_linears(gguf_path: str | Path, num_heads: int, num_kv_heads: int,
             continue
         out[f"layers.{i}.{fused}"] = layer
         kinds.update(types)
+        for t in tensors:
+            forget_pages(t)
         pending.append(layer)
         if sum(_nbytes(p) for p in pending) >= GATHER_BYTES:
             hugepages.gather(*pending)
@@ -540,15 +561,34 @@ def native_head(gguf_path: str | Path) -> QuantLinear | None:
     form = form_of([kind])
     try:
         try:
-            head = _native_chunked(t, form or "8-bit", requantize=form is None)
+            head = _native([t], form or "8-bit", kind, requantize=[form is None])
         except ValueError:  # a Q4_K / Q6_K scale that overflows float16
             if form is None:
                 raise
-            head = _native_chunked(t, "8-bit", requantize=True)
+            head = _native([t], "8-bit", kind, requantize=[True])
     except ValueError:  # values that are not finite
         return None
     hugepages.gather(head)
     return head
+
+
+def forget_pages(t, r0: int = 0, r1: int | None = None) -> None:
+    """Take the file's pages of rows ``r0:r1`` of ``t`` out of this process's resident set once they
+    have been read (``MADV_DONTNEED`` on the read-only mapping: the kernel's page cache keeps them,
+    and a later read faults them back), so that loading a file of several GB does not count the
+    whole file on top of the weights built from it (an 8B-shaped Q4_K_M file's load peaked at
+    2.55x the file, 1.4x without its pages). Nothing where the data is not a file mapping."""
+    import mmap
+
+    mapping = getattr(t.data, "_mmap", None)
+    if mapping is None or not hasattr(mapping, "madvise") or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    row_bytes = int(t.n_bytes) // max(int(t.data.shape[0]), 1)
+    r1 = t.data.shape[0] if r1 is None else min(r1, t.data.shape[0])
+    start, end = int(t.data_offset) + r0 * row_bytes, int(t.data_offset) + r1 * row_bytes
+    start -= start % mmap.PAGESIZE
+    if end > start:
+        mapping.madvise(mmap.MADV_DONTNEED, start, end - start)
 
 
 def release() -> None:
