@@ -124,6 +124,13 @@ static inline int64_t first_key(const int32_t *lo, int nq) {
     return f / 16 * 16;
 }
 
+/* The longest context among a tile's nq queries (its keys: lmax). */
+static inline int64_t longest(const int32_t *len, int64_t nq) {
+    int64_t lmax = 0;
+    for (int64_t qi = 0; qi < nq; qi++) lmax = len[qi] > lmax ? len[qi] : lmax;
+    return lmax;
+}
+
 /* a . b: 16 lanes of fused multiply-adds (lane l: the elements i = l mod 16 below the last whole
  * 16, in order), the lanes summed by hsum16's tree, then the rest in order: each score's bits,
  * whichever path computes it (tile_scores16 for D = 64, 128 on AVX-512). */
@@ -295,8 +302,7 @@ static inline __attribute__((always_inline)) void tile_values(const float *score
 static void attend_tile(const float *q, int64_t Hq, kv_head kp, kv_head vp, key_map m, const int32_t *len,
                         const int32_t *lo, int nq, int64_t G, int64_t D, float scale, float *scores, float *acc,
                         float *sum, float *buf) {
-    int64_t lmax = 0, jf = first_key(lo, nq);
-    for (int qi = 0; qi < nq; qi++) lmax = len[qi] > lmax ? len[qi] : lmax;
+    int64_t lmax = longest(len, nq), jf = first_key(lo, nq);
 #if defined(__AVX512F__)
     if (D == 64) tile_scores16(q, Hq, kp, m, len, lo, jf, nq, lmax, G, 64, scale, scores, buf);
     else if (D == 128) tile_scores16(q, Hq, kp, m, len, lo, jf, nq, lmax, G, 128, scale, scores, buf);
@@ -325,9 +331,9 @@ static void attend_tile(const float *q, int64_t Hq, kv_head kp, kv_head vp, key_
  * - Scores: each query element as two bfloat16, h = bf16(x) and l = bf16(x - h) (x to ~2^-17, as
  *   float32 to 2^-24: rounded to one bfloat16, the default model's greedy tokens kept in step with
  *   float32 weights for 42 of 128 on average instead of 50, scripts/numerics.py). Keys 16 at a
- *   time, a key a lane (the chunk transposed once for all the tile's rows, bf_transpose16): a key's
- *   score is four partial sums over its D / 2 words, p_c over the words w = c mod 4 in order (each
- *   word's product with h's word, then with l's), added as (p_0 + p_1) + (p_2 + p_3), times scale.
+ *   time, rearranged once for all the tile's rows (bf_key_quads): a key's score is four partial
+ *   sums over its D / 2 words, p_c over the words w = c mod 4 in order (each word's product with
+ *   h's word, then with l's), added as (p_0 + p_1) + (p_2 + p_3), times scale.
  * - Values: the softmax weights rounded to bfloat16 (to nearest even); each output element over the
  *   row's keys in pairs (2u, 2u + 1) in order, key 2u + 1's product first; the key after a row's
  *   last has weight 0 (adds nothing). The weights' sum is that of the rounded weights.
@@ -336,9 +342,35 @@ static void attend_tile(const float *q, int64_t Hq, kv_head kp, kv_head vp, key_
 
 typedef uint32_t word;  /* two bfloat16 */
 
-/* x rounded to bfloat16 (f2bf: to nearest even), as float32 bits. */
-static inline uint32_t bf_bits(float x) {
-    return (uint32_t)f2bf(x) << 16;
+/* x's 16 lanes rounded to bfloat16 as f2bf does (to nearest even, NaN -> 0x7FC0), as float32 bits,
+ * by integer operations: VCVTNEPS2BF16 rounds the same way but flushes denormals to zero and keeps a
+ * NaN's payload. */
+static inline __m512i bf_bits16(__m512 x) {
+    const __m512i u = _mm512_castps_si512(x), odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, odd), _mm512_set1_epi32(0x7FFF));
+    return _mm512_mask_mov_epi32(_mm512_and_si512(r, _mm512_set1_epi32((int)0xFFFF0000u)),
+                                 _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC00000));
+}
+
+/* The bfloat16 halves of 32 rounded lanes (a: elements 0-15, b: 16-31) as 16 words: word w =
+ * (element 2w, element 2w + 1). */
+static inline __m512i bf_words(__m512i a, __m512i b) {
+    static const uint16_t high_halves[32] = {1,  3,  5,  7,  9,  11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31,
+                                             33, 35, 37, 39, 41, 43, 45, 47, 49, 51, 53, 55, 57, 59, 61, 63};
+    return _mm512_permutex2var_epi16(a, _mm512_loadu_si512(high_halves), b);
+}
+
+/* A query row x[D] (D a multiple of 32) as words: each element as h = bf16(x), l = bf16(x - h),
+ * w[0 .. D / 2) h's and w[D / 2 .. D) l's. */
+static inline void bf_split_row(const float *x, int64_t D, word *w) {
+    for (int64_t i = 0; i < D; i += 32) {
+        const __m512 x0 = _mm512_loadu_ps(x + i), x1 = _mm512_loadu_ps(x + i + 16);
+        const __m512i h0 = bf_bits16(x0), h1 = bf_bits16(x1);
+        const __m512i l0 = bf_bits16(_mm512_sub_ps(x0, _mm512_castsi512_ps(h0)));
+        const __m512i l1 = bf_bits16(_mm512_sub_ps(x1, _mm512_castsi512_ps(h1)));
+        _mm512_storeu_si512(w + i / 2, bf_words(h0, h1));
+        _mm512_storeu_si512(w + D / 2 + i / 2, bf_words(l0, l1));
+    }
 }
 
 static const word zero_words[64];  /* the keys and values past the last (D <= 128) */
@@ -381,66 +413,72 @@ static inline void prefetch_chunk(kv_head p, key_map m, int64_t j0, int64_t lmax
     prefetch_rows(p, slots, n);
 }
 
-/* Rows 16 x 16 of 32-bit words transposed in registers: r[i] word e -> r[e] word i (unpacks of
- * dwords, then of qwords, then a 4 x 4 transpose of the 128-bit lanes). */
-static inline void bf_transpose16(__m512i r[16]) {
-    __m512i t[16];
-    for (int i = 0; i < 16; i += 2) {
-        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-    }
-    for (int g = 0; g < 16; g += 4) {  /* u[g + c], 128-bit lane L: rows g .. g + 3, word 4L + c */
-        r[g] = _mm512_unpacklo_epi64(t[g], t[g + 2]);
-        r[g + 1] = _mm512_unpackhi_epi64(t[g], t[g + 2]);
-        r[g + 2] = _mm512_unpacklo_epi64(t[g + 1], t[g + 3]);
-        r[g + 3] = _mm512_unpackhi_epi64(t[g + 1], t[g + 3]);
-    }
-    for (int c = 0; c < 4; c++) {
-        const __m512i a = r[c], b = r[4 + c], x = r[8 + c], y = r[12 + c];
-        const __m512i v0 = _mm512_shuffle_i32x4(a, b, 0x44), v1 = _mm512_shuffle_i32x4(a, b, 0xEE);
-        const __m512i v2 = _mm512_shuffle_i32x4(x, y, 0x44), v3 = _mm512_shuffle_i32x4(x, y, 0xEE);
-        t[c] = _mm512_shuffle_i32x4(v0, v2, 0x88);
-        t[4 + c] = _mm512_shuffle_i32x4(v0, v2, 0xDD);
-        t[8 + c] = _mm512_shuffle_i32x4(v1, v3, 0x88);
-        t[12 + c] = _mm512_shuffle_i32x4(v1, v3, 0xDD);
-    }
-    for (int i = 0; i < 16; i++) r[i] = t[i];
+/* A chunk's 16 keys (rows of W words) as quads: kq[g * W / 4 + s], 128-bit lane L, holds key
+ * g + 4L's words 4s .. 4s + 3 (a 4 x 4 transpose of 128-bit lanes per 16 words of keys g, g + 4,
+ * g + 8, g + 12). Half the shuffles of a transpose to a key a lane (which the CPU's dot products
+ * wait on: VDPBF16PS shares their port on this Xeon), and a row's words are read four at a time
+ * instead of one; bf_score_rows adds four shuffles a row. A decode step's items of 3 rows (SmolLM2:
+ * 3 query heads a KV head) took 0.94-0.95x as long over 16-300 keys (D = 64 and 128), prompt tiles
+ * of 96 rows 0.97-0.99x (interleaved runs, one thread). */
+static inline void bf_key_quads(const word *const keys[16], const int64_t W, __m512i *kq) {
+    for (int g = 0; g < 4; g++)
+        for (int64_t h = 0; h < W; h += 16) {
+            const __m512i a = _mm512_loadu_si512(keys[g] + h), b = _mm512_loadu_si512(keys[g + 4] + h);
+            const __m512i c = _mm512_loadu_si512(keys[g + 8] + h), d = _mm512_loadu_si512(keys[g + 12] + h);
+            const __m512i ab0 = _mm512_shuffle_i32x4(a, b, 0x44), ab1 = _mm512_shuffle_i32x4(a, b, 0xEE);
+            const __m512i cd0 = _mm512_shuffle_i32x4(c, d, 0x44), cd1 = _mm512_shuffle_i32x4(c, d, 0xEE);
+            __m512i *v = kq + g * (W / 4) + h / 4;
+            v[0] = _mm512_shuffle_i32x4(ab0, cd0, 0x88);
+            v[1] = _mm512_shuffle_i32x4(ab0, cd0, 0xDD);
+            v[2] = _mm512_shuffle_i32x4(ab1, cd1, 0x88);
+            v[3] = _mm512_shuffle_i32x4(ab1, cd1, 0xDD);
+        }
 }
 
-/* R (1 or 2) rows' scores for a chunk's 16 keys from its transposed words kt[W] (a key a lane):
- * four partial sums per row, in registers. */
-static inline __attribute__((always_inline)) void bf_chunk_rows(const word *q0, const word *q1, const __m512i *kt,
+/* R (1-4) rows' scores for a chunk's 16 keys (n of them stored) from its quads kq: lane (L, c) of
+ * p[r][g] is key g + 4L's partial sum p_c, step s adding word 4s + c's products (h's word, then
+ * l's: the row's 4 words broadcast to every 128-bit lane). The lanes' sums (p_0 + p_1) + (p_2 +
+ * p_3) leave key 4L + g in lane 4L + g: in order. */
+static inline __attribute__((always_inline)) void bf_score_rows(const word *const q[4], const __m512i *kq,
                                                                const int64_t W, const int R, float scale, int64_t n,
-                                                               float *s0, float *s1) {
-    __m512 p0[4], p1[4];
-    for (int c = 0; c < 4; c++) p0[c] = p1[c] = _mm512_setzero_ps();
-    for (int64_t w = 0; w < W; w += 4)
-        for (int c = 0; c < 4; c++) {
-            const __m512bh k = (__m512bh)kt[w + c];
-            p0[c] = _mm512_dpbf16_ps(p0[c], (__m512bh)_mm512_set1_epi32((int)q0[w + c]), k);
-            p0[c] = _mm512_dpbf16_ps(p0[c], (__m512bh)_mm512_set1_epi32((int)q0[W + w + c]), k);
-            if (R == 2) {
-                p1[c] = _mm512_dpbf16_ps(p1[c], (__m512bh)_mm512_set1_epi32((int)q1[w + c]), k);
-                p1[c] = _mm512_dpbf16_ps(p1[c], (__m512bh)_mm512_set1_epi32((int)q1[W + w + c]), k);
+                                                               float *const out[4]) {
+    __m512 p[4][4];
+    for (int r = 0; r < R; r++)
+        for (int g = 0; g < 4; g++) p[r][g] = _mm512_setzero_ps();
+    for (int64_t s = 0; s < W / 4; s++) {
+        __m512bh h[4], l[4];
+        for (int r = 0; r < R; r++) {
+            h[r] = (__m512bh)_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(q[r] + 4 * s)));
+            l[r] = (__m512bh)_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(q[r] + W + 4 * s)));
+        }
+        for (int g = 0; g < 4; g++) {
+            const __m512bh k = (__m512bh)kq[g * (W / 4) + s];
+            for (int r = 0; r < R; r++) {
+                p[r][g] = _mm512_dpbf16_ps(p[r][g], h[r], k);
+                p[r][g] = _mm512_dpbf16_ps(p[r][g], l[r], k);
             }
         }
+    }
     const __mmask16 lanes = (__mmask16)((1u << n) - 1u);
     const __m512 sc = _mm512_set1_ps(scale);
-    _mm512_mask_storeu_ps(s0, lanes, _mm512_mul_ps(_mm512_add_ps(_mm512_add_ps(p0[0], p0[1]),
-                                                                 _mm512_add_ps(p0[2], p0[3])), sc));
-    if (R == 2)
-        _mm512_mask_storeu_ps(s1, lanes, _mm512_mul_ps(_mm512_add_ps(_mm512_add_ps(p1[0], p1[1]),
-                                                                     _mm512_add_ps(p1[2], p1[3])), sc));
+    for (int r = 0; r < R; r++) {  /* per 128-bit lane: (p_0 + p_1, p_2 + p_3) of groups g, g + 1, then the pairs' sums */
+        const __m512 *v = p[r];
+        const __m512 x = _mm512_add_ps(_mm512_shuffle_ps(v[0], v[1], 0x88), _mm512_shuffle_ps(v[0], v[1], 0xDD));
+        const __m512 y = _mm512_add_ps(_mm512_shuffle_ps(v[2], v[3], 0x88), _mm512_shuffle_ps(v[2], v[3], 0xDD));
+        const __m512 z = _mm512_add_ps(_mm512_shuffle_ps(x, y, 0x88), _mm512_shuffle_ps(x, y, 0xDD));
+        _mm512_mask_storeu_ps(out[r], lanes, _mm512_mul_ps(z, sc));
+    }
 }
 
-/* scores[r * ls + j] = (q_r . k_j) * scale for the tile's rows and keys j < lmax, from the rows'
- * queries as words qw[r * D ..] (h's D / 2 words, then l's): per chunk of 16 keys, the keys'
- * words transposed into kt[D / 2] once, then the rows two at a time (bf_chunk_rows); each chunk's
- * values (vp, at the same slots) are prefetched meanwhile (PREFETCH_AHEAD). */
+/* scores[r * lmax + j] = (q_r . k_j) * scale for the tile's rows and keys j < lmax, from the rows'
+ * queries as words qw[r * D ..] (h's D / 2 words, then l's): per chunk of 16 keys, the keys as
+ * quads in kq[D / 2] once (bf_key_quads), then the rows that see the chunk four at a time
+ * (bf_score_rows); each chunk's values (vp, at the same slots) are prefetched meanwhile
+ * (PREFETCH_AHEAD). */
 static inline __attribute__((always_inline)) void bf_scores(const word *qw, kv_head kp, kv_head vp, key_map m,
                                                            const int32_t *len, const int32_t *lo, int64_t jf, int nq,
-                                                           int64_t G, const int64_t D, int64_t lmax, int64_t ls,
-                                                           float scale, float *scores, __m512i *kt) {
+                                                           int64_t G, const int64_t D, int64_t lmax, float scale,
+                                                           float *scores, __m512i *kq) {
     const int64_t W = D / 2;
     const word *keys[16];
     for (int64_t c = 1; c < PREFETCH_AHEAD; c++) prefetch_chunk(kp, m, jf + 16 * c, lmax);
@@ -450,40 +488,55 @@ static inline __attribute__((always_inline)) void bf_scores(const word *qw, kv_h
         chunk_rows(kp, m, j0, lmax, keys, slots);
         prefetch_chunk(kp, m, j0 + 16 * PREFETCH_AHEAD, lmax);
         prefetch_rows(vp, slots, n);  /* the chunk's values (the keys' slots), into L2 for bf_values */
-        for (int64_t w0 = 0; w0 < W; w0 += 16) {
-            __m512i r[16];
-            for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_si512(keys[i] + w0);
-            bf_transpose16(r);
-            for (int i = 0; i < 16; i++) kt[w0 + i] = r[i];
-        }
+        bf_key_quads(keys, W, kq);
         for (int64_t r = 0; r < nq * G;) {
-            const int live = j0 < len[r / G] && j0 + 16 > lo[r / G],
-                      two = r + 1 < nq * G && j0 < len[(r + 1) / G] && j0 + 16 > lo[(r + 1) / G];
-            if (live && two)
-                bf_chunk_rows(qw + r * D, qw + (r + 1) * D, kt, W, 2, scale, n, scores + r * ls + j0,
-                              scores + (r + 1) * ls + j0);
-            else if (live)
-                bf_chunk_rows(qw + r * D, NULL, kt, W, 1, scale, n, scores + r * ls + j0, NULL);
-            r += live && two ? 2 : 1;
+            const word *q[4];
+            float *out[4];
+            int R = 0;
+            for (; r < nq * G && R < 4; r++)
+                if (j0 < len[r / G] && j0 + 16 > lo[r / G]) {
+                    q[R] = qw + r * D;
+                    out[R++] = scores + r * lmax + j0;
+                }
+            if (R == 4) bf_score_rows(q, kq, W, 4, scale, n, out);
+            else if (R == 3) bf_score_rows(q, kq, W, 3, scale, n, out);
+            else if (R == 2) bf_score_rows(q, kq, W, 2, scale, n, out);
+            else if (R == 1) bf_score_rows(q, kq, W, 1, scale, n, out);
         }
+    }
+}
+
+/* The lanes j .. j + 15 that hold keys l .. n - 1, as a mask. */
+static inline __mmask16 keys_in(int64_t j, int64_t l, int64_t n) {
+    const int64_t from = l - j < 0 ? 0 : l - j, to = n - j > 16 ? 16 : n - j;
+    return from >= to ? 0 : (__mmask16)(((1u << to) - 1u) & ~((1u << from) - 1u));
+}
+
+/* A row's weights s[l .. n) rounded to bfloat16 in place (their bits) and as words from the chunk
+ * of l on (j1 = l / 16 * 16): w[u] = (p[2u], p[2u + 1]) for j1 / 2 <= u < (n + 1) / 2, weight 0
+ * before l and at n. 32 weights at a time, packed from the registers that rounded them. */
+static inline void bf_round_pack(float *s, int64_t j1, int64_t l, int64_t n, word *w) {
+    for (int64_t j = j1; j < n; j += 32) {
+        const __mmask16 a = keys_in(j, l, n), b = keys_in(j + 16, l, n);
+        const __m512i ra = bf_bits16(_mm512_maskz_loadu_ps(a, s + j));  /* (0 outside the keys: weight 0) */
+        const __m512i rb = bf_bits16(_mm512_maskz_loadu_ps(b, s + j + 16));
+        _mm512_mask_storeu_epi32(s + j, a, ra);
+        _mm512_mask_storeu_epi32(s + j + 16, b, rb);
+        const int64_t k = (n + 1) / 2 - j / 2 < 16 ? (n + 1) / 2 - j / 2 : 16;  /* words */
+        _mm512_mask_storeu_epi32(w + j / 2, (__mmask16)((1u << k) - 1u), bf_words(ra, rb));
     }
 }
 
 /* Each row's scores -> its weights exp(score - max) rounded to bfloat16 (in place), their sum, and
  * the weights as words: pw[r * lw + u] = (p[2u], p[2u + 1]), p[n] = 0 after a row's last key. */
-static void bf_softmax(float *scores, const int32_t *len, const int32_t *lo, int nq, int64_t G, int64_t ls,
+static void bf_softmax(float *scores, const int32_t *len, const int32_t *lo, int nq, int64_t G, int64_t lmax,
                        float *sum, word *pw, int64_t lw) {
     for (int64_t r = 0; r < nq * G; r++) {  /* a row's keys: lo .. n - 1; weight 0 from its chunk's start to lo */
-        float *s = scores + r * ls;
-        int64_t n = len[r / G], l = lo[r / G], j1 = l / 16 * 16;
+        float *s = scores + r * lmax;
+        int64_t n = len[r / G], l = lo[r / G];
         exp_shifted(s + l, n - l, row_max(s + l, n - l));
-        uint32_t *bits = (uint32_t *)s;  /* (the same storage: each weight's rounded bits) */
-        for (int64_t j = j1; j < l; j++) bits[j] = 0;
-        for (int64_t j = l; j < n; j++) bits[j] = bf_bits(s[j]);
+        bf_round_pack(s, l / 16 * 16, l, n, pw + r * lw);
         sum[r] = row_sum(s + l, n - l);
-        s[n] = 0.0f;
-        word *w = pw + r * lw;
-        for (int64_t u = j1 / 2; u < (n + 1) / 2; u++) w[u] = bits[2 * u] >> 16 | (bits[2 * u + 1] & 0xFFFF0000u);
     }
 }
 
@@ -514,7 +567,7 @@ static inline __attribute__((always_inline)) void bf_rows(const word *w0, const 
 
 /* acc[r * D ..] = sum_j p_r[j] v_j for the tile's rows, by chunks of 16 keys: each pair's two value
  * rows interleaved into words once a chunk (unpacklo/hi_epi16, by 128-bit lanes), so a row's sums
- * lie permuted until bf_unpermute; the rows of a query two at a time. pairs: room for 8 * D words. */
+ * lie permuted until bf_finish_row; the rows of a query two at a time. pairs: room for 8 * D words. */
 static inline __attribute__((always_inline)) void bf_values(const word *pw, int64_t lw, kv_head vp, key_map m,
                                                            const int32_t *len, const int32_t *lo, int64_t jf, int nq,
                                                            int64_t G, const int64_t D, int64_t lmax, float *acc,
@@ -546,49 +599,37 @@ static inline __attribute__((always_inline)) void bf_values(const word *pw, int6
     }
 }
 
-/* A row's sums from bf_values' layout into column order: register 2k + h (h = 0: unpacklo, 1:
- * unpackhi) of the 32 columns from 32k, lane 4L + i, holds column 32k + 8L + 4h + i. */
-static void bf_unpermute(float *a, int64_t D, float *tmp) {
-    for (int64_t k = 0; k < D / 32; k++)
-        for (int64_t h = 0; h < 2; h++)
-            for (int64_t L = 0; L < 4; L++)
-                for (int64_t i = 0; i < 4; i++) tmp[32 * k + 8 * L + 4 * h + i] = a[32 * k + 16 * h + 4 * L + i];
-    memcpy(a, tmp, (size_t)D * sizeof(float));
+/* A row's sums from bf_values' layout into column order, divided by the row's sum: register 2k + h
+ * (h = 0: unpacklo, 1: unpackhi) of the 32 columns from 32k, lane 4L + i, holds column
+ * 32k + 8L + 4h + i. */
+static void bf_finish_row(float *a, int64_t D, float sum) {
+    const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    const __m512 s = _mm512_set1_ps(sum);
+    for (int64_t k = 0; k < D; k += 32) {
+        const __m512 lo = _mm512_loadu_ps(a + k), hi = _mm512_loadu_ps(a + k + 16);
+        _mm512_storeu_ps(a + k, _mm512_div_ps(_mm512_permutex2var_ps(lo, first, hi), s));
+        _mm512_storeu_ps(a + k + 16, _mm512_div_ps(_mm512_permutex2var_ps(lo, second, hi), s));
+    }
 }
 
 /* attend_tile over a bfloat16 pool with bfloat16 products, D = 64 or 128; scores: room for nq * G
- * rows of lmax + 1. */
+ * rows of lmax; qw: for nq * G rows of D + lmax / 2 + 1 words (the queries' and weights'). */
 static void attend_tile_bf(const float *q, int64_t Hq, kv_head kp, kv_head vp, key_map m, const int32_t *len,
                            const int32_t *lo, int nq, int64_t G, int64_t D, float scale, float *scores, float *acc,
-                           float *sum) {
-    int64_t lmax = 0, rows = nq * G, jf = first_key(lo, nq);
-    for (int qi = 0; qi < nq; qi++) lmax = len[qi] > lmax ? len[qi] : lmax;
-    int64_t ls = lmax + 1, lw = lmax / 2 + 1;
-    word *qw = malloc((size_t)(rows * (D + lw)) * sizeof(word)), *pw = qw + rows * D;
-    word *pairs = aligned_alloc(64, (size_t)(8 * D) * sizeof(word));  /* (a chunk's pairs, read by whole cache lines) */
-    for (int64_t r = 0; r < rows; r++) {  /* each query element x as h = bf16(x), l = bf16(x - h) */
-        const float *x = q + r / G * Hq * D + r % G * D;
-        for (int64_t w = 0; w < D / 2; w++) {
-            uint32_t h0 = bf_bits(x[2 * w]), h1 = bf_bits(x[2 * w + 1]);
-            float f0, f1;
-            memcpy(&f0, &h0, 4);
-            memcpy(&f1, &h1, 4);
-            qw[r * D + w] = h0 >> 16 | h1;
-            qw[r * D + D / 2 + w] = bf_bits(x[2 * w] - f0) >> 16 | bf_bits(x[2 * w + 1] - f1);
-        }
-    }
-    __m512i *kt = (__m512i *)pairs;  /* (a chunk's transposed keys: D / 2 vectors, the size of pairs) */
-    if (D == 64) bf_scores(qw, kp, vp, m, len, lo, jf, nq, G, 64, lmax, ls, scale, scores, kt);
-    else bf_scores(qw, kp, vp, m, len, lo, jf, nq, G, 128, lmax, ls, scale, scores, kt);
-    bf_softmax(scores, len, lo, nq, G, ls, sum, pw, lw);
+                           float *sum, word *qw) {
+    int64_t lmax = longest(len, nq), rows = nq * G, jf = first_key(lo, nq);
+    int64_t lw = lmax / 2 + 1;
+    word *pw = qw + rows * D;
+    _Alignas(64) word pairs[8 * 128];  /* (a chunk's pairs, read by whole cache lines; D <= 128) */
+    for (int64_t r = 0; r < rows; r++) bf_split_row(q + r / G * Hq * D + r % G * D, D, qw + r * D);
+    __m512i *kq = (__m512i *)pairs;  /* (a chunk's keys as quads: D / 2 vectors, the size of pairs) */
+    if (D == 64) bf_scores(qw, kp, vp, m, len, lo, jf, nq, G, 64, lmax, scale, scores, kq);
+    else bf_scores(qw, kp, vp, m, len, lo, jf, nq, G, 128, lmax, scale, scores, kq);
+    bf_softmax(scores, len, lo, nq, G, lmax, sum, pw, lw);
     if (D == 64) bf_values(pw, lw, vp, m, len, lo, jf, nq, G, 64, lmax, acc, pairs);
     else bf_values(pw, lw, vp, m, len, lo, jf, nq, G, 128, lmax, acc, pairs);
-    for (int64_t r = 0; r < rows; r++) {
-        bf_unpermute(acc + r * D, D, (float *)pairs);
-        for (int64_t d = 0; d < D; d++) acc[r * D + d] /= sum[r];
-    }
-    free(qw);
-    free(pairs);
+    for (int64_t r = 0; r < rows; r++) bf_finish_row(acc + r * D, D, sum[r]);
 }
 #endif
 
@@ -624,6 +665,24 @@ static int64_t halve_tiles(int64_t **first, int64_t ntiles, int64_t T) {
     free(*first);
     *first = split;
     return n;
+}
+
+/* n floats rounded up to whole 64-byte lines (each part of an item's scratch starts on a line). */
+static inline int64_t lines(int64_t n) {
+    return (n + 15) / 16 * 16;
+}
+
+/* The floats of scratch that an item of ``rows`` rows over lmax keys takes, in this order: its
+ * scores (rows of lmax), its outputs and their sums (rows * D, rows), then its path's own:
+ * attend_tile_bf's query and weight words (rows of D + lmax / 2 + 1), or attend_tile's room for a
+ * bfloat16 pool's rows converted (max(bs, 16) of D). Each thread allocates the largest item's once
+ * per call instead of each item its own: at a decode step an item (one sequence's query heads of a
+ * KV head) takes 0.5-9 us over 1-300 keys, of which the four allocations and frees took 0.15-0.45
+ * (SmolLM2's heads over a bfloat16 pool, one thread, interleaved runs). */
+static int64_t item_scratch(int64_t rows, int64_t lmax, int64_t D, int64_t bs, int kv_bf, int bf_products) {
+    const int64_t n = lines(rows * lmax) + lines(rows * (D + 1));
+    if (bf_products) return n + lines(rows * (D + lmax / 2 + 1));
+    return kv_bf ? n + lines((bs > 16 ? bs : 16) * D) : n;
 }
 
 /* Paged attention of T query tokens q[T, Hq, D]: token t belongs to sequence seq[t] (a row of
@@ -678,30 +737,36 @@ void hs_paged_attention_window(const float *q, const void *kpool, const void *vp
     if (!bf_products && threads > 1 && ntiles * Hkv % threads && ntiles * Hkv < 4 * threads)
         ntiles = halve_tiles(&first, ntiles, T);
     int64_t parts = ntiles * Hkv < threads ? G : 1, hg = G / parts;  /* items per group, heads per item */
-#pragma omp parallel for schedule(dynamic) if (parallel)
-    for (int64_t p = 0; p < ntiles * Hkv * parts; p++) {
-        int64_t tile = p / (Hkv * parts), kvh = p / parts % Hkv, h0 = kvh * G + p % parts * hg;  /* first head */
-        int64_t t0 = first[tile], lmax = 0;
-        int nq = (int)(first[tile + 1] - t0);
-        for (int qi = 0; qi < nq; qi++) lmax = len[t0 + qi] > lmax ? len[t0 + qi] : lmax;
-        float *scores = malloc((size_t)(nq * hg * (lmax + 1)) * sizeof(float));
-        float *acc = malloc((size_t)(nq * hg * (D + 1)) * sizeof(float)), *sum = acc + nq * hg * D;
-        float *buf = kv_bf && !bf_products ? malloc((size_t)((bs > 16 ? bs : 16) * D) * sizeof(float)) : NULL;
-        kv_head kp = {kpool, kv_bf, kvh * S * D, D}, vp = {vpool, kv_bf, kvh * S * D, D};
-        key_map m = {tables + (int64_t)seq[t0] * max_blocks, bs, IN_TREE(t0) ? tail_start[t0] : INT64_MAX,
-                     IN_TREE(t0) ? tail + t0 * tail_width : NULL};
+    int64_t room = 0;  /* floats of scratch: the largest item's */
+    for (int64_t tile = 0; tile < ntiles; tile++) {
+        const int64_t nq = first[tile + 1] - first[tile];
+        const int64_t need = item_scratch(nq * hg, longest(len + first[tile], nq), D, bs, kv_bf, bf_products);
+        room = need > room ? need : room;
+    }
+#pragma omp parallel if (parallel)
+    {
+        float *scratch = aligned_alloc(64, (size_t)room * sizeof(float));  /* this thread's, for all its items */
+#pragma omp for schedule(dynamic)
+        for (int64_t p = 0; p < ntiles * Hkv * parts; p++) {
+            int64_t tile = p / (Hkv * parts), kvh = p / parts % Hkv, h0 = kvh * G + p % parts * hg;  /* first head */
+            int64_t t0 = first[tile], nq = first[tile + 1] - t0, rows = nq * hg, lmax = longest(len + t0, nq);
+            float *scores = scratch, *acc = scores + lines(rows * lmax), *sum = acc + rows * D;
+            float *own = acc + lines(rows * (D + 1));  /* the path's own part of the scratch (item_scratch) */
+            kv_head kp = {kpool, kv_bf, kvh * S * D, D}, vp = {vpool, kv_bf, kvh * S * D, D};
+            key_map m = {tables + (int64_t)seq[t0] * max_blocks, bs, IN_TREE(t0) ? tail_start[t0] : INT64_MAX,
+                         IN_TREE(t0) ? tail + t0 * tail_width : NULL};
 #if defined(__AVX512BF16__)
-        if (bf_products)
-            attend_tile_bf(q + (t0 * Hq + h0) * D, Hq, kp, vp, m, len + t0, lo + t0, nq, hg, D, scale, scores, acc,
-                           sum);
-        else
+            if (bf_products)
+                attend_tile_bf(q + (t0 * Hq + h0) * D, Hq, kp, vp, m, len + t0, lo + t0, (int)nq, hg, D, scale,
+                               scores, acc, sum, (word *)own);
+            else
 #endif
-        attend_tile(q + (t0 * Hq + h0) * D, Hq, kp, vp, m, len + t0, lo + t0, nq, hg, D, scale, scores, acc, sum, buf);
-        for (int qi = 0; qi < nq; qi++)
-            store_row(out, out_bf, ((t0 + qi) * Hq + h0) * D, hg * D, acc + qi * hg * D);
-        free(scores);
-        free(acc);
-        free(buf);
+            attend_tile(q + (t0 * Hq + h0) * D, Hq, kp, vp, m, len + t0, lo + t0, (int)nq, hg, D, scale, scores, acc,
+                        sum, own);
+            for (int64_t qi = 0; qi < nq; qi++)
+                store_row(out, out_bf, ((t0 + qi) * Hq + h0) * D, hg * D, acc + qi * hg * D);
+        }
+        free(scratch);
     }
 #undef IN_TREE
     free(first);
