@@ -110,10 +110,27 @@ def copy_bandwidth(nbytes: int = 256 * 2**20, repeats: int = 5) -> float:
     return 2 * nbytes / best
 
 
+def step_weight_bytes(model) -> int:
+    """Bytes of weights a one-token step reads: every parameter and buffer (quantized layers keep
+    their blocks as buffers), each tensor once, the embedding tables excepted (a step reads one row;
+    a tied head's table is counted as the head)."""
+    from itertools import chain
+
+    from torch import nn
+
+    seen = {}
+    for mod in model.modules():
+        if isinstance(mod, nn.Embedding) or hasattr(mod, "rows"):  # nn.Embedding, GGUFEmbedding
+            continue
+        for t in chain(mod.parameters(recurse=False), mod.buffers(recurse=False)):
+            seen[id(t)] = t
+    return sum(t.numel() * t.element_size() for t in seen.values())
+
+
 def roofline(model, seconds_per_token: float, bandwidth: float) -> dict:
     """How close one-token decoding comes to the memory roofline: every weight byte is read once
     per token, so a step cannot take less than ``weight_bytes / bandwidth``."""
-    weight_bytes = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
+    weight_bytes = step_weight_bytes(model)
     floor = weight_bytes / bandwidth
     return {"weight_bytes": weight_bytes, "bandwidth_bytes_per_second": round(bandwidth),
             "floor_seconds_per_token": round(floor, 5), "seconds_per_token": round(seconds_per_token, 5),

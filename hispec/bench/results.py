@@ -156,7 +156,8 @@ def build_results(run: BenchRun, generator, *, model_name: str, config: dict, st
     ar = strategies.get(AR)
     if ar and ar.get("available") and ar.get("tokens_per_second") and generator.model.device.type == "cpu":
         from .memory import copy_bandwidth, roofline
-        machine["memory_roofline_ar"] = roofline(generator.model, 1.0 / ar["tokens_per_second"], copy_bandwidth())
+        decode = ar.get("decode_tokens_per_second") or ar["tokens_per_second"]  # a step's time, prefill apart
+        machine["memory_roofline_ar"] = roofline(generator.model, 1.0 / decode, copy_bandwidth())
     return {
         "schema_version": SCHEMA_VERSION,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
