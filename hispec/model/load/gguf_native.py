@@ -15,7 +15,8 @@ import torch
 
 from ...kernels import hugepages
 from ..decoder import DecoderModel
-from .checkpoint import fill_weights, native_parts, put_native, read_config, rope_buffers, set_act_dtypes
+from .checkpoint import (ModelLoadError, fill_weights, native_parts, put_native, read_config, rope_buffers,
+                         set_act_dtypes)
 from .gguf_convert import _IGNORED_TENSORS, ARCHS, float_tensor
 from .gguf_embedding import ROW_TYPES, GGUFEmbedding
 from .gguf_weights import FUSED, gguf_tensors, release
@@ -53,13 +54,15 @@ def load_gguf_model(folder: str | Path, gguf: str | Path, refuse: bool = True) -
 
     with torch.device("meta"):
         model = DecoderModel(cfg)
-    fill_weights(model, floats([n for n in by_name if n not in skip and n not in _IGNORED_TENSORS]), torch.float32, frozenset(elsewhere))
+    rest = [n for n in by_name if n not in skip and n not in _IGNORED_TENSORS]
+    fill_weights(model, floats(rest), torch.float32, frozenset(elsewhere))
     put_native(model, linears, head, file_weight)
     if in_file:
         model.embed_tokens = GGUFEmbedding(gguf, embed)
     rope_buffers(model)
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
-    assert not left, f"not loaded: {left[:4]}"
+    if left:
+        raise ModelLoadError(f"{Path(gguf).name}: no values for {', '.join(left[:4])}")
     model.eval().requires_grad_(False)
     set_act_dtypes(model)
     model.weight_format = "native"
