@@ -305,7 +305,15 @@ def _assembled(tensors, blocks, make, whole: bool) -> QuantLinear:
     data that is not a file's rows)."""
     from ...kernels.quant import Q4_STORAGE, Q8_STORAGE
 
+    def at_once():
+        layer = make([torch.cat(xs) for xs in zip(*(blocks(j, u) for j, u in enumerate(tensors)))])
+        for u in tensors:
+            forget_pages(u)
+        return layer
+
     n = sum(t.data.shape[0] for t in tensors)
+    if any(t.data.shape[0] % 16 for t in tensors):
+        return at_once()
     step = n if whole or not all(hasattr(t, "_replace") for t in tensors) else CHUNK_ROWS  # (test doubles: whole)
     layer, at, pdim = None, 0, 0
     for i, t in enumerate(tensors):
@@ -313,16 +321,16 @@ def _assembled(tensors, blocks, make, whole: bool) -> QuantLinear:
             rows_of_t = t if step >= t.data.shape[0] else t._replace(data=t.data[r0:r0 + step])
             piece = make(blocks(i, rows_of_t))
             rows = piece.out_features
+            forget_pages(t, r0, r0 + rows)
             if rows == n:
                 return piece
             if layer is None:
-                if any(u.data.shape[0] % 16 for u in tensors) or piece.kernel not in Q4_STORAGE + Q8_STORAGE:
-                    return make([torch.cat(xs) for xs in zip(*(blocks(j, u) for j, u in enumerate(tensors)))])
+                if piece.kernel not in Q4_STORAGE + Q8_STORAGE:  # int4's packing: not by rows
+                    return at_once()
                 pdim = 1 if piece.kernel in Q4_STORAGE else 0  # q4 storage: dm [2, N, K / 32]
                 layer = QuantLinear(piece.kernel, piece.in_features, n, _rows_like(piece.qweight, 0, rows, n),
                                     _rows_like(piece.qparams, pdim, rows, n), piece.group, source=piece.source,
                                     exact={k: _rows_like(v, 0, rows, n) for k, v in piece._exact.items()})
-            forget_pages(t, r0, r0 + rows)
             layer.qweight.narrow(0, at, rows).copy_(piece.qweight)
             layer.qparams.narrow(pdim, at, rows).copy_(piece.qparams)
             for k, v in piece._exact.items():
@@ -419,8 +427,6 @@ def native_linears(gguf_path: str | Path, num_heads: int, num_kv_heads: int,
             continue
         out[f"layers.{i}.{fused}"] = layer
         kinds.update(types)
-        for t in tensors:
-            forget_pages(t)
         pending.append(layer)
         if sum(_nbytes(p) for p in pending) >= GATHER_BYTES:
             hugepages.gather(*pending)
