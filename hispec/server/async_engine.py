@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from ..config import SamplingParams
 from ..engine.engine import Engine
+from ..kernels.threads import set_threads
 from ..sampling.logprobs import TokenLogprob
 from .metrics import Metrics
 
@@ -110,8 +111,9 @@ class _Live:
 
 class AsyncEngine:
     def __init__(self, engine: Engine, *, max_queue: int = 256, metrics: Metrics | None = None,
-                 idle_timeout: float = 0.5) -> None:
+                 idle_timeout: float = 0.5, threads: int | None = None) -> None:
         self.engine = engine
+        self.threads = threads  # the engine thread's parallel regions (None: libgomp's default)
         self.max_queue = max_queue
         self.metrics = metrics or Metrics()
         self.idle_timeout = idle_timeout
@@ -177,6 +179,7 @@ class AsyncEngine:
 
     # ---- the engine thread ------------------------------------------------------------------
     def _run(self) -> None:
+        set_threads(self.threads)  # the thread that computes (kernels/threads.py)
         try:
             while True:
                 added, stop = self._take_commands(block=not self.engine.has_unfinished())

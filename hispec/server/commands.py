@@ -108,6 +108,7 @@ def cmd_serve(args) -> int:
     import signal
 
     from ..distributed import generator_from_args
+    from ..kernels.threads import in_own_thread, set_threads
     from ..options import UsageError
 
     _check_args(args)
@@ -125,8 +126,11 @@ def cmd_serve(args) -> int:
     from .app import create_app
     from .state import build_server_state
 
-    gen = generator_from_args(args)
-    state = build_server_state(args, gen)
+    # Loaded in a thread that ends, and the main thread (HTTP) kept to one thread: the engine
+    # thread is then the only one with an OpenMP pool, whose workers keep spinning between
+    # parallel regions instead of sleeping (kernels/threads.py: steps took ~1.8x as long).
+    state = in_own_thread(lambda: build_server_state(args, generator_from_args(args)))
+    set_threads(1)
     app = create_app(state)
     sock = _listen(args.host, args.port)
     host, port = sock.getsockname()[:2]

@@ -230,6 +230,8 @@ def served_names(args, gen) -> tuple[str, ...]:
 
 def build_server_state(args, gen) -> ServerState:
     """Engine, bridge and app state for a loaded ``Generator``."""
+    import torch
+
     from ..config import EngineConfig
     from ..engine.build import build_engine
     from ..options import spec_overrides
@@ -248,7 +250,8 @@ def build_server_state(args, gen) -> ServerState:
     ctx = model.cfg.max_position_embeddings
     names = served_names(args, gen)
     metrics = Metrics(names[0], args.strategy, ctx)
-    bridge = AsyncEngine(engine, max_queue=args.max_queue, metrics=metrics)
+    # the engine thread computes on the threads the model was loaded with (kernels/threads.py)
+    bridge = AsyncEngine(engine, max_queue=args.max_queue, metrics=metrics, threads=torch.get_num_threads())
     return ServerState(engine=bridge, tokenizer=gen.tokenizer, model_names=names, context_length=ctx,
                        vocab_size=model.cfg.vocab_size, strategy=args.strategy, api_key=args.api_key,
                        prefix_cache_per_key=args.prefix_cache_per_key)
