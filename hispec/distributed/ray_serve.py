@@ -46,6 +46,7 @@ class HispecReplica:
         # as hispec serve: loaded in a thread that ends, so the engine thread holds the only
         # OpenMP pool (kernels/threads.py)
         self.hispec_state = in_own_thread(load)
+        self.hispec_state.engine.start()
         set_threads(1)
         self.hispec_app = create_app(self.hispec_state)
 

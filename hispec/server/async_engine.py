@@ -18,6 +18,8 @@ import threading
 import time
 from dataclasses import dataclass
 
+import torch
+
 from ..config import SamplingParams
 from ..engine.engine import Engine
 from ..kernels.threads import set_threads
@@ -124,6 +126,7 @@ class AsyncEngine:
         self._pending = 0  # submitted, not yet taken by the engine thread
         self._accepting = True
         self._thread: threading.Thread | None = None
+        self._computing = threading.Event()  # set once the engine thread has taken its threads
         self._steps = 0
         self.error: BaseException | None = None
 
@@ -133,6 +136,7 @@ class AsyncEngine:
             self.metrics.refresh = self._publish
             self._thread = threading.Thread(target=self._run, name="hispec-engine", daemon=True)
             self._thread.start()
+            self._computing.wait(10)
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, draft_scope: str | None = None,
                cache_scope: str = "") -> RequestStream:
@@ -180,6 +184,8 @@ class AsyncEngine:
     # ---- the engine thread ------------------------------------------------------------------
     def _run(self) -> None:
         set_threads(self.threads)  # the thread that computes (kernels/threads.py)
+        torch.get_num_threads()  # PyTorch's per-thread setup done now: a later default no longer reaches it
+        self._computing.set()
         try:
             while True:
                 added, stop = self._take_commands(block=not self.engine.has_unfinished())

@@ -130,6 +130,7 @@ def cmd_serve(args) -> int:
     # thread is then the only one with an OpenMP pool, whose workers keep spinning between
     # parallel regions instead of sleeping (kernels/threads.py: steps took ~1.8x as long).
     state = in_own_thread(lambda: build_server_state(args, generator_from_args(args)))
+    state.engine.start()  # before the event loop's threads exist, which then default to one thread
     set_threads(1)
     app = create_app(state)
     sock = _listen(args.host, args.port)
