@@ -21,7 +21,8 @@ Layout (this package sits just above ``envs``/``config``: it imports nothing fro
 - ``matmul.py``, ``quant.py``, ``norm.py``: the layers over these kernels (float32 routes;
   quantized weights and the 4-bit kernel choice; RMSNorm), which the model is built from.
   ``select.py``: the weight-format choice per CPU and the ``--stats`` description. ``timing.py``:
-  interleaved medians.
+  interleaved medians. ``threads.py``: which thread computes (one OpenMP pool per process: a model
+  loaded in a thread that ends, the computing thread's own thread count).
 
 To add a kernel: declare it in ``csrc/hispec_kernels.h``, implement it in a ``csrc/*.c`` file (a
 new file is compiled and hashed automatically), and call it from Python through
