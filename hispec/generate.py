@@ -9,6 +9,7 @@ is the same either way).
 from __future__ import annotations
 
 import sys
+import threading
 from pathlib import Path
 from typing import Callable
 
@@ -21,6 +22,7 @@ from .decode.base import Strategy
 from .engine.build import build_engine, build_strategy
 from .engine.engine import Engine, PromptTooLongError  # noqa: F401 (PromptTooLongError re-exported)
 from .engine.outputs import GenerationOutput
+from .kernels.threads import check_thread
 from .model.exits.attached import ExitSet
 from .model.decoder import DecoderModel
 from .settings import (DEFAULT_STRATEGY, StrategyName, default_spec,  # noqa: F401 (default_spec re-exported)
@@ -42,6 +44,7 @@ class Generator:
         self.gguf_path: Path | None = None  # the GGUF file whose own blocks the model runs on, if it does
         self.exits: ExitSet | None = None  # trained exit heads and their recommended settings
         self.eos_ids = frozenset(self._eos_ids())
+        self.loaded_in = threading.current_thread()  # where it was built (kernels/threads.check_thread)
 
     @classmethod
     def from_pretrained(cls, name_or_path: str = "default", *, device: str = "cpu",
@@ -191,6 +194,7 @@ class Generator:
         on the steps where measured speculation does not pay (greedy only; same output either way).
         ``suffix``: a ``SuffixStore`` of earlier outputs kept across calls (free drafts, greedy
         only; the output goes into ``draft_scope``'s cache); None: this call alone."""
+        check_thread(self.loaded_in)
         params = params or SamplingParams()
         prompt_ids = list(prompt) if isinstance(prompt, list) else self.encode_prompt(prompt, chat)
         strategy = build_strategy(strategy, self.model.num_layers, spec=spec, recommended=self.recommended_specs)

@@ -10,6 +10,7 @@ from .config import DEFAULT_PREFILL_CHUNK, DEFAULT_SUFFIX_ENTRIES, ConfigError, 
 from .engine.build import build_engine
 from .engine.outputs import GenerationOutput
 from .generate import Generator
+from .kernels.threads import check_thread
 from .settings import DEFAULT_STRATEGY, strategy_kind
 
 
@@ -57,6 +58,7 @@ class LLM:
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None,
                  *, chat: bool | None = None, on_output: Callable | None = None,
                  draft_scope: str | None = None) -> list[GenerationOutput]:
+        check_thread(self.generator.loaded_in)
         params = params or SamplingParams()
         plist = params if isinstance(params, list) else [params] * len(prompts)
         ids = [p if isinstance(p, list) else self.generator.encode_prompt(p, chat) for p in prompts]

@@ -15,12 +15,15 @@ start of the thread that computes. The main thread then never starts a parallel 
 """
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Callable, TypeVar
 
 import torch
 
+log = logging.getLogger(__name__)
 T = TypeVar("T")
+_warned = False  # check_thread says it once a process
 
 
 def in_own_thread(fn: Callable[..., T], *args, name: str = "hispec-load", **kwargs) -> T:
@@ -49,3 +52,21 @@ def set_threads(n: int | None) -> None:
     (``OMP_NUM_THREADS``, else every CPU) until it is called there."""
     if n is not None:
         torch.set_num_threads(max(1, int(n)))
+
+
+def check_thread(loaded_in: threading.Thread | None) -> None:
+    """Says once a process (a warning) when a model loaded by thread ``loaded_in`` computes on
+    several threads from another thread while ``loaded_in`` still lives: two OpenMP pools, whose
+    parallel regions then sleep and wake through the OS (see above)."""
+    global _warned
+    current = threading.current_thread()
+    if _warned or loaded_in is None or current is loaded_in or not loaded_in.is_alive():
+        return
+    if torch.get_num_threads() <= 1:
+        return
+    _warned = True
+    log.warning("the model was loaded in thread %r and now computes in %r while that thread lives on: "
+                "each holds a pool of OpenMP threads, and with more of them than CPUs every parallel region "
+                "sleeps and wakes through the OS (on 2 cores, steps took 1.8x as long). Load and generate in "
+                "the same thread, or load with hispec.kernels.threads.in_own_thread(Generator.from_pretrained, "
+                "...) and call set_threads(n) in the thread that generates.", loaded_in.name, current.name)

@@ -36,3 +36,52 @@ def test_set_threads_is_the_calling_threads_own():
     assert torch.get_num_threads() == before  # this thread's setting is untouched
     set_threads(None)  # None leaves it
     assert torch.get_num_threads() == before
+
+
+@pytest.fixture
+def fresh_warning(monkeypatch):
+    import hispec.kernels.threads as threads
+
+    monkeypatch.setattr(threads, "_warned", False)
+
+
+def _generate_in(thread_target) -> None:
+    t = threading.Thread(target=thread_target)
+    t.start()
+    t.join()
+
+
+def test_a_model_used_from_another_thread_than_its_living_loader_is_warned_of(tiny_model_dir, caplog,
+                                                                               fresh_warning):
+    from hispec.config import SamplingParams
+    from hispec.generate import Generator
+
+    gen = Generator.from_pretrained(str(tiny_model_dir("llama")), progress=False)
+    params = SamplingParams(max_new_tokens=2)
+    with caplog.at_level("WARNING", logger="hispec.kernels.threads"):
+        gen.generate([3, 4, 5], params)  # the loading thread itself: nothing to say
+        assert not caplog.records
+
+        def other():
+            set_threads(2)
+            gen.generate([3, 4, 5], params)
+            gen.generate([3, 4, 5], params)
+
+        _generate_in(other)
+    assert len(caplog.records) == 1  # once
+    assert "loaded in thread" in caplog.text and "in_own_thread" in caplog.text
+
+
+def test_a_model_loaded_in_a_thread_that_ended_is_not_warned_of(tiny_model_dir, caplog, fresh_warning):
+    from hispec.config import SamplingParams
+    from hispec.generate import Generator
+
+    gen = in_own_thread(Generator.from_pretrained, str(tiny_model_dir("llama")), progress=False)
+
+    def other():
+        set_threads(2)
+        gen.generate([3, 4, 5], SamplingParams(max_new_tokens=2))
+
+    with caplog.at_level("WARNING", logger="hispec.kernels.threads"):
+        _generate_in(other)
+    assert not caplog.records
