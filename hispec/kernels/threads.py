@@ -37,7 +37,8 @@ def in_own_thread(fn: Callable[..., T], *args, name: str = "hispec-load", **kwar
         except BaseException as e:  # handed to the caller's thread
             out["error"] = e
 
-    thread = threading.Thread(target=run, name=name)
+    # a daemon: a Ctrl-C that ends the caller's wait ends the process, not after the load
+    thread = threading.Thread(target=run, name=name, daemon=True)
     thread.start()
     thread.join()
     if "error" in out:
