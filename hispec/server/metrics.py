@@ -6,6 +6,7 @@ lock; the engine's gauges (KV blocks, waiting, running) are read at scrape time 
 """
 from __future__ import annotations
 
+import os
 import threading
 from typing import Callable
 
@@ -117,7 +118,24 @@ class Metrics:
         out.histogram("time_per_output_token_seconds", "Per request: seconds per output token after the first.",
                       self.tpot)
         out.histogram("request_latency_seconds", "Seconds from a request's arrival to its end.", self.e2e)
-        return out.lines + self.vllm.lines(e, self.prompt_tokens, self.generation_tokens)
+        return out.lines + self.vllm.lines(e, self.prompt_tokens, self.generation_tokens) + process_lines()
+
+
+def process_lines() -> list[str]:
+    """The standard process series (Prometheus client libraries' names, as vLLM's server has them):
+    CPU seconds of every thread of this process, and its resident memory where Linux says it. A
+    client turns the CPU counter into cores kept busy over a run (``hispec bench serve``)."""
+    out = Exposition("process_")
+    times = os.times()
+    out.family("cpu_seconds_total", "counter", "Total user and system CPU time spent in seconds.",
+               [((), times.user + times.system)])
+    try:
+        with open("/proc/self/statm") as f:
+            resident = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        out.family("resident_memory_bytes", "gauge", "Resident memory size in bytes.", [((), resident)])
+    except (OSError, ValueError, IndexError):
+        pass
+    return out.lines
 
 
 ENGINE_SERIES = (  # (name, kind, key in the engine's snapshot, help)

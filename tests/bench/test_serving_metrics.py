@@ -103,6 +103,26 @@ def test_prefix_cache_hit_rate_over_a_run():
     assert prefix_cache({}, {}) == {}  # a server without the counters (llama.cpp; hispec before prefix caching)
 
 
+def test_server_cpu_cores_over_a_run():
+    from hispec.bench.serving.commands import result_lines, server_cpu
+
+    assert server_cpu({"process_cpu_seconds_total": 10.0}, {"process_cpu_seconds_total": 25.0}, 10.0) == \
+        {"server_cpu_cores": 1.5}
+    assert server_cpu({}, {}, 10.0) == {}  # a server without the counter (llama.cpp)
+    m = compute_metrics([], 1.0, [99.0], {}) | {"server_cpu_cores": 1.5}
+    lines = result_lines("x", m, [99.0], [], math.inf, 4)
+    assert [line.split() for line in lines if line.startswith("Server CPU")] == [["Server", "CPU", "(cores", "busy):", "1.50"]]
+
+
+def test_server_metrics_have_the_process_series():
+    from hispec.server.metrics import Metrics, parse_metrics
+
+    values = parse_metrics(Metrics("m", "ar").render())
+    assert values["process_cpu_seconds_total"] > 0
+    if __import__("os").path.exists("/proc/self/statm"):
+        assert values["process_resident_memory_bytes"] > 1e6
+
+
 # ---- datasets ----------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def char_tokenizer(tiny_text_model_dir):

@@ -51,6 +51,7 @@ def test_bench_serve_measures_its_own_server_and_skips_missing_peers(model_dir, 
     for key in ("p99_ttft_ms", "p90_tpot_ms", "mean_e2el_ms", "output_throughput"):
         assert r[key] > 0
     assert r["p99_itl_ms"] >= 0  # (per chunk: a greedy round may stream all 4 tokens in one chunk)
+    assert r["server_cpu_cores"] > 0 and "Server CPU (cores busy):" in run.stdout  # its /metrics process series
     assert str(tmp_path) not in json.dumps(saved)  # no machine paths in the result
     if __import__("importlib").util.find_spec("matplotlib"):
         assert (tmp_path / "out" / "serve.png").stat().st_size > 0

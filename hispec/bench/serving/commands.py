@@ -245,6 +245,8 @@ def result_lines(label: str, m: dict, percentiles: list[float], shown: list[str]
             row("Total token throughput (tok/s):", m["total_token_throughput"])]
     if m.get("prefix_cache_hit_rate") is not None:
         out.append(row("Prefix cache hit rate (server):", m["prefix_cache_hit_rate"], "{:.3f}"))
+    if m.get("server_cpu_cores") is not None:
+        out.append(row("Server CPU (cores busy):", m["server_cpu_cores"]))
     for metric in shown:
         out.append(f"{METRIC_NAMES[metric]:-^52}")
         up = metric.upper()
@@ -361,7 +363,9 @@ def cmd_bench_serve(args) -> int:
                     if bar:
                         bar.close()
                     m = compute_metrics(outcomes, duration, percentiles, slo)
-                    m.update(prefix_cache(before, server_counters(base)))
+                    after = server_counters(base)
+                    m.update(prefix_cache(before, after))
+                    m.update(server_cpu(before, after, duration))
                     errors = [o.error for o in outcomes if not o.ok]
                     failed |= bool(errors)
                     name = Path(model_id).name if model_id else model_id  # (a server may name its model by a file)
@@ -386,10 +390,12 @@ def cmd_bench_serve(args) -> int:
 
 
 PREFIX_COUNTERS = ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total")  # tokens (hispec, vLLM)
+CPU_COUNTER = "process_cpu_seconds_total"  # the server process's CPU seconds (hispec, vLLM)
 
 
 def server_counters(base: str) -> dict[str, float]:
-    """The server's prefix-cache counters from ``/metrics`` (summed over labels); {} where it has none."""
+    """The server's prefix-cache and CPU counters from ``/metrics`` (summed over labels); {} where it
+    has none."""
     import httpx
 
     from ...server.metrics import parse_metrics
@@ -402,7 +408,7 @@ def server_counters(base: str) -> dict[str, float]:
     except (httpx.HTTPError, ValueError):
         return {}
     out = {}
-    for name in PREFIX_COUNTERS:
+    for name in (*PREFIX_COUNTERS, CPU_COUNTER):
         found = [v for k, v in values.items() if k == name or k.startswith(name + "{")]
         if found:
             out[name] = sum(found)
@@ -417,6 +423,15 @@ def prefix_cache(before: dict, after: dict) -> dict:
     queries, hits = after[q] - before.get(q, 0.0), after[h] - before.get(h, 0.0)
     return {"prefix_cache_queries": queries, "prefix_cache_hits": hits,
             "prefix_cache_hit_rate": hits / queries if queries > 0 else None}
+
+
+def server_cpu(before: dict, after: dict, seconds: float) -> dict:
+    """``server_cpu_cores``: the CPU cores the server process kept busy on average over a run of
+    ``seconds`` (its CPU seconds over the run's); {} where its ``/metrics`` have no CPU counter. Below
+    its thread count, the server waited for something (its clients, or the OS)."""
+    if CPU_COUNTER not in after or CPU_COUNTER not in before or seconds <= 0:
+        return {}
+    return {"server_cpu_cores": (after[CPU_COUNTER] - before[CPU_COUNTER]) / seconds}
 
 
 def _progress(total: int, desc: str, disabled: bool):
