@@ -33,21 +33,11 @@ class HispecReplica:
     """One replica: a model, an engine thread, the OpenAI-compatible FastAPI app."""
 
     def __init__(self, args: argparse.Namespace) -> None:
-        from ..kernels.threads import in_own_thread, set_threads
         from ..server.app import create_app
-        from ..server.state import build_server_state
-        from .generator import generator_from_args
-
-        def load():
-            set_threads(args.threads or None)
-            return build_server_state(args, generator_from_args(args, progress=False))
+        from ..server.state import start_server_state
 
         self.hispec_args = args
-        # as hispec serve: loaded in a thread that ends, so the engine thread holds the only
-        # OpenMP pool (kernels/threads.py)
-        self.hispec_state = in_own_thread(load)
-        self.hispec_state.engine.start()
-        set_threads(1)
+        self.hispec_state = start_server_state(args, progress=False)  # as hispec serve
         self.hispec_app = create_app(self.hispec_state)
 
     def __serve_build_asgi_app__(self):

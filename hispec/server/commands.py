@@ -107,8 +107,6 @@ def _listen(host: str, port: int):
 def cmd_serve(args) -> int:
     import signal
 
-    from ..distributed import generator_from_args
-    from ..kernels.threads import in_own_thread, set_threads
     from ..options import UsageError
 
     _check_args(args)
@@ -124,14 +122,9 @@ def cmd_serve(args) -> int:
     if args.replicas != 1 or args.max_replicas or args.ray_address:
         raise UsageError("--replicas, --max-replicas and --ray-address need --ray")
     from .app import create_app
-    from .state import build_server_state
+    from .state import start_server_state
 
-    # Loaded in a thread that ends, and the main thread (HTTP) kept to one thread: the engine
-    # thread is then the only one with an OpenMP pool, whose workers keep spinning between
-    # parallel regions instead of sleeping (kernels/threads.py: steps took ~1.8x as long).
-    state = in_own_thread(lambda: build_server_state(args, generator_from_args(args)))
-    state.engine.start()  # before the event loop's threads exist, which then default to one thread
-    set_threads(1)
+    state = start_server_state(args)  # the engine thread computes; this one serves HTTP
     app = create_app(state)
     sock = _listen(args.host, args.port)
     host, port = sock.getsockname()[:2]
