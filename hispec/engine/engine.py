@@ -311,11 +311,16 @@ class Engine:
     def _prefill(self, seqs: list[Sequence], decoding: bool = True) -> None:
         """Run the next chunk of each new (or preempted) sequence's tokens but the pending last one
         through all layers: at most ``config.prefill_chunk`` tokens in all, oldest sequence first
-        (``IDLE_PREFILL_CHUNKS`` times as many where no sequence is ``decoding`` in this step)."""
+        (``IDLE_PREFILL_CHUNKS`` times as many where no sequence is ``decoding`` in this step).
+        Prompt tokens run as a prefill (``forward_many``'s ``prefill``: the kernels may take their
+        prompt paths); a preempted sequence's tokens from ``Sequence.prompt_end`` on run as they were
+        decoded (in other chunks, on no prompt path), so that they get the bits they had before."""
         budget = (self.config.prefill_chunk * (1 if decoding else IDLE_PREFILL_CHUNKS)) or float("inf")
         parts: list[tuple[Sequence, int, int]] = []  # (sequence, start, end) of this step's chunks
         for s in seqs:
             end = min(len(s.ctx.tokens) - 1, s.num_cached + budget)
+            if s.num_cached < s.prompt_end < end:  # the prompt's end ends the chunk
+                end = s.prompt_end
             if end > s.num_cached:
                 parts.append((s, s.num_cached, int(end)))
                 budget -= end - s.num_cached
@@ -323,14 +328,8 @@ class Engine:
             started = time.perf_counter()
             for s, _, _ in parts:
                 s.scheduled_time = s.scheduled_time or started  # first scheduled (vLLM's end of queue time)
-            items = [(s.seq_id, a, s.ctx.token_tensor(s.ctx.tokens[a:b])) for s, a, b in parts]
-            with phase_timer([s.ctx.stats for s, _, _ in parts], "prefill", self.model.device):
-                hidden = self.runner.forward_many(items, 0, self.model.num_layers, prefill=True)  # each [b - a, H]
-            for (s, a, b), h in zip(parts, hidden):
-                s.num_cached = b
-                self._chunk_logprobs(s, a, b, h)
-                if s.prefix_scope is not None:
-                    self.blocks.cache_blocks(s.seq_id, s.ctx.tokens[:b], s.prefix_scope)
+            for prompt in (True, False):
+                self._run_chunks([p for p in parts if (p[1] < p[0].prompt_end) == prompt], prompt)
         now = time.perf_counter()
         for s in seqs:
             if s.num_cached >= len(s.ctx.tokens) - 1:
@@ -339,6 +338,20 @@ class Engine:
                 if s.ctx.params.prompt_logprobs is not None and s.prompt_logprobs is None:
                     s.prompt_logprobs = [None] + s.prompt_logprob_rows
                     s.prompt_logprob_rows = []
+
+    def _run_chunks(self, parts: list[tuple[Sequence, int, int]], prompt: bool) -> None:
+        """Tokens ``start .. end - 1`` of each ``(sequence, start, end)`` through all layers in one pass
+        (``prompt``: prompt tokens, a prefill), and the full blocks of prompt tokens into the prefix cache."""
+        if not parts:
+            return
+        items = [(s.seq_id, a, s.ctx.token_tensor(s.ctx.tokens[a:b])) for s, a, b in parts]
+        with phase_timer([s.ctx.stats for s, _, _ in parts], "prefill", self.model.device):
+            hidden = self.runner.forward_many(items, 0, self.model.num_layers, prefill=prompt)  # each [b - a, H]
+        for (s, a, b), h in zip(parts, hidden):
+            s.num_cached = b
+            self._chunk_logprobs(s, a, b, h)
+            if s.prefix_scope is not None and prompt:
+                self.blocks.cache_blocks(s.seq_id, s.ctx.tokens[:b], s.prefix_scope)
 
     def _chunk_logprobs(self, seq: Sequence, start: int, end: int, hidden: torch.Tensor) -> None:
         """Prompt log-probabilities of the tokens after positions ``start .. end - 1`` (first prefill only)."""

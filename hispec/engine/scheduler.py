@@ -53,7 +53,9 @@ class Scheduler:
             self.waiting.popleft()
             self.blocks.add_sequence(seq.seq_id)
             if seq.prefix_scope is not None:
-                seq.num_cached = self.blocks.match_prefix(seq.seq_id, seq.ctx.tokens[:-1], seq.prefix_scope)
+                # (cached blocks hold prefilled prompt tokens: a preempted sequence's later ones are not looked up)
+                seq.num_cached = self.blocks.match_prefix(seq.seq_id, seq.ctx.tokens[:seq.prompt_end],
+                                                          seq.prefix_scope)
                 if seq.num_cached_tokens is None:
                     seq.num_cached_tokens = seq.num_cached
             seq.status = SeqStatus.RUNNING

@@ -46,6 +46,13 @@ class Sequence:
     def seq_id(self) -> int:
         return self.ctx.seq_id
 
+    @property
+    def prompt_end(self) -> int:
+        """The positions its prefill fills as a prompt's (all but the prompt's last token, which the
+        first decode step runs); a preempted sequence's positions from here on are recomputed as
+        they were decoded."""
+        return len(self.prompt_ids) - 1
+
     def forget_cache(self) -> None:
         """Its blocks were freed (preemption): the next prefill starts from position 0."""
         self.prefilled = False

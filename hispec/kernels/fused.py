@@ -20,9 +20,12 @@ Exactness: each function computes every row with the same code whatever the numb
 the call (per query, attention reads exactly its own context), so a token's hidden states do
 not depend on how many tokens share a forward pass: one-token decoding, speculative
 verification and batches give bit-identical values, which is what keeps every strategy's output
-identical to ``ar``'s.
+identical to ``ar``'s. A prompt's tokens may take another arithmetic (``paged_attention``'s
+``prompt``), the same for every strategy and every chunking of the prompt.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -153,7 +156,8 @@ def rope_write(qkv: torch.Tensor, cos: torch.Tensor, ssin: torch.Tensor, slots: 
 
 
 def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, meta: "KernelBatch",
-                    out_dtype: torch.dtype, window: int = 0, scale: float | None = None) -> torch.Tensor:
+                    out_dtype: torch.dtype, window: int = 0, scale: float | None = None,
+                    prompt: bool = False) -> torch.Tensor:
     """Attention of ``q [T, Hq, D]`` (float32) over the pools ``[Hkv, S, D]`` (float32 or bfloat16):
     query ``t`` attends to the first ``meta.lengths[t]`` positions of its sequence, read through
     that sequence's block table (a tree node: the prefix, then its path, ``KernelBatch``). Returns
@@ -161,7 +165,10 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     ``bf16_attention_products(d)`` (queries as two bfloat16 each, softmax weights rounded:
     ``csrc/attention.c``), else float32 products on the values it holds. ``window`` > 0: a sliding
     window, query ``t`` sees only the keys at positions ``> p - window`` (``p = lengths[t] - 1``, its
-    own); ``scale``: the logits' (None: ``D ** -0.5``)."""
+    own); ``scale``: the logits' (None: ``D ** -0.5``). ``prompt``: the queries are a prompt's (a
+    prefill): where ``prompt_attention_on_tiles()``, over a bfloat16 pool with D 64 or 128 and no
+    window, they take the tile unit's arithmetic, the same for every prompt token whatever its chunk
+    (other bits than a decoded token's)."""
     q, (k_pool, v_pool) = _check(q, F32), _check_pools(k_pool, v_pool)
     t, hq, d = q.shape
     out = torch.empty((t, hq * d), dtype=out_dtype)
@@ -171,8 +178,8 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
             0 if meta.tail is None else meta.tail.shape[1], t, hq, k_pool.shape[0], k_pool.shape[1], d, meta.block_size,
             d ** -0.5 if scale is None else scale, out.data_ptr(), int(out_dtype == BF16),
             int(meta.keys * hq * d >= PARALLEL_MIN_WORK))
-    if window:
-        library().hs_paged_attention_window(*args, window)
+    if window or prompt:
+        library().hs_paged_attention_window(*args, window, int(prompt))
     else:
         library().hs_paged_attention(*args)
     return out
@@ -207,6 +214,14 @@ def q4_matmul(x: torch.Tensor, qs: torch.Tensor, dm: torch.Tensor, panels: bool 
     fn = library().hs_q4_panel_matmul if panels else library().hs_q4_matmul
     fn(qs.data_ptr(), dm[0].data_ptr(), dm[1].data_ptr(), x.data_ptr(), t, n, k, out.data_ptr(), 1)
     return out
+
+
+@functools.lru_cache(maxsize=1)
+def prompt_attention_on_tiles() -> bool:
+    """Whether a prompt's attention over a bfloat16 pool (head size 64 or 128, no sliding window)
+    runs on AMX tiles here: a build with AMX-BF16 (Sapphire Rapids and later) where Linux lets the
+    process use the tiles (``csrc/attention.c``, ``attend_tile_amx``)."""
+    return bool(library().hs_attention_amx())
 
 
 def bf16_attention_products(head_dim: int) -> bool:

@@ -108,7 +108,8 @@ class OpRanges:
 def decode_layers(h: torch.Tensor, op_range, rope, batch, cfg, local_rope=None) -> torch.Tensor:
     """Run the layers of ``op_range`` (``OpRanges.get``) on ``h [T, H]`` float32 in one call
     (writing their K/V into its pool); bit-identical to running them one by one on the kernels.
-    ``batch``: the call's ``AttentionBatch``; ``local_rope``: the RoPE rows of the layers that rotate
+    ``batch``: the call's ``AttentionBatch`` (a prefill's: its attention may take the prompt path,
+    ``fused.paged_attention``); ``local_rope``: the RoPE rows of the layers that rotate
     by the local base (None: ``rope``)."""
     meta = batch.kernel()
     cos, ssin = (r.view(r.shape[0], r.shape[-1]).contiguous() for r in rope)  # [T, D]
@@ -116,7 +117,7 @@ def decode_layers(h: torch.Tensor, op_range, rope, batch, cfg, local_rope=None) 
         r.view(r.shape[0], r.shape[-1]).contiguous() for r in local_rope)
     parallel = meta.keys * cfg.num_heads * cfg.head_dim >= fused.PARALLEL_MIN_WORK
     return layers_op()(h.contiguous(), cos, ssin, cos_l, ssin_l, batch.write_slots, meta.tables, meta.seq,
-                       meta.lengths, meta.tail_start, meta.tail, meta.block_size, parallel, op_range)
+                       meta.lengths, meta.tail_start, meta.tail, meta.block_size, parallel, op_range, batch.prefill)
 
 
 def op_head(embed: torch.Tensor, norm: torch.Tensor, weight: torch.Tensor, params: torch.Tensor, kind: int,

@@ -123,7 +123,8 @@ def _attend(layer: DecoderLayer, q: torch.Tensor, index: int, batch: AttentionBa
     decoded alone and after other requests gave different greedy tokens; it cost ~6% less on a
     3,000-token prompt.)"""
     window = layer.cfg.sliding_window if layer.sliding else 0  # the same keys as a one-token step's
-    return fused.paged_attention(q, pool.k[index], pool.v[index], batch.kernel(), dt, window, layer.cfg.attn_scale)
+    return fused.paged_attention(q, pool.k[index], pool.v[index], batch.kernel(), dt, window, layer.cfg.attn_scale,
+                                 batch.prefill)
 
 
 # ---- whole decode steps ---------------------------------------------------------------------------

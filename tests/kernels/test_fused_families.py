@@ -116,6 +116,40 @@ def test_sliding_window_attention_is_per_query(kv_dtype, head_dim, window):
         assert torch.equal(out, fused.paged_attention(q, pool.k[0], pool.v[0], meta, torch.float32, 0, scale).view_as(q))
 
 
+@pytest.mark.parametrize("head_dim, hq, hkv", [(64, 9, 3), (128, 8, 2), (64, 4, 4)])
+@pytest.mark.parametrize("start, count, bs", [(0, 1, 16), (0, 40, 16), (37, 70, 16), (5, 21, 4)])
+def test_prompt_attention_is_per_query(head_dim, hq, hkv, start, count, bs):
+    """A prompt's queries (``prompt``: AMX tiles where the CPU has them): each gets the bits it gets
+    alone, whatever its tile (16 rows, 32 queries) and where its keys' blocks lie, within bfloat16
+    products of attention; where the tile path does not run, exactly the decoding path's bits."""
+    batch, pool, q = one_sequence(start, count, hq, hkv, head_dim, bs=bs, kv_dtype=torch.bfloat16)
+    meta = batch.kernel()
+    out = fused.paged_attention(q, pool.k[0], pool.v[0], meta, torch.float32, prompt=True).view_as(q)
+    decoded = fused.paged_attention(q, pool.k[0], pool.v[0], meta, torch.float32).view_as(q)
+    if not fused.prompt_attention_on_tiles():
+        assert torch.equal(out, decoded)
+    torch.testing.assert_close(out, decoded, rtol=2e-3, atol=2e-3)
+    ck, cv = pool.context(0, batch, 0, torch.float32)
+    for j in range(count):
+        n = start + j + 1
+        torch.testing.assert_close(out[j:j + 1], attend(q[j:j + 1], ck[:n], cv[:n], None), rtol=2e-2, atol=2e-2)
+        alone = SimpleNamespace(tables=meta.tables, seq=meta.seq[j:j + 1], lengths=meta.lengths[j:j + 1],
+                                tail=None, tail_start=None, keys=n, block_size=meta.block_size)
+        single = fused.paged_attention(q[j:j + 1], pool.k[0], pool.v[0], alone, torch.float32, prompt=True)
+        assert torch.equal(single.view(1, hq, head_dim), out[j:j + 1]), j
+
+
+@pytest.mark.parametrize("kv_dtype, head_dim, window", [(torch.float32, 64, 0), (torch.bfloat16, 16, 0),
+                                                        (torch.bfloat16, 64, 5)])
+def test_prompt_attention_elsewhere_is_the_decoding_paths(kv_dtype, head_dim, window):
+    """Off the tile path (a float32 pool, another head size, a sliding window) a prompt's queries get
+    the decoding path's bits."""
+    batch, pool, q = one_sequence(3, 37, 4, 2, head_dim, kv_dtype=kv_dtype)
+    meta = batch.kernel()
+    args = (q, pool.k[0], pool.v[0], meta, torch.float32, window)
+    assert torch.equal(fused.paged_attention(*args, prompt=True), fused.paged_attention(*args))
+
+
 # ---- the model --------------------------------------------------------------------------------
 
 def _hf_config(kind: str):

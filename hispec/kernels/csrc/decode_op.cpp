@@ -200,12 +200,13 @@ struct Range : torch::CustomClassHolder {
 // h [T, H] float32 entering the range's first layer -> after its last.
 // cos, ssin [T, D]: the RoPE rows of the tokens' positions; cos_local, ssin_local: those of the layers
 // that rotate by the local base (flags), the same tensors where the model has no other base.
+// prompt: the tokens are a prompt's (their attention may take the prompt path: hs_attention_amx).
 at::Tensor decode_layers(const at::Tensor& h_in, const at::Tensor& cos, const at::Tensor& ssin,
                          const at::Tensor& cos_local, const at::Tensor& ssin_local,
                          const at::Tensor& slots, const at::Tensor& tables, const at::Tensor& seq,
                          const at::Tensor& lengths, const std::optional<at::Tensor>& tail_start,
                          const std::optional<at::Tensor>& tail, int64_t block_size, bool parallel,
-                         const c10::intrusive_ptr<Range>& range) {
+                         const c10::intrusive_ptr<Range>& range, bool prompt) {
     const int64_t n = range->layers();
     const auto& weights = range->weights;
     const auto& kinds = range->kinds;
@@ -261,7 +262,7 @@ at::Tensor decode_layers(const at::Tensor& h_in, const at::Tensor& cos, const at
                                       lengths.data_ptr<int32_t>(), tail ? tail_start->data_ptr<int32_t>() : nullptr,
                                       tail ? tail->data_ptr<int64_t>() : nullptr, tail ? tail->size(1) : 0, T,
                                       num_heads, kp.size(0), kp.size(1), D, block_size, scale, att.data_ptr(), out_bf,
-                                      parallel ? 1 : 0, flag[0]);
+                                      parallel ? 1 : 0, flag[0], prompt ? 1 : 0);
         }
         const at::Tensor o = mm(1, att).contiguous();  // [T, H]
         float* h2 = hs[i % 2].data_ptr<float>();
@@ -381,7 +382,7 @@ at::Tensor decode_step(const std::vector<int64_t>& tokens, const std::vector<int
     for (const int64_t p : positions) keys += p;
     setup.reset();
     const at::Tensor out = decode_layers(h, cos, ssin, cos_l, ssin_l, slots, tab, seq, lengths, std::nullopt, std::nullopt,
-                                         block_size, keys >= parallel_min_keys, range);
+                                         block_size, keys >= parallel_min_keys, range, false);
     at::Tensor x = at::empty({B, H}, fopt), logits;
     {
         Timed t(NORM);
@@ -503,7 +504,7 @@ TORCH_LIBRARY(hispec_fused, m) {
     m.def("profile(bool on) -> (float[], int[])", profile);
     m.def("decode_layers(Tensor h, Tensor cos, Tensor ssin, Tensor cos_local, Tensor ssin_local, Tensor slots, Tensor tables, Tensor seq, Tensor lengths, "
           "Tensor? tail_start, Tensor? tail, int block_size, bool parallel, "
-          "__torch__.torch.classes.hispec_fused.Range range) -> Tensor",
+          "__torch__.torch.classes.hispec_fused.Range range, bool prompt=False) -> Tensor",
           decode_layers);
     m.def("decode_step(int[] tokens, int[] positions, int[] tables, int block_size, Tensor cos, Tensor ssin, "
           "Tensor cos_local, Tensor ssin_local, int parallel_min_keys, __torch__.torch.classes.hispec_fused.Range range, "

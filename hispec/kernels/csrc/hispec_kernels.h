@@ -72,12 +72,15 @@ void hs_paged_attention(const float *q, const void *kpool, const void *vpool, in
                         const int64_t *tail, int64_t tail_width, int64_t T, int64_t Hq, int64_t Hkv, int64_t S,
                         int64_t D, int64_t bs, float scale, void *out, int out_bf, int parallel);
 /* hs_paged_attention over a sliding window: a token at position p (len[t] = p + 1) sees only the keys
- * at positions > p - window (window 0: all) */
+ * at positions > p - window (window 0: all); prompt 1: the tokens are a prompt's (a prefill; they may
+ * take another arithmetic, the same for every token of every prompt: hs_attention_amx) */
 void hs_paged_attention_window(const float *q, const void *kpool, const void *vpool, int kv_bf,
                                const int32_t *tables, int64_t max_blocks, const int32_t *seq, const int32_t *len,
                                const int32_t *tail_start, const int64_t *tail, int64_t tail_width, int64_t T,
                                int64_t Hq, int64_t Hkv, int64_t S, int64_t D, int64_t bs, float scale, void *out,
-                               int out_bf, int parallel, int64_t window);
+                               int out_bf, int parallel, int64_t window, int prompt);
+/* 1 where prompt tokens' attention over a bfloat16 pool (D = 64 or 128, no window) runs on AMX tiles */
+int hs_attention_amx(void);
 /* 1 where attention over a bfloat16 pool takes bfloat16 products (head sizes 64, 128; a build with
  * AVX512_BF16), else 0 (float32 products on the values it holds) */
 int hs_attention_bf16_products(void);
