@@ -25,8 +25,9 @@ weight's bytes beside its nibbles (one decode step's matmuls at one row on a Zen
 
 Per output and block, the 32 products are summed exactly in int32 and added in block order:
 ``acc = fma(idot, d * dx, acc)``, ``macc = fma(m, dxs, macc)``, ``y = acc + macc`` (8-bit: ``acc``).
-Every path (``ISAS``: plain C, AVX2 ``maddubs``, 256-bit VNNI, AVX-512 VNNI) computes exactly
-these operations, so they agree bit for bit, and a row's outputs depend on that row alone.
+Every path (``ISAS``: plain C, AVX2 ``maddubs``, 256-bit VNNI, AVX-512 VNNI, AMX tiles for the
+integer sums of many rows: :func:`use_amx_rows`) computes exactly these operations, so they agree bit
+for bit, and a row's outputs depend on that row alone.
 Against the float product with the dequantized weights, the error is the activations' rounding:
 at most half a step, ``amax / 254``, per input.
 
@@ -42,6 +43,7 @@ the CPU has.
 from __future__ import annotations
 
 import functools
+import json
 import logging
 from typing import NamedTuple
 
@@ -54,9 +56,10 @@ log = logging.getLogger(__name__)
 BLOCK = 32
 # the paths, slowest first (the header's enum hs_q8a_isa: HS_Q8A_SCALAR = 1, ...); "vnni-emulated" runs
 # the 256-bit VNNI kernel with dpbusd made of AVX2 instructions, for tests on CPUs without VNNI (never
-# chosen by itself)
-ISAS = ("scalar", "avx2", "vnni256", "avx512vnni", "vnni-emulated")
-_ISA_MEMBERS = ("HS_Q8A_SCALAR", "HS_Q8A_AVX2", "HS_Q8A_VNNI256", "HS_Q8A_AVX512VNNI", "HS_Q8A_EMULATED")
+# chosen by itself); "amx": Intel's tile unit, for products of many rows (``amx_rows``)
+ISAS = ("scalar", "avx2", "vnni256", "avx512vnni", "vnni-emulated", "amx")
+_ISA_MEMBERS = ("HS_Q8A_SCALAR", "HS_Q8A_AVX2", "HS_Q8A_VNNI256", "HS_Q8A_AVX512VNNI", "HS_Q8A_EMULATED",
+                "HS_Q8A_AMX")
 
 
 @functools.lru_cache(maxsize=1)
@@ -222,6 +225,69 @@ def _tile(fmt: int, w: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, n:
     _lib().hs_q8a_tile(fmt, w.data_ptr(), d.data_ptr(), None if m is None else m.data_ptr(), n, k, w_out.data_ptr(),
                        d_out.data_ptr(), None if m_out is None else m_out.data_ptr(), int(untile))
     return w_out, d_out, m_out
+
+
+# ---- AMX for many rows ------------------------------------------------------------------------
+AMX_TIMED_ROWS = (64, 256)  # the row counts the tile path is timed at (prompt chunks)
+AMX_MARGIN = 0.95  # taken from the fewest of them where it takes at most this fraction of the time
+AMX_RULE = 1  # in the kept choice's file name: a change of rule times again
+_LAYER = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # (N, K): a SmolLM2-135M layer's matmuls
+
+
+def time_amx_rows(reps: int = 5) -> dict[str, float]:
+    """Median seconds of a SmolLM2 layer's four matmuls on ``AMX_TIMED_ROWS`` rows, 4-bit and 8-bit
+    weights summed, on the tile path (``amx@T``) and on the best vector path (``vector@T``),
+    interleaved; the activations quantized once beforehand (as a prompt chunk's are, per matmul)."""
+    from .timing import interleaved_medians
+
+    g = torch.Generator().manual_seed(0)
+    weights = []
+    for n, k in _LAYER:
+        qs = torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.uint8)
+        dm = torch.stack([torch.rand(n, k // BLOCK, generator=g) * 0.01, -torch.rand(n, k // BLOCK, generator=g) * 0.1])
+        q8 = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+        weights.append((tile4(qs, dm), tile8(q8, torch.rand(n, k // BLOCK, generator=g) * 0.01)))
+    fns = {}
+    for t in AMX_TIMED_ROWS:
+        acts = {k: quantize(torch.randn(t, k, generator=g)) for k in {k for _, k in _LAYER}}
+        for path in ("amx", best_isa()):
+            def run(path=path, acts=acts):
+                for (w4, w8), (_, k) in zip(weights, _LAYER):
+                    q4_matmul(acts[k], *w4, isa=path)
+                    q8_matmul(acts[k], *w8, isa=path)
+            fns[f"{'amx' if path == 'amx' else 'vector'}@{t}"] = run
+    return interleaved_medians(fns, reps, warmup=1)
+
+
+def amx_rows_choice(med: dict[str, float]) -> int:
+    """The fewest of ``AMX_TIMED_ROWS`` where the tile path took at most ``AMX_MARGIN`` of the vector
+    path's time (:func:`time_amx_rows`), else 0 (never)."""
+    return next((t for t in AMX_TIMED_ROWS if med[f"amx@{t}"] <= AMX_MARGIN * med[f"vector@{t}"]), 0)
+
+
+@functools.lru_cache(maxsize=1)
+def use_amx_rows() -> int:
+    """Set, once per process, from how many rows q8a's products take the AMX path (``HS_Q8A_AUTO``:
+    prompt chunks; the same bits as every path), and return it (0: never). Where the CPU has AMX the
+    count is timed (:func:`time_amx_rows`, ~0.5 s) once per machine and kept beside the build, as
+    ``quant.four_bit_kernel``'s choice is. On the 2-core Xeon of the twenty-ninth session the tile
+    path ran a layer's matmuls 1.1-1.2x as fast on 64-256 rows and slower on 16 (its per-block
+    float steps are the vector path's; the mixed serving load stepped offline took 0.97x the time
+    from 64 rows, 0.99x from 16)."""
+    lib = library()
+    if lib is None or "amx" not in supported_isas():
+        return 0
+    from . import build
+
+    path = build.build_dir() / f"q8a_amx_rows-{build.library_key()}-rule{AMX_RULE}.json"
+    try:
+        rows = int(json.loads(path.read_text())["rows"])
+    except (OSError, ValueError, KeyError, TypeError):
+        med = time_amx_rows()
+        rows = amx_rows_choice(med)
+        build.keep_json(path, {"rows": rows, "timings": med})
+    lib.hs_q8a_set_amx_rows(rows)
+    return rows
 
 
 def tile4(qs: torch.Tensor, dm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -147,6 +147,8 @@ class QuantLinear(nn.Module):
         # CPU kernel for int4 is built for decode-sized inputs: at 512 rows the dense bfloat16 product is
         # ~2.4x faster. Not a buffer: not saved, not moved.
         self.dense: torch.Tensor | None = None
+        if kernel in ("q8a", "q8a8"):
+            q8act.use_amx_rows()  # (once per process: whether its many-row products take the AMX path)
 
     # ---- construction ----------------------------------------------------------------------
     @classmethod

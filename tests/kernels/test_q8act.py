@@ -280,7 +280,7 @@ def test_best_path_is_said_once(caplog):
         best = q8act.best_isa()
         q8act.best_isa()
     notes = [r.getMessage() for r in caplog.records]
-    assert best == [i for i in ISAS if i != "vnni-emulated"][-1]
+    assert best == [i for i in ISAS if i not in ("vnni-emulated", "amx")][-1]
     if best == "avx512vnni":
         assert notes == []
     else:
@@ -535,3 +535,45 @@ def test_group16_float_activation_kernel():
     assert torch.allclose(y16, y32, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="K / 16"):
         fused.q8_matmul(x, q, d[:, :5])
+
+
+def test_amx_rows_are_chosen_by_timing():
+    """The tile path runs prompt chunks from the fewest timed rows where it was clearly faster, else never."""
+    med = {"amx@64": 1.0, "vector@64": 1.0, "amx@256": 3.0, "vector@256": 4.0}
+    assert q8act.amx_rows_choice(med) == 256
+    assert q8act.amx_rows_choice({**med, "amx@64": 0.9}) == 64
+    assert q8act.amx_rows_choice({**med, "amx@256": 3.9}) == 0
+
+
+@pytest.mark.skipif("amx" not in ISAS, reason="no AMX path on this CPU")
+@pytest.mark.parametrize("kind", KINDS)
+def test_automatic_path_from_amx_rows_gives_the_same_bits(kind):
+    """With the tile path taken from 16 rows, the automatic choice gives every row's bits of the vector
+    path, above and below the threshold; the process's timed setting is put back."""
+    gen = torch.Generator().manual_seed(11)
+    w = weights(kind, 70, 256, gen)
+    x = activations(40, 256, gen)
+    lib, kept = q8act.library(), q8act.use_amx_rows()
+    vector = [i for i in ISAS if i not in ("vnni-emulated", "amx")][-1]
+    if kind in ("Q8_0", "Q8_G16"):
+        q, d = q8act.tile8(w[0], w[1])
+    else:
+        q, dm = q8act.tile4(w[1], w[2])
+
+    def automatic(x):  # the entry points the layer op calls (HS_Q8A_AUTO)
+        y = torch.empty(x.shape[0], 70)
+        if kind in ("Q8_0", "Q8_G16"):
+            lib.hs_q8a_q8_group_matmul(q.data_ptr(), d.data_ptr(), 256 // d.shape[1], x.data_ptr(), 0, x.shape[0],
+                                       70, 256, y.data_ptr(), 1)
+        else:
+            lib.hs_q8a_q4_matmul(q.data_ptr(), dm[0].data_ptr(), dm[1].data_ptr(), x.data_ptr(), x.shape[0], 70, 256,
+                                 y.data_ptr(), 1)
+        return y
+
+    try:
+        lib.hs_q8a_set_amx_rows(16)
+        for t in (1, 15, 16, 40):
+            assert torch.equal(automatic(x[:t].contiguous()), run(kind, x[:t], w, vector)), t
+    finally:
+        lib.hs_q8a_set_amx_rows(kept)
+    assert lib.hs_q8a_amx_rows() == kept

@@ -122,6 +122,7 @@ enum hs_q8a_isa {
     HS_Q8A_VNNI256 = 3,     /* AVX-VNNI or AVX-512 VNNI on 256-bit vectors */
     HS_Q8A_AVX512VNNI = 4,
     HS_Q8A_EMULATED = 5,    /* the 256-bit VNNI kernel with dpbusd made of AVX2 (tests; never chosen) */
+    HS_Q8A_AMX = 6,         /* AMX tile products (many rows; HS_Q8A_AUTO from hs_q8a_amx_rows() rows) */
 };
 /* the file's rows [N, ...] -> the kernels' tiled layout (untile = 0), or back (untile = 1); m NULL for 8-bit */
 void hs_q8a_tile(int fmt, const uint8_t *w, const uint16_t *d, const uint16_t *m, int64_t N, int64_t K,
@@ -131,8 +132,11 @@ void hs_q8a_tile(int fmt, const uint8_t *w, const uint16_t *d, const uint16_t *m
 void hs_q8a_quantize(const float *x, int64_t T, int64_t K, int8_t *codes, float *dx, int32_t *sx, float *dxs);
 /* 1 if this CPU can run path isa, else 0 */
 int hs_q8a_isa_supported(int isa);
-/* the fastest path this CPU has (never HS_Q8A_EMULATED) */
+/* the fastest path this CPU has for a few rows (never HS_Q8A_EMULATED or HS_Q8A_AMX) */
 int hs_q8a_best_isa(void);
+/* HS_Q8A_AUTO runs products of at least this many rows on HS_Q8A_AMX where the CPU has it (0: never) */
+void hs_q8a_set_amx_rows(int rows);
+int hs_q8a_amx_rows(void);
 /* y[T, N] = x W^T for activations already quantized (hs_q8a_quantize) on path isa; returns the path
  * that ran, or -1 (the CPU lacks it: nothing written; no scratch memory: y incomplete) */
 int hs_q8a_matmul(int fmt, const uint8_t *w, const uint16_t *d, const uint16_t *m, const int8_t *codes, const float *dx,

@@ -330,6 +330,267 @@ static inline __attribute__((always_inline)) __m256i dpbusd_emulated(__m256i src
 #include __FILE__
 #pragma GCC pop_options
 
+/* ---- AMX: Intel's tile matrix unit (TMUL, int8) ----------------------------------------------
+ * The same arithmetic as every other path, with each block's integer sums taken by one tile
+ * product: for a group of 16 rows and a tile of 16 columns, block b's A tile is the rows' codes
+ * [16, 32] (row-major, as hs_q8a_quantize writes them), its B tile the tile's block [8, 64]: row i is
+ * dword i of the 16 columns side by side, which is the stored layout itself (8-bit; 4-bit: the
+ * low nibbles of dwords 0-3 are rows 0-3, codes 0-15, the high ones rows 4-7, codes 16-31, unpacked
+ * once per tile into a buffer). C[r][c] = sum_k A[r][k] B'[k][c] is idot exact in int32 (8-bit:
+ * signed x signed, so no -128 sx correction is needed; 4-bit: signed codes x unsigned nibbles);
+ * the float steps after it are the others' (c = d * dx, acc = fma(idot, c, acc); macc; the sum).
+ * Group 16: each half-block's [16, 16] x [4, 64] product on its own, the low half first.
+ * The rows are padded to a multiple of 16 with zero codes and scales (their outputs are not
+ * stored). Linux hands a process the tile registers only when it asks (arch_prctl
+ * ARCH_REQ_XCOMP_PERM), which hs_q8a_isa_supported does once. */
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define AMX_ROWS 16  /* rows of an A (and C) tile */
+
+/* 1 when the CPU has AMX-TILE and AMX-INT8 and Linux lets this process use them (asked once) */
+static int amx_permitted(void) {
+    static int state = -1;
+    int s = __atomic_load_n(&state, __ATOMIC_ACQUIRE);
+    if (s >= 0) return s;
+    unsigned a, b, c, d;
+    s = __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d >> 24 & 1) && (d >> 25 & 1);
+    if (s) s = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+    __atomic_store_n(&state, s, __ATOMIC_RELEASE);
+    return s;
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed, aligned(64))) amx_config;
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,amx-tile,amx-int8")
+
+/* Tiles: 0, 3: A [16, 32] (blocks b, b + 1); 1, 4: B [8, 64]; 2, 5: C [16, 16 int32];
+ * 6: a half-block's A [16, 16]; 7: its B [4, 64] (group 16, with C tiles 2 and 5). */
+static void amx_configure(void) {
+    amx_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    const uint16_t colsb[8] = {32, 64, 64, 32, 64, 64, 16, 64};
+    const uint8_t rows[8] = {AMX_ROWS, 8, AMX_ROWS, AMX_ROWS, 8, AMX_ROWS, AMX_ROWS, 4};
+    for (int i = 0; i < 8; i++) cfg.colsb[i] = colsb[i], cfg.rows[i] = rows[i];
+    _tile_loadconfig(&cfg);
+}
+
+/* The 4-bit tile's blocks (tw) as B tiles: nb blocks of 8 rows x 64 bytes into wb */
+static inline void amx_unpack4(const uint8_t *tw, int64_t nb, uint8_t *wb) {
+    const __m512i lo = _mm512_set1_epi8(15);
+    for (int64_t b = 0; b < nb; b++)
+        for (int i = 0; i < 4; i++) {
+            const __m512i raw = _mm512_loadu_si512(tw + (b * 4 + i) * 64);
+            _mm512_store_si512(wb + (b * 8 + i) * 64, _mm512_and_si512(raw, lo));
+            _mm512_store_si512(wb + (b * 8 + 4 + i) * 64, _mm512_and_si512(_mm512_srli_epi16(raw, 4), lo));
+        }
+}
+
+/* One block's float steps for R rows: acc[r] = fma(idot[r], d * dx[r], acc[r]); cb the C tile stored
+ * [16][16] int32, dv the block's 16 weight scales, dxb the rows' dx (stride nb). */
+static inline __attribute__((always_inline)) void amx_scale(__m512 *acc, const int32_t *cb, __m512 dv,
+                                                            const float *dxb, int64_t nb, const int R) {
+#pragma GCC unroll 16
+    for (int r = 0; r < R; r++) {
+        const __m512 c = _mm512_mul_ps(dv, _mm512_set1_ps(dxb[r * nb]));
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(cb + r * 16)), c, acc[r]);
+    }
+}
+
+/* The integer sums of blocks b0 .. b0 + n - 1 (a row group xg [16, K] times a tile's B blocks wt) into
+ * cb: [n][16 rows][16 columns] int32 (group 16: [2 n], a half-block each, the low half first). Two
+ * blocks at a time on tiles 0-2 and 3-5, so that the second's loads run beside the first's product. */
+static inline __attribute__((always_inline)) void amx_products(const uint8_t *wt, const int8_t *xg, int64_t K,
+                                                               int64_t b0, int n, const int fmt, int32_t *cb) {
+    if (fmt == HS_Q8A_Q8G16) {
+        for (int j = 0; j < n; j++) {
+            const int64_t b = b0 + j;
+            _tile_loadd(6, xg + b * BLOCK, K);
+            _tile_loadd(7, wt + b * 512, 64);
+            _tile_zero(2);
+            _tile_dpbssd(2, 6, 7);
+            _tile_stored(2, cb + 2 * j * 256, 64);
+            _tile_loadd(6, xg + b * BLOCK + 16, K);
+            _tile_loadd(7, wt + b * 512 + 256, 64);
+            _tile_zero(5);
+            _tile_dpbssd(5, 6, 7);
+            _tile_stored(5, cb + (2 * j + 1) * 256, 64);
+        }
+        return;
+    }
+    int j = 0;
+    for (; j + 1 < n; j += 2) {
+        const int64_t b = b0 + j;
+        _tile_loadd(0, xg + b * BLOCK, K);
+        _tile_loadd(1, wt + b * 512, 64);
+        _tile_loadd(3, xg + (b + 1) * BLOCK, K);
+        _tile_loadd(4, wt + (b + 1) * 512, 64);
+        _tile_zero(2);
+        _tile_zero(5);
+        if (fmt == HS_Q8A_Q4) {
+            _tile_dpbsud(2, 0, 1);
+            _tile_dpbsud(5, 3, 4);
+        } else {
+            _tile_dpbssd(2, 0, 1);
+            _tile_dpbssd(5, 3, 4);
+        }
+        _tile_stored(2, cb + j * 256, 64);
+        _tile_stored(5, cb + (j + 1) * 256, 64);
+    }
+    if (j < n) {
+        const int64_t b = b0 + j;
+        _tile_loadd(0, xg + b * BLOCK, K);
+        _tile_loadd(1, wt + b * 512, 64);
+        _tile_zero(2);
+        if (fmt == HS_Q8A_Q4) _tile_dpbsud(2, 0, 1); else _tile_dpbssd(2, 0, 1);
+        _tile_stored(2, cb + j * 256, 64);
+    }
+}
+
+#define AMX_CHUNK 8  /* blocks per batch of tile products (their sums: 8 KB, 16 KB for group 16) */
+
+/* R rows (a constant, <= 16) of one row group times one tile of 16 columns -> y (row stride N; the
+ * first live rows and ncols columns written). xg: the group's codes [16, K] (row-major), dxg/dxsg
+ * [16, nb]; wt: the tile's B blocks (8-bit: the stored tile; 4-bit: unpacked, amx_unpack4); dt, mt:
+ * its scales [blocks][16]. The blocks' products run a chunk ahead of their float steps (cbuf: two
+ * chunks' sums), so the tile unit and the vector units work side by side and no load waits on the
+ * tile store just before it. */
+static inline __attribute__((always_inline)) void amx_rows(const uint8_t *wt, const uint16_t *dt, const uint16_t *mt,
+                                                           const int8_t *xg, const float *dxg, const float *dxsg,
+                                                           int64_t K, const int R, const int fmt, float *y, int64_t N,
+                                                           int live, int ncols, int32_t *cbuf) {
+    const int64_t nb = K / BLOCK, chunks = (nb + AMX_CHUNK - 1) / AMX_CHUNK;
+    const int halves = fmt == HS_Q8A_Q8G16 ? 2 : 1;
+    __m512 acc[AMX_ROWS];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    amx_products(wt, xg, K, 0, (int)(nb < AMX_CHUNK ? nb : AMX_CHUNK), fmt, cbuf);
+    for (int64_t ch = 0; ch < chunks; ch++) {
+        const int64_t b0 = ch * AMX_CHUNK, n = nb - b0 < AMX_CHUNK ? nb - b0 : AMX_CHUNK;
+        if (ch + 1 < chunks) {
+            const int64_t b1 = b0 + AMX_CHUNK, n1 = nb - b1 < AMX_CHUNK ? nb - b1 : AMX_CHUNK;
+            amx_products(wt, xg, K, b1, (int)n1, fmt, cbuf + ((ch + 1) & 1) * AMX_CHUNK * 2 * 256);
+        }
+        const int32_t *cb = cbuf + (ch & 1) * AMX_CHUNK * 2 * 256;
+        for (int64_t j = 0; j < n * halves; j++) {
+            const int64_t b = b0 + j / halves;
+            amx_scale(acc, cb + j * 256, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(dt + (b0 * halves + j) * 16))),
+                      dxg + b, nb, R);
+        }
+    }
+    if (fmt == HS_Q8A_Q4) {  /* the offsets' sums, a loop of their own (registers), then the sum */
+        __m512 macc[AMX_ROWS];
+        for (int r = 0; r < R; r++) macc[r] = _mm512_setzero_ps();
+        for (int64_t b = 0; b < nb; b++) {
+            const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mt + b * 16)));
+#pragma GCC unroll 16
+            for (int r = 0; r < R; r++) macc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(dxsg[r * nb + b]), macc[r]);
+        }
+        for (int r = 0; r < R; r++) acc[r] = _mm512_add_ps(acc[r], macc[r]);
+    }
+    const __mmask16 mask = (__mmask16)((1u << ncols) - 1);
+    for (int r = 0; r < R && r < live; r++) _mm512_mask_storeu_ps(y + r * N, mask, acc[r]);
+}
+
+static int amx_run(const uint8_t *w, const uint16_t *d, const uint16_t *m, const int fmt, const float *x,
+                   q8a_scratch q, int64_t T, int64_t N, int64_t K, float *y, int parallel) {
+    const int64_t nb = K / BLOCK, row_bytes = nb * block_bytes(fmt), tiles = (N + TILE - 1) / TILE;
+    const int64_t ns = nb * block_scales(fmt), Tp = (T + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS;
+    const int avx2 = x ? cpu_avx2_fma() : 0;
+    /* the codes row-major [Tp, K], dx and dxs [Tp, nb]; the padding rows zero */
+    int8_t *codes = aligned_alloc(64, (size_t)(Tp * K) + (size_t)(Tp * nb) * 2 * sizeof(float) + 64);
+    if (!codes) return 0;
+    float *dx = (float *)(codes + Tp * K), *dxs = dx + Tp * nb;
+    memset(codes + T * K, 0, (size_t)((Tp - T) * K));
+    memset(dx + T * nb, 0, (size_t)((Tp - T) * nb) * sizeof(float));
+    memset(dxs + T * nb, 0, (size_t)((Tp - T) * nb) * sizeof(float));
+    int failed = 0;
+#pragma omp parallel if (parallel)
+    {
+        int32_t sx_unused;
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < T * nb; i++) {
+            if (x)
+                quantize_one(x + i * BLOCK, codes + i * BLOCK, dx + i, &sx_unused, dxs + i, avx2);
+            else
+                memcpy(codes + i * BLOCK, q.codes + i * BLOCK, BLOCK), dx[i] = q.dx[i], dxs[i] = q.dxs[i];
+        }
+        /* a thread's scratch: 4-bit B tiles, two C tiles, and the last tile's columns padded as in
+         * the other paths */
+        uint8_t *wb = fmt == HS_Q8A_Q4 ? aligned_alloc(64, (size_t)(nb * 512)) : NULL;
+        int32_t *cbuf = aligned_alloc(64, 2 * AMX_CHUNK * 2 * 256 * sizeof(int32_t));
+        uint8_t *pad_w = NULL;
+        uint16_t *pad_d = NULL, *pad_m = NULL;
+        if (N % TILE) {
+            pad_w = calloc((size_t)(TILE * row_bytes), 1);
+            pad_d = calloc((size_t)(TILE * ns), sizeof(uint16_t));
+            pad_m = calloc((size_t)(TILE * nb), sizeof(uint16_t));
+        }
+        const int ok = cbuf && (fmt != HS_Q8A_Q4 || wb) && (N % TILE == 0 || (pad_w && pad_d && pad_m));
+        if (!ok) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        amx_configure();
+#pragma omp for schedule(static) nowait
+        for (int64_t tile = 0; tile < tiles; tile++) {
+            if (!ok) continue;
+            const int64_t n0 = tile * TILE;
+            const int ncols = (int)(N - n0 < TILE ? N - n0 : TILE);
+            const uint8_t *tw = w + n0 * row_bytes;
+            const uint16_t *dt = d + n0 * ns, *mt = fmt == HS_Q8A_Q4 ? m + n0 * nb : NULL;
+            if (ncols < TILE) {  /* the last columns (stored as rows) placed as in a full tile, the rest zero */
+                const int bytes = block_bytes(fmt);
+                for (int c = 0; c < ncols; c++) {
+                    for (int64_t b = 0; b < nb; b++) {
+                        int step;
+                        const int64_t base = tiled_block(c, b, nb, bytes, TILE, &step), at = tiled_scale(c, b, nb, TILE);
+                        for (int j = 0; j < bytes; j++) pad_w[base + (j / 4) * step + (j & 3)] = tw[(c * nb + b) * bytes + j];
+                        if (fmt == HS_Q8A_Q4) pad_m[at] = mt[c * nb + b];
+                    }
+                    for (int64_t b = 0; b < ns; b++) pad_d[tiled_scale(c, b, ns, TILE)] = dt[c * ns + b];
+                }
+                tw = pad_w, dt = pad_d, mt = fmt == HS_Q8A_Q4 ? pad_m : NULL;
+            }
+            if (fmt == HS_Q8A_Q4) amx_unpack4(tw, nb, wb);
+            const uint8_t *wt = fmt == HS_Q8A_Q4 ? wb : tw;
+            for (int64_t t0 = 0; t0 < T; t0 += AMX_ROWS) {
+                const int8_t *xg = codes + t0 * K;
+                const float *dxg = dx + t0 * nb, *dxsg = dxs + t0 * nb;
+                float *yt = y + t0 * N + n0;
+                const int64_t left = T - t0;
+                /* constant row counts keep the sums in registers (4, 8, 12, 16: padding rows computed, not stored) */
+#define AMX_CALL(R, F) amx_rows(wt, dt, mt, xg, dxg, dxsg, K, R, F, yt, N, (int)left, ncols, cbuf)
+#define AMX_FMT(R)                                                               \
+    if (fmt == HS_Q8A_Q4) AMX_CALL(R, HS_Q8A_Q4);                              \
+    else if (fmt == HS_Q8A_Q8G16) AMX_CALL(R, HS_Q8A_Q8G16);                   \
+    else AMX_CALL(R, HS_Q8A_Q8)
+                if (left <= 4) { AMX_FMT(4); }
+                else if (left <= 8) { AMX_FMT(8); }
+                else if (left <= 12) { AMX_FMT(12); }
+                else { AMX_FMT(16); }
+#undef AMX_FMT
+#undef AMX_CALL
+            }
+        }
+        _tile_release();
+        free(wb);
+        free(cbuf);
+        free(pad_w);
+        free(pad_d);
+        free(pad_m);
+    }
+    free(codes);
+    return !failed;
+}
+#pragma GCC pop_options
+
 /* ---- dispatch --------------------------------------------------------------------------------- */
 int hs_q8a_isa_supported(int isa) {
     __builtin_cpu_init();
@@ -346,9 +607,20 @@ int hs_q8a_isa_supported(int isa) {
             return hs_q8a_isa_supported(HS_Q8A_AVX2) && __builtin_cpu_supports("avx512f") &&
                    __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
                    __builtin_cpu_supports("avx512vnni");
+        case HS_Q8A_AMX:
+            return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                   __builtin_cpu_supports("f16c") && amx_permitted();
         default: return 0;
     }
 }
+
+/* Rows from which HS_Q8A_AUTO runs a product on AMX where the CPU has it (0: never); set from Python
+ * (hs_q8a_set_amx_rows) by what was measured on this machine. */
+static int amx_rows_from = 0;
+
+void hs_q8a_set_amx_rows(int rows) { __atomic_store_n(&amx_rows_from, rows, __ATOMIC_RELAXED); }
+
+int hs_q8a_amx_rows(void) { return __atomic_load_n(&amx_rows_from, __ATOMIC_RELAXED); }
 
 int hs_q8a_best_isa(void) {
     for (int isa = HS_Q8A_AVX512VNNI; isa > HS_Q8A_SCALAR; isa--)
@@ -376,10 +648,14 @@ static int scalar_run(int fmt, const uint8_t *w, const uint16_t *d, const uint16
  * their own parallel region, the threads sharing the blocks), else q read. */
 static int q8a_dispatch(int fmt, const uint8_t *w, const uint16_t *d, const uint16_t *m, const float *x, q8a_scratch q,
                         int64_t T, int64_t N, int64_t K, float *y, int isa, int parallel) {
-    if (isa == HS_Q8A_AUTO) isa = hs_q8a_best_isa();
+    if (isa == HS_Q8A_AUTO) {
+        const int from = hs_q8a_amx_rows();
+        isa = from > 0 && T >= from && hs_q8a_isa_supported(HS_Q8A_AMX) ? HS_Q8A_AMX : hs_q8a_best_isa();
+    }
     if (!hs_q8a_isa_supported(isa)) return -1;
     int done = 1;
     switch (isa) {
+        case HS_Q8A_AMX: done = amx_run(w, d, m, fmt, x, q, T, N, K, y, parallel); break;
         case HS_Q8A_AVX512VNNI: done = matmul_avx512vnni(w, d, m, fmt, x, q, T, N, K, y, parallel); break;
         case HS_Q8A_VNNI256:
             if (__builtin_cpu_supports("avxvnni"))
