@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import secrets
 import time
 
 import torch
@@ -200,7 +201,9 @@ class Engine:
             raise ConfigError(f"request id {request_id!r} is already in use")
         seed = None
         if not params.greedy:
-            seed = params.seed if params.seed is not None else int(torch.seed() % 2**63)
+            # a fresh seed from the OS (torch.seed() re-seeded the process's own generator, and every
+            # device's, capturing a stack trace each time: ~1 ms a request in a server's engine thread)
+            seed = params.seed if params.seed is not None else secrets.randbits(63)
         ctx = DecodeContext(self.runner, seq_id, list(prompt_ids), params, seed, DecodeStats(self.strategy.name),
                             min(len(prompt_ids) + params.max_new_tokens, max_pos),
                             frozenset() if params.ignore_eos else self.eos_ids)
