@@ -655,27 +655,8 @@ static void attend_tile_bf(const float *q, int64_t Hq, kv_head kp, kv_head vp, k
  * SmolLM2's 256-token prompt chunks (2 threads, the Xeon of the twenty-ninth session): attention took
  * 10.9 ms against attend_tile_bf's 26.3 after no positions, 34.8 against 136.4 after 768; the mixed
  * serving load (200 requests, `hispec bench serve`'s, stepped offline) 0.93x the time. */
-#include <sys/syscall.h>
-#include <unistd.h>
-
 #define AMX_TILE_ROWS 16
-
-/* 1 when Linux lets this process use the tile registers (it asks once: ARCH_REQ_XCOMP_PERM). */
-static int amx_permitted(void) {
-    static int state = -1;
-    int s = __atomic_load_n(&state, __ATOMIC_ACQUIRE);
-    if (s < 0) {
-        s = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
-        __atomic_store_n(&state, s, __ATOMIC_RELEASE);
-    }
-    return s;
-}
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} __attribute__((packed, aligned(64))) amx_config;
+#define amx_permitted hs_amx_tiles  /* (a build with AMX-BF16 runs on a CPU that has it) */
 
 /* This thread's tiles: 0-3 the sums (scores in 0; values in 0-3), 4 the A operand (keys, values),
  * 5 the B operand (queries, weights); each 16 rows of 64 bytes. */

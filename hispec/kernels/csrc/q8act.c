@@ -65,6 +65,7 @@
 #include <string.h>
 
 #include "hispec_kernels.h" /* the formats (HS_Q8A_Q4, HS_Q8A_Q8) and paths (HS_Q8A_*) */
+#include "simd.h"        /* hs_amx_tiles, amx_config */
 #define BLOCK 32
 #define TILE 16 /* output columns per tile of the stored layout (= every path's COLS) */
 
@@ -108,6 +109,23 @@ void hs_q8a_tile(int fmt, const uint8_t *w, const uint16_t *d, const uint16_t *m
             if (untile) d_out[r] = d[t]; else d_out[t] = d[r];
             if (m && untile) m_out[r] = m[t]; else if (m) m_out[t] = m[r];
         }
+    }
+}
+
+/* The last tile's ncols < TILE columns as stored (rows: w [ncols, row bytes], d and m (NULL for 8-bit)
+ * [ncols, ns]) placed as in a full tile into pad_w, pad_d, pad_m (zero elsewhere: zero codes and
+ * scales, whose outputs are not stored), so that every path reads it as it reads the others. */
+static void pad_last_tile(int fmt, const uint8_t *w, const uint16_t *d, const uint16_t *m, int ncols, int64_t nb,
+                          int64_t ns, uint8_t *pad_w, uint16_t *pad_d, uint16_t *pad_m) {
+    const int bytes = block_bytes(fmt);
+    for (int c = 0; c < ncols; c++) {
+        for (int64_t b = 0; b < nb; b++) {
+            int step;
+            const int64_t base = tiled_block(c, b, nb, bytes, TILE, &step), at = tiled_scale(c, b, nb, TILE);
+            for (int j = 0; j < bytes; j++) pad_w[base + (j / 4) * step + (j & 3)] = w[(c * nb + b) * bytes + j];
+            if (m) pad_m[at] = m[c * nb + b];
+        }
+        for (int64_t b = 0; b < ns; b++) pad_d[tiled_scale(c, b, ns, TILE)] = d[c * ns + b];
     }
 }
 
@@ -343,29 +361,13 @@ static inline __attribute__((always_inline)) __m256i dpbusd_emulated(__m256i src
  * The rows are padded to a multiple of 16 with zero codes and scales (their outputs are not
  * stored). Linux hands a process the tile registers only when it asks (arch_prctl
  * ARCH_REQ_XCOMP_PERM), which hs_q8a_isa_supported does once. */
-#include <cpuid.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-
 #define AMX_ROWS 16  /* rows of an A (and C) tile */
 
-/* 1 when the CPU has AMX-TILE and AMX-INT8 and Linux lets this process use them (asked once) */
+/* 1 when the CPU has AMX-INT8 and this process may use the tiles (hs_amx_tiles) */
 static int amx_permitted(void) {
-    static int state = -1;
-    int s = __atomic_load_n(&state, __ATOMIC_ACQUIRE);
-    if (s >= 0) return s;
     unsigned a, b, c, d;
-    s = __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d >> 24 & 1) && (d >> 25 & 1);
-    if (s) s = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
-    __atomic_store_n(&state, s, __ATOMIC_RELEASE);
-    return s;
+    return __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d >> 25 & 1) && hs_amx_tiles();
 }
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} __attribute__((packed, aligned(64))) amx_config;
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,amx-tile,amx-int8")
@@ -546,16 +548,7 @@ static int amx_run(const uint8_t *w, const uint16_t *d, const uint16_t *m, const
             const uint8_t *tw = w + n0 * row_bytes;
             const uint16_t *dt = d + n0 * ns, *mt = fmt == HS_Q8A_Q4 ? m + n0 * nb : NULL;
             if (ncols < TILE) {  /* the last columns (stored as rows) placed as in a full tile, the rest zero */
-                const int bytes = block_bytes(fmt);
-                for (int c = 0; c < ncols; c++) {
-                    for (int64_t b = 0; b < nb; b++) {
-                        int step;
-                        const int64_t base = tiled_block(c, b, nb, bytes, TILE, &step), at = tiled_scale(c, b, nb, TILE);
-                        for (int j = 0; j < bytes; j++) pad_w[base + (j / 4) * step + (j & 3)] = tw[(c * nb + b) * bytes + j];
-                        if (fmt == HS_Q8A_Q4) pad_m[at] = mt[c * nb + b];
-                    }
-                    for (int64_t b = 0; b < ns; b++) pad_d[tiled_scale(c, b, ns, TILE)] = dt[c * ns + b];
-                }
+                pad_last_tile(fmt, tw, dt, mt, ncols, nb, ns, pad_w, pad_d, pad_m);
                 tw = pad_w, dt = pad_d, mt = fmt == HS_Q8A_Q4 ? pad_m : NULL;
             }
             if (fmt == HS_Q8A_Q4) amx_unpack4(tw, nb, wb);
@@ -997,16 +990,7 @@ static inline __attribute__((always_inline)) int FN(run)(const uint8_t *w, const
             const uint8_t *tw = w + n0 * row_bytes;
             const uint16_t *dbuf = d + n0 * ns, *mbuf = fmt == HS_Q8A_Q4 ? m + n0 * nb : NULL;
             if (ncols < COLS) {  /* the stored rows of the last ncols columns, placed as in a full tile */
-                const int bytes = block_bytes(fmt);
-                for (int c = 0; c < ncols; c++) {
-                    for (int64_t b = 0; b < nb; b++) {
-                        int step;
-                        const int64_t base = tiled_block(c, b, nb, bytes, TILE, &step), at = tiled_scale(c, b, nb, TILE);
-                        for (int j = 0; j < bytes; j++) pad_w[base + (j / 4) * step + (j & 3)] = tw[(c * nb + b) * bytes + j];
-                        if (fmt == HS_Q8A_Q4) pad_m[at] = mbuf[c * nb + b];
-                    }
-                    for (int64_t b = 0; b < ns; b++) pad_d[tiled_scale(c, b, ns, TILE)] = dbuf[c * ns + b];
-                }
+                pad_last_tile(fmt, tw, dbuf, mbuf, ncols, nb, ns, pad_w, pad_d, pad_m);
                 tw = pad_w, dbuf = pad_d, mbuf = fmt == HS_Q8A_Q4 ? pad_m : NULL;
             }
             const uint8_t *next = tile + 1 < N / COLS ? w + (n0 + COLS) * row_bytes : NULL;

@@ -19,6 +19,11 @@
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+#if defined(__x86_64__) && defined(__linux__)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -211,5 +216,29 @@ static inline void for_rows(int64_t T, int64_t min, void (*body)(void *ctx, int6
         if (t0 < t1) body(ctx, t0, t1);
     }
 }
+
+/* AMX, Intel's tile unit: 1 when the CPU has AMX-TILE and Linux lets this process use the tile
+ * registers (arch_prctl ARCH_REQ_XCOMP_PERM: asked once per file that asks; asking again is free). */
+static inline int hs_amx_tiles(void) {
+#if defined(__x86_64__) && defined(__linux__)
+    static int state = -1;
+    int s = __atomic_load_n(&state, __ATOMIC_ACQUIRE);
+    if (s >= 0) return s;
+    unsigned a, b, c, d;
+    s = __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d >> 24 & 1);
+    if (s) s = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+    __atomic_store_n(&state, s, __ATOMIC_RELEASE);
+    return s;
+#else
+    return 0;
+#endif
+}
+
+/* A tile configuration for LDTILECFG (palette 1): each tile's rows and bytes a row. */
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed, aligned(64))) amx_config;
 
 #endif
