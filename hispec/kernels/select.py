@@ -17,7 +17,7 @@ import functools
 
 import torch
 
-from . import build, fused, hugepages, layer_op, plan, quant
+from . import build, fused, hugepages, layer_op, plan, q8act, quant
 from .quant import QuantLinear
 
 FAST_CAPABILITIES = ("AVX512",)
@@ -74,7 +74,8 @@ def describe(model) -> str:
     if any(m.dense is not None for m in quantized):
         layers += " (prompt prefill on dense bfloat16 copies of the same weights)"
     elif any(m.kernel == "q8a" for m in quantized) and quant.q8a_prefills_on_rows():
-        layers += " (prompt prefill on the same kernel: its rows are cheap on this CPU's integer dot products)"
+        amx = f"; {q8act.use_amx_rows()} or more rows on AMX tiles" if q8act.use_amx_rows() else ""
+        layers += f" (prompt prefill on the same kernel: its rows are cheap on this CPU's integer dot products{amx})"
     elif any(m.kernel in quant.Q4_STORAGE for m in quantized):
         layers += " (prompt prefill on float32 panels of the same weights)"
     head = model.lm_head
@@ -93,6 +94,9 @@ def describe(model) -> str:
     kv = str(model.kv_dtype)[6:]
     if (model.device.type == "cpu" and model.kv_dtype == torch.bfloat16 and fused.available()
             and fused.bf16_attention_products(model.cfg.head_dim)):
-        kv += " (attention in bfloat16 products: AVX-512 BF16)"
+        kv += " (attention in bfloat16 products: AVX-512 BF16"
+        if fused.prompt_attention_on_tiles():
+            kv += "; a prompt's on AMX tiles" + (" in its layers without a window" if model.cfg.sliding_window else "")
+        kv += ")"
     return (f"weights {model.weight_format}: decoder linears {layers}; output head {head_kind}; "
             f"between the matmuls: {between}; KV cache {kv}; CPU capability {cpu_capability()}{pages}")

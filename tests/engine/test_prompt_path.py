@@ -127,3 +127,11 @@ def test_cached_prompt_blocks_change_no_bit(model, prompts, reference, name):
     assert engine.blocks.prefix.hits > 0
     assert tokens(got) == tokens(reference)
     assert name != "ar" or got == reference
+
+
+def test_stats_say_where_prompts_run(model):
+    """``--stats``' kernels line says when a prompt's attention runs on AMX tiles."""
+    from hispec.kernels.select import describe
+
+    said = "a prompt's on AMX tiles" in describe(model)
+    assert said == (fused.prompt_attention_on_tiles() and fused.bf16_attention_products(64))
