@@ -270,7 +270,7 @@ def use_amx_rows() -> int:
     """Set, once per process, from how many rows q8a's products take the AMX path (``HS_Q8A_AUTO``:
     prompt chunks; the same bits as every path), and return it (0: never). Where the CPU has AMX the
     count is timed (:func:`time_amx_rows`, ~0.5 s) once per machine and kept beside the build, as
-    ``quant.four_bit_kernel``'s choice is. On the 2-core Xeon of the twenty-ninth session the tile
+    ``quant.four_bit_kernel``'s choice is. On a 2-core Xeon (AVX-512, AMX; the thirtieth session) the tile
     path ran a layer's matmuls 1.1-1.2x as fast on 64-256 rows and slower on 16 (its per-block
     float steps are the vector path's; the mixed serving load stepped offline took 0.97x the time
     from 64 rows, 0.99x from 16)."""

@@ -74,7 +74,8 @@ def describe(model) -> str:
     if any(m.dense is not None for m in quantized):
         layers += " (prompt prefill on dense bfloat16 copies of the same weights)"
     elif any(m.kernel == "q8a" for m in quantized) and quant.q8a_prefills_on_rows():
-        amx = f"; {q8act.use_amx_rows()} or more rows on AMX tiles" if q8act.use_amx_rows() else ""
+        rows = q8act.use_amx_rows()
+        amx = f"; {rows} or more rows on AMX tiles" if rows else ""
         layers += f" (prompt prefill on the same kernel: its rows are cheap on this CPU's integer dot products{amx})"
     elif any(m.kernel in quant.Q4_STORAGE for m in quantized):
         layers += " (prompt prefill on float32 panels of the same weights)"

@@ -112,20 +112,47 @@ void hs_q8a_tile(int fmt, const uint8_t *w, const uint16_t *d, const uint16_t *m
     }
 }
 
+/* A thread's room for the last tile of N columns where N is not a multiple of TILE (tile_pad_new:
+ * zeroed; all NULL where N is), its columns placed as in a full tile (pad_last_tile), so that every
+ * path reads it as it reads the others; the missing columns have zero codes and scales (their
+ * outputs are not stored). */
+typedef struct {
+    uint8_t *w;
+    uint16_t *d, *m;
+} tile_pad;
+
+static tile_pad tile_pad_new(int64_t N, int64_t row_bytes, int64_t nb, int64_t ns) {
+    tile_pad p = {NULL, NULL, NULL};
+    if (N % TILE) {
+        p.w = calloc((size_t)(TILE * row_bytes), 1);
+        p.d = calloc((size_t)(TILE * ns), sizeof(uint16_t));
+        p.m = calloc((size_t)(TILE * nb), sizeof(uint16_t));
+    }
+    return p;
+}
+
+/* 1 where the room tile_pad_new was asked for was given (or none was needed) */
+static int tile_pad_ok(tile_pad p, int64_t N) { return N % TILE == 0 || (p.w && p.d && p.m); }
+
+static void tile_pad_free(tile_pad p) {
+    free(p.w);
+    free(p.d);
+    free(p.m);
+}
+
 /* The last tile's ncols < TILE columns as stored (rows: w [ncols, row bytes], d and m (NULL for 8-bit)
- * [ncols, ns]) placed as in a full tile into pad_w, pad_d, pad_m (zero elsewhere: zero codes and
- * scales, whose outputs are not stored), so that every path reads it as it reads the others. */
+ * [ncols, ns]) into the pad, placed as in a full tile. */
 static void pad_last_tile(int fmt, const uint8_t *w, const uint16_t *d, const uint16_t *m, int ncols, int64_t nb,
-                          int64_t ns, uint8_t *pad_w, uint16_t *pad_d, uint16_t *pad_m) {
+                          int64_t ns, tile_pad pad) {
     const int bytes = block_bytes(fmt);
     for (int c = 0; c < ncols; c++) {
         for (int64_t b = 0; b < nb; b++) {
             int step;
             const int64_t base = tiled_block(c, b, nb, bytes, TILE, &step), at = tiled_scale(c, b, nb, TILE);
-            for (int j = 0; j < bytes; j++) pad_w[base + (j / 4) * step + (j & 3)] = w[(c * nb + b) * bytes + j];
-            if (m) pad_m[at] = m[c * nb + b];
+            for (int j = 0; j < bytes; j++) pad.w[base + (j / 4) * step + (j & 3)] = w[(c * nb + b) * bytes + j];
+            if (m) pad.m[at] = m[c * nb + b];
         }
-        for (int64_t b = 0; b < ns; b++) pad_d[tiled_scale(c, b, ns, TILE)] = d[c * ns + b];
+        for (int64_t b = 0; b < ns; b++) pad.d[tiled_scale(c, b, ns, TILE)] = d[c * ns + b];
     }
 }
 
@@ -363,10 +390,16 @@ static inline __attribute__((always_inline)) __m256i dpbusd_emulated(__m256i src
  * ARCH_REQ_XCOMP_PERM), which hs_q8a_isa_supported does once. */
 #define AMX_ROWS 16  /* rows of an A (and C) tile */
 
-/* 1 when the CPU has AMX-INT8 and this process may use the tiles (hs_amx_tiles) */
+/* 1 when the CPU has AMX-INT8 and this process may use the tiles (hs_amx_tiles); asked once (the
+ * dispatch asks at every product of many rows, and CPUID traps to the hypervisor in a VM) */
 static int amx_permitted(void) {
+    static int state = -1;
+    int s = __atomic_load_n(&state, __ATOMIC_ACQUIRE);
+    if (s >= 0) return s;
     unsigned a, b, c, d;
-    return __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d >> 25 & 1) && hs_amx_tiles();
+    s = __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d >> 25 & 1) && hs_amx_tiles();
+    __atomic_store_n(&state, s, __ATOMIC_RELEASE);
+    return s;
 }
 
 #pragma GCC push_options
@@ -527,14 +560,8 @@ static int amx_run(const uint8_t *w, const uint16_t *d, const uint16_t *m, const
          * the other paths */
         uint8_t *wb = fmt == HS_Q8A_Q4 ? aligned_alloc(64, (size_t)(nb * 512)) : NULL;
         int32_t *cbuf = aligned_alloc(64, 2 * AMX_CHUNK * 2 * 256 * sizeof(int32_t));
-        uint8_t *pad_w = NULL;
-        uint16_t *pad_d = NULL, *pad_m = NULL;
-        if (N % TILE) {
-            pad_w = calloc((size_t)(TILE * row_bytes), 1);
-            pad_d = calloc((size_t)(TILE * ns), sizeof(uint16_t));
-            pad_m = calloc((size_t)(TILE * nb), sizeof(uint16_t));
-        }
-        const int ok = cbuf && (fmt != HS_Q8A_Q4 || wb) && (N % TILE == 0 || (pad_w && pad_d && pad_m));
+        const tile_pad pad = tile_pad_new(N, row_bytes, nb, ns);
+        const int ok = cbuf && (fmt != HS_Q8A_Q4 || wb) && tile_pad_ok(pad, N);
         if (!ok) {
 #pragma omp atomic write
             failed = 1;
@@ -548,8 +575,8 @@ static int amx_run(const uint8_t *w, const uint16_t *d, const uint16_t *m, const
             const uint8_t *tw = w + n0 * row_bytes;
             const uint16_t *dt = d + n0 * ns, *mt = fmt == HS_Q8A_Q4 ? m + n0 * nb : NULL;
             if (ncols < TILE) {  /* the last columns (stored as rows) placed as in a full tile, the rest zero */
-                pad_last_tile(fmt, tw, dt, mt, ncols, nb, ns, pad_w, pad_d, pad_m);
-                tw = pad_w, dt = pad_d, mt = fmt == HS_Q8A_Q4 ? pad_m : NULL;
+                pad_last_tile(fmt, tw, dt, mt, ncols, nb, ns, pad);
+                tw = pad.w, dt = pad.d, mt = fmt == HS_Q8A_Q4 ? pad.m : NULL;
             }
             if (fmt == HS_Q8A_Q4) amx_unpack4(tw, nb, wb);
             const uint8_t *wt = fmt == HS_Q8A_Q4 ? wb : tw;
@@ -575,9 +602,7 @@ static int amx_run(const uint8_t *w, const uint16_t *d, const uint16_t *m, const
         _tile_release();
         free(wb);
         free(cbuf);
-        free(pad_w);
-        free(pad_d);
-        free(pad_m);
+        tile_pad_free(pad);
     }
     free(codes);
     return !failed;
@@ -967,17 +992,11 @@ static inline __attribute__((always_inline)) int FN(run)(const uint8_t *w, const
         }
         /* the last tile, when N is not a multiple of COLS: its columns (stored as rows) tiled here,
          * the missing ones zero (zero codes and scales; their outputs are not stored) */
-        uint8_t *pad_w = NULL;
-        uint16_t *pad_d = NULL, *pad_m = NULL;
-        if (N % COLS) {
-            pad_w = calloc((size_t)(COLS * row_bytes), 1);
-            pad_d = calloc((size_t)(COLS * ns), sizeof(uint16_t));
-            pad_m = calloc((size_t)(COLS * nb), sizeof(uint16_t));
-        }
+        const tile_pad pad = tile_pad_new(N, row_bytes, nb, ns);
         /* 16 registers (VW 8) and several passes of rows: the first keeps the tile's expanded vectors
          * here for the others (32 registers: the others expand them again, from the cache) */
         vi *wbuf = VW == 8 && T > RT ? aligned_alloc(64, (size_t)(nb * 8 * TV) * sizeof(vi)) : NULL;
-        const int ok = (N % COLS == 0 || (pad_w && pad_d && pad_m)) && (VW != 8 || T <= RT || wbuf);
+        const int ok = tile_pad_ok(pad, N) && (VW != 8 || T <= RT || wbuf);
         if (!ok) {
 #pragma omp atomic write
             failed = 1;
@@ -990,8 +1009,8 @@ static inline __attribute__((always_inline)) int FN(run)(const uint8_t *w, const
             const uint8_t *tw = w + n0 * row_bytes;
             const uint16_t *dbuf = d + n0 * ns, *mbuf = fmt == HS_Q8A_Q4 ? m + n0 * nb : NULL;
             if (ncols < COLS) {  /* the stored rows of the last ncols columns, placed as in a full tile */
-                pad_last_tile(fmt, tw, dbuf, mbuf, ncols, nb, ns, pad_w, pad_d, pad_m);
-                tw = pad_w, dbuf = pad_d, mbuf = fmt == HS_Q8A_Q4 ? pad_m : NULL;
+                pad_last_tile(fmt, tw, dbuf, mbuf, ncols, nb, ns, pad);
+                tw = pad.w, dbuf = pad.d, mbuf = fmt == HS_Q8A_Q4 ? pad.m : NULL;
             }
             const uint8_t *next = tile + 1 < N / COLS ? w + (n0 + COLS) * row_bytes : NULL;
             for (int64_t t0 = 0; t0 < T; t0 += RT) {
@@ -1026,9 +1045,7 @@ static inline __attribute__((always_inline)) int FN(run)(const uint8_t *w, const
                 }
             }
         }
-        free(pad_w);
-        free(pad_d);
-        free(pad_m);
+        tile_pad_free(pad);
         free(wbuf);
     }
     free(codes);
