@@ -48,6 +48,8 @@ VARIABLES: dict[str, Var] = {
     "HISPEC_PREFILL_DENSE": Var("1", _on, "`0`: 4-bit layers prefill on their own kernel instead of a dense "
                                           "bfloat16 copy (CPUs with bfloat16 hardware; `q8a` on CPUs with "
                                           "integer dot products always prefills on its own rows)"),
+    "HISPEC_BF16_TILES": Var("1", _on, "`0`: `q8a` layers prefill on their 8-bit activations instead of "
+                                       "bfloat16 AMX tiles (CPUs with AMX-BF16: Sapphire Rapids and later)"),
     "HISPEC_HUGE_PAGES": Var("1", _on, "`0`: weights and the KV cache in ordinary 4 KiB pages instead of "
                                        "transparent huge pages (Linux)"),
     "HISPEC_PREPACK": Var("1", _on, "`0`: no packed weight copies for the float32 panel kernel"),

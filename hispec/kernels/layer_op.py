@@ -24,9 +24,9 @@ log = logging.getLogger(__name__)
 # how the op runs each matmul of a plan: hs_matmul_kind in csrc/hispec_kernels.h, read from there
 MATMUL_KINDS = {name.removeprefix("HS_MM_"): value for name, value in enum("hs_matmul_kind").items()}
 (MM_FLOAT, MM_INT4, MM_INT8, MM_DENSE, MM_FLOAT_LINEAR, MM_Q4, MM_Q4_PANELS, MM_PANEL, MM_Q8, MM_DENSE_BF16,
- MM_Q8A4, MM_Q8A8, MM_Q8A4_PANELS) = (MATMUL_KINDS[k] for k in (
+ MM_Q8A4, MM_Q8A8, MM_Q8A4_PANELS, MM_Q8A4_TILES, MM_Q8A8_TILES) = (MATMUL_KINDS[k] for k in (
      "FLOAT", "INT4", "INT8", "DENSE", "FLOAT_LINEAR", "Q4", "Q4_PANELS", "PANEL", "Q8", "DENSE_BF16", "Q8A4", "Q8A8",
-     "Q8A4_PANELS"))
+     "Q8A4_PANELS", "Q8A4_TILES", "Q8A8_TILES"))
 MM_FLOAT_KINDS = (MM_FLOAT, MM_FLOAT_LINEAR, MM_PANEL)  # float32 weights: as matmul.small_route()
 
 

@@ -28,7 +28,7 @@ import weakref
 import torch
 from torch import nn
 
-from . import fused, layer_op, quant
+from . import fused, layer_op, q8act, quant
 from .layer_op import LayerPlans, OpRanges
 from .matmul import SMALL_ROWS, Linear, panel_rows, small_route
 from .norm import RMSNorm
@@ -123,10 +123,14 @@ def matmul_plan(m: nn.Module | None, act_dtype: torch.dtype | None, prefill: boo
                 return m.dense, m.dense, layer_op.MM_DENSE_BF16, 0  # the second is a placeholder
             if m.kernel == "q4":
                 return m.qweight, m.qparams, layer_op.MM_Q4_PANELS if prefill else layer_op.MM_Q4, m.group
-            panels = prefill and not quant.q8a_prefills_on_rows()  # as QuantLinear.prefill_mm
+            if prefill and q8act.bf16_tiles():  # as QuantLinear.prefill_mm
+                return m.qweight, m.qparams, layer_op.MM_Q8A4_TILES, m.group
+            panels = prefill and not quant.q8a_prefills_on_rows()
             return m.qweight, m.qparams, layer_op.MM_Q8A4_PANELS if panels else layer_op.MM_Q8A4, m.group
         if m.kernel in Q8_STORAGE and act_dtype in (None, torch.float32):
             # group: 32, or 16 (a scale per 16 values: GGUF Q6_K)
+            if m.kernel == "q8a8" and prefill and q8act.bf16_tiles():
+                return m.qweight, m.qparams, layer_op.MM_Q8A8_TILES, m.group
             return m.qweight, m.qparams, layer_op.MM_Q8 if m.kernel == "q8" else layer_op.MM_Q8A8, m.group
         return None
     if (type(m) is Linear and m.bias is None and m.weight.dtype == torch.float32 and m.weight.is_contiguous()

@@ -31,7 +31,9 @@ kernels), both on a GGUF file's blocks as stored, with float32 activations:
   ``scripts/numerics.py``). The timed choice takes it only where it is no slower on one row and
   clearly faster on four (:func:`four_bit_kernel`: a CPU with integer dot products, VNNI);
   ``HISPEC_Q4_KERNEL=q8a`` asks for it anywhere. With it the Q8_0 output head runs on 8-bit
-  activations too (``q8a8``, tiled too). Prompt chunks run as ``q4``'s (the same panels).
+  activations too (``q8a8``, tiled too). Prompt chunks run on bfloat16 AMX tiles where the CPU has them
+  (``q8act.tiles_matmul``), else on q8a's own rows where it has integer dot products, else as ``q4``'s (the
+  same panels).
 - ``q8``: a GGUF Q8_0 weight ``W[n, k] = d[n, k / 32] * q[n, k]`` as stored in the file, times
   float32 activations; also with a scale per 16 values, ``d[n, k / 16]`` (GGUF Q6_K, exactly:
   ``gguf_weights``), each block's two halves summed apart and multiplied by their own scales (``q8a8``
@@ -257,11 +259,14 @@ class QuantLinear(nn.Module):
     def prefill_mm(self, rows: torch.Tensor) -> torch.Tensor:
         """``rows [T, K]`` (in ``input_dtype``) of prompt tokens: on the dense bfloat16 prefill
         weights where the layer has them (int4; q4, and q8a without integer dot products, on CPUs
-        with bfloat16 hardware, their float32 rows cast to bfloat16, output bfloat16), else q8a's own
+        with bfloat16 hardware, their float32 rows cast to bfloat16, output bfloat16), else q8a's and
+        q8a8's weights on bfloat16 AMX tiles where the CPU has them (``q8act.bf16_tiles``), else q8a's own
         rows where the CPU has integer dot products (``q8a_prefills_on_rows``), else the q4 kernel's
         float32 panels (q4, q8a), else as ``mm``."""
         if self.kernel in Q4_STORAGE and self.dense is not None:
             return torch.nn.functional.linear(rows.to(torch.bfloat16), self.dense)
+        if self.kernel in ("q8a", "q8a8") and q8act.bf16_tiles():
+            return q8act.tiles_matmul(rows.float() if rows.dtype != torch.float32 else rows, self.qweight, self.qparams)
         if self.kernel == "q8a" and q8a_prefills_on_rows():
             return self.mm(rows.float() if rows.dtype != torch.float32 else rows)
         if self.kernel in Q4_STORAGE:
@@ -560,7 +565,8 @@ def q8a_prefills_on_rows() -> bool:
     alone, as decode steps do) rather than on float weights: where the CPU has integer dot products.
     There the kernel's many-row products run faster than the dense bfloat16 ones (the four decoder
     matmuls of a layer on a Zen 4, 2 threads: 1.7x at 16 rows, 1.5x at 64, 1.4x at 256) and no
-    dense copy of the weights is kept (2 bytes per weight)."""
+    dense copy of the weights is kept (2 bytes per weight). Where the CPU also has AMX-BF16, prompt
+    chunks take ``q8act.tiles_matmul`` instead (``QuantLinear.prefill_mm``; no dense copy either)."""
     return cpu_has_int8_dots()
 
 

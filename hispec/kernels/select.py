@@ -73,6 +73,8 @@ def describe(model) -> str:
     quantized = [m for m in model.layers.modules() if isinstance(m, QuantLinear)]
     if any(m.dense is not None for m in quantized):
         layers += " (prompt prefill on dense bfloat16 copies of the same weights)"
+    elif any(m.kernel in ("q8a", "q8a8") for m in quantized) and q8act.bf16_tiles():
+        layers += " (prompt prefill on bfloat16 AMX tiles of the same weights, rebuilt 16 columns at a time)"
     elif any(m.kernel == "q8a" for m in quantized) and quant.q8a_prefills_on_rows():
         rows = q8act.use_amx_rows()
         amx = f"; {rows} or more rows on AMX tiles" if rows else ""

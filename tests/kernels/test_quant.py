@@ -265,8 +265,11 @@ def test_q8a_kernel_runs_the_q4_weights_on_8_bit_activations(kind):
     assert not torch.equal(out, q4(x))  # the activations are rounded differently
     step = (x.abs().view(19, 3, 32).amax(-1) / 254).repeat_interleave(32, 1)  # [T, K]: half a step per input
     assert ((out - x @ w.T).abs() <= step @ w.abs().T + 1e-4).all()
-    # prompt chunks: its own rows where the CPU has integer dot products, else q4's float32 panels
-    assert torch.equal(layer.prefill_mm(x), out if quant.q8a_prefills_on_rows() else q4.prefill_mm(x))
+    # prompt chunks: bfloat16 AMX tiles where the CPU has them, else its own rows where it has integer
+    # dot products, else q4's float32 panels
+    want = (q8act.tiles_matmul(x, layer.qweight, layer.qparams) if q8act.bf16_tiles()
+            else out if quant.q8a_prefills_on_rows() else q4.prefill_mm(x))
+    assert torch.equal(layer.prefill_mm(x), want)
     assert layer.describe() == f"q8a group 32 ({kind} weights, 8-bit activations per block of 32)"
 
 

@@ -94,6 +94,20 @@ at::Tensor run_matmul(int64_t kind, const at::Tensor& x, const at::Tensor& w, co
                                y.data_ptr<float>(), 1);
         return y;
     }
+    if (kind == HS_MM_Q8A4_TILES || kind == HS_MM_Q8A8_TILES) {  // prompt chunks on bfloat16 tiles
+        at::Tensor& y = output(out, x, w.size(0));
+        const bool four = kind == HS_MM_Q8A4_TILES;
+        TORCH_CHECK(p.is_contiguous() && p.scalar_type() == at::kHalf && x.scalar_type() == at::kFloat,
+                    "bfloat16 tiles: float32 rows and contiguous float16 scales");
+        const auto* d = reinterpret_cast<const uint16_t*>(p.data_ptr<at::Half>());
+        const int64_t K = x.size(1);
+        const int fmt = four ? HS_Q8A_Q4 : (group == 16 ? HS_Q8A_Q8G16 : HS_Q8A_Q8);
+        TORCH_CHECK(hs_bf16_tiles_matmul(fmt, static_cast<const uint8_t*>(w.data_ptr()), d,
+                                         four ? d + p.size(1) * p.size(2) : nullptr, x.data_ptr<float>(), x.size(0),
+                                         w.size(0), K, y.data_ptr<float>(), 1),
+                    "bfloat16 tiles: no AMX-BF16 here, or out of memory");
+        return y;
+    }
     const int64_t t = x.size(0);
     const at::Tensor rows = t == 1 ? at::cat({x, x}) : x;  // [max(T, 2), K]
     return at::mm(w, rows.t()).t().slice(0, 0, t).contiguous();

@@ -33,6 +33,8 @@ enum hs_matmul_kind {
     HS_MM_Q8A4 = 10,         /* HS_MM_Q4's weights tiled (hs_q8a_tile) on hs_q8a_q4_matmul: x rounded to 8 bits per block (q8a) */
     HS_MM_Q8A8 = 11,         /* HS_MM_Q8's weights tiled on hs_q8a_q8_matmul: x rounded to 8 bits per block (q8a8; group as Q8) */
     HS_MM_Q8A4_PANELS = 12,  /* HS_MM_Q8A4's tiled weights rebuilt in float32 panels (hs_q8a_q4_panel_matmul) */
+    HS_MM_Q8A4_TILES = 13,   /* HS_MM_Q8A4's tiled weights on bfloat16 AMX tiles (hs_bf16_tiles_matmul: prompt chunks) */
+    HS_MM_Q8A8_TILES = 14,   /* HS_MM_Q8A8's likewise (group as Q8) */
 };
 
 /* ---- norm_rope.c ---- */
@@ -156,6 +158,14 @@ void hs_q8a_q8_group_matmul(const int8_t *q, const uint16_t *d, int group, const
 /* hs_q4_panel_matmul (prompt chunks: float32 panels, the same bits) on tiled 4-bit weights */
 void hs_q8a_q4_panel_matmul(const uint8_t *qs, const uint16_t *d, const uint16_t *m, const float *x, int64_t T,
                             int64_t N, int64_t K, float *y, int parallel);
+
+/* ---- bf16_tiles.c: prompt chunks' products on bfloat16 AMX tiles, for q8a's tiled weights ---- */
+/* 1 where hs_bf16_tiles_matmul runs here (a build with AMX-BF16, and Linux lets the process use the tiles) */
+int hs_bf16_tiles(void);
+/* y[T, N] = bf16(x) bf16(W)^T, products added in float32 on the tile unit; fmt, w, d, m as hs_q8a_matmul's
+ * (tiled). Returns 1, or 0 where it cannot run (no AMX-BF16, no scratch memory: y incomplete). */
+int hs_bf16_tiles_matmul(int fmt, const uint8_t *w, const uint16_t *d, const uint16_t *m, const float *x, int64_t T,
+                         int64_t N, int64_t K, float *y, int parallel);
 
 /* ---- dequant.c: rows of a GGUF tensor in its file's blocks (a token embedding kept in its file) ---- */
 /* GGML's tensor type ids (gguf's GGMLQuantizationType) of the types hs_dequant_rows reads */
