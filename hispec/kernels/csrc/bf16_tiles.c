@@ -119,7 +119,15 @@ static inline void tile_products(const uint16_t *a, int64_t K, int64_t nb, const
     _tile_zero(2);
     _tile_zero(3);
     const uint16_t *a0 = a + r0 * K, *a1 = a + (r0 + ROWS) * K;
-    for (int64_t b = 0; b < nb; b++) {
+    if (r0 + ROWS >= T) {  /* the second row group is all padding: its products are skipped */
+        for (int64_t b = 0; b < nb; b++) {
+            _tile_loadd(4, a0 + b * BLOCK, K * 2);
+            _tile_loadd(6, b0 + b * B_BYTES, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_loadd(7, b1 + b * B_BYTES, 64);
+            _tile_dpbf16ps(1, 4, 7);
+        }
+    } else for (int64_t b = 0; b < nb; b++) {
         _tile_loadd(4, a0 + b * BLOCK, K * 2);
         _tile_loadd(6, b0 + b * B_BYTES, 64);
         _tile_dpbf16ps(0, 4, 6);
