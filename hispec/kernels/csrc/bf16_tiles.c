@@ -5,14 +5,17 @@
  *
  *   a[t, k] = bf16(x[t, k])                      rounded to nearest even, once per call
  *   w[n, k] = bf16(fma(d, q, m))                 (8-bit: d * q), rounded once, tile by tile
- *   y[t, n] = sum over k of a[t, k] w[n, k]      TDPBF16PS: exact products added in float32, k in order
+ *   y[t, n] = sum over k of a[t, k] w[n, k]      TDPBF16PS: products added in float32 by the tile unit
+ *                                                (its own order within a tile product; tiles in k order)
  *
  * q8a's 8-bit activations take each block's integer sum on the tile unit and scale it in float
  * per block (q8act.c's AMX path); here the scales are folded into the weights once per tile, so the
  * tile unit runs back to back and the vector units only convert. On SmolLM2-135M's four decoder
- * matmuls at 256 rows (2 threads, the Xeon with AMX, thirty-first session) this ran ~4x faster than
- * q8a's tiles and ~2x faster than oneDNN's bfloat16 product on a dense copy (which this keeps none
- * of: the weights are rebuilt in bfloat16 16 columns at a time, nb KB a tile, in a thread's buffer).
+ * matmuls at 256 rows (2 threads, the Xeon with AMX, thirty-first session) this ran 1.8-2.3x faster
+ * than q8a's AMX path, about as fast as oneDNN's bfloat16 product on a dense copy, which this keeps
+ * none of: the weights are rebuilt in bfloat16 16 columns at a time (nb KB a tile, in a thread's
+ * buffer), a cost per call that is ~1/3 of a 64-row product (at 16 rows q8a is ~1.4x faster; a prompt's
+ * rows cannot switch kernels by count without their bits depending on the chunking).
  *
  * A row's outputs depend on that row alone: the tile unit treats the rows apart, the k order is
  * fixed, each output is one thread's; so a prompt's K/V do not depend on how it was cut into chunks.
