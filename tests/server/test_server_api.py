@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import pytest
 
@@ -32,9 +33,13 @@ def model_dir(tiny_model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
+    """The tests' settings (conftest's ``_free_rounds_ungated``) given to the server's own process: the
+    module's server starts before that function-scoped fixture sets them, and with the free-round
+    gate on, whether it drafts at all depends on the machine's timing (the metrics test saw 0 drafts)."""
     log = tmp_path_factory.mktemp("api-server") / "server.log"
+    env = {**os.environ, "HISPEC_FREE_ROUND_GATE": "0", "HISPEC_POLICY_MEMORY": "0"}
     proc = ServerProcess(["--model", str(model_dir), "--threads", "1", "--max-batch-size", "8", "--kv-blocks", "256"],
-                         log)
+                         log, env=env)
     yield proc.wait_ready()
     proc.stop()
 
