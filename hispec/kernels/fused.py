@@ -168,7 +168,8 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     own); ``scale``: the logits' (None: ``D ** -0.5``). ``prompt``: the queries are a prompt's (a
     prefill): where ``prompt_attention_on_tiles()``, over a bfloat16 pool with D 64 or 128 and no
     window, they take the tile unit's arithmetic, the same for every prompt token whatever its chunk
-    (other bits than a decoded token's)."""
+    (other bits than a decoded token's); the other queries there (decode steps, verification
+    windows, tree nodes) take their products on the tiles too, one arithmetic for all of them."""
     q, (k_pool, v_pool) = _check(q, F32), _check_pools(k_pool, v_pool)
     t, hq, d = q.shape
     out = torch.empty((t, hq * d), dtype=out_dtype)
@@ -218,9 +219,10 @@ def q4_matmul(x: torch.Tensor, qs: torch.Tensor, dm: torch.Tensor, panels: bool 
 
 @functools.lru_cache(maxsize=1)
 def prompt_attention_on_tiles() -> bool:
-    """Whether a prompt's attention over a bfloat16 pool (head size 64 or 128, no sliding window)
-    runs on AMX tiles here: a build with AMX-BF16 (Sapphire Rapids and later) where Linux lets the
-    process use the tiles (``csrc/attention.c``, ``attend_tile_amx``)."""
+    """Whether attention over a bfloat16 pool (head size 64 or 128, no sliding window) runs on AMX
+    tiles here: a prompt's wholly, a step's queries' products (``csrc/attention.c``,
+    ``attend_tile_amx``, ``attend_tile_steps``); a build with AMX-BF16 (Sapphire Rapids and later)
+    where Linux lets the process use the tiles."""
     return bool(library().hs_attention_amx())
 
 

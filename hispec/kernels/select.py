@@ -99,7 +99,8 @@ def describe(model) -> str:
             and fused.bf16_attention_products(model.cfg.head_dim)):
         kv += " (attention in bfloat16 products: AVX-512 BF16"
         if fused.prompt_attention_on_tiles():
-            kv += "; a prompt's on AMX tiles" + (" in its layers without a window" if model.cfg.sliding_window else "")
+            kv += ("; a prompt's on AMX tiles, a step's products on them too"
+                   + (" in its layers without a window" if model.cfg.sliding_window else ""))
         kv += ")"
     return (f"weights {model.weight_format}: decoder linears {layers}; output head {head_kind}; "
             f"between the matmuls: {between}; KV cache {kv}; CPU capability {cpu_capability()}{pages}")

@@ -1,6 +1,7 @@
 """Prompt tokens on an arithmetic of their own (attention on AMX tiles, where the CPU has them:
-``fused.prompt_attention_on_tiles``). A prompt's K/V then differ in their last bits from the same
-tokens decoded, yet every strategy, batch, prefill chunking, prefix-cache hit and preemption gives
+``fused.prompt_attention_on_tiles``). A prompt's K/V may then differ in their last bits from the same
+tokens decoded (a step's products are on the tiles too, the same sums; the softmax's weights are
+summed in another order), yet every strategy, batch, prefill chunking, prefix-cache hit and preemption gives
 batch-of-one ``ar``'s tokens: every path prefills a prompt the same
 way, and a preempted sequence's tokens after its prompt are recomputed as they were decoded.
 (For ``ar`` one request at a time the log-probabilities are compared too: they show a changed bit
@@ -71,8 +72,8 @@ def reference(model, prompts):
 
 
 def test_prompt_tokens_take_their_own_path(model, prompts):
-    """Where the tile path runs, a prompt's hidden states differ from the same tokens decoded (so the
-    tests below could fail), by no more than bfloat16 products do."""
+    """Where the tile path runs, a prompt's hidden states are the same tokens decoded to within
+    bfloat16 products (here often the same bits: the weights' sums come out exact in either order)."""
     if not fused.prompt_attention_on_tiles():
         pytest.skip("prompt attention is the decoding path's on this CPU")
     engine = Engine(model, make_strategy("ar", None, model.num_layers), block_size=16, kv_blocks=40)
@@ -82,7 +83,6 @@ def test_prompt_tokens_take_their_own_path(model, prompts):
         engine.blocks.add_sequence(i)
         engine.blocks.ensure_capacity(i, len(x))
         states.append(engine.runner.forward_many([(i, 0, x)], 0, model.num_layers, prefill=prefill)[0])
-    assert not torch.equal(states[0], states[1])
     torch.testing.assert_close(states[0], states[1], rtol=0, atol=2e-3 * states[1].abs().max().item())
 
 

@@ -230,6 +230,26 @@ def test_bfloat16_pool_weights_every_value_once(head_dim):
             assert torch.equal(out[row], want)
 
 
+@pytest.mark.parametrize("head_dim,bs", [(64, 4), (64, 16), (128, 16)])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_slots_no_query_sees_never_reach_its_output(head_dim, bs, kv_dtype):
+    """The slots past every sequence's last position (a block's unwritten rest, a freed sequence's
+    leftovers) hold NaN: every output stays the one with zeros there. A verification window's rows
+    shorter than its longest (weights past a row's keys), keys read in whole blocks or chunks of 16
+    and 32 (on AMX tiles where the CPU has them) must not take a value they do not weigh."""
+    batch, pool, q = paged_case([0, 13, 40], [21, 1, 6], d=head_dim, bs=bs)
+    seen = torch.zeros(pool.k[0].shape[1], dtype=torch.bool)
+    for i, c in enumerate(batch.chunks):
+        seen[batch.context_slots[i][:c.start + c.num_tokens]] = True
+    outs = []
+    for fill in (0.0, float("nan")):
+        k, v = pool.k[0].clone(), pool.v[0].clone()
+        k[:, ~seen], v[:, ~seen] = fill, fill
+        outs.append(fused.paged_attention(q, k.to(kv_dtype), v.to(kv_dtype), batch.kernel(), torch.float32))
+    assert torch.isfinite(outs[1]).all()
+    assert torch.equal(outs[0], outs[1])
+
+
 def test_wrong_tensors_raise_instead_of_reading_memory():
     with pytest.raises(TypeError):
         fused.rms_norm(rand(2, 8, dtype=torch.float16), rand(8), 1e-5, torch.float32)

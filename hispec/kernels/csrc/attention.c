@@ -633,7 +633,7 @@ static void attend_tile_bf(const float *q, int64_t Hq, kv_head kp, kv_head vp, k
 }
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-/* ---- prompt tokens on AMX tiles ----
+/* ---- AMX tiles: prompt tokens (attend_tile_amx), a step's products (attend_tile_steps) ----
  * Where the CPU has AMX-BF16 (Sapphire Rapids and later) and Linux lets the process use its tiles,
  * the queries of prompt tokens (hs_paged_attention_window's ``prompt``: a prefill, never a decode
  * step, a verification window or a token tree) over a bfloat16 pool with D = 64 or 128 take a path
@@ -654,21 +654,39 @@ static void attend_tile_bf(const float *q, int64_t Hq, kv_head kp, kv_head vp, k
  *   paired), V^T built once per (tile, KV head) for all its rows.
  * SmolLM2's 256-token prompt chunks (2 threads, a Xeon with AMX, the thirtieth session): attention took
  * 10.9 ms against attend_tile_bf's 26.3 after no positions, 34.8 against 136.4 after 768; the mixed
- * serving load (200 requests, `hispec bench serve`'s, stepped offline) 0.93x the time. */
+ * serving load (200 requests, `hispec bench serve`'s, stepped offline) 0.93x the time.
+ * A step's queries (decode steps, verification windows, tree nodes: a few rows an item, where the
+ * prompt path's softmax in lanes would leave most lanes empty) keep attend_tile_bf's row by row
+ * softmax and take only their products to the tiles: scores key-major as above, then transposed to
+ * rows; values row-major, O [rows, 16 of D] += P [rows, 32 keys] . V (pairs of value rows
+ * interleaved, bf_values' layout), with the tiles configured for the group's rows (a product over
+ * 1-4 rows takes the tile unit ~0.6x the time of one over 16). */
 #define AMX_TILE_ROWS 16
 #define amx_permitted hs_amx_tiles  /* (a build with AMX-BF16 runs on a CPU that has it) */
 
-/* This thread's tiles: 0-3 the sums (scores in 0; values in 0-3), 4 the A operand (keys, values),
- * 5 the B operand (queries, weights); each 16 rows of 64 bytes. */
-static void amx_configure(void) {
+/* This thread's tiles, each of 64 bytes a row: 0-3 the sums of the values (``rows`` rows: the rows
+ * of a group), 4 the A operand of the scores and of a prompt's values (16 rows: keys, values), 5 the
+ * B operand (16 rows: queries, weights, a step's values), 6 the sums of a step's scores (16 keys),
+ * 7 the A operand of a step's values (``rows`` rows: weights). A prompt's groups take 16 rows. */
+static void amx_configure(int rows) {
     amx_config c;
     memset(&c, 0, sizeof c);
     c.palette = 1;
-    for (int t = 0; t < 6; t++) {
-        c.rows[t] = AMX_TILE_ROWS;
+    for (int t = 0; t < 8; t++) {
+        c.rows[t] = t < 4 || t == 7 ? (uint8_t)rows : AMX_TILE_ROWS;
         c.colsb[t] = 64;
     }
     _tile_loadconfig(&c);
+}
+
+/* This thread's tiles configured for groups of ``rows`` rows (*configured: the rows they are
+ * configured for, 0 none yet). A decode step's items all have the same rows (a KV head's query
+ * heads), so a thread configures once a call; the tile unit's time for a product goes with its
+ * rows (16 rows 5.1 ns, 1-4 rows 2.9: TDPBF16PS timed alone on the Xeon). */
+static inline void amx_rows(int rows, int *configured) {
+    if (*configured == rows) return;
+    amx_configure(rows);
+    *configured = rows;
 }
 
 /* dst[p * 16 + n] = src[n * stride + p] for n, p < 16: a 16 x 16 block of 32-bit words transposed
@@ -734,6 +752,150 @@ static void amx_values_t(kv_head vp, key_map m, int64_t lmax, int64_t D, int64_t
             transpose_words(w, 16, vt + (c * (D / 16) + b) * 256);
         }
     }
+}
+
+/* Scores of a step's rows on the tile unit (attend_tile_steps): the rows' queries as words qw[r * D
+ * ..] (h's D / 2, then l's: bf_split_row), 16 rows at a time transposed into Q^T tiles once; per
+ * chunk of 16 keys S^T [16 keys, 16 rows] = K . Q^T over each 32 of D in order, h's products then
+ * l's (a prompt's sums, amx_group), transposed back and times scale: scores[r * lmax + j], j <
+ * lmax. The keys are read where they lie in the pool (a block's 16 slots) and each chunk's values
+ * prefetched beside them, as bf_scores does. */
+static void amx_step_scores(const word *qw, kv_head kp, kv_head vp, key_map m, int64_t rows, int64_t D,
+                            int64_t lmax, float scale, float *scores) {
+    const int64_t W = D / 2, nk16 = (lmax + 15) / 16;
+    _Alignas(64) uint32_t qt[8 * 256];    /* Q^T: tile 2b + hl, words 16b .. 16b + 15 of h (hl 0) or l (D <= 128) */
+    _Alignas(64) uint32_t q16[16 * 128];  /* a group's rows' words (zeros past them) */
+    _Alignas(64) bf16 kbuf[16 * 128];
+    _Alignas(64) float st[256], s[256];   /* S^T: st[j * 16 + i] (key j, row i); S: s[i * 16 + j] */
+    const __m512 sc = _mm512_set1_ps(scale);
+    for (int64_t r0 = 0; r0 < rows; r0 += 16) {
+        const int64_t nr = rows - r0 < 16 ? rows - r0 : 16;
+        memcpy(q16, qw + r0 * D, (size_t)(nr * D) * sizeof(word));
+        memset(q16 + nr * D, 0, (size_t)((16 - nr) * D) * sizeof(word));
+        for (int64_t b = 0; b < W / 16; b++) {
+            transpose_words(q16 + 16 * b, D, qt + 2 * b * 256);
+            transpose_words(q16 + W + 16 * b, D, qt + (2 * b + 1) * 256);
+        }
+        for (int64_t c = 0; c < nk16; c++) {
+            const int64_t n = lmax - 16 * c < 16 ? lmax - 16 * c : 16;
+            const bf16 *k = amx_rows16(kp, m, 16 * c, lmax, kbuf);
+            if (r0 == 0) prefetch_chunk(kp, m, 16 * (c + PREFETCH_AHEAD), lmax);
+            if (r0 == 0) prefetch_chunk(vp, m, 16 * c, lmax);
+            _tile_zero(6);
+            for (int64_t b = 0; b < W / 16; b++) {
+                _tile_loadd(4, k + 32 * b, (int)(D * sizeof(bf16)));
+                _tile_loadd(5, qt + 2 * b * 256, 64);
+                _tile_dpbf16ps(6, 4, 5);
+                _tile_loadd(5, qt + (2 * b + 1) * 256, 64);
+                _tile_dpbf16ps(6, 4, 5);
+            }
+            _tile_stored(6, st, 64);
+            transpose_words((const uint32_t *)st, 16, (uint32_t *)s);
+            const __mmask16 keys = (__mmask16)((1u << n) - 1u);
+            for (int64_t i = 0; i < nr; i++)
+                _mm512_mask_storeu_ps(scores + (r0 + i) * lmax + 16 * c, keys, _mm512_mul_ps(_mm512_load_ps(s + i * 16), sc));
+        }
+    }
+}
+
+/* A step's values paired for the tile unit: for each 32 keys c (zeros past lmax) and 64 of D (part
+ * h), pv[((c * D / 64 + h) * 16 + u) * 64 ..] = pair u's words (v[32c + 2u][d], v[32c + 2u + 1][d])
+ * for those 64 columns, in bf_values' order (unpacklo/hi_epi16 by 128-bit lanes): the B operand
+ * of the values, 16 columns a tile, whose sums bf_finish_row puts back in column order. */
+static void amx_step_pairs(kv_head vp, key_map m, int64_t lmax, int64_t D, word *pv) {
+    const int64_t nk32 = (lmax + 31) / 32, parts = D / 64;
+    for (int64_t c = 0; c < nk32; c++) {
+        const word *vals[32];
+        int64_t slots[16];
+        chunk_rows(vp, m, 32 * c, lmax, vals, slots);
+        if (32 * c + 16 < lmax) chunk_rows(vp, m, 32 * c + 16, lmax, vals + 16, slots);
+        else
+            for (int i = 16; i < 32; i++) vals[i] = zero_words;
+        for (int64_t h = 0; h < parts; h++)
+            for (int64_t u = 0; u < 16; u++) {
+                word *out = pv + ((c * parts + h) * 16 + u) * 64;
+                for (int64_t k = 0; k < 2; k++) {  /* columns 64h + 32k .. + 31 */
+                    const __m512i a = _mm512_loadu_si512(vals[2 * u] + 32 * h + 16 * k);
+                    const __m512i b = _mm512_loadu_si512(vals[2 * u + 1] + 32 * h + 16 * k);
+                    _mm512_store_si512(out + 32 * k, _mm512_unpacklo_epi16(a, b));
+                    _mm512_store_si512(out + 32 * k + 16, _mm512_unpackhi_epi16(a, b));
+                }
+            }
+    }
+}
+
+/* acc[r * D ..] = sum_j p_r[j] v_j for a step's rows on the tile unit, 16 rows at a time (the
+ * tiles configured for the group's rows): O [rows, 16 of D] += P [rows, 32 keys] . V (the weights'
+ * words pw[r * lw ..], 0 past a row's keys; the pairs pv of amx_step_pairs), each 32 keys in order,
+ * 64 of D at a time; the sums in bf_values' column order. */
+static void amx_step_values(const word *pw, int64_t lw, const word *pv, int64_t rows, int64_t D, int64_t lmax,
+                            float *acc, int *configured) {
+    const int64_t nk32 = (lmax + 31) / 32, parts = D / 64;
+    for (int64_t r0 = 0; r0 < rows; r0 += 16) {
+        const int64_t nr = rows - r0 < 16 ? rows - r0 : 16;
+        amx_rows((int)nr, configured);
+        for (int64_t h = 0; h < parts; h++) {
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int64_t c = 0; c < nk32; c++) {
+                const word *b = pv + (c * parts + h) * 16 * 64;
+                _tile_loadd(7, pw + r0 * lw + 16 * c, (int)(lw * sizeof(word)));
+                _tile_loadd(5, b, 256);
+                _tile_dpbf16ps(0, 7, 5);
+                _tile_loadd(5, b + 16, 256);
+                _tile_dpbf16ps(1, 7, 5);
+                _tile_loadd(5, b + 32, 256);
+                _tile_dpbf16ps(2, 7, 5);
+                _tile_loadd(5, b + 48, 256);
+                _tile_dpbf16ps(3, 7, 5);
+            }
+            float *a = acc + r0 * D + 64 * h;
+            const int stride = (int)(D * sizeof(float));
+            _tile_stored(0, a, stride);
+            _tile_stored(1, a + 16, stride);
+            _tile_stored(2, a + 32, stride);
+            _tile_stored(3, a + 48, stride);
+        }
+    }
+}
+
+/* attend_tile_bf's work for a step's queries (decode steps, verification windows, token trees: not
+ * a prompt's; no sliding window) over a bfloat16 pool with D = 64 or 128, its products on the tile
+ * unit: the queries split as attend_tile_bf splits them, the scores (amx_step_scores), the softmax
+ * weights rounded to bfloat16 and their sum (bf_softmax), the values (amx_step_values), each row
+ * divided by its sum. The tile unit adds each product's terms in its own order, so the bits are
+ * not attend_tile_bf's; they are every step's on such a CPU (the engine gives every step's queries
+ * to this path), and a query's are its own whatever its tile, rows or keys beside it: the tile's
+ * sums are per element, keys come in chunks of 16 and 32 from key 0, and a key past a row's own
+ * has weight 0. own: scratch of amx_step_scratch() floats. Decode steps of 16 sequences over
+ * 260-600 positions took 0.85-0.86x attend_tile_bf's time, verification windows of 3-16 queries
+ * 0.61-0.73x (SmolLM2's heads, 2 threads, the Xeon with AMX). */
+static void attend_tile_steps(const float *q, int64_t Hq, kv_head kp, kv_head vp, key_map m, const int32_t *len,
+                              int nq, int64_t G, int64_t D, float scale, float *scores, float *acc, float *sum,
+                              word *own, int *configured) {
+    static const int32_t from0[QUERY_TILE];  /* (no window: every row's keys from 0) */
+    const int64_t lmax = longest(len, nq), rows = nq * G, nk32 = (lmax + 31) / 32, lw = 16 * nk32;
+    word *qw = own, *pw = qw + rows * D, *pv = pw + rows * lw;  /* (each a whole number of lines) */
+    for (int64_t c = 0; c < PREFETCH_AHEAD; c++) prefetch_chunk(kp, m, 16 * c, lmax);  /* (before the queries' split) */
+    for (int64_t r = 0; r < rows; r++) bf_split_row(q + r / G * Hq * D + r % G * D, D, qw + r * D);
+    amx_rows(rows < AMX_TILE_ROWS ? (int)rows : AMX_TILE_ROWS, configured);  /* (the first group's; 4-6 as any) */
+    amx_step_scores(qw, kp, vp, m, rows, D, lmax, scale, scores);
+    amx_step_pairs(vp, m, lmax, D, pv);
+    bf_softmax(scores, len, from0, nq, G, lmax, sum, pw, lw);
+    for (int64_t r = 0; r < rows; r++) {  /* weight 0 past each row's keys, to the last 32 */
+        const int64_t used = (len[r / G] + 1) / 2;
+        memset(pw + r * lw + used, 0, (size_t)(lw - used) * sizeof(word));
+    }
+    amx_step_values(pw, lw, pv, rows, D, lmax, acc, configured);
+    for (int64_t r = 0; r < rows; r++) bf_finish_row(acc + r * D, D, sum[r]);
+}
+
+/* The floats of attend_tile_steps' own scratch for ``rows`` rows over lmax keys. */
+static inline int64_t amx_step_scratch(int64_t rows, int64_t lmax, int64_t D) {
+    const int64_t lw = 16 * ((lmax + 31) / 32);
+    return rows * D + rows * lw + lw * D;  /* (D a multiple of 64: each part whole lines) */
 }
 
 /* One group of up to 16 rows (rows r0 .. r0 + nr - 1 of the item: query r / G, head r % G) over
@@ -857,8 +1019,9 @@ int hs_attention_bf16_products(void) {
 #endif
 }
 
-/* 1 where prompt tokens' attention over a bfloat16 pool (D = 64 or 128) runs on AMX tiles here
- * (attend_tile_amx: a build with AMX-BF16, and Linux lets the process use the tiles), else 0. */
+/* 1 where attention over a bfloat16 pool (D = 64 or 128, no window) runs on AMX tiles here
+ * (attend_tile_amx for prompt tokens, attend_tile_steps for a step's: a build with AMX-BF16, and
+ * Linux lets the process use the tiles), else 0. */
 int hs_attention_amx(void) {
 #if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
     return amx_permitted();
@@ -898,13 +1061,18 @@ static inline int64_t lines(int64_t n) {
 
 /* The floats of scratch that an item of ``rows`` rows over lmax keys takes, in this order: its
  * scores (rows of lmax), its outputs and their sums (rows * D, rows), then its path's own:
- * attend_tile_bf's query and weight words (rows of D + lmax / 2 + 1), or attend_tile's room for a
+ * attend_tile_bf's query and weight words (rows of D + lmax / 2 + 1), attend_tile_steps' (its
+ * queries', weights' and paired values' words: amx_step_scratch), or attend_tile's room for a
  * bfloat16 pool's rows converted (max(bs, 16) of D). Each thread allocates the largest item's once
  * per call instead of each item its own: at a decode step an item (one sequence's query heads of a
  * KV head) takes 0.5-9 us over 1-300 keys, of which the four allocations and frees took 0.15-0.45
  * (SmolLM2's heads over a bfloat16 pool, one thread, interleaved runs). */
-static int64_t item_scratch(int64_t rows, int64_t lmax, int64_t D, int64_t bs, int kv_bf, int bf_products) {
+static int64_t item_scratch(int64_t rows, int64_t lmax, int64_t D, int64_t bs, int kv_bf, int bf_products, int steps) {
     const int64_t n = lines(rows * lmax) + lines(rows * (D + 1));
+#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    if (steps) return n + amx_step_scratch(rows, lmax, D);
+#endif
+    (void)steps;
     if (bf_products) return n + lines(rows * (D + lmax / 2 + 1));
     return kv_bf ? n + lines((bs > 16 ? bs : 16) * D) : n;
 }
@@ -935,7 +1103,9 @@ void hs_paged_attention(const float *q, const void *kpool, const void *vpool, in
 /* Sliding windows (window > 0): token t sees the keys from lo[t] = len[t] - window on (positions
  * > p - window for its position p = len[t] - 1), as a one-token step does (first_key). ``prompt``:
  * the tokens are a prompt's (a prefill): over a bfloat16 pool without a window or a tree they may
- * take the tile unit's arithmetic (attend_tile_amx, where hs_attention_amx()). */
+ * take the tile unit's arithmetic (attend_tile_amx, where hs_attention_amx()). Every other query
+ * over such a pool without a window (decode steps, verification windows, tree nodes) takes
+ * attend_tile_steps' there: one arithmetic for all of a layer's steps, whatever the batch. */
 void hs_paged_attention_window(const float *q, const void *kpool, const void *vpool, int kv_bf,
                                const int32_t *tables, int64_t max_blocks, const int32_t *seq, const int32_t *len,
                                const int32_t *tail_start, const int64_t *tail, int64_t tail_width, int64_t T,
@@ -962,7 +1132,9 @@ void hs_paged_attention_window(const float *q, const void *kpool, const void *vp
 #endif
 #if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
     const int amx = prompt && bf_products && window == 0 && tail_start == NULL && amx_permitted();  /* attend_tile_amx */
+    const int steps = !amx && bf_products && window == 0 && amx_permitted();  /* attend_tile_steps */
 #else
+    const int steps = 0;
     (void)prompt;
 #endif
     if (!bf_products && threads > 1 && ntiles * Hkv % threads && ntiles * Hkv < 4 * threads)
@@ -971,13 +1143,13 @@ void hs_paged_attention_window(const float *q, const void *kpool, const void *vp
     int64_t room = 0;  /* floats of scratch: the largest item's */
     for (int64_t tile = 0; tile < ntiles; tile++) {
         const int64_t nq = first[tile + 1] - first[tile];
-        const int64_t need = item_scratch(nq * hg, longest(len + first[tile], nq), D, bs, kv_bf, bf_products);
+        const int64_t need = item_scratch(nq * hg, longest(len + first[tile], nq), D, bs, kv_bf, bf_products, steps);
         room = need > room ? need : room;
     }
 #pragma omp parallel if (parallel)
     {
         float *scratch = aligned_alloc(64, (size_t)room * sizeof(float));  /* this thread's, for all its items */
-        int tiles = 0;  /* this thread's tiles configured */
+        int tiles = 0;  /* the rows this thread's tiles are configured for (amx_rows; 0: none) */
 #pragma omp for schedule(dynamic)
         for (int64_t p = 0; p < ntiles * Hkv * parts; p++) {
             int64_t tile = p / (Hkv * parts), kvh = p / parts % Hkv, h0 = kvh * G + p % parts * hg;  /* first head */
@@ -989,10 +1161,12 @@ void hs_paged_attention_window(const float *q, const void *kpool, const void *vp
                          IN_TREE(t0) ? tail + t0 * tail_width : NULL};
 #if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
             if (amx) {
-                if (!tiles) amx_configure();
-                tiles = 1;
+                amx_rows(AMX_TILE_ROWS, &tiles);
                 attend_tile_amx(q + (t0 * Hq + h0) * D, Hq, kp, vp, m, len + t0, (int)nq, hg, D, scale, acc);
-            } else
+            } else if (steps)
+                attend_tile_steps(q + (t0 * Hq + h0) * D, Hq, kp, vp, m, len + t0, (int)nq, hg, D, scale, scores, acc,
+                                  sum, (word *)own, &tiles);
+            else
 #endif
 #if defined(__AVX512BF16__)
             if (bf_products)

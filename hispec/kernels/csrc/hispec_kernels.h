@@ -81,7 +81,8 @@ void hs_paged_attention_window(const float *q, const void *kpool, const void *vp
                                const int32_t *tail_start, const int64_t *tail, int64_t tail_width, int64_t T,
                                int64_t Hq, int64_t Hkv, int64_t S, int64_t D, int64_t bs, float scale, void *out,
                                int out_bf, int parallel, int64_t window, int prompt);
-/* 1 where prompt tokens' attention over a bfloat16 pool (D = 64 or 128, no window) runs on AMX tiles */
+/* 1 where attention over a bfloat16 pool (D = 64 or 128, no window) runs on AMX tiles: prompt tokens'
+ * wholly (attend_tile_amx), a step's queries' products (attend_tile_steps) */
 int hs_attention_amx(void);
 /* 1 where attention over a bfloat16 pool takes bfloat16 products (head sizes 64, 128; a build with
  * AVX512_BF16), else 0 (float32 products on the values it holds) */
