@@ -666,7 +666,7 @@ static void attend_tile_bf(const float *q, int64_t Hq, kv_head kp, kv_head vp, k
 
 /* This thread's tiles, each of 64 bytes a row: 0-3 the sums of the values (``rows`` rows: the rows
  * of a group), 4 the A operand of the scores and of a prompt's values (16 rows: keys, values), 5 the
- * B operand (16 rows: queries, weights, a step's values), 6 the sums of a step's scores (16 keys),
+ * B operand (16 rows: queries, weights, a step's values), 6 the sums of the scores (16 keys),
  * 7 the A operand of a step's values (``rows`` rows: weights). A prompt's groups take 16 rows. */
 static void amx_configure(int rows) {
     amx_config c;
@@ -754,6 +754,31 @@ static void amx_values_t(kv_head vp, key_map m, int64_t lmax, int64_t D, int64_t
     }
 }
 
+/* A group's query words qw[16 rows, D] (h's D / 2, then l's) as Q^T tiles: qt[(2b + hl) * 256 + p * 16
+ * + i] = row i's word 16b + p of h (hl 0) or l. */
+static inline void amx_queries_t(const uint32_t *qw, int64_t D, uint32_t *qt) {
+    const int64_t W = D / 2;
+    for (int64_t b = 0; b < W / 16; b++) {
+        transpose_words(qw + 16 * b, D, qt + 2 * b * 256);
+        transpose_words(qw + W + 16 * b, D, qt + (2 * b + 1) * 256);
+    }
+}
+
+/* One chunk's scores, key-major: st[j * 16 + i] = S^T [16 keys, 16 rows] = K . Q^T over each 32 of
+ * D in order, h's products then l's (k: the chunk's 16 key rows of D, qt: amx_queries_t's), on tile
+ * 6 (16 rows in every configuration), unscaled. */
+static inline void amx_chunk_scores(const bf16 *k, const uint32_t *qt, int64_t D, float *st) {
+    _tile_zero(6);
+    for (int64_t b = 0; b < D / 32; b++) {
+        _tile_loadd(4, k + 32 * b, (int)(D * sizeof(bf16)));
+        _tile_loadd(5, qt + 2 * b * 256, 64);
+        _tile_dpbf16ps(6, 4, 5);
+        _tile_loadd(5, qt + (2 * b + 1) * 256, 64);
+        _tile_dpbf16ps(6, 4, 5);
+    }
+    _tile_stored(6, st, 64);
+}
+
 /* Scores of a step's rows on the tile unit (attend_tile_steps): the rows' queries as words qw[r * D
  * ..] (h's D / 2, then l's: bf_split_row), 16 rows at a time transposed into Q^T tiles once; per
  * chunk of 16 keys S^T [16 keys, 16 rows] = K . Q^T over each 32 of D in order, h's products then
@@ -762,7 +787,7 @@ static void amx_values_t(kv_head vp, key_map m, int64_t lmax, int64_t D, int64_t
  * prefetched beside them, as bf_scores does. */
 static void amx_step_scores(const word *qw, kv_head kp, kv_head vp, key_map m, int64_t rows, int64_t D,
                             int64_t lmax, float scale, float *scores) {
-    const int64_t W = D / 2, nk16 = (lmax + 15) / 16;
+    const int64_t nk16 = (lmax + 15) / 16;
     _Alignas(64) uint32_t qt[8 * 256];    /* Q^T: tile 2b + hl, words 16b .. 16b + 15 of h (hl 0) or l (D <= 128) */
     _Alignas(64) uint32_t q16[16 * 128];  /* a group's rows' words (zeros past them) */
     _Alignas(64) bf16 kbuf[16 * 128];
@@ -772,24 +797,13 @@ static void amx_step_scores(const word *qw, kv_head kp, kv_head vp, key_map m, i
         const int64_t nr = rows - r0 < 16 ? rows - r0 : 16;
         memcpy(q16, qw + r0 * D, (size_t)(nr * D) * sizeof(word));
         memset(q16 + nr * D, 0, (size_t)((16 - nr) * D) * sizeof(word));
-        for (int64_t b = 0; b < W / 16; b++) {
-            transpose_words(q16 + 16 * b, D, qt + 2 * b * 256);
-            transpose_words(q16 + W + 16 * b, D, qt + (2 * b + 1) * 256);
-        }
+        amx_queries_t(q16, D, qt);
         for (int64_t c = 0; c < nk16; c++) {
             const int64_t n = lmax - 16 * c < 16 ? lmax - 16 * c : 16;
             const bf16 *k = amx_rows16(kp, m, 16 * c, lmax, kbuf);
             if (r0 == 0) prefetch_chunk(kp, m, 16 * (c + PREFETCH_AHEAD), lmax);
             if (r0 == 0) prefetch_chunk(vp, m, 16 * c, lmax);
-            _tile_zero(6);
-            for (int64_t b = 0; b < W / 16; b++) {
-                _tile_loadd(4, k + 32 * b, (int)(D * sizeof(bf16)));
-                _tile_loadd(5, qt + 2 * b * 256, 64);
-                _tile_dpbf16ps(6, 4, 5);
-                _tile_loadd(5, qt + (2 * b + 1) * 256, 64);
-                _tile_dpbf16ps(6, 4, 5);
-            }
-            _tile_stored(6, st, 64);
+            amx_chunk_scores(k, qt, D, st);
             transpose_words((const uint32_t *)st, 16, (uint32_t *)s);
             const __mmask16 keys = (__mmask16)((1u << n) - 1u);
             for (int64_t i = 0; i < nr; i++)
@@ -905,8 +919,8 @@ static inline int64_t amx_step_scratch(int64_t rows, int64_t lmax, int64_t D) {
 static void amx_group(const float *q, int64_t Hq, kv_head kp, key_map m, const int32_t *len, int64_t r0, int64_t nr,
                       int64_t G, int64_t D, float scale, int64_t lmax, const uint32_t *vt, float *st, uint32_t *pt,
                       uint32_t *qt, bf16 *kbuf, float *acc, float *sum) {
-    const int64_t W = D / 2, nk16 = (lmax + 15) / 16, nk32 = (lmax + 31) / 32;
-    _Alignas(64) uint32_t qw[16 * 128];  /* rows' words: h's W, then l's W (D <= 128) */
+    const int64_t nk16 = (lmax + 15) / 16, nk32 = (lmax + 31) / 32;
+    _Alignas(64) uint32_t qw[16 * 128];  /* rows' words: h's D / 2, then l's (D <= 128) */
     _Alignas(64) int32_t n[16];  /* each lane's keys (0: a padding row) */
     memset(qw, 0, sizeof qw);
     for (int64_t i = 0; i < 16; i++) {
@@ -914,22 +928,9 @@ static void amx_group(const float *q, int64_t Hq, kv_head kp, key_map m, const i
         n[i] = i < nr ? len[r / G] : 0;
         if (i < nr) bf_split_row(q + r / G * Hq * D + r % G * D, D, (word *)qw + i * D);
     }
-    for (int64_t b = 0; b < W / 16; b++) {  /* qt[(2b + hl) * 256 + p * 16 + i] = row i's word 16b + p of h (hl 0) or l */
-        transpose_words(qw + 16 * b, D, qt + 2 * b * 256);
-        transpose_words(qw + W + 16 * b, D, qt + (2 * b + 1) * 256);
-    }
-    for (int64_t c = 0; c < nk16; c++) {  /* scores */
-        const bf16 *k = amx_rows16(kp, m, 16 * c, lmax, kbuf);
-        _tile_zero(0);
-        for (int64_t b = 0; b < W / 16; b++) {
-            _tile_loadd(4, k + 32 * b, (int)(D * sizeof(bf16)));
-            _tile_loadd(5, qt + 2 * b * 256, 64);
-            _tile_dpbf16ps(0, 4, 5);
-            _tile_loadd(5, qt + (2 * b + 1) * 256, 64);
-            _tile_dpbf16ps(0, 4, 5);
-        }
-        _tile_stored(0, st + c * 256, 64);
-    }
+    amx_queries_t(qw, D, qt);
+    for (int64_t c = 0; c < nk16; c++)  /* scores */
+        amx_chunk_scores(amx_rows16(kp, m, 16 * c, lmax, kbuf), qt, D, st + c * 256);
     const __m512i nv = _mm512_load_si512(n);
     const __m512 sc = _mm512_set1_ps(scale);
     __m512 mx = _mm512_set1_ps(-INFINITY), total = _mm512_setzero_ps();
